@@ -1,0 +1,251 @@
+//! cgroup limits and freezing for sandboxes, where the host lets us.
+//!
+//! cgroup v2 (unified, `/sys/fs/cgroup/cgroup.controllers` present) and v1
+//! (one hierarchy per controller) are both handled. Each sandbox gets
+//! `<controller root>/cube-adapter/<sandbox id>`. When nothing is writable,
+//! sandboxes run with rlimits only and pause falls back to SIGSTOP.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::launch::Limits;
+
+const ROOT: &str = "/sys/fs/cgroup";
+const GROUP: &str = "cube-adapter";
+
+/// What this host offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Host {
+    V2,
+    V1 {
+        pids: bool,
+        memory: bool,
+        cpu: bool,
+        freezer: bool,
+    },
+    None,
+}
+
+impl Host {
+    /// Detect and create our parent group; `None` when we cannot write.
+    pub fn detect() -> Self {
+        let root = Path::new(ROOT);
+        if root.join("cgroup.controllers").exists() {
+            let parent = root.join(GROUP);
+            let ok = std::fs::create_dir_all(&parent).is_ok()
+                && std::fs::write(root.join("cgroup.subtree_control"), "+pids +memory +cpu")
+                    .is_ok()
+                && std::fs::write(parent.join("cgroup.subtree_control"), "+pids +memory +cpu")
+                    .is_ok();
+            return if ok { Host::V2 } else { Host::None };
+        }
+        let try_ctrl = |c: &str| {
+            let d = root.join(c);
+            d.join("tasks").exists() && std::fs::create_dir_all(d.join(GROUP)).is_ok()
+        };
+        let (pids, memory, cpu, freezer) = (
+            try_ctrl("pids"),
+            try_ctrl("memory"),
+            try_ctrl("cpu"),
+            try_ctrl("freezer"),
+        );
+        if pids || memory || cpu || freezer {
+            Host::V1 {
+                pids,
+                memory,
+                cpu,
+                freezer,
+            }
+        } else {
+            Host::None
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Host::V2 => "cgroup v2 (pids, memory, cpu, freeze)".into(),
+            Host::V1 {
+                pids,
+                memory,
+                cpu,
+                freezer,
+            } => {
+                let mut v = vec![];
+                for (on, n) in [
+                    (pids, "pids"),
+                    (memory, "memory"),
+                    (cpu, "cpu"),
+                    (freezer, "freezer"),
+                ] {
+                    if *on {
+                        v.push(n);
+                    }
+                }
+                format!("cgroup v1 ({})", v.join(", "))
+            }
+            Host::None => "no writable cgroups (rlimits only)".into(),
+        }
+    }
+}
+
+/// One sandbox's groups.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Groups {
+    pub v2: Option<PathBuf>,
+    pub pids: Option<PathBuf>,
+    pub memory: Option<PathBuf>,
+    pub cpu: Option<PathBuf>,
+    pub freezer: Option<PathBuf>,
+}
+
+impl Groups {
+    /// Create the sandbox's groups and write its limits.
+    pub fn create(host: &Host, id: &str, limits: &Limits, cpus: f64) -> std::io::Result<Self> {
+        let root = Path::new(ROOT);
+        let mut g = Groups::default();
+        let mem = limits.memory_mb.saturating_mul(1024 * 1024);
+        let period: u64 = 100_000;
+        let quota = (cpus * period as f64).round() as u64;
+        match host {
+            Host::V2 => {
+                let d = root.join(GROUP).join(id);
+                std::fs::create_dir_all(&d)?;
+                std::fs::write(d.join("pids.max"), limits.max_processes.to_string())?;
+                std::fs::write(d.join("memory.max"), mem.to_string())?;
+                let _ = std::fs::write(d.join("memory.swap.max"), "0");
+                if quota > 0 {
+                    std::fs::write(d.join("cpu.max"), format!("{quota} {period}"))?;
+                }
+                g.v2 = Some(d);
+            }
+            Host::V1 {
+                pids,
+                memory,
+                cpu,
+                freezer,
+            } => {
+                let mk = |c: &str| -> std::io::Result<PathBuf> {
+                    let d = root.join(c).join(GROUP).join(id);
+                    std::fs::create_dir_all(&d)?;
+                    Ok(d)
+                };
+                if *pids {
+                    let d = mk("pids")?;
+                    std::fs::write(d.join("pids.max"), limits.max_processes.to_string())?;
+                    g.pids = Some(d);
+                }
+                if *memory {
+                    let d = mk("memory")?;
+                    std::fs::write(d.join("memory.limit_in_bytes"), mem.to_string())?;
+                    g.memory = Some(d);
+                }
+                if *cpu {
+                    let d = mk("cpu")?;
+                    if quota > 0 {
+                        std::fs::write(d.join("cpu.cfs_period_us"), period.to_string())?;
+                        std::fs::write(d.join("cpu.cfs_quota_us"), quota.to_string())?;
+                    }
+                    g.cpu = Some(d);
+                }
+                if *freezer {
+                    g.freezer = Some(mk("freezer")?);
+                }
+            }
+            Host::None => {}
+        }
+        Ok(g)
+    }
+
+    fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        [&self.v2, &self.pids, &self.memory, &self.cpu, &self.freezer]
+            .into_iter()
+            .flatten()
+    }
+
+    /// The files a process writes its pid to, to join every group.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    pub fn has_memory(&self) -> bool {
+        self.v2.is_some() || self.memory.is_some()
+    }
+
+    pub fn can_freeze(&self) -> bool {
+        self.v2.is_some() || self.freezer.is_some()
+    }
+
+    /// Freeze (true) or thaw (false) every process; waits until done.
+    pub async fn set_frozen(&self, frozen: bool) -> std::io::Result<()> {
+        if let Some(d) = &self.v2 {
+            std::fs::write(d.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
+            let want = if frozen { "frozen 1" } else { "frozen 0" };
+            for _ in 0..200 {
+                let ev = std::fs::read_to_string(d.join("cgroup.events")).unwrap_or_default();
+                if ev.lines().any(|l| l.trim() == want) {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            return Err(std::io::Error::other(
+                "cgroup did not reach the freezer state in time",
+            ));
+        }
+        if let Some(d) = &self.freezer {
+            let want = if frozen { "FROZEN" } else { "THAWED" };
+            std::fs::write(d.join("freezer.state"), want)?;
+            for _ in 0..200 {
+                if std::fs::read_to_string(d.join("freezer.state"))
+                    .unwrap_or_default()
+                    .trim()
+                    == want
+                {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            return Err(std::io::Error::other(
+                "freezer did not reach the requested state in time",
+            ));
+        }
+        Err(std::io::Error::other("no freezer available"))
+    }
+
+    /// Every pid in the sandbox's groups.
+    pub fn pids(&self) -> Vec<i32> {
+        let mut v: Vec<i32> = self
+            .dirs()
+            .flat_map(|d| {
+                std::fs::read_to_string(d.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// `cgroup.kill` where the kernel has it (v2, Linux ≥ 5.14).
+    pub fn kill_all(&self) -> bool {
+        self.v2
+            .as_ref()
+            .is_some_and(|d| std::fs::write(d.join("cgroup.kill"), "1").is_ok())
+    }
+
+    /// Remove the groups (they must be empty).
+    pub fn remove(&self) {
+        for d in self.dirs() {
+            for _ in 0..50 {
+                if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}

@@ -1,0 +1,592 @@
+//! The in-sandbox agent: our own envd. It runs inside the sandbox's
+//! namespaces (as a child of the sandbox's init) and serves the envd HTTP and
+//! Connect API on a unix socket that the backend's Host router forwards to.
+
+pub mod filesystem;
+pub mod process;
+pub mod rpc;
+pub mod users;
+
+use std::path::Path;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use tokio::io::AsyncWriteExt;
+
+use self::process::{Attached, Processes};
+use self::rpc::RpcError;
+use crate::cube::wire::{
+    self, EntryResponse, EventEnvelope, ListDirRequest, ListDirResponse, ListResponse, MoveRequest,
+    PathRequest, ProcessEvent, SelectorRequest, SendInputRequest, SendSignalRequest, StartRequest,
+    UpdateRequest,
+};
+
+/// Largest upload accepted (CubeProxy's `client_max_body_size`).
+pub const MAX_UPLOAD: usize = 256 * 1024 * 1024;
+
+#[derive(Clone)]
+pub struct Agent {
+    procs: Processes,
+}
+
+pub fn router(procs: Processes) -> Router {
+    let agent = Agent { procs };
+    Router::new()
+        .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/init", post(|| async { StatusCode::NO_CONTENT }))
+        .route("/envs", get(envs))
+        .route(
+            "/files",
+            get(download)
+                .post(upload)
+                .layer(DefaultBodyLimit::max(MAX_UPLOAD)),
+        )
+        .route("/process.Process/Start", post(start))
+        .route("/process.Process/Connect", post(connect))
+        .route("/process.Process/List", post(list))
+        .route("/process.Process/SendInput", post(send_input))
+        .route("/process.Process/SendSignal", post(send_signal))
+        .route("/process.Process/Update", post(update))
+        .route("/process.Process/CloseStdin", post(close_stdin))
+        .route("/filesystem.Filesystem/Stat", post(fs_stat))
+        .route("/filesystem.Filesystem/ListDir", post(fs_list_dir))
+        .route("/filesystem.Filesystem/MakeDir", post(fs_make_dir))
+        .route("/filesystem.Filesystem/Move", post(fs_move))
+        .route("/filesystem.Filesystem/Remove", post(fs_remove))
+        .route("/_cube/kill-all", post(kill_all))
+        .with_state(agent)
+}
+
+async fn envs(State(a): State<Agent>) -> Response {
+    let m: std::collections::BTreeMap<_, _> = a.procs.env().env_vars.iter().cloned().collect();
+    axum::Json(m).into_response()
+}
+
+async fn kill_all(State(a): State<Agent>) -> StatusCode {
+    a.procs.kill_all();
+    StatusCode::NO_CONTENT
+}
+
+fn header_u64(h: &HeaderMap, name: &str) -> Option<u64> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// Turn an attached process into a Connect event stream:
+/// `start` → data/keepalive… → `end` → end-stream.
+fn event_stream(att: Attached, keepalive: Duration) -> Response {
+    enum Phase {
+        Start,
+        Events,
+        Done,
+        Finished,
+    }
+    let Attached { pid, events } = att;
+    let s =
+        futures_util::stream::unfold((Phase::Start, events), move |(phase, mut rx)| async move {
+            match phase {
+                Phase::Start => {
+                    let e = wire::json_envelope(&EventEnvelope {
+                        event: ProcessEvent::Start { pid },
+                    });
+                    Some((e, (Phase::Events, rx)))
+                }
+                Phase::Events => match tokio::time::timeout(keepalive, rx.recv()).await {
+                    Err(_) => {
+                        let e = wire::json_envelope(&EventEnvelope {
+                            event: ProcessEvent::Keepalive {},
+                        });
+                        Some((e, (Phase::Events, rx)))
+                    }
+                    Ok(Some(ev)) => {
+                        let next = if matches!(ev, ProcessEvent::End(_)) {
+                            Phase::Done
+                        } else {
+                            Phase::Events
+                        };
+                        Some((
+                            wire::json_envelope(&EventEnvelope { event: ev }),
+                            (next, rx),
+                        ))
+                    }
+                    Ok(None) => {
+                        let err = RpcError::new(
+                            "unavailable",
+                            format!("process with pid {pid} went away"),
+                        )
+                        .to_wire();
+                        Some((wire::end_stream_envelope(Some(err)), (Phase::Finished, rx)))
+                    }
+                },
+                Phase::Done => Some((wire::end_stream_envelope(None), (Phase::Finished, rx))),
+                Phase::Finished => None,
+            }
+        });
+    rpc::stream_response(s)
+}
+
+fn keepalive_of(h: &HeaderMap) -> Duration {
+    Duration::from_secs(
+        header_u64(h, "keepalive-ping-interval")
+            .filter(|s| *s > 0)
+            .unwrap_or(90),
+    )
+}
+
+async fn start(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: StartRequest = match rpc::stream_request(&headers, &body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let user = match rpc::basic_user(&headers).and_then(|u| process::user_for(&u)) {
+        Ok(u) => u,
+        Err(e) => return rpc::stream_error(e),
+    };
+    let deadline = header_u64(&headers, "connect-timeout-ms")
+        .filter(|ms| *ms > 0)
+        .map(Duration::from_millis);
+    match a.procs.start(req, &user, deadline).await {
+        Ok(att) => event_stream(att, keepalive_of(&headers)),
+        Err(e) => rpc::stream_error(e),
+    }
+}
+
+async fn connect(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: SelectorRequest = match rpc::stream_request(&headers, &body) {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match a.procs.connect(&req.process) {
+        Ok(att) => event_stream(att, keepalive_of(&headers)),
+        Err(e) => rpc::stream_error(e),
+    }
+}
+
+macro_rules! unary {
+    ($headers:expr, $body:expr) => {
+        match rpc::unary_request(&$headers, &$body) {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        }
+    };
+}
+
+fn reply<T: serde::Serialize>(r: Result<T, RpcError>) -> Response {
+    match r {
+        Ok(v) => rpc::unary_ok(&v),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn list(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let _: serde_json::Value = unary!(headers, body);
+    rpc::unary_ok(&ListResponse {
+        processes: a.procs.list(),
+    })
+}
+
+async fn send_input(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: SendInputRequest = unary!(headers, body);
+    let r = a
+        .procs
+        .send_input(
+            &req.process,
+            req.input.stdin.as_deref(),
+            req.input.pty.as_deref(),
+        )
+        .await;
+    reply(r.map(|()| serde_json::json!({})))
+}
+
+async fn send_signal(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: SendSignalRequest = unary!(headers, body);
+    reply(
+        a.procs
+            .signal(&req.process, &req.signal)
+            .map(|()| serde_json::json!({})),
+    )
+}
+
+async fn update(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: UpdateRequest = unary!(headers, body);
+    reply(
+        a.procs
+            .resize(&req.process, req.pty)
+            .map(|()| serde_json::json!({})),
+    )
+}
+
+async fn close_stdin(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: SelectorRequest = unary!(headers, body);
+    reply(
+        a.procs
+            .close_stdin(&req.process)
+            .await
+            .map(|()| serde_json::json!({})),
+    )
+}
+
+fn fs_user(headers: &HeaderMap) -> Result<users::User, RpcError> {
+    rpc::basic_user(headers).and_then(|u| process::user_for(&u))
+}
+
+fn resolve(a: &Agent, p: &str, user: &users::User) -> Result<filesystem::Resolved, RpcError> {
+    let env = a.procs.env().clone();
+    filesystem::resolve(p, user, &move |x: &Path| env.host_path(x))
+}
+
+/// Run blocking filesystem work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, RpcError> + Send + 'static,
+) -> Result<T, RpcError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RpcError::internal(e.to_string()))?
+}
+
+async fn fs_stat(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: PathRequest = unary!(headers, body);
+    reply(
+        blocking(move || {
+            let user = fs_user(&headers)?;
+            let r = resolve(&a, &req.path, &user)?;
+            filesystem::stat(&r).map(|entry| EntryResponse { entry })
+        })
+        .await,
+    )
+}
+
+async fn fs_list_dir(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: ListDirRequest = unary!(headers, body);
+    reply(
+        blocking(move || {
+            let user = fs_user(&headers)?;
+            let r = resolve(&a, &req.path, &user)?;
+            filesystem::list_dir(&r, req.depth.unwrap_or(0))
+                .map(|entries| ListDirResponse { entries })
+        })
+        .await,
+    )
+}
+
+async fn fs_make_dir(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: PathRequest = unary!(headers, body);
+    reply(
+        blocking(move || {
+            let user = fs_user(&headers)?;
+            let r = resolve(&a, &req.path, &user)?;
+            filesystem::make_dir(&r, &user).map(|entry| EntryResponse { entry })
+        })
+        .await,
+    )
+}
+
+async fn fs_move(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: MoveRequest = unary!(headers, body);
+    reply(
+        blocking(move || {
+            let user = fs_user(&headers)?;
+            let src = resolve(&a, &req.source, &user)?;
+            let dst = resolve(&a, &req.destination, &user)?;
+            filesystem::move_entry(&src, &dst, &user).map(|entry| EntryResponse { entry })
+        })
+        .await,
+    )
+}
+
+async fn fs_remove(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Response {
+    let req: PathRequest = unary!(headers, body);
+    reply(
+        blocking(move || {
+            let user = fs_user(&headers)?;
+            let r = resolve(&a, &req.path, &user)?;
+            filesystem::remove(&r).map(|()| serde_json::json!({}))
+        })
+        .await,
+    )
+}
+
+// ------------------------------------------------------------ /files
+
+/// envd-HTTP error: `{"code": <int>, "message"}`.
+fn http_error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = wire::ApiErrorBody {
+        code: status.as_u16(),
+        message: message.into(),
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+#[derive(Deserialize)]
+struct FilesQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+fn files_user(q: &FilesQuery, headers: &HeaderMap) -> Result<users::User, Response> {
+    let name = match &q.username {
+        Some(u) if !u.is_empty() => u.clone(),
+        _ => {
+            rpc::basic_user(headers).map_err(|e| http_error(StatusCode::UNAUTHORIZED, e.message))?
+        }
+    };
+    users::lookup(&name).ok_or_else(|| {
+        http_error(
+            StatusCode::UNAUTHORIZED,
+            format!("invalid username: '{name}'"),
+        )
+    })
+}
+
+async fn download(
+    State(a): State<Agent>,
+    Query(q): Query<FilesQuery>,
+    headers: HeaderMap,
+) -> Response {
+    let user = match files_user(&q, &headers) {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    let Some(p) = q.path.as_deref().filter(|p| !p.is_empty()) else {
+        return http_error(StatusCode::BAD_REQUEST, "path is required");
+    };
+    let r = match resolve(&a, p, &user) {
+        Ok(r) => r,
+        Err(e) => return http_error(StatusCode::BAD_REQUEST, e.message),
+    };
+    let shown = r.shown.to_string_lossy().into_owned();
+    match tokio::fs::metadata(&r.real).await {
+        Ok(m) if m.is_dir() => {
+            return http_error(
+                StatusCode::BAD_REQUEST,
+                format!("path '{shown}' is a directory"),
+            );
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return http_error(
+                StatusCode::NOT_FOUND,
+                format!("path '{shown}' does not exist"),
+            );
+        }
+        Err(e) => {
+            return http_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("error reading '{shown}': {e}"),
+            );
+        }
+    }
+    let file = match tokio::fs::File::open(&r.real).await {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return http_error(
+                StatusCode::FORBIDDEN,
+                format!("permission denied: '{shown}'"),
+            );
+        }
+        Err(e) => {
+            return http_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("error opening '{shown}': {e}"),
+            );
+        }
+    };
+    let len = file.metadata().await.map(|m| m.len()).ok();
+    let name = r
+        .shown
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut resp = Response::new(Body::from_stream(
+        tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024),
+    ));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Some(len) = len {
+        h.insert(header::CONTENT_LENGTH, header::HeaderValue::from(len));
+    }
+    if let Ok(v) =
+        header::HeaderValue::from_str(&format!("inline; filename=\"{}\"", name.replace('"', "")))
+    {
+        h.insert(header::CONTENT_DISPOSITION, v);
+    }
+    resp
+}
+
+async fn upload(
+    State(a): State<Agent>,
+    Query(q): Query<FilesQuery>,
+    headers: HeaderMap,
+    req: Request,
+) -> Response {
+    let user = match files_user(&q, &headers) {
+        Ok(u) => u,
+        Err(r) => return r,
+    };
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let mut written = vec![];
+    if ct.starts_with("multipart/form-data") {
+        let mut mp = match axum::extract::Multipart::from_request(req, &()).await {
+            Ok(m) => m,
+            Err(e) => {
+                return http_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("invalid multipart body: {e}"),
+                );
+            }
+        };
+        loop {
+            let field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    return http_error(
+                        StatusCode::BAD_REQUEST,
+                        format!("invalid multipart body: {e}"),
+                    );
+                }
+            };
+            if field.name() != Some("file") {
+                continue;
+            }
+            let target = match (&q.path, field.file_name()) {
+                (Some(p), _) if !p.is_empty() => p.clone(),
+                (_, Some(f)) if !f.is_empty() => f.to_string(),
+                _ => {
+                    return http_error(
+                        StatusCode::BAD_REQUEST,
+                        "no path given for the uploaded file",
+                    );
+                }
+            };
+            let stream = field.map(|r| r.map_err(std::io::Error::other));
+            match write_upload(&a, &target, &user, stream).await {
+                Ok(e) => written.push(e),
+                Err(r) => return r,
+            }
+        }
+    } else if ct.is_empty() || ct.starts_with("application/octet-stream") {
+        let Some(p) = q.path.clone().filter(|p| !p.is_empty()) else {
+            return http_error(
+                StatusCode::BAD_REQUEST,
+                "path is required for application/octet-stream uploads",
+            );
+        };
+        let stream = req
+            .into_body()
+            .into_data_stream()
+            .map(|r| r.map_err(std::io::Error::other));
+        match write_upload(&a, &p, &user, stream).await {
+            Ok(e) => written.push(e),
+            Err(r) => return r,
+        }
+    } else {
+        return http_error(
+            StatusCode::BAD_REQUEST,
+            format!("unsupported content type: {ct}"),
+        );
+    }
+    axum::Json(written).into_response()
+}
+
+/// Stream an upload into a temporary file beside the target, then rename it
+/// into place: a failed upload never leaves a partial file.
+async fn write_upload<S>(
+    a: &Agent,
+    path: &str,
+    user: &users::User,
+    mut body: S,
+) -> Result<serde_json::Value, Response>
+where
+    S: futures_util::Stream<Item = std::io::Result<Bytes>> + Unpin,
+{
+    let r = resolve(a, path, user).map_err(|e| http_error(StatusCode::BAD_REQUEST, e.message))?;
+    let shown = r.shown.to_string_lossy().into_owned();
+    if r.real.is_dir() {
+        return Err(http_error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{shown}' is a directory"),
+        ));
+    }
+    let parent = r
+        .real
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| "/".into());
+    let u = user.clone();
+    let p2 = parent.clone();
+    tokio::task::spawn_blocking(move || filesystem::create_dirs_owned(&p2, &u))
+        .await
+        .map_err(|e| http_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| io_http_error(&e, &shown))?;
+    let tmp = parent.join(format!(
+        ".{}.upload-{:016x}",
+        r.shown
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        rand::random::<u64>()
+    ));
+    let result = async {
+        let mut f = tokio::fs::File::create(&tmp).await?;
+        while let Some(chunk) = body.next().await {
+            f.write_all(&chunk?).await?;
+        }
+        f.flush().await?;
+        drop(f);
+        let _ = std::os::unix::fs::chown(&tmp, Some(user.uid), Some(user.gid));
+        tokio::fs::rename(&tmp, &r.real).await
+    }
+    .await;
+    if let Err(e) = result {
+        let _ = tokio::fs::remove_file(&tmp).await;
+        return Err(io_http_error(&e, &shown));
+    }
+    let name = r
+        .shown
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(serde_json::json!({"path": shown, "name": name, "type": "file"}))
+}
+
+fn io_http_error(e: &std::io::Error, shown: &str) -> Response {
+    match e.kind() {
+        std::io::ErrorKind::StorageFull => http_error(
+            StatusCode::INSUFFICIENT_STORAGE,
+            format!("not enough disk space for '{shown}'"),
+        ),
+        std::io::ErrorKind::PermissionDenied => http_error(
+            StatusCode::FORBIDDEN,
+            format!("permission denied: '{shown}'"),
+        ),
+        std::io::ErrorKind::ReadOnlyFilesystem => http_error(
+            StatusCode::FORBIDDEN,
+            format!("read-only file system: '{shown}'"),
+        ),
+        _ => http_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("error writing '{shown}': {e}"),
+        ),
+    }
+}
+
+/// Serve the agent on an already-bound unix listener until it fails.
+pub async fn serve(listener: tokio::net::UnixListener, procs: Processes) -> std::io::Result<()> {
+    axum::serve(listener, router(procs)).await
+}

@@ -1,0 +1,656 @@
+//! Starting a sandbox: a namespaced init that runs our own envd.
+//!
+//! The backend runs `cube-adapter __sandbox-launch DIR` (the *launcher*),
+//! which, single-threaded:
+//! 1. joins the sandbox's cgroups, binds the envd unix socket and opens the
+//!    directories the sandbox will mount (as `O_PATH` descriptors, so the
+//!    unprivileged sandbox can mount them without being able to walk the
+//!    backend's private state directory);
+//! 2. forks a child that unshares user, mount, pid, ipc, uts and (without
+//!    internet access) network namespaces; the launcher writes the child's
+//!    uid/gid maps (sandbox root = an unprivileged host uid range);
+//! 3. the child forks the sandbox's init (pid 1 of the new pid namespace),
+//!    which builds the sandbox's root (read-only template, private `/tmp`,
+//!    `/workspace`, home, fresh `/proc`, `/dev` with its own devpts),
+//!    pivots into it, sets limits, forks the envd agent and then only reaps
+//!    orphans;
+//! 4. the launcher writes `init.json` (the init's host pid and start time)
+//!    and exits. The init is re-parented to the host's init: the sandbox
+//!    outlives the backend, which re-adopts it from its state directory.
+//!
+//! Killing the init (SIGKILL) ends every process of the sandbox.
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{OFlag, open};
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::{CloneFlags, unshare};
+use nix::sys::resource::{Resource, setrlimit};
+use nix::sys::stat::Mode;
+use nix::sys::wait::{WaitStatus, waitpid};
+use nix::unistd::{Gid, Pid, Uid};
+use serde::{Deserialize, Serialize};
+
+use super::envd::process::{AgentEnv, Processes};
+use super::sys::{self, Forked};
+
+/// How sandboxes are isolated.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// User, mount, pid, ipc, uts and network namespaces.
+    Namespaces,
+    /// Plain processes on the host (no isolation at all).
+    None,
+}
+
+/// Limits applied to every process of a sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_mb: u64,
+    pub max_processes: u64,
+    pub cpu_seconds: u64,
+    pub open_files: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            memory_mb: 2048,
+            max_processes: 512,
+            cpu_seconds: 3600 * 24,
+            open_files: 4096,
+        }
+    }
+}
+
+/// Everything the launcher needs, written by the backend as `spec.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LaunchSpec {
+    pub id: String,
+    pub hostname: String,
+    pub isolation: Isolation,
+    /// Template root directory (`/` for the built-in `host` template).
+    pub rootfs: PathBuf,
+    /// Whether `rootfs` is the host's own root (then `/home`, `/mnt`, … are
+    /// hidden rather than shared).
+    pub host_root: bool,
+    pub internet: bool,
+    /// Host uid/gid that sandbox root maps to, and how many ids are mapped.
+    pub host_uid: u32,
+    pub host_gid: u32,
+    pub id_count: u32,
+    pub limits: Limits,
+    /// Whether cgroups enforce memory (then no per-process address-space cap).
+    pub cgroup_memory: bool,
+    /// cgroup directories (`cgroup.procs` or `tasks` files) to join.
+    pub cgroup_procs: Vec<PathBuf>,
+    pub env_vars: Vec<(String, String)>,
+    /// Host paths hidden from the sandbox (the appliance's state directories).
+    pub mask: Vec<PathBuf>,
+}
+
+/// Written by the launcher: who the sandbox's init is.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct InitInfo {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+pub const SPEC_FILE: &str = "spec.json";
+pub const INIT_FILE: &str = "init.json";
+pub const SOCKET: &str = "run/envd.sock";
+
+/// Start time of a host process (`/proc/PID/stat` field 22), to tell a live
+/// init from a recycled pid.
+pub fn process_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses: split after the last ')'.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Entry point of `cube-adapter __sandbox-launch DIR`. Must run before any
+/// thread is started. Returns the process exit code.
+pub fn launcher_main(dir: &Path) -> i32 {
+    match launch(dir) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("sandbox launch failed: {e:#}");
+            1
+        }
+    }
+}
+
+fn launch(dir: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let spec: LaunchSpec =
+        serde_json::from_slice(&std::fs::read(dir.join(SPEC_FILE)).context("read spec.json")?)
+            .context("parse spec.json")?;
+    for procs in &spec.cgroup_procs {
+        std::fs::write(procs, format!("{}\n", std::process::id()))
+            .with_context(|| format!("join cgroup {}", procs.display()))?;
+    }
+    let sock_path = dir.join(SOCKET);
+    let _ = std::fs::remove_file(&sock_path);
+    let listener =
+        std::os::unix::net::UnixListener::bind(&sock_path).context("bind envd socket")?;
+    std::fs::set_permissions(
+        &sock_path,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )?;
+
+    let (ready_r, ready_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    let (go_r, go_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+
+    let init_pid = match spec.isolation {
+        Isolation::None => match sys::fork_single_threaded()? {
+            Forked::Child => {
+                drop(ready_r);
+                drop(go_r);
+                drop(go_w);
+                let _ = nix::unistd::setsid();
+                let env = agent_env(&spec, Some(dir));
+                signal_line(&ready_w, "ready");
+                drop(ready_w);
+                run_agent(listener, env)
+            }
+            Forked::Parent(child) => {
+                drop(ready_w);
+                let line = read_line(&ready_r)?;
+                anyhow::ensure!(line == "ready", "sandbox agent failed to start: {line}");
+                child
+            }
+        },
+        Isolation::Namespaces => match sys::fork_single_threaded()? {
+            Forked::Child => {
+                drop(ready_r);
+                drop(go_w);
+                let code = match unshare_child(&spec, dir, listener, &ready_w, &go_r) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        signal_line(&ready_w, &format!("error {e:#}"));
+                        1
+                    }
+                };
+                std::process::exit(code)
+            }
+            Forked::Parent(child) => {
+                drop(ready_w);
+                drop(go_r);
+                drop(listener);
+                let mut reader = BufReader::new(std::fs::File::from(ready_r));
+                let mut line = String::new();
+                reader.read_line(&mut line)?;
+                if line.trim() != "unshared" {
+                    let _ = waitpid(child, None);
+                    anyhow::bail!("creating namespaces failed: {}", line.trim());
+                }
+                write_id_maps(child, &spec).context("write uid/gid maps")?;
+                signal_line(&go_w, "mapped");
+                drop(go_w);
+                line.clear();
+                reader.read_line(&mut line)?;
+                let init: i32 = match line.trim().strip_prefix("pid ") {
+                    Some(p) => p.parse()?,
+                    None => {
+                        let _ = waitpid(child, None);
+                        anyhow::bail!("sandbox init failed: {}", line.trim());
+                    }
+                };
+                let _ = waitpid(child, None);
+                line.clear();
+                reader.read_line(&mut line)?;
+                if line.trim() != "ready" {
+                    let _ = nix::sys::signal::kill(
+                        Pid::from_raw(init),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    anyhow::bail!(
+                        "sandbox setup failed: {}",
+                        line.trim().trim_start_matches("error ")
+                    );
+                }
+                Pid::from_raw(init)
+            }
+        },
+    };
+    let start_time =
+        process_start_time(init_pid.as_raw()).context("sandbox init exited at once")?;
+    let info = InitInfo {
+        pid: init_pid.as_raw(),
+        start_time,
+    };
+    let tmp = dir.join("init.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&info)?)?;
+    std::fs::rename(&tmp, dir.join(INIT_FILE))?;
+    Ok(())
+}
+
+struct Dirs {
+    rootfs: OwnedFd,
+    workspace: OwnedFd,
+    tmp: OwnedFd,
+    home: OwnedFd,
+}
+
+fn fd_path(fd: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+fn signal_line(fd: &OwnedFd, msg: &str) {
+    let line = format!("{}\n", msg.replace('\n', " "));
+    let _ = nix::unistd::write(fd, line.as_bytes());
+}
+
+fn read_line(fd: &OwnedFd) -> anyhow::Result<String> {
+    let mut r = BufReader::new(std::fs::File::from(fd.try_clone()?));
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    Ok(line.trim().to_string())
+}
+
+fn write_id_maps(child: Pid, spec: &LaunchSpec) -> anyhow::Result<()> {
+    let root = nix::unistd::geteuid().is_root();
+    if !root {
+        std::fs::write(format!("/proc/{child}/setgroups"), "deny")?;
+    }
+    std::fs::write(
+        format!("/proc/{child}/uid_map"),
+        format!("0 {} {}\n", spec.host_uid, spec.id_count),
+    )?;
+    std::fs::write(
+        format!("/proc/{child}/gid_map"),
+        format!("0 {} {}\n", spec.host_gid, spec.id_count),
+    )?;
+    Ok(())
+}
+
+/// In the forked child: unshare, wait for the id maps, fork the init.
+fn unshare_child(
+    spec: &LaunchSpec,
+    dir: &Path,
+    listener: std::os::unix::net::UnixListener,
+    ready: &OwnedFd,
+    go: &OwnedFd,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let mut flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    if !spec.internet {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    unshare(flags).context("unshare")?;
+    // Open what the sandbox mounts now: after unshare (so the descriptors
+    // name mounts of the new mount namespace, which bind mounts require) and
+    // before taking the sandbox's uid (host root still owns, and so may walk,
+    // the backend's private state directory).
+    let opath = |p: &Path| -> anyhow::Result<OwnedFd> {
+        open(
+            p,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .with_context(|| format!("open {}", p.display()))
+    };
+    let dirs = Dirs {
+        rootfs: opath(&spec.rootfs)?,
+        workspace: opath(&dir.join("state/workspace"))?,
+        tmp: opath(&dir.join("state/tmp"))?,
+        home: opath(&dir.join("state/home"))?,
+    };
+    let fds = &dirs;
+    signal_line(ready, "unshared");
+    let line = read_line(go)?;
+    anyhow::ensure!(line == "mapped", "launcher did not map ids");
+    nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
+        .context("setresgid")?;
+    nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
+        .context("setresuid")?;
+    if spec.id_count > 1 {
+        nix::unistd::setgroups(&[]).context("setgroups")?;
+    }
+    match sys::fork_single_threaded()? {
+        Forked::Parent(init) => {
+            signal_line(ready, &format!("pid {init}"));
+            Ok(())
+        }
+        Forked::Child => {
+            let code = match init_setup(spec, fds) {
+                Ok(()) => match sys::fork_single_threaded() {
+                    Ok(Forked::Child) => {
+                        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+                        run_agent(listener, agent_env(spec, None))
+                    }
+                    Ok(Forked::Parent(agent)) => {
+                        drop(listener);
+                        signal_line(ready, "ready");
+                        reap_forever(agent)
+                    }
+                    Err(e) => {
+                        signal_line(ready, &format!("error fork agent: {e}"));
+                        1
+                    }
+                },
+                Err(e) => {
+                    signal_line(ready, &format!("error {e:#}"));
+                    1
+                }
+            };
+            std::process::exit(code)
+        }
+    }
+}
+
+fn agent_env(spec: &LaunchSpec, none_dir: Option<&Path>) -> AgentEnv {
+    let path_map = match none_dir {
+        Some(dir) => vec![
+            (PathBuf::from("/workspace"), dir.join("state/workspace")),
+            (PathBuf::from("/tmp"), dir.join("state/tmp")),
+            (PathBuf::from("/root"), dir.join("state/home")),
+        ],
+        None => vec![],
+    };
+    AgentEnv {
+        env_vars: spec.env_vars.clone(),
+        run_as_self: none_dir.is_some(),
+        path_map,
+    }
+}
+
+/// pid 1 of the sandbox: reap every orphan; when the agent dies, so does the
+/// sandbox (returning from pid 1 kills the namespace).
+fn reap_forever(agent: Pid) -> i32 {
+    loop {
+        match waitpid(None, None) {
+            Ok(WaitStatus::Exited(pid, code)) if pid == agent => return code,
+            Ok(WaitStatus::Signaled(pid, sig, _)) if pid == agent => return 128 + sig as i32,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return 1,
+        }
+    }
+}
+
+fn run_agent(listener: std::os::unix::net::UnixListener, env: AgentEnv) -> ! {
+    let code = (|| -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(64)
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            listener.set_nonblocking(true)?;
+            let l = tokio::net::UnixListener::from_std(listener)?;
+            super::envd::serve(l, Processes::new(env)).await
+        })?;
+        Ok(())
+    })();
+    if let Err(e) = code {
+        eprintln!("sandbox agent: {e:#}");
+        std::process::exit(1)
+    }
+    std::process::exit(0)
+}
+
+const NEW_ROOT: &str = "/tmp";
+
+/// Build and enter the sandbox's root. Runs as pid 1 of the new namespaces.
+fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let none: Option<&str> = None;
+    mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)
+        .context("make mounts private")?;
+    let nr = Path::new(NEW_ROOT);
+    mount(
+        Some("tmpfs"),
+        nr,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755,size=1m"),
+    )
+    .context("mount new root")?;
+
+    let special = ["proc", "sys", "dev", "tmp", "run", "workspace", "root"];
+    let host_hidden = [
+        "home",
+        "mnt",
+        "media",
+        "boot",
+        "lost+found",
+        "srv",
+        "opt/containerd",
+    ];
+    let rootfs = fd_path(&fds.rootfs);
+    let mut entries: Vec<_> = std::fs::read_dir(&rootfs)
+        .context("read template root")?
+        .filter_map(Result::ok)
+        .collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name();
+        let Some(name_s) = name.to_str() else {
+            continue;
+        };
+        if special.contains(&name_s) || name_s.starts_with('.') {
+            continue;
+        }
+        let target = nr.join(&name);
+        let ft = e.file_type()?;
+        if ft.is_symlink() {
+            let t = std::fs::read_link(e.path())?;
+            std::os::unix::fs::symlink(&t, &target)?;
+        } else if ft.is_dir() {
+            std::fs::create_dir(&target)?;
+            if spec.host_root && host_hidden.contains(&name_s) {
+                continue;
+            }
+            bind_ro(&e.path(), &target).with_context(|| format!("bind /{name_s}"))?;
+        }
+    }
+    for d in special {
+        std::fs::create_dir_all(nr.join(d))?;
+    }
+    let rw = MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    mount(
+        Some(&fd_path(&fds.workspace)),
+        &nr.join("workspace"),
+        none,
+        rw,
+        none,
+    )
+    .context("bind /workspace")?;
+    mount(Some(&fd_path(&fds.tmp)), &nr.join("tmp"), none, rw, none).context("bind /tmp")?;
+    mount(Some(&fd_path(&fds.home)), &nr.join("root"), none, rw, none).context("bind /root")?;
+    for d in ["workspace", "tmp", "root"] {
+        // Bind mounts take their flags only on a remount.
+        mount(none, &nr.join(d), none, rw | MsFlags::MS_REMOUNT, none)
+            .with_context(|| format!("remount /{d}"))?;
+    }
+    setup_dev(&nr.join("dev")).context("set up /dev")?;
+    mount(
+        Some("proc"),
+        &nr.join("proc"),
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        none,
+    )
+    .context("mount /proc")?;
+    let ro = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY;
+    if !spec.internet {
+        // Best effort: sysfs is optional for most tools.
+        let _ = mount(Some("sysfs"), &nr.join("sys"), Some("sysfs"), ro, none);
+    }
+    mount(
+        Some("tmpfs"),
+        &nr.join("run"),
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )
+    .context("mount /run")?;
+    for m in &spec.mask {
+        let Ok(rel) = m.strip_prefix("/") else {
+            continue;
+        };
+        let t = nr.join(rel);
+        if t.is_dir() {
+            let _ = mount(
+                Some("tmpfs"),
+                &t,
+                Some("tmpfs"),
+                ro,
+                Some("mode=0000,size=4k"),
+            );
+        }
+    }
+
+    std::fs::create_dir(nr.join(".oldroot"))?;
+    nix::unistd::pivot_root(nr, &nr.join(".oldroot")).context("pivot_root")?;
+    nix::unistd::chdir("/")?;
+    umount2("/.oldroot", MntFlags::MNT_DETACH).context("detach old root")?;
+    std::fs::remove_dir("/.oldroot")?;
+    mount(
+        none,
+        "/",
+        none,
+        MsFlags::MS_REMOUNT
+            | MsFlags::MS_BIND
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV,
+        none,
+    )
+    .context("make / read-only")?;
+
+    nix::unistd::sethostname(&spec.hostname).context("sethostname")?;
+    if !spec.internet {
+        sys::loopback_up().context("bring up lo")?;
+    }
+    let l = &spec.limits;
+    setrlimit(Resource::RLIMIT_NPROC, l.max_processes, l.max_processes).context("RLIMIT_NPROC")?;
+    setrlimit(Resource::RLIMIT_NOFILE, l.open_files, l.open_files).context("RLIMIT_NOFILE")?;
+    setrlimit(Resource::RLIMIT_CPU, l.cpu_seconds, l.cpu_seconds).context("RLIMIT_CPU")?;
+    if !spec.cgroup_memory {
+        let bytes = l.memory_mb.saturating_mul(1024 * 1024);
+        setrlimit(Resource::RLIMIT_AS, bytes, bytes).context("RLIMIT_AS")?;
+    }
+    std::env::set_current_dir("/")?;
+    Ok(())
+}
+
+/// Bind a directory read-only, keeping the source mount's locked flags
+/// (a user namespace may not clear nosuid/nodev/noexec/atime flags).
+fn bind_ro(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    use nix::sys::statvfs::{FsFlags, statvfs};
+    let none: Option<&str> = None;
+    mount(Some(src), dst, none, MsFlags::MS_BIND, none)?;
+    let st = statvfs(dst)?;
+    let f = st.flags();
+    let mut flags = MsFlags::MS_REMOUNT
+        | MsFlags::MS_BIND
+        | MsFlags::MS_RDONLY
+        | MsFlags::MS_NOSUID
+        | MsFlags::MS_NODEV;
+    for (fs, ms) in [
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+    ] {
+        if f.contains(fs) {
+            flags |= ms;
+        }
+    }
+    mount(none, dst, none, flags, none)?;
+    Ok(())
+}
+
+fn setup_dev(dev: &Path) -> anyhow::Result<()> {
+    let none: Option<&str> = None;
+    mount(
+        Some("tmpfs"),
+        dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("mode=0755,size=64k"),
+    )?;
+    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let t = dev.join(n);
+        std::fs::File::create(&t)?;
+        mount(
+            Some(&Path::new("/dev").join(n)),
+            &t,
+            none,
+            MsFlags::MS_BIND,
+            none,
+        )?;
+    }
+    let pts = dev.join("pts");
+    std::fs::create_dir(&pts)?;
+    mount(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    std::os::unix::fs::symlink("pts/ptmx", dev.join("ptmx"))?;
+    let shm = dev.join("shm");
+    std::fs::create_dir(&shm)?;
+    mount(
+        Some("tmpfs"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    for (l, t) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(t, dev.join(l))?;
+    }
+    Ok(())
+}
+
+/// Probe whether this host lets us create the namespaces a sandbox needs:
+/// run a throw-away child that unshares them and maps root.
+pub fn probe_namespaces_with(launcher: &Path) -> Result<(), String> {
+    let out = std::process::Command::new(launcher)
+        .arg("__probe-namespaces")
+        .output();
+    match out {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Err(e) => Err(format!("cannot run the namespace probe: {e}")),
+    }
+}
+
+/// Entry point of `__probe-namespaces` (single-threaded).
+pub fn probe_main() -> i32 {
+    let flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWNET;
+    match unshare(flags) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!(
+                "cannot create user, mount, pid, ipc, uts and network namespaces ({e}); \
+                 check kernel.unprivileged_userns_clone / user.max_user_namespaces, \
+                 seccomp or container restrictions, or set isolation = \"none\" to run unisolated"
+            );
+            1
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! The CubeProxy part of the embedded backend: requests whose `Host` is
+//! `<port>-<sandboxID>[.<domain>]` go to that sandbox's envd over its unix
+//! socket; CubeProxy's errors (`{"error": "…"}`) for everything else.
+
+use std::path::Path;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
+use hyper_util::rt::TokioIo;
+
+use super::envd::MAX_UPLOAD;
+use super::sandbox::{Manager, RouteError};
+use crate::cube::wire::ENVD_PORT;
+
+/// Parse a data-plane Host: `^(\d+)-([A-Za-z0-9_-]+)(\.|:|$)`.
+pub fn parse_host(host: &str) -> Option<(u16, &str)> {
+    let (port, rest) = host.split_once('-')?;
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let port: u16 = port.parse().ok()?;
+    let end = rest.find(['.', ':']).unwrap_or(rest.len());
+    let id = rest.get(..end)?;
+    if id.is_empty()
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        return None;
+    }
+    Some((port, id))
+}
+
+pub fn proxy_error(status: StatusCode, word: &str) -> Response {
+    let mut r = (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        format!("{{\"error\":\"{word}\"}}"),
+    )
+        .into_response();
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+    }
+    r
+}
+
+fn traffic_token(h: &HeaderMap) -> Option<&str> {
+    h.get("e2b-traffic-access-token")
+        .or_else(|| h.get("cube-traffic-access-token"))
+        .and_then(|v| v.to_str().ok())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "e2b-traffic-access-token",
+    "cube-traffic-access-token",
+    "x-api-key",
+];
+
+/// Forward one data-plane request.
+pub async fn forward(m: &Manager, port: u16, id: &str, req: Request) -> Response {
+    if port != ENVD_PORT {
+        return proxy_error(StatusCode::NOT_FOUND, "not found");
+    }
+    if req.uri().path().starts_with("/_cube/") {
+        return proxy_error(StatusCode::NOT_FOUND, "not found");
+    }
+    let route = match m.route(id).await {
+        Ok(r) => r,
+        Err(RouteError::Unknown) => {
+            return proxy_error(StatusCode::SERVICE_UNAVAILABLE, "service unavailable");
+        }
+        Err(RouteError::Paused) => {
+            return proxy_error(StatusCode::SERVICE_UNAVAILABLE, "sandbox paused");
+        }
+        Err(RouteError::ResumeFailed) => {
+            let mut r = proxy_error(StatusCode::SERVICE_UNAVAILABLE, "service unavailable");
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+            return r;
+        }
+    };
+    if let Some(want) = &route.traffic_token {
+        match traffic_token(req.headers()) {
+            Some(got) if constant_time_eq(got.as_bytes(), want.as_bytes()) => {}
+            _ => return proxy_error(StatusCode::FORBIDDEN, "forbidden"),
+        }
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
+        return proxy_error(StatusCode::PAYLOAD_TOO_LARGE, "request entity too large");
+    }
+    match send(&route.socket, req).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(sandbox = %super::sandbox::short(id), error = %e, "envd unreachable");
+            proxy_error(StatusCode::BAD_GATEWAY, "bad gateway")
+        }
+    }
+}
+
+/// Send a request to envd on a unix socket; the response body streams.
+pub async fn send(
+    socket: &Path,
+    req: Request,
+) -> Result<Response, Box<dyn std::error::Error + Send + Sync>> {
+    let stream = tokio::net::UnixStream::connect(socket).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let (mut parts, body) = req.into_parts();
+    for h in HOP_BY_HOP {
+        parts.headers.remove(*h);
+    }
+    let body = Body::new(http_body_util::Limited::new(body, MAX_UPLOAD));
+    let resp = sender
+        .send_request(http::Request::from_parts(parts, body))
+        .await?;
+    let (mut parts, body) = resp.into_parts();
+    for h in HOP_BY_HOP {
+        parts.headers.remove(*h);
+    }
+    Ok(Response::from_parts(
+        parts,
+        Body::new(body.map_err(axum::Error::new)),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_host;
+
+    #[test]
+    fn hosts() {
+        assert_eq!(parse_host("49983-abc123.cube.app"), Some((49983, "abc123")));
+        assert_eq!(parse_host("49983-abc123"), Some((49983, "abc123")));
+        assert_eq!(parse_host("49983-abc123:8080"), Some((49983, "abc123")));
+        assert_eq!(parse_host("127.0.0.1:3000"), None);
+        assert_eq!(parse_host("localhost"), None);
+        assert_eq!(parse_host("x-abc"), None);
+        assert_eq!(parse_host("49983-.cube"), None);
+    }
+}

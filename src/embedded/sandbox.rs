@@ -1,0 +1,1332 @@
+//! The embedded backend's sandboxes: create (from a template or a snapshot),
+//! inspect, kill, timeouts, pause/resume, snapshots, rollback. State lives in
+//! the backend's state directory so that sandboxes outlive the backend and are
+//! re-adopted when it starts again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use super::cgroup::{self, Groups};
+use super::launch::{self, InitInfo, Isolation, LaunchSpec, Limits};
+use crate::cube::wire::{self, CreateSandbox, Sandbox, SandboxDetail, SnapshotInfo, TemplateInfo};
+
+/// Host uid that the first sandbox's root maps to (each sandbox gets its own
+/// range of 65536 ids above it, so rlimits and file ownership never mix).
+pub const DEFAULT_UID_BASE: u32 = 0x4000_0000;
+const IDS_PER_SANDBOX: u32 = 65536;
+pub const HOST_TEMPLATE: &str = "host";
+
+/// A template backed by a root directory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TemplateConfig {
+    pub id: String,
+    pub rootfs: PathBuf,
+}
+
+/// Backend settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub state_dir: PathBuf,
+    pub isolation: Isolation,
+    pub templates: Vec<TemplateConfig>,
+    pub limits: Limits,
+    /// CPUs per sandbox (cgroup quota; 0 = unlimited).
+    pub cpus: f64,
+    pub domain: String,
+    /// The `cube-adapter` binary used to launch sandboxes.
+    pub launcher: PathBuf,
+    pub uid_base: u32,
+    /// Host paths hidden from every sandbox.
+    pub mask: Vec<PathBuf>,
+    /// Timeout (s) for sandboxes created without one; None = never.
+    pub default_timeout: Option<i64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("sandbox {0} not found")]
+    SandboxNotFound(String),
+    #[error("template {0} not found")]
+    TemplateNotFound(String),
+    #[error("snapshot {0} not found")]
+    SnapshotNotFound(String),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl BackendError {
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::SandboxNotFound(_) | Self::TemplateNotFound(_) | Self::SnapshotNotFound(_) => 404,
+            Self::BadRequest(_) => 400,
+            Self::Conflict(_) => 409,
+            Self::Internal(_) => 500,
+        }
+    }
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> BackendError {
+    BackendError::Internal(format!("{what}: {e}"))
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum State {
+    Running,
+    Paused,
+}
+
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Running => "running",
+            State::Paused => "paused",
+        }
+    }
+}
+
+/// Persistent record of one sandbox (`sandboxes/<id>/meta.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Meta {
+    pub id: String,
+    pub template_id: String,
+    pub rootfs: PathBuf,
+    pub client_id: String,
+    pub started_at: String,
+    /// Unix seconds at which the timeout fires; None = never.
+    pub end_at: Option<i64>,
+    pub on_timeout_pause: bool,
+    pub auto_resume: bool,
+    pub state: State,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub internet: bool,
+    pub traffic_token: Option<String>,
+    pub slot: u32,
+    pub host_uid: u32,
+    pub host_gid: u32,
+    pub isolated: bool,
+    pub init: InitInfo,
+    pub groups: Groups,
+}
+
+/// Persistent record of one snapshot (`snapshots/<id>/meta.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapMeta {
+    pub id: String,
+    pub names: Vec<String>,
+    pub origin: String,
+    pub template_id: String,
+    pub rootfs: PathBuf,
+    pub created_at: String,
+    pub host_uid: u32,
+    pub host_gid: u32,
+    pub internet: bool,
+    pub env_vars: BTreeMap<String, String>,
+}
+
+struct Entry {
+    meta: Mutex<Meta>,
+    /// Serialises lifecycle operations on one sandbox.
+    op: tokio::sync::Mutex<()>,
+}
+
+/// Where the data plane of a sandbox is reached.
+pub struct Route {
+    pub socket: PathBuf,
+    pub traffic_token: Option<String>,
+}
+
+pub enum RouteError {
+    Unknown,
+    Paused,
+    ResumeFailed,
+}
+
+pub struct Manager {
+    pub settings: Settings,
+    cgroups: cgroup::Host,
+    entries: Mutex<HashMap<String, Arc<Entry>>>,
+    snapshots: Mutex<HashMap<String, SnapMeta>>,
+    snap_lock: tokio::sync::Mutex<()>,
+}
+
+pub fn now_unix() -> i64 {
+    OffsetDateTime::now_utc().unix_timestamp()
+}
+
+pub fn rfc3339(unix: i64) -> String {
+    OffsetDateTime::from_unix_timestamp(unix)
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_default()
+}
+
+fn now_rfc3339() -> String {
+    OffsetDateTime::now_utc()
+        .format(&Rfc3339)
+        .unwrap_or_default()
+}
+
+fn random_hex(bytes: usize) -> String {
+    let v: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
+    hex::encode(v)
+}
+
+fn write_json_atomic<T: Serialize>(path: &Path, v: &T) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec_pretty(v).map_err(std::io::Error::other)?,
+    )?;
+    std::fs::rename(tmp, path)
+}
+
+/// `[A-Za-z0-9-]+`, as CubeAPI validates path ids.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+const ENV_DENY: &[&str] = &[
+    "PATH",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "LD_AUDIT",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "NODE_PATH",
+    "NODE_OPTIONS",
+    "BASH_ENV",
+    "ENV",
+    "IFS",
+    "CLASSPATH",
+    "PERL5LIB",
+    "RUBYLIB",
+    "GCONV_PATH",
+];
+
+fn validate_env(env: &BTreeMap<String, String>) -> Result<(), BackendError> {
+    for (k, v) in env {
+        let mut chars = k.chars();
+        let ok_name = k.len() <= 256
+            && chars
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok_name {
+            return Err(BackendError::BadRequest(format!(
+                "invalid environment variable name '{k}'"
+            )));
+        }
+        if ENV_DENY.iter().any(|d| d.eq_ignore_ascii_case(k)) {
+            return Err(BackendError::BadRequest(format!(
+                "environment variable '{k}' is not allowed"
+            )));
+        }
+        if v.len() > 4096 || v.chars().any(|c| c.is_control() && c != '\t') {
+            return Err(BackendError::BadRequest(format!(
+                "invalid value for environment variable '{k}'"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl Manager {
+    /// Open the state directory and re-adopt the sandboxes still alive.
+    pub fn open(settings: Settings) -> Result<Arc<Self>, BackendError> {
+        for d in ["sandboxes", "snapshots"] {
+            std::fs::create_dir_all(settings.state_dir.join(d))
+                .map_err(|e| internal("create state dir", e))?;
+        }
+        let _ =
+            std::fs::set_permissions(&settings.state_dir, std::fs::Permissions::from_mode(0o700));
+        let cgroups =
+            if settings.isolation == Isolation::Namespaces || nix::unistd::geteuid().is_root() {
+                cgroup::Host::detect()
+            } else {
+                cgroup::Host::None
+            };
+        tracing::info!(cgroups = %cgroups.describe(), isolation = ?settings.isolation, "embedded backend");
+        let m = Arc::new(Self {
+            settings,
+            cgroups,
+            entries: Mutex::default(),
+            snapshots: Mutex::default(),
+            snap_lock: tokio::sync::Mutex::new(()),
+        });
+        m.adopt();
+        Ok(m)
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.settings.state_dir.join("sandboxes").join(id)
+    }
+
+    fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.settings.state_dir.join("snapshots").join(id)
+    }
+
+    fn adopt(&self) {
+        let dir = self.settings.state_dir.join("sandboxes");
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = e.path();
+            let meta: Option<Meta> = std::fs::read(path.join("meta.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            match meta {
+                Some(m) if launch::process_start_time(m.init.pid) == Some(m.init.start_time) => {
+                    tracing::info!(sandbox = %short(&m.id), "re-adopted running sandbox");
+                    if let Ok(mut map) = self.entries.lock() {
+                        map.insert(
+                            m.id.clone(),
+                            Arc::new(Entry {
+                                meta: Mutex::new(m),
+                                op: tokio::sync::Mutex::new(()),
+                            }),
+                        );
+                    }
+                }
+                Some(m) => {
+                    tracing::info!(sandbox = %short(&m.id), "sandbox ended while the backend was down; cleaning up");
+                    m.groups.remove();
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+                None => {
+                    let _ = std::fs::remove_dir_all(&path);
+                }
+            }
+        }
+        let sdir = self.settings.state_dir.join("snapshots");
+        for e in std::fs::read_dir(&sdir).into_iter().flatten().flatten() {
+            let meta: Option<SnapMeta> = std::fs::read(e.path().join("meta.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            match meta {
+                Some(s) => {
+                    if let Ok(mut map) = self.snapshots.lock() {
+                        map.insert(s.id.clone(), s);
+                    }
+                }
+                None => {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+    }
+
+    fn entry(&self, id: &str) -> Result<Arc<Entry>, BackendError> {
+        self.entries
+            .lock()
+            .ok()
+            .and_then(|m| m.get(id).cloned())
+            .ok_or_else(|| BackendError::SandboxNotFound(id.to_string()))
+    }
+
+    fn snapshot(&self, id: &str) -> Option<SnapMeta> {
+        self.snapshots.lock().ok().and_then(|m| m.get(id).cloned())
+    }
+
+    pub fn templates(&self) -> Vec<TemplateInfo> {
+        let mut v = vec![TemplateInfo {
+            template_id: HOST_TEMPLATE.into(),
+            public: false,
+            status: "READY".into(),
+            aliases: vec![HOST_TEMPLATE.into()],
+            created_at: None,
+        }];
+        for t in &self.settings.templates {
+            let ready = t.rootfs.is_dir();
+            v.push(TemplateInfo {
+                template_id: t.id.clone(),
+                public: false,
+                status: if ready {
+                    "READY".into()
+                } else {
+                    "FAILED".into()
+                },
+                aliases: vec![],
+                created_at: None,
+            });
+        }
+        v
+    }
+
+    fn template_rootfs(&self, id: &str) -> Option<(PathBuf, bool)> {
+        if id == HOST_TEMPLATE {
+            return Some((PathBuf::from("/"), true));
+        }
+        self.settings
+            .templates
+            .iter()
+            .find(|t| t.id == id)
+            .map(|t| (t.rootfs.clone(), false))
+    }
+
+    fn next_slot(&self) -> u32 {
+        let used: Vec<u32> = self
+            .entries
+            .lock()
+            .map(|m| {
+                m.values()
+                    .filter_map(|e| e.meta.lock().ok().map(|m| m.slot))
+                    .collect()
+            })
+            .unwrap_or_default();
+        (0..).find(|s| !used.contains(s)).unwrap_or(0)
+    }
+
+    fn ids_for_slot(&self, slot: u32) -> (u32, u32, u32) {
+        if nix::unistd::geteuid().is_root() && self.settings.isolation == Isolation::Namespaces {
+            let uid = self
+                .settings
+                .uid_base
+                .saturating_add(slot.saturating_mul(IDS_PER_SANDBOX));
+            (uid, uid, IDS_PER_SANDBOX)
+        } else {
+            (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+                1,
+            )
+        }
+    }
+
+    /// `POST /sandboxes`.
+    pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<Sandbox, BackendError> {
+        validate_env(&req.env_vars)?;
+        let timeout = req.timeout.or(self.settings.default_timeout);
+        if let Some(t) = timeout
+            && t < -1
+        {
+            return Err(BackendError::BadRequest(
+                "timeout must be >= 0 or -1".into(),
+            ));
+        }
+        let snap = self.snapshot(&req.template_id);
+        let (template_id, rootfs, host_root, from_snap) = match &snap {
+            Some(s) => (
+                s.template_id.clone(),
+                s.rootfs.clone(),
+                s.rootfs == Path::new("/"),
+                Some(s.clone()),
+            ),
+            None => {
+                let (r, h) = self
+                    .template_rootfs(&req.template_id)
+                    .ok_or_else(|| BackendError::TemplateNotFound(req.template_id.clone()))?;
+                (req.template_id.clone(), r, h, None)
+            }
+        };
+        if !rootfs.is_dir() {
+            return Err(BackendError::Conflict(format!(
+                "template {} is not ready: its root directory is missing",
+                req.template_id
+            )));
+        }
+        let internet = req
+            .allow_internet_access
+            .unwrap_or(from_snap.as_ref().is_some_and(|s| s.internet));
+        let traffic_token = match req.network.as_ref().and_then(|n| n.allow_public_traffic) {
+            Some(false) => Some(random_hex(24)),
+            _ => None,
+        };
+        let mut env_vars = from_snap
+            .as_ref()
+            .map(|s| s.env_vars.clone())
+            .unwrap_or_default();
+        env_vars.extend(req.env_vars.clone());
+        let lifecycle = req.lifecycle.clone().unwrap_or_default();
+        let on_timeout_pause =
+            lifecycle.on_timeout.as_deref() == Some("pause") || req.auto_pause == Some(true);
+        let auto_resume = lifecycle.auto_resume.unwrap_or(false);
+
+        let id = random_hex(16);
+        let dir = self.sandbox_dir(&id);
+        let slot_guard = self.snap_lock.lock().await; // serialise slot allocation
+        let slot = self.next_slot();
+        let (host_uid, host_gid, id_count) = self.ids_for_slot(slot);
+        let groups = if self.settings.isolation == Isolation::Namespaces {
+            Groups::create(
+                &self.cgroups,
+                &id,
+                &self.settings.limits,
+                self.settings.cpus,
+            )
+            .map_err(|e| internal("create cgroup", e))?
+        } else {
+            Groups::default()
+        };
+        let spec = LaunchSpec {
+            id: id.clone(),
+            hostname: format!("cube-{}", short(&id)),
+            isolation: self.settings.isolation,
+            rootfs: rootfs.clone(),
+            host_root,
+            internet,
+            host_uid,
+            host_gid,
+            id_count,
+            limits: self.settings.limits.clone(),
+            cgroup_memory: groups.has_memory(),
+            cgroup_procs: groups.procs_files(),
+            env_vars: env_vars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            mask: self.settings.mask.clone(),
+        };
+        // Reserve the slot before releasing the lock.
+        let placeholder = Meta {
+            id: id.clone(),
+            template_id: template_id.clone(),
+            rootfs,
+            client_id: random_hex(8),
+            started_at: now_rfc3339(),
+            end_at: None,
+            on_timeout_pause,
+            auto_resume,
+            state: State::Running,
+            metadata: req.metadata.clone(),
+            env_vars,
+            internet,
+            traffic_token: traffic_token.clone(),
+            slot,
+            host_uid,
+            host_gid,
+            isolated: self.settings.isolation == Isolation::Namespaces,
+            init: InitInfo {
+                pid: 0,
+                start_time: 0,
+            },
+            groups: groups.clone(),
+        };
+        let entry = Arc::new(Entry {
+            meta: Mutex::new(placeholder),
+            op: tokio::sync::Mutex::new(()),
+        });
+        let op = entry.op.lock().await;
+        if let Ok(mut m) = self.entries.lock() {
+            m.insert(id.clone(), entry.clone());
+        }
+        drop(slot_guard);
+
+        let launched = self
+            .prepare_and_launch(&dir, &spec, from_snap.as_ref())
+            .await;
+        let init = match launched {
+            Ok(i) => i,
+            Err(e) => {
+                if let Ok(mut m) = self.entries.lock() {
+                    m.remove(&id);
+                }
+                let g = groups.clone();
+                let d = dir.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    g.remove();
+                    let _ = std::fs::remove_dir_all(d);
+                })
+                .await;
+                return Err(e);
+            }
+        };
+        let meta = {
+            let mut m = entry
+                .meta
+                .lock()
+                .map_err(|_| internal("state", "poisoned"))?;
+            m.init = init;
+            m.end_at = timeout.and_then(|t| if t < 0 { None } else { Some(now_unix() + t) });
+            m.clone()
+        };
+        write_json_atomic(&dir.join("meta.json"), &meta)
+            .map_err(|e| internal("persist sandbox", e))?;
+        drop(op);
+        tracing::info!(sandbox = %short(&id), template = %template_id, "sandbox created");
+        Ok(Sandbox {
+            template_id: req.template_id,
+            sandbox_id: id,
+            client_id: meta.client_id,
+            envd_version: wire::ENVD_VERSION.into(),
+            traffic_access_token: traffic_token,
+            domain: self.settings.domain.clone(),
+        })
+    }
+
+    async fn prepare_and_launch(
+        &self,
+        dir: &Path,
+        spec: &LaunchSpec,
+        snap: Option<&SnapMeta>,
+    ) -> Result<InitInfo, BackendError> {
+        let d = dir.to_path_buf();
+        let spec2 = spec.clone();
+        let snap_data = snap.map(|s| {
+            (
+                self.snapshot_dir(&s.id).join("data"),
+                s.host_uid,
+                s.host_gid,
+            )
+        });
+        tokio::task::spawn_blocking(move || -> Result<(), BackendError> {
+            std::fs::create_dir_all(d.join("run"))
+                .map_err(|e| internal("create sandbox dir", e))?;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| internal("chmod", e))?;
+            for (sub, mode) in [("workspace", 0o755), ("tmp", 0o1777), ("home", 0o700)] {
+                let p = d.join("state").join(sub);
+                std::fs::create_dir_all(&p).map_err(|e| internal("create sandbox dir", e))?;
+                if let Some((src, from_uid, from_gid)) = &snap_data {
+                    let shift = Shift {
+                        from_uid: *from_uid,
+                        from_gid: *from_gid,
+                        to_uid: spec2.host_uid,
+                        to_gid: spec2.host_gid,
+                        count: spec2.id_count,
+                    };
+                    copy_tree(&src.join(sub), &p, &shift)
+                        .map_err(|e| internal("restore snapshot", e))?;
+                }
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| internal("chmod", e))?;
+                std::os::unix::fs::chown(&p, Some(spec2.host_uid), Some(spec2.host_gid))
+                    .map_err(|e| internal("chown", e))?;
+            }
+            write_json_atomic(&d.join(launch::SPEC_FILE), &spec2)
+                .map_err(|e| internal("write spec", e))
+        })
+        .await
+        .map_err(|e| internal("prepare", e))??;
+
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("sandbox.log"))
+            .map_err(|e| internal("open sandbox log", e))?;
+        let mut cmd = tokio::process::Command::new(&self.settings.launcher);
+        cmd.arg("__sandbox-launch")
+            .arg(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(log);
+        let status = tokio::time::timeout(Duration::from_secs(30), cmd.status())
+            .await
+            .map_err(|_| internal("launch sandbox", "timed out"))?
+            .map_err(|e| internal("launch sandbox", e))?;
+        if !status.success() {
+            let log = std::fs::read_to_string(dir.join("sandbox.log")).unwrap_or_default();
+            let last = log
+                .lines()
+                .rev()
+                .find(|l| l.contains("launch failed"))
+                .unwrap_or("see sandbox.log");
+            return Err(internal("launch sandbox", last.trim()));
+        }
+        let info: InitInfo = std::fs::read(dir.join(launch::INIT_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| internal("launch sandbox", "launcher wrote no init.json"))?;
+        Ok(info)
+    }
+
+    pub fn detail(&self, id: &str) -> Result<SandboxDetail, BackendError> {
+        let e = self.entry(id)?;
+        let m = e.meta.lock().map_err(|_| internal("state", "poisoned"))?;
+        if m.init.pid == 0 {
+            return Err(BackendError::SandboxNotFound(id.to_string()));
+        }
+        Ok(self.detail_of(&m))
+    }
+
+    fn detail_of(&self, m: &Meta) -> SandboxDetail {
+        let mut metadata = m.metadata.clone();
+        if !m.isolated {
+            metadata.insert("cube-adapter.isolation".into(), "none".into());
+        }
+        SandboxDetail {
+            template_id: m.template_id.clone(),
+            sandbox_id: m.id.clone(),
+            client_id: m.client_id.clone(),
+            started_at: m.started_at.clone(),
+            end_at: m.end_at.map(rfc3339),
+            envd_version: wire::ENVD_VERSION.into(),
+            domain: Some(self.settings.domain.clone()),
+            cpu_count: if self.settings.cpus > 0.0 {
+                self.settings.cpus.ceil() as u32
+            } else {
+                num_cpus()
+            },
+            memory_mb: self.settings.limits.memory_mb,
+            disk_size_mb: 0,
+            metadata,
+            state: m.state.as_str().into(),
+        }
+    }
+
+    /// `GET /sandboxes` with optional metadata and state filters.
+    pub fn list(
+        &self,
+        metadata: &[(String, String)],
+        state: Option<&str>,
+        limit: usize,
+    ) -> Vec<SandboxDetail> {
+        let entries: Vec<Arc<Entry>> = self
+            .entries
+            .lock()
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default();
+        let mut v: Vec<SandboxDetail> = entries
+            .iter()
+            .filter_map(|e| e.meta.lock().ok().map(|m| m.clone()))
+            .filter(|m| m.init.pid != 0)
+            .filter(|m| {
+                metadata
+                    .iter()
+                    .all(|(k, val)| m.metadata.get(k) == Some(val))
+            })
+            .filter(|m| state.is_none_or(|s| s.split(',').any(|s| s == m.state.as_str())))
+            .map(|m| {
+                let mut d = self.detail_of(&m);
+                d.domain = None;
+                d
+            })
+            .collect();
+        v.sort_by(|a, b| {
+            a.started_at
+                .cmp(&b.started_at)
+                .then(a.sandbox_id.cmp(&b.sandbox_id))
+        });
+        v.truncate(limit);
+        v
+    }
+
+    /// `DELETE /sandboxes/{id}`: end every process, remove all state.
+    pub async fn kill(&self, id: &str) -> Result<(), BackendError> {
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        let meta = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        if let Ok(mut m) = self.entries.lock() {
+            m.remove(id);
+        }
+        terminate(&meta).await;
+        let dir = self.sandbox_dir(id);
+        let groups = meta.groups.clone();
+        tokio::task::spawn_blocking(move || {
+            groups.remove();
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .await
+        .map_err(|e| internal("cleanup", e))?;
+        tracing::info!(sandbox = %short(id), "sandbox killed");
+        Ok(())
+    }
+
+    fn persist(&self, e: &Entry) -> Result<(), BackendError> {
+        let m = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        write_json_atomic(&self.sandbox_dir(&m.id).join("meta.json"), &m)
+            .map_err(|e| internal("persist sandbox", e))
+    }
+
+    /// `POST /sandboxes/{id}/timeout`: the sandbox now ends `secs` from now.
+    pub async fn set_timeout(&self, id: &str, secs: i64) -> Result<(), BackendError> {
+        if secs < -1 {
+            return Err(BackendError::BadRequest(
+                "timeout must be >= 0 or -1".into(),
+            ));
+        }
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        if let Ok(mut m) = e.meta.lock() {
+            m.end_at = if secs < 0 {
+                None
+            } else {
+                Some(now_unix() + secs)
+            };
+        }
+        self.persist(&e)
+    }
+
+    /// `POST /sandboxes/{id}/refreshes`: extend to at least `secs` from now.
+    pub async fn refresh(&self, id: &str, secs: i64) -> Result<(), BackendError> {
+        if !(0..=3600).contains(&secs) {
+            return Err(BackendError::BadRequest(
+                "duration must be between 0 and 3600".into(),
+            ));
+        }
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        if let Ok(mut m) = e.meta.lock()
+            && let Some(end) = m.end_at
+        {
+            m.end_at = Some(end.max(now_unix() + secs));
+        }
+        self.persist(&e)
+    }
+
+    pub async fn pause(&self, id: &str) -> Result<(), BackendError> {
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        let meta = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        if meta.state == State::Paused {
+            return Err(BackendError::Conflict(format!(
+                "sandbox {id} is already paused"
+            )));
+        }
+        freeze(&meta, true).await?;
+        if let Ok(mut m) = e.meta.lock() {
+            m.state = State::Paused;
+        }
+        self.persist(&e)
+    }
+
+    /// Resume if paused (connect/resume); `timeout` resets the end time.
+    pub async fn resume(
+        &self,
+        id: &str,
+        timeout: Option<i64>,
+        must_be_paused: bool,
+    ) -> Result<Sandbox, BackendError> {
+        if let Some(t) = timeout
+            && t < -1
+        {
+            return Err(BackendError::BadRequest(
+                "timeout must be >= 0 or -1".into(),
+            ));
+        }
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        let meta = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        if meta.state == State::Running && must_be_paused {
+            return Err(BackendError::Conflict(format!(
+                "sandbox {id} is already running"
+            )));
+        }
+        if meta.state == State::Paused {
+            freeze(&meta, false).await?;
+        }
+        if let Ok(mut m) = e.meta.lock() {
+            m.state = State::Running;
+            if let Some(t) = timeout {
+                m.end_at = if t < 0 { None } else { Some(now_unix() + t) };
+            }
+        }
+        self.persist(&e)?;
+        Ok(Sandbox {
+            template_id: meta.template_id,
+            sandbox_id: meta.id,
+            client_id: meta.client_id,
+            envd_version: wire::ENVD_VERSION.into(),
+            traffic_access_token: None,
+            domain: self.settings.domain.clone(),
+        })
+    }
+
+    /// `POST /sandboxes/{id}/snapshots`: copy the writable state while the
+    /// sandbox is frozen.
+    pub async fn create_snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+    ) -> Result<wire::SnapshotCreated, BackendError> {
+        if let Some(n) = &name
+            && (n.is_empty()
+                || n.len() > 128
+                || !n
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.'))
+        {
+            return Err(BackendError::BadRequest(
+                "snapshot name must be 1-128 characters of [A-Za-z0-9._-]".into(),
+            ));
+        }
+        let e = self.entry(id)?;
+        let _op = e.op.lock().await;
+        let meta = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        let was_running = meta.state == State::Running;
+        if was_running {
+            freeze(&meta, true).await?;
+        }
+        let snap_id = format!("snap-{}", random_hex(12));
+        let sdir = self.snapshot_dir(&snap_id);
+        let src = self.sandbox_dir(id).join("state");
+        let (uid, gid) = (meta.host_uid, meta.host_gid);
+        let sd = sdir.clone();
+        let copied = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            std::fs::create_dir_all(sd.join("data"))?;
+            let keep = Shift {
+                from_uid: uid,
+                from_gid: gid,
+                to_uid: uid,
+                to_gid: gid,
+                count: u32::MAX,
+            };
+            for sub in ["workspace", "tmp", "home"] {
+                let d = sd.join("data").join(sub);
+                std::fs::create_dir_all(&d)?;
+                copy_tree(&src.join(sub), &d, &keep)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| internal("snapshot", e));
+        if was_running {
+            let _ = freeze(&meta, false).await;
+        }
+        if let Err(e) = copied.and_then(|r| r.map_err(|e| internal("snapshot", e))) {
+            let _ = std::fs::remove_dir_all(&sdir);
+            return Err(e);
+        }
+        let names = vec![name.unwrap_or_else(|| snap_id.clone())];
+        let sm = SnapMeta {
+            id: snap_id.clone(),
+            names: names.clone(),
+            origin: id.to_string(),
+            template_id: meta.template_id.clone(),
+            rootfs: meta.rootfs.clone(),
+            created_at: now_rfc3339(),
+            host_uid: meta.host_uid,
+            host_gid: meta.host_gid,
+            internet: meta.internet,
+            env_vars: meta.env_vars.clone(),
+        };
+        write_json_atomic(&sdir.join("meta.json"), &sm)
+            .map_err(|e| internal("persist snapshot", e))?;
+        if let Ok(mut m) = self.snapshots.lock() {
+            m.insert(snap_id.clone(), sm);
+        }
+        tracing::info!(sandbox = %short(id), snapshot = %snap_id, "snapshot created");
+        Ok(wire::SnapshotCreated {
+            snapshot_id: snap_id,
+            names,
+        })
+    }
+
+    pub fn list_snapshots(&self, sandbox: Option<&str>) -> Vec<SnapshotInfo> {
+        let mut v: Vec<SnapshotInfo> = self
+            .snapshots
+            .lock()
+            .map(|m| {
+                m.values()
+                    .filter(|s| sandbox.is_none_or(|id| s.origin == id))
+                    .map(|s| SnapshotInfo {
+                        snapshot_id: s.id.clone(),
+                        names: s.names.clone(),
+                        status: "READY".into(),
+                        origin_sandbox_id: Some(s.origin.clone()),
+                        created_at: Some(s.created_at.clone()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_by(|a, b| {
+            a.created_at
+                .cmp(&b.created_at)
+                .then(a.snapshot_id.cmp(&b.snapshot_id))
+        });
+        v
+    }
+
+    pub async fn delete_snapshot(&self, id: &str) -> Result<(), BackendError> {
+        let removed = self.snapshots.lock().ok().and_then(|mut m| m.remove(id));
+        if removed.is_none() {
+            return Err(BackendError::SnapshotNotFound(id.to_string()));
+        }
+        let d = self.snapshot_dir(id);
+        tokio::task::spawn_blocking(move || std::fs::remove_dir_all(d))
+            .await
+            .map_err(|e| internal("delete snapshot", e))?
+            .map_err(|e| internal("delete snapshot", e))
+    }
+
+    /// `POST /sandboxes/{id}/rollback`: end every process but the agent,
+    /// restore the writable state from the snapshot. Same sandbox id.
+    pub async fn rollback(
+        &self,
+        id: &str,
+        snap_id: &str,
+    ) -> Result<wire::RollbackDone, BackendError> {
+        let e = self.entry(id)?;
+        let snap = self
+            .snapshot(snap_id)
+            .ok_or_else(|| BackendError::SnapshotNotFound(snap_id.to_string()))?;
+        let _op = e.op.lock().await;
+        let meta = e
+            .meta
+            .lock()
+            .map_err(|_| internal("state", "poisoned"))?
+            .clone();
+        if meta.state == State::Paused {
+            freeze(&meta, false).await?;
+        }
+        kill_user_processes(&meta).await;
+        let state = self.sandbox_dir(id).join("state");
+        let data = self.snapshot_dir(snap_id).join("data");
+        let shift = Shift {
+            from_uid: snap.host_uid,
+            from_gid: snap.host_gid,
+            to_uid: meta.host_uid,
+            to_gid: meta.host_gid,
+            count: if meta.isolated { IDS_PER_SANDBOX } else { 1 },
+        };
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for sub in ["workspace", "tmp", "home"] {
+                let d = state.join(sub);
+                clear_dir(&d)?;
+                copy_tree(&data.join(sub), &d, &shift)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| internal("rollback", e))?
+        .map_err(|e| internal("rollback", e))?;
+        if let Ok(mut m) = e.meta.lock() {
+            m.state = State::Running;
+        }
+        self.persist(&e)?;
+        tracing::info!(sandbox = %short(id), snapshot = %snap_id, "rolled back");
+        Ok(wire::RollbackDone {
+            sandbox_id: id.to_string(),
+            snapshot_id: snap_id.to_string(),
+            operation_id: random_hex(8),
+            status: "READY".into(),
+        })
+    }
+
+    /// Data-plane routing; resumes a paused sandbox with auto-resume.
+    pub async fn route(&self, id: &str) -> Result<Route, RouteError> {
+        let e = self.entry(id).map_err(|_| RouteError::Unknown)?;
+        let (state, auto, token, pid) = {
+            let m = e.meta.lock().map_err(|_| RouteError::Unknown)?;
+            (m.state, m.auto_resume, m.traffic_token.clone(), m.init.pid)
+        };
+        if pid == 0 {
+            return Err(RouteError::Unknown);
+        }
+        if state == State::Paused {
+            if !auto {
+                return Err(RouteError::Paused);
+            }
+            self.resume(id, None, false)
+                .await
+                .map_err(|_| RouteError::ResumeFailed)?;
+        }
+        Ok(Route {
+            socket: self.sandbox_dir(id).join(launch::SOCKET),
+            traffic_token: token,
+        })
+    }
+
+    /// Fire due timeouts (kill, or pause with `onTimeout: pause`), and forget
+    /// sandboxes whose init died on its own.
+    pub async fn tick(&self) {
+        let now = now_unix();
+        let entries: Vec<Arc<Entry>> = self
+            .entries
+            .lock()
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default();
+        for e in entries {
+            let Ok(m) = e.meta.lock().map(|m| m.clone()) else {
+                continue;
+            };
+            if m.init.pid == 0 {
+                continue;
+            }
+            let dead = launch::process_start_time(m.init.pid) != Some(m.init.start_time);
+            let due = m.end_at.is_some_and(|t| t <= now);
+            if dead {
+                tracing::warn!(sandbox = %short(&m.id), "sandbox init exited; removing the sandbox");
+                let _ = self.kill(&m.id).await;
+            } else if due && m.on_timeout_pause && m.state == State::Running {
+                tracing::info!(sandbox = %short(&m.id), "timeout: pausing");
+                let _ = self.pause(&m.id).await;
+                if let Ok(mut mm) = e.meta.lock() {
+                    mm.end_at = None;
+                }
+                let _ = self.persist(&e);
+            } else if due && !(m.on_timeout_pause && m.state == State::Paused) {
+                tracing::info!(sandbox = %short(&m.id), "timeout: killing");
+                let _ = self.kill(&m.id).await;
+            }
+        }
+    }
+
+    /// Number of live sandboxes.
+    pub fn count(&self) -> usize {
+        self.entries.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// The host pid of a sandbox's init (tests and diagnostics).
+    pub fn init_pid(&self, id: &str) -> Option<i32> {
+        self.entry(id)
+            .ok()
+            .and_then(|e| e.meta.lock().ok().map(|m| m.init.pid))
+    }
+}
+
+pub fn short(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+fn num_cpus() -> u32 {
+    std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1)
+}
+
+/// The pid namespace of a host process.
+fn pid_ns(pid: i32) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
+}
+
+/// Every host pid in the sandbox: its pid namespace (isolated) or its
+/// cgroups / process tree (not isolated).
+pub fn sandbox_pids(meta: &Meta) -> Vec<i32> {
+    let mut pids = meta.groups.pids();
+    if meta.isolated {
+        if let Some(ns) = pid_ns(meta.init.pid) {
+            for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                if pid_ns(pid).as_ref() == Some(&ns) {
+                    pids.push(pid);
+                }
+            }
+        }
+    } else {
+        pids.extend(descendants(meta.init.pid));
+        pids.push(meta.init.pid);
+    }
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn descendants(root: i32) -> Vec<i32> {
+    let all: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter_map(|p| parent_of(p).map(|pp| (p, pp)))
+        .collect();
+    let mut out = vec![];
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for (c, pp) in &all {
+            if *pp == p && !out.contains(c) {
+                out.push(*c);
+                frontier.push(*c);
+            }
+        }
+    }
+    out
+}
+
+fn send(pid: i32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
+}
+
+/// Freeze or thaw: the cgroup freezer, else SIGSTOP/SIGCONT every process.
+async fn freeze(meta: &Meta, frozen: bool) -> Result<(), BackendError> {
+    if meta.groups.can_freeze() {
+        return meta
+            .groups
+            .set_frozen(frozen)
+            .await
+            .map_err(|e| internal("freeze", e));
+    }
+    let sig = if frozen {
+        nix::sys::signal::Signal::SIGSTOP
+    } else {
+        nix::sys::signal::Signal::SIGCONT
+    };
+    for pid in sandbox_pids(meta) {
+        send(pid, sig);
+    }
+    Ok(())
+}
+
+/// End every process of the sandbox and wait until they are gone.
+async fn terminate(meta: &Meta) {
+    use nix::sys::signal::Signal;
+    if meta.init.pid == 0 || launch::process_start_time(meta.init.pid) != Some(meta.init.start_time)
+    {
+        return;
+    }
+    let pids = sandbox_pids(meta);
+    meta.groups.kill_all();
+    for pid in &pids {
+        send(*pid, Signal::SIGKILL);
+    }
+    // Frozen tasks only die once thawed.
+    if meta.state == State::Paused {
+        if meta.groups.can_freeze() {
+            let _ = meta.groups.set_frozen(false).await;
+        }
+        for pid in &pids {
+            send(*pid, Signal::SIGCONT);
+        }
+    }
+    for _ in 0..500 {
+        // The init dies last: the kernel ends every other process of its
+        // pid namespace before the init itself becomes a zombie.
+        let init_alive = launch::process_start_time(meta.init.pid) == Some(meta.init.start_time)
+            && !is_zombie(meta.init.pid);
+        let alive = init_alive
+            || sandbox_pids(meta)
+                .into_iter()
+                .any(|p| launch::process_start_time(p).is_some() && !is_zombie(p));
+        if !alive {
+            break;
+        }
+        for pid in sandbox_pids(meta) {
+            send(pid, Signal::SIGKILL);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.get(s.rfind(')')? + 2..)
+                .and_then(|r| r.split_whitespace().next())
+                .map(|st| st == "Z" || st == "X")
+        })
+        .unwrap_or(true)
+}
+
+/// SIGKILL every process of the sandbox except its init and the agent.
+async fn kill_user_processes(meta: &Meta) {
+    let init = meta.init.pid;
+    let agent = descendants(init)
+        .into_iter()
+        .filter(|p| parent_of(*p) == Some(init))
+        .min_by_key(|p| launch::process_start_time(*p).unwrap_or(u64::MAX));
+    for _ in 0..100 {
+        let victims: Vec<i32> = sandbox_pids(meta)
+            .into_iter()
+            .filter(|p| *p != init && Some(*p) != agent && !is_zombie(*p))
+            .collect();
+        if victims.is_empty() {
+            return;
+        }
+        for p in victims {
+            send(p, nix::sys::signal::Signal::SIGKILL);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Map file ownership from one sandbox's id range to another's.
+pub struct Shift {
+    pub from_uid: u32,
+    pub from_gid: u32,
+    pub to_uid: u32,
+    pub to_gid: u32,
+    pub count: u32,
+}
+
+impl Shift {
+    fn uid(&self, u: u32) -> u32 {
+        match u.checked_sub(self.from_uid) {
+            Some(off) if off < self.count => self.to_uid.saturating_add(off),
+            _ => self.to_uid,
+        }
+    }
+    fn gid(&self, g: u32) -> u32 {
+        match g.checked_sub(self.from_gid) {
+            Some(off) if off < self.count => self.to_gid.saturating_add(off),
+            _ => self.to_gid,
+        }
+    }
+}
+
+/// Recursive copy keeping modes, symlinks, ownership (shifted) and mtimes.
+/// Sockets, fifos and devices are skipped.
+pub fn copy_tree(src: &Path, dst: &Path, shift: &Shift) -> std::io::Result<()> {
+    let rd = match std::fs::read_dir(src) {
+        Ok(r) => r,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in rd {
+        let e = e?;
+        let from = e.path();
+        let to = dst.join(e.file_name());
+        let md = std::fs::symlink_metadata(&from)?;
+        let ft = md.file_type();
+        if ft.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
+        } else if ft.is_dir() {
+            std::fs::create_dir(&to)?;
+            copy_tree(&from, &to, shift)?;
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
+        } else if ft.is_file() {
+            std::fs::copy(&from, &to)?;
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
+            if let Ok(mtime) = md.modified()
+                && let Ok(f) = std::fs::File::options().write(true).open(&to)
+            {
+                let _ = f.set_modified(mtime);
+            }
+        } else {
+            continue;
+        }
+        std::os::unix::fs::lchown(&to, Some(shift.uid(md.uid())), Some(shift.gid(md.gid())))?;
+    }
+    Ok(())
+}
+
+/// Remove everything inside a directory, keeping the directory.
+pub fn clear_dir(dir: &Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_type()?.is_dir() {
+            std::fs::remove_dir_all(e.path())?;
+        } else {
+            std::fs::remove_file(e.path())?;
+        }
+    }
+    Ok(())
+}

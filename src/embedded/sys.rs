@@ -1,0 +1,94 @@
+//! The few system calls that need `unsafe`: all of them live here, each with
+//! its safety argument. Everything else goes through `nix`'s safe wrappers.
+#![allow(unsafe_code)]
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::process::Command;
+
+use nix::unistd::{ForkResult, Pid};
+
+/// Which side of a fork we are on.
+pub enum Forked {
+    Parent(Pid),
+    Child,
+}
+
+/// `fork(2)`.
+///
+/// Callers must be single-threaded (the sandbox launcher runs before any
+/// runtime or thread is started), so the child may run arbitrary code.
+pub fn fork_single_threaded() -> nix::Result<Forked> {
+    // SAFETY: only called from the launcher, which has not started a thread:
+    // the child inherits a consistent copy of the whole (single-threaded)
+    // process, so it may allocate and run ordinary Rust code.
+    match unsafe { nix::unistd::fork() }? {
+        ForkResult::Parent { child } => Ok(Forked::Parent(child)),
+        ForkResult::Child => Ok(Forked::Child),
+    }
+}
+
+/// Make the spawned process a session leader whose controlling terminal is
+/// its stdin (the PTY slave).
+pub fn setsid_with_controlling_tty(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs between fork and exec in the child and only
+    // calls async-signal-safe functions (setsid, ioctl) on fd 0, which the
+    // Command has already set to the PTY slave.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY as _, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `TIOCSWINSZ` on a PTY master.
+pub fn set_winsize(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> std::io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: fd is a valid open descriptor for the duration of the borrow and
+    // `ws` is a properly initialised winsize that outlives the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Bring the loopback interface up in the current network namespace.
+pub fn loopback_up() -> std::io::Result<()> {
+    let sock = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Inet,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    // SAFETY: ifreq is plain old data; zeroed is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: valid socket fd and a valid, initialised ifreq for both ioctls;
+    // ifru_flags is the union member SIOCGIFFLAGS/SIOCSIFFLAGS use.
+    unsafe {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,20 @@
+//! cube-adapter: an appliance between AI coding agents and CubeSandbox.
+//!
+//! This library holds everything; `main.rs` only parses the command line.
+
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::await_holding_lock
+)]
+// Handlers return `Result<_, Response>` to short-circuit with a ready answer.
+#![allow(clippy::result_large_err)]
+
+pub mod cube;
+pub mod embedded;
+pub mod server;
+pub mod standalone;
+pub mod telemetry;
+pub mod tls;

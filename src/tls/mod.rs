@@ -1,0 +1,273 @@
+//! TLS: the appliance's local CA (rcgen), server and client leaf
+//! certificates, and rustls configurations built on one crypto provider
+//! (ring) for the whole process.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use rustls::crypto::CryptoProvider;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::Digest;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+    #[error("certificate generation: {0}")]
+    Gen(#[from] rcgen::Error),
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("{0}")]
+    Pem(String),
+}
+
+/// The one crypto provider of this process.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Install ring as the process default (first thing in `main`).
+pub fn install_default_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TlsError {
+    let w = what.into();
+    move |e| TlsError::Io(w, e)
+}
+
+/// Write a file with the given mode, atomically (tmp + rename).
+pub fn write_private(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(io(format!("write {}", tmp.display())))?;
+    f.write_all(data)
+        .map_err(io(format!("write {}", tmp.display())))?;
+    f.sync_all()
+        .map_err(io(format!("sync {}", tmp.display())))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
+    std::fs::rename(&tmp, path).map_err(io(format!("rename to {}", path.display())))
+}
+
+/// The local certificate authority kept in a directory: `ca.pem` (public)
+/// and `ca.key` (0600).
+pub struct LocalCa {
+    key: KeyPair,
+    params: CertificateParams,
+    pub cert_pem: String,
+    pub dir: PathBuf,
+}
+
+fn ca_params() -> Result<CertificateParams, TlsError> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, "cube-adapter local CA");
+    dn.push(DnType::OrganizationName, "cube-adapter");
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::days(1);
+    p.not_after = now + time::Duration::days(3650);
+    Ok(p)
+}
+
+impl LocalCa {
+    /// Load the CA from `dir`, or create it on first use.
+    pub fn load_or_create(dir: &Path) -> Result<Self, TlsError> {
+        std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
+        if cert_path.exists() && key_path.exists() {
+            let key_pem = std::fs::read_to_string(&key_path)
+                .map_err(io(format!("read {}", key_path.display())))?;
+            let cert_pem = std::fs::read_to_string(&cert_path)
+                .map_err(io(format!("read {}", cert_path.display())))?;
+            let key = KeyPair::from_pem(&key_pem)?;
+            return Ok(Self {
+                key,
+                params: ca_params()?,
+                cert_pem,
+                dir: dir.to_path_buf(),
+            });
+        }
+        let key = KeyPair::generate()?;
+        let params = ca_params()?;
+        let cert = params.self_signed(&key)?;
+        write_private(&key_path, key.serialize_pem().as_bytes(), 0o600)?;
+        write_private(&cert_path, cert.pem().as_bytes(), 0o644)?;
+        Ok(Self {
+            key,
+            params,
+            cert_pem: cert.pem(),
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// SHA-256 fingerprint of the CA certificate (`AA:BB:…`).
+    pub fn fingerprint(&self) -> String {
+        let der = CertificateDer::from_pem_slice(self.cert_pem.as_bytes())
+            .map(|d| d.to_vec())
+            .unwrap_or_default();
+        let d = sha2::Sha256::digest(&der);
+        d.iter()
+            .map(|b| format!("{b:02X}"))
+            .collect::<Vec<_>>()
+            .join(":")
+    }
+
+    fn issue(
+        &self,
+        cn: &str,
+        sans: &[String],
+        server: bool,
+        days: i64,
+    ) -> Result<(String, String), TlsError> {
+        let mut p = CertificateParams::new(Vec::<String>::new())?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, cn);
+        p.distinguished_name = dn;
+        for s in sans {
+            p.subject_alt_names
+                .push(match s.parse::<std::net::IpAddr>() {
+                    Ok(ip) => SanType::IpAddress(ip),
+                    Err(_) => SanType::DnsName(s.clone().try_into()?),
+                });
+        }
+        p.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        p.extended_key_usages = vec![if server {
+            ExtendedKeyUsagePurpose::ServerAuth
+        } else {
+            ExtendedKeyUsagePurpose::ClientAuth
+        }];
+        let now = time::OffsetDateTime::now_utc();
+        p.not_before = now - time::Duration::hours(1);
+        p.not_after = now + time::Duration::days(days);
+        let key = KeyPair::generate()?;
+        let issuer = Issuer::from_params(&self.params, &self.key);
+        let cert = p.signed_by(&key, &issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+
+    /// A server certificate for `names` (DNS names and IP addresses).
+    pub fn issue_server(&self, names: &[String]) -> Result<(String, String), TlsError> {
+        let cn = names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "cube-adapter".into());
+        self.issue(&cn, names, true, 397)
+    }
+
+    /// A client certificate (for mTLS) with common name `cn`.
+    pub fn issue_client(&self, cn: &str) -> Result<(String, String), TlsError> {
+        self.issue(cn, &[], false, 397)
+    }
+
+    /// Issue (or reuse) `<name>.pem` / `<name>.key` in the CA's directory.
+    pub fn leaf_files(
+        &self,
+        name: &str,
+        server_names: Option<&[String]>,
+    ) -> Result<(PathBuf, PathBuf), TlsError> {
+        let cert = self.dir.join(format!("{name}.pem"));
+        let key = self.dir.join(format!("{name}.key"));
+        if !(cert.exists() && key.exists()) {
+            let (c, k) = match server_names {
+                Some(n) => self.issue_server(n)?,
+                None => self.issue_client(name)?,
+            };
+            write_private(&key, k.as_bytes(), 0o600)?;
+            write_private(&cert, c.as_bytes(), 0o644)?;
+        }
+        Ok((cert, key))
+    }
+}
+
+pub fn parse_certs(pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(pem).collect();
+    let certs = certs.map_err(|e| TlsError::Pem(format!("invalid certificate PEM: {e}")))?;
+    if certs.is_empty() {
+        return Err(TlsError::Pem("no certificate found in PEM".into()));
+    }
+    Ok(certs)
+}
+
+pub fn parse_key(pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem)
+        .map_err(|e| TlsError::Pem(format!("invalid private key PEM: {e}")))
+}
+
+fn roots(ca_pem: &[u8]) -> Result<rustls::RootCertStore, TlsError> {
+    let mut store = rustls::RootCertStore::empty();
+    for c in parse_certs(ca_pem)? {
+        store.add(c)?;
+    }
+    Ok(store)
+}
+
+/// Server config: TLS 1.2+, HTTP/1.1; with `client_ca`, client
+/// certificates signed by it are required (mTLS).
+pub fn server_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    client_ca: Option<&[u8]>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        Some(ca) => {
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots(ca)?),
+                provider(),
+            )
+            .build()
+            .map_err(|e| TlsError::Pem(format!("client verifier: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder.with_single_cert(parse_certs(cert_pem)?, parse_key(key_pem)?)?;
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// Client config trusting `ca_pem` (or nothing), optionally presenting a
+/// client certificate.
+pub fn client_config(
+    ca_pem: Option<&[u8]>,
+    identity: Option<(&[u8], &[u8])>,
+) -> Result<rustls::ClientConfig, TlsError> {
+    let store = match ca_pem {
+        Some(ca) => roots(ca)?,
+        None => rustls::RootCertStore::empty(),
+    };
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(store);
+    let mut cfg = match identity {
+        Some((cert, key)) => builder.with_client_auth_cert(parse_certs(cert)?, parse_key(key)?)?,
+        None => builder.with_no_client_auth(),
+    };
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}

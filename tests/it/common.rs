@@ -1,0 +1,154 @@
+//! Test kit: an embedded backend served over mTLS on 127.0.0.1:0, and a
+//! `CubeClient` configured with the generated CA and client certificate.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cube_adapter::cube::wire::CreateSandbox;
+use cube_adapter::cube::{BackendConfig, CubeClient, SandboxAddr, Secret};
+use cube_adapter::embedded::{Backend, Isolation, Limits, Settings};
+use tempfile::TempDir;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_cube-adapter");
+
+pub struct TestBackend {
+    pub dir: TempDir,
+    pub url: String,
+    pub backend: Backend,
+    pub client: CubeClient,
+    pub ca_pem: Vec<u8>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    reaper: tokio::task::JoinHandle<()>,
+}
+
+pub fn settings(dir: &std::path::Path) -> Settings {
+    Settings {
+        state_dir: dir.join("embedded"),
+        isolation: Isolation::Namespaces,
+        templates: vec![],
+        limits: Limits::default(),
+        cpus: 1.0,
+        domain: "cube.test".into(),
+        launcher: PathBuf::from(BIN),
+        uid_base: cube_adapter::embedded::sandbox::DEFAULT_UID_BASE,
+        mask: vec![dir.to_path_buf()],
+        default_timeout: None,
+    }
+}
+
+impl TestBackend {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(tweak: impl FnOnce(&mut Settings)) -> Self {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = settings(dir.path());
+        tweak(&mut s);
+        let backend = Backend::open(s, None).unwrap();
+        let ca = cube_adapter::tls::LocalCa::load_or_create(&dir.path().join("tls")).unwrap();
+        let names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+        let (scert, skey) = ca.leaf_files("server", Some(&names)).unwrap();
+        let (ccert, ckey) = ca.leaf_files("client", None).unwrap();
+        let tls = cube_adapter::tls::server_config(
+            &std::fs::read(scert).unwrap(),
+            &std::fs::read(skey).unwrap(),
+            Some(ca.cert_pem.as_bytes()),
+        )
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let app = backend.router();
+        tokio::spawn(cube_adapter::server::serve(
+            listener,
+            app,
+            Some(Arc::new(tls)),
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        let reaper = backend.spawn_reaper();
+        let mut cfg = BackendConfig::new("test", url.clone());
+        cfg.domain = "cube.test".into();
+        cfg.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+        cfg.client_cert_pem = Some(std::fs::read(ccert).unwrap());
+        cfg.client_key_pem = Some(Secret::new(std::fs::read_to_string(ckey).unwrap()));
+        let client = CubeClient::new(cfg).unwrap();
+        Self {
+            dir,
+            url,
+            backend,
+            client,
+            ca_pem: ca.cert_pem.into_bytes(),
+            shutdown: Some(tx),
+            reaper,
+        }
+    }
+
+    /// Create a sandbox from the `host` template.
+    pub async fn sandbox(&self) -> SandboxAddr {
+        self.sandbox_with(CreateSandbox {
+            template_id: "host".into(),
+            ..Default::default()
+        })
+        .await
+    }
+
+    pub async fn sandbox_with(&self, req: CreateSandbox) -> SandboxAddr {
+        let s = self.client.create(&req).await.unwrap();
+        self.client.addr(&s)
+    }
+}
+
+impl Drop for TestBackend {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.reaper.abort();
+        // Sandboxes outlive the backend by design: end the ones a test left.
+        for d in std::fs::read_dir(self.dir.path().join("embedded/sandboxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(b) = std::fs::read(d.path().join("init.json"))
+                && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
+                && let Some(pid) = v.get("pid").and_then(|p| p.as_i64())
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Whether a host process is a zombie (dead, waiting for its parent).
+pub fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, r)| r.starts_with('Z') || r.starts_with('X'))
+        })
+        .unwrap_or(true)
+}
+
+/// Every live (non-zombie) host pid whose pid namespace is `ns`.
+pub fn pids_in_ns(ns: &std::path::Path) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
+        .filter(|p| {
+            std::fs::read_link(format!("/proc/{p}/ns/pid"))
+                .ok()
+                .as_deref()
+                == Some(ns)
+        })
+        .filter(|p| !is_zombie(*p))
+        .collect()
+}

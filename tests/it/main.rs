@@ -1,0 +1,15 @@
+//! The one integration-test binary: a module per area.
+//!
+//! Every test starts the real server in-process on 127.0.0.1:0 and talks to
+//! it over the wire; sandboxes are real namespaced process trees.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+mod embedded;
+mod sdk;

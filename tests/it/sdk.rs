@@ -1,0 +1,91 @@
+//! Protocol fidelity with a client nobody here wrote: the official Python
+//! SDK `cubesandbox==0.7.3`, unmodified, against the standalone backend.
+
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::common::BIN;
+
+const SDK: &str = "cubesandbox==0.7.3";
+
+/// A virtualenv with the SDK (created once, reused by later runs).
+fn sdk_python() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let venv = root.join("target/sdk-venv");
+    let py = venv.join("bin/python");
+    let installed = py.exists()
+        && Command::new(&py)
+            .args([
+                "-c",
+                "import importlib.metadata as m; assert m.version('cubesandbox') == '0.7.3'",
+            ])
+            .status()
+            .is_ok_and(|s| s.success());
+    if !installed {
+        let st = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .expect("python3 is needed for the SDK test");
+        assert!(
+            st.success(),
+            "python3 -m venv failed (install python3-venv)"
+        );
+        let st = Command::new(&py)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                SDK,
+            ])
+            .status()
+            .unwrap();
+        assert!(st.success(), "pip install {SDK} failed");
+    }
+    py
+}
+
+#[test]
+fn official_python_sdk_basic_flow() {
+    let py = sdk_python();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(BIN)
+        .args([
+            "embedded-backend",
+            "--listen",
+            "127.0.0.1:0",
+            "--plain-http",
+            "--state-dir",
+        ])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line.trim().rsplit(' ').next().unwrap().to_string();
+    assert!(url.starts_with("http://127.0.0.1:"), "{line}");
+    let port = url.rsplit(':').next().unwrap().to_string();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sdk_smoke.py");
+    let out = Command::new(&py)
+        .arg(&script)
+        .env("CUBE_API_URL", &url)
+        .env("CUBE_PROXY_NODE_IP", "127.0.0.1")
+        .env("CUBE_PROXY_PORT_HTTP", &port)
+        .env("CUBE_TEMPLATE_ID", "host")
+        .env_remove("CUBE_API_KEY")
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "SDK smoke test failed");
+    assert!(stdout.contains("sdk-smoke: all ok"));
+}
