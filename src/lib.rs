@@ -12,6 +12,7 @@
 // Handlers return `Result<_, Response>` to short-circuit with a ready answer.
 #![allow(clippy::result_large_err)]
 
+pub mod bench;
 pub mod cube;
 pub mod embedded;
 pub mod server;

@@ -27,7 +27,27 @@ enum IsolationArg {
 }
 
 #[derive(Subcommand)]
+enum BenchCommand {
+    /// The embedded backend through the cube client over mTLS: sandbox
+    /// create → exec → kill cycles and exec round-trips on a live sandbox.
+    Backend {
+        /// Create/exec/kill cycles to time.
+        #[arg(long, default_value_t = 100)]
+        cycles: usize,
+        /// Exec round-trips on one live sandbox.
+        #[arg(long, default_value_t = 1000)]
+        execs: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
+    /// Measure performance (prints p50/p90/p99/max; never a pass/fail test).
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Run the embedded CubeSandbox-compatible backend on its own.
     ///
     /// Speaks CubeAPI and (by Host, like CubeProxy) envd on one port. Sandboxes
@@ -89,6 +109,53 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cube_adapter::telemetry::init();
     match cli.command {
+        Command::Bench(BenchCommand::Backend {
+            cycles,
+            execs,
+            json,
+        }) => {
+            let launcher = match std::env::current_exe() {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("error: cannot find this executable: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let rt = match tokio::runtime::Runtime::new() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let opts = cube_adapter::bench::BackendBench {
+                cycles,
+                execs,
+                launcher,
+            };
+            match rt.block_on(cube_adapter::bench::backend(&opts)) {
+                Ok(report) => {
+                    println!("machine: {}", report.machine);
+                    for r in &report.results {
+                        println!("{}", r.line());
+                    }
+                    let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                    if let Some(path) = json {
+                        if let Err(e) = std::fs::write(&path, &text) {
+                            eprintln!("error: cannot write {}: {e}", path.display());
+                            return ExitCode::FAILURE;
+                        }
+                    } else {
+                        println!("{text}");
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::EmbeddedBackend {
             listen,
             state_dir,

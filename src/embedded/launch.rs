@@ -115,6 +115,7 @@ pub fn process_start_time(pid: i32) -> Option<u64> {
 /// Entry point of `cube-adapter __sandbox-launch DIR`. Must run before any
 /// thread is started. Returns the process exit code.
 pub fn launcher_main(dir: &Path) -> i32 {
+    sys::close_fds_from(3);
     match launch(dir) {
         Ok(()) => 0,
         Err(e) => {
@@ -152,6 +153,7 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
                 drop(go_r);
                 drop(go_w);
                 let _ = nix::unistd::setsid();
+                let _ = nix::sys::prctl::set_dumpable(false);
                 let env = agent_env(&spec, Some(dir));
                 signal_line(&ready_w, "ready");
                 drop(ready_w);
@@ -304,7 +306,6 @@ fn unshare_child(
         tmp: opath(&dir.join("state/tmp"))?,
         home: opath(&dir.join("state/home"))?,
     };
-    let fds = &dirs;
     signal_line(ready, "unshared");
     let line = read_line(go)?;
     anyhow::ensure!(line == "mapped", "launcher did not map ids");
@@ -321,15 +322,26 @@ fn unshare_child(
             Ok(())
         }
         Forked::Child => {
-            let code = match init_setup(spec, fds) {
+            let setup = init_setup(spec, &dirs);
+            // The descriptors reach outside the sandbox: close them, and make
+            // the init and the agent non-dumpable so the sandbox's processes
+            // (same uid) can neither trace them nor open /proc/PID/fd.
+            drop(dirs);
+            let _ = nix::sys::prctl::set_dumpable(false);
+            let code = match setup {
                 Ok(()) => match sys::fork_single_threaded() {
                     Ok(Forked::Child) => {
                         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+                        // This process never returns to the owners of these.
+                        sys::close_inherited(ready);
+                        sys::close_inherited(go);
                         run_agent(listener, agent_env(spec, None))
                     }
                     Ok(Forked::Parent(agent)) => {
                         drop(listener);
                         signal_line(ready, "ready");
+                        sys::close_inherited(ready);
+                        sys::close_inherited(go);
                         reap_forever(agent)
                     }
                     Err(e) => {

@@ -286,7 +286,7 @@ impl Manager {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             match meta {
-                Some(m) if launch::process_start_time(m.init.pid) == Some(m.init.start_time) => {
+                Some(m) if init_alive(&m) => {
                     tracing::info!(sandbox = %short(&m.id), "re-adopted running sandbox");
                     if let Ok(mut map) = self.entries.lock() {
                         map.insert(
@@ -457,17 +457,14 @@ impl Manager {
         let slot_guard = self.snap_lock.lock().await; // serialise slot allocation
         let slot = self.next_slot();
         let (host_uid, host_gid, id_count) = self.ids_for_slot(slot);
-        let groups = if self.settings.isolation == Isolation::Namespaces {
-            Groups::create(
-                &self.cgroups,
-                &id,
-                &self.settings.limits,
-                self.settings.cpus,
-            )
-            .map_err(|e| internal("create cgroup", e))?
-        } else {
-            Groups::default()
-        };
+        // cgroups also track an unisolated sandbox's orphans, so kill finds them.
+        let groups = Groups::create(
+            &self.cgroups,
+            &id,
+            &self.settings.limits,
+            self.settings.cpus,
+        )
+        .map_err(|e| internal("create cgroup", e))?;
         let spec = LaunchSpec {
             id: id.clone(),
             hostname: format!("cube-{}", short(&id)),
@@ -1063,7 +1060,7 @@ impl Manager {
             if m.init.pid == 0 {
                 continue;
             }
-            let dead = launch::process_start_time(m.init.pid) != Some(m.init.start_time);
+            let dead = !init_alive(&m);
             let due = m.end_at.is_some_and(|t| t <= now);
             if dead {
                 tracing::warn!(sandbox = %short(&m.id), "sandbox init exited; removing the sandbox");
@@ -1103,6 +1100,12 @@ fn num_cpus() -> u32 {
     std::thread::available_parallelism()
         .map(|n| n.get() as u32)
         .unwrap_or(1)
+}
+
+/// Whether the sandbox's init still runs (same pid and start time, not a
+/// zombie waiting to be reaped).
+fn init_alive(m: &Meta) -> bool {
+    launch::process_start_time(m.init.pid) == Some(m.init.start_time) && !is_zombie(m.init.pid)
 }
 
 /// The pid namespace of a host process.
@@ -1206,7 +1209,9 @@ async fn terminate(meta: &Meta) {
             send(*pid, Signal::SIGCONT);
         }
     }
-    for _ in 0..500 {
+    let mut pause = Duration::from_micros(500);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline {
         // The init dies last: the kernel ends every other process of its
         // pid namespace before the init itself becomes a zombie.
         let init_alive = launch::process_start_time(meta.init.pid) == Some(meta.init.start_time)
@@ -1221,7 +1226,8 @@ async fn terminate(meta: &Meta) {
         for pid in sandbox_pids(meta) {
             send(pid, Signal::SIGKILL);
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
     }
 }
 

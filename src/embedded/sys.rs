@@ -92,3 +92,35 @@ pub fn loopback_up() -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Close a descriptor this process inherited but whose owner (a stack frame
+/// of the forked parent) will never run its destructor here: the caller
+/// never returns (it serves or reaps until `exit`).
+pub fn close_inherited(fd: &std::os::fd::OwnedFd) {
+    // SAFETY: the owning `OwnedFd` is never dropped in this process (the
+    // caller ends with `std::process::exit`), so no double close happens.
+    unsafe {
+        libc::close(fd.as_raw_fd());
+    }
+}
+
+/// Close every descriptor from `first` up: the launcher must not pass
+/// whatever its parent leaked (e.g. a shell's job-control pipes) into a
+/// sandbox. Runs single-threaded at process start.
+pub fn close_fds_from(first: i32) {
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse().ok()))
+                .filter(|fd| *fd >= first)
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in fds {
+        // SAFETY: single-threaded process start; nothing owns these
+        // descriptors yet (the read_dir handle is already closed).
+        unsafe {
+            libc::close(fd);
+        }
+    }
+}

@@ -904,3 +904,184 @@ fn secrets_are_not_printed() {
     cfg.api_key = Some(cube_adapter::cube::Secret::new("sk-very-secret"));
     assert!(!format!("{cfg:?}").contains("sk-very-secret"));
 }
+
+#[tokio::test]
+async fn connect_timeout_kills_the_process() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    let o = StartOptions {
+        timeout: Some(Duration::from_millis(500)),
+        ..sh("echo before; sleep 30; echo after")
+    };
+    let out = t.client.run(&sb, &o, MB).await.unwrap();
+    assert_eq!(out.stdout, b"before\n");
+    assert_eq!(out.status, "signal: killed");
+    assert_eq!(out.exit_code, 137);
+    t.client.kill(&sb.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn limits_hold_inside_the_sandbox() {
+    let t = TestBackend::start_with(|s| {
+        s.limits.max_processes = 64;
+        s.limits.memory_mb = 64;
+    })
+    .await;
+    let sb = t.sandbox().await;
+    // More processes than allowed: forks fail, the sandbox survives.
+    let fork = r#"perl -e 'my $ok = 0; for (1..150) { my $p = fork(); next unless defined $p; if ($p == 0) { sleep 2; exit 0 } $ok++ } print "$ok\n"; 1 while wait() > 0'"#;
+    let out = t.client.run(&sb, &sh(fork), MB).await.unwrap();
+    let forked: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(
+        (8..64).contains(&forked),
+        "{forked} forks succeeded under a limit of 64"
+    );
+    assert_eq!(
+        t.client
+            .run(&sb, &sh("echo alive"), MB)
+            .await
+            .unwrap()
+            .stdout,
+        b"alive\n"
+    );
+    // Allocating past the memory limit fails or is killed; the sandbox lives on.
+    let alloc = r#"perl -e '$x = "a" x (200*1024*1024); print "allocated\n"'; echo rc=$?"#;
+    let out = t.client.run(&sb, &sh(alloc), MB).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !text.contains("allocated") && !text.contains("rc=0"),
+        "a 200 MB allocation succeeded under a 64 MB limit: {text}"
+    );
+    assert_eq!(
+        t.client
+            .run(&sb, &sh("echo alive"), MB)
+            .await
+            .unwrap()
+            .stdout,
+        b"alive\n"
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
+
+#[tokio::test]
+async fn sandboxes_outlive_a_backend_restart() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    t.client
+        .upload(&sb, "/workspace/keep.txt", b"kept".to_vec())
+        .await
+        .unwrap();
+    let bg = t.client.start(&sb, &sh("sleep 600")).await.unwrap();
+    let pid = bg.pid;
+    drop(bg);
+    let state = t.dir.path().to_path_buf();
+
+    // A second backend on the same state directory (as after a restart):
+    // it re-adopts the sandbox, whose processes kept running.
+    let settings = crate::common::settings(&state);
+    let again = cube_adapter::embedded::Backend::open(settings, None).unwrap();
+    assert_eq!(again.manager.count(), 1);
+    let d = again.manager.detail(&sb.id).unwrap();
+    assert_eq!(d.state, "running");
+    // Through the first server, which still shares the sandbox's socket.
+    assert_eq!(
+        t.client
+            .download(&sb, "/workspace/keep.txt", MB)
+            .await
+            .unwrap(),
+        b"kept"
+    );
+    assert!(
+        t.client
+            .list_processes(&sb)
+            .await
+            .unwrap()
+            .iter()
+            .any(|p| p.pid == pid)
+    );
+    again.manager.kill(&sb.id).await.unwrap();
+    assert_eq!(again.manager.count(), 0);
+    // A sandbox that died while no backend ran is cleaned up at start.
+    let sb2 = t.sandbox().await;
+    let init = t.backend.manager.init_pid(&sb2.id).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(init),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    while std::fs::read_to_string(format!("/proc/{init}/stat")).is_ok_and(|s| !s.contains(") Z")) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let third =
+        cube_adapter::embedded::Backend::open(crate::common::settings(&state), None).unwrap();
+    assert!(third.manager.detail(&sb2.id).is_err());
+    assert!(!state.join("embedded/sandboxes").join(&sb2.id).exists());
+}
+
+#[tokio::test]
+async fn isolation_none_runs_unisolated_and_says_so() {
+    let t =
+        TestBackend::start_with(|s| s.isolation = cube_adapter::embedded::Isolation::None).await;
+    let sb = t.sandbox().await;
+    let d = t.client.get(&sb.id).await.unwrap();
+    assert_eq!(
+        d.metadata.get("cube-adapter.isolation").map(String::as_str),
+        Some("none")
+    );
+    t.client
+        .upload(&sb, "/workspace/f.txt", b"plain".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(
+        t.client
+            .download(&sb, "/workspace/f.txt", MB)
+            .await
+            .unwrap(),
+        b"plain"
+    );
+    let out = t
+        .client
+        .run(&sb, &sh("cat f.txt; echo $TMPDIR"), MB)
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("plain/"), "{text}");
+    assert!(text.contains(&sb.id), "TMPDIR is the sandbox's own: {text}");
+    let out = t
+        .client
+        .run(&sb, &sh("sleep 600 & echo $!"), MB)
+        .await
+        .unwrap();
+    let child: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert!(std::path::Path::new(&format!("/proc/{child}")).exists());
+    t.client.kill(&sb.id).await.unwrap();
+    let alive =
+        std::fs::read_to_string(format!("/proc/{child}/stat")).is_ok_and(|s| !s.contains(") Z"));
+    assert!(
+        !alive,
+        "kill left a process of the unisolated sandbox running"
+    );
+}
+
+#[tokio::test]
+async fn sandbox_processes_hold_nothing_from_outside() {
+    let t = TestBackend::start().await;
+    // Leak a descriptor without close-on-exec into the backend's process,
+    // as a careless parent would: no sandbox process may inherit it.
+    let leaked = nix::fcntl::open(
+        "/",
+        nix::fcntl::OFlag::O_PATH,
+        nix::sys::stat::Mode::empty(),
+    )
+    .unwrap();
+    let sb = t.sandbox().await;
+    let out = t
+        .client
+        .run(&sb, &sh("ls /proc/self/fd | sort -n | tr '\\n' ' '; ls /proc/1/fd /proc/2/fd /proc/1/root 2>&1 | grep -c 'Permission denied'"), MB)
+        .await
+        .unwrap();
+    // 0-2 are the pipes, 3 is ls's own directory handle.
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "0 1 2 3 3\n");
+    drop(leaked);
+    t.client.kill(&sb.id).await.unwrap();
+}

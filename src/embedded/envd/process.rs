@@ -204,6 +204,9 @@ impl Processes {
 
     fn resolve_cwd(&self, cwd: Option<&str>, user: &User) -> Result<PathBuf, RpcError> {
         let p = match cwd {
+            // Unisolated sandboxes have no /workspace of their own on the
+            // host's paths: start where their files are.
+            None | Some("") if self.env.run_as_self => PathBuf::from("/workspace"),
             None | Some("") => user.home.clone(),
             Some(c) => expand_user_path(c, user),
         };

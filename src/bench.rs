@@ -1,0 +1,232 @@
+//! `cube-adapter bench …`: repeatable measurements (never assertions).
+//!
+//! `bench backend` starts the embedded backend in-process on 127.0.0.1:0 with
+//! mTLS, exactly as `serve` will use it, and drives it with the `cube/`
+//! client: sandbox create → exec → kill cycles, and exec round-trips on a
+//! live sandbox.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::cube::wire::CreateSandbox;
+use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
+use crate::embedded::{Backend, Isolation, Limits, Settings};
+
+/// Latency summary of one measured step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub name: String,
+    pub n: usize,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub mean_ms: f64,
+    pub per_second: f64,
+}
+
+impl Summary {
+    pub fn of(name: &str, samples: &[Duration]) -> Self {
+        let mut v: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| -> f64 {
+            if v.is_empty() {
+                return 0.0;
+            }
+            let idx = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+            v.get(idx).copied().unwrap_or(0.0)
+        };
+        let total: f64 = v.iter().sum();
+        let mean = if v.is_empty() {
+            0.0
+        } else {
+            total / v.len() as f64
+        };
+        Self {
+            name: name.into(),
+            n: v.len(),
+            p50_ms: q(0.50),
+            p90_ms: q(0.90),
+            p99_ms: q(0.99),
+            max_ms: v.last().copied().unwrap_or(0.0),
+            mean_ms: mean,
+            per_second: if mean > 0.0 { 1000.0 / mean } else { 0.0 },
+        }
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "{:<34} n={:<5} p50={:>8.3} ms  p90={:>8.3} ms  p99={:>8.3} ms  max={:>8.3} ms  ({:.0}/s sequential)",
+            self.name, self.n, self.p50_ms, self.p90_ms, self.p99_ms, self.max_ms, self.per_second
+        )
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub machine: String,
+    pub results: Vec<Summary>,
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!("{cpus} CPUs ({model}), Linux {}", kernel.trim())
+}
+
+/// Options of `bench backend`.
+#[derive(Debug, Clone)]
+pub struct BackendBench {
+    pub cycles: usize,
+    pub execs: usize,
+    pub launcher: PathBuf,
+}
+
+/// Run the backend benchmark and return its report.
+pub async fn backend(o: &BackendBench) -> anyhow::Result<Report> {
+    let dir = std::env::temp_dir().join(format!("cube-bench-{:016x}", rand::random::<u64>()));
+    std::fs::create_dir_all(&dir)?;
+    let result = backend_in(o, &dir).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<Report> {
+    let settings = Settings {
+        state_dir: dir.join("embedded"),
+        isolation: Isolation::Namespaces,
+        templates: vec![],
+        limits: Limits::default(),
+        cpus: 0.0,
+        domain: "cube.bench".into(),
+        launcher: o.launcher.clone(),
+        uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
+        mask: vec![dir.to_path_buf()],
+        default_timeout: None,
+    };
+    let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;
+    let ca = crate::tls::LocalCa::load_or_create(&dir.join("tls"))?;
+    let (scert, skey) = ca.leaf_files("server", Some(&["127.0.0.1".to_string()]))?;
+    let (ccert, ckey) = ca.leaf_files("client", None)?;
+    let tls = crate::tls::server_config(
+        &std::fs::read(scert)?,
+        &std::fs::read(skey)?,
+        Some(ca.cert_pem.as_bytes()),
+    )?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("https://{}", listener.local_addr()?);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(crate::server::serve(
+        listener,
+        backend.router(),
+        Some(Arc::new(tls)),
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    let mut cfg = BackendConfig::new("bench", url);
+    cfg.domain = "cube.bench".into();
+    cfg.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+    cfg.client_cert_pem = Some(std::fs::read(ccert)?);
+    cfg.client_key_pem = Some(Secret::new(std::fs::read_to_string(ckey)?));
+    let client = CubeClient::new(cfg)?;
+    let req = CreateSandbox {
+        template_id: "host".into(),
+        ..Default::default()
+    };
+    let direct_true = StartOptions {
+        cmd: "/bin/true".into(),
+        ..Default::default()
+    };
+    let shell_true = StartOptions::shell("true");
+
+    // Warm-up: first sandbox, first connections.
+    let s = client.create(&req).await?;
+    let sb = client.addr(&s);
+    for _ in 0..20 {
+        client.run(&sb, &direct_true, 1024).await?;
+    }
+    client.kill(&sb.id).await?;
+
+    let (mut create, mut exec, mut kill, mut cycle) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..o.cycles {
+        let t0 = Instant::now();
+        let s = client.create(&req).await?;
+        let t1 = Instant::now();
+        let sb = client.addr(&s);
+        let out = client.run(&sb, &direct_true, 1024).await?;
+        anyhow::ensure!(out.exit_code == 0, "exec true failed: {out:?}");
+        let t2 = Instant::now();
+        client.kill(&sb.id).await?;
+        let t3 = Instant::now();
+        create.push(t1 - t0);
+        exec.push(t2 - t1);
+        kill.push(t3 - t2);
+        cycle.push(t3 - t0);
+    }
+
+    let s = client.create(&req).await?;
+    let sb = client.addr(&s);
+    let (mut rt_direct, mut rt_shell, mut rt_stat) = (vec![], vec![], vec![]);
+    for _ in 0..o.execs {
+        let t = Instant::now();
+        client.run(&sb, &direct_true, 1024).await?;
+        rt_direct.push(t.elapsed());
+    }
+    for _ in 0..o.execs.div_ceil(5) {
+        let t = Instant::now();
+        client.run(&sb, &shell_true, 1024).await?;
+        rt_shell.push(t.elapsed());
+    }
+    for _ in 0..o.execs {
+        let t = Instant::now();
+        client.stat(&sb, "/workspace").await?;
+        rt_stat.push(t.elapsed());
+    }
+    client.kill(&sb.id).await?;
+    let _ = tx.send(());
+    let _ = server.await;
+
+    Ok(Report {
+        scenario: "backend".into(),
+        machine: machine(),
+        results: vec![
+            Summary::of("sandbox create", &create),
+            Summary::of("first exec /bin/true (new sandbox)", &exec),
+            Summary::of("sandbox kill", &kill),
+            Summary::of("create + exec + kill cycle", &cycle),
+            Summary::of("exec /bin/true (live sandbox)", &rt_direct),
+            Summary::of("exec bash -l -c true (live)", &rt_shell),
+            Summary::of("filesystem Stat (unary RPC)", &rt_stat),
+        ],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles() {
+        let v: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        let s = Summary::of("x", &v);
+        assert_eq!(s.p50_ms, 50.0);
+        assert_eq!(s.p99_ms, 99.0);
+        assert_eq!(s.max_ms, 100.0);
+        assert_eq!(Summary::of("empty", &[]).n, 0);
+    }
+}
