@@ -618,6 +618,29 @@ async fn timeout_kills_and_pause_freezes() {
     }
     assert!(gone, "the sandbox outlived its timeout");
 
+    // With `onTimeout: pause` the timeout pauses instead.
+    let sb = t
+        .sandbox_with(CreateSandbox {
+            template_id: "host".into(),
+            timeout: Some(1),
+            lifecycle: Some(cube_adapter::cube::wire::Lifecycle {
+                on_timeout: Some("pause".into()),
+                auto_resume: None,
+            }),
+            ..Default::default()
+        })
+        .await;
+    let mut paused = false;
+    for _ in 0..100 {
+        if t.client.get(&sb.id).await.unwrap().state == "paused" {
+            paused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(paused, "onTimeout=pause did not pause");
+    t.client.kill(&sb.id).await.unwrap();
+
     // Pause: the data plane answers unavailable; resume brings it back.
     let sb = t.sandbox().await;
     t.client
@@ -1084,4 +1107,87 @@ async fn sandbox_processes_hold_nothing_from_outside() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "0 1 2 3 3\n");
     drop(leaked);
     t.client.kill(&sb.id).await.unwrap();
+}
+
+/// `unshare -Ur` repeated `n` times, then `rest`.
+fn nested_userns(n: usize, rest: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new("unshare");
+    c.arg("-Ur");
+    for _ in 1..n {
+        c.args(["unshare", "-Ur"]);
+    }
+    c.args(rest);
+    c
+}
+
+#[test]
+fn refuses_to_start_without_namespaces_unless_isolation_none() {
+    // Find the nesting depth at which the kernel refuses a new user
+    // namespace (its limit is 32 levels): there namespaces cannot be created.
+    let depth = (1..64)
+        .find(|n| {
+            !nested_userns(*n, &["true"])
+                .output()
+                .unwrap()
+                .status
+                .success()
+        })
+        .expect("the kernel limits user namespace nesting")
+        - 1;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().to_str().unwrap();
+    let bin = crate::common::BIN;
+    let out = nested_userns(
+        depth,
+        &[
+            bin,
+            "embedded-backend",
+            "--listen",
+            "127.0.0.1:0",
+            "--plain-http",
+            "--state-dir",
+            state,
+        ],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot create user, mount, pid, ipc, uts and network namespaces"),
+        "{err}"
+    );
+    assert!(
+        err.contains("isolation"),
+        "the error says how to run anyway: {err}"
+    );
+
+    // With isolation = none it starts (and says where it listens).
+    let mut child = nested_userns(
+        depth,
+        &[
+            bin,
+            "embedded-backend",
+            "--listen",
+            "127.0.0.1:0",
+            "--plain-http",
+            "--isolation",
+            "none",
+            "--state-dir",
+            state,
+        ],
+    )
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(line.contains("listening on http://127.0.0.1:"), "{line}");
 }
