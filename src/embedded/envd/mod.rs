@@ -86,7 +86,6 @@ fn event_stream(att: Attached, keepalive: Duration) -> Response {
     enum Phase {
         Start,
         Events,
-        Done,
         Finished,
     }
     let Attached { pid, events } = att;
@@ -106,17 +105,19 @@ fn event_stream(att: Attached, keepalive: Duration) -> Response {
                         });
                         Some((e, (Phase::Events, rx)))
                     }
-                    Ok(Some(ev)) => {
-                        let next = if matches!(ev, ProcessEvent::End(_)) {
-                            Phase::Done
-                        } else {
-                            Phase::Events
-                        };
-                        Some((
-                            wire::json_envelope(&EventEnvelope { event: ev }),
-                            (next, rx),
-                        ))
+                    Ok(Some(ProcessEvent::End(end))) => {
+                        // `end` and the end-stream message leave together.
+                        let mut b = bytes::BytesMut::new();
+                        b.extend_from_slice(&wire::json_envelope(&EventEnvelope {
+                            event: ProcessEvent::End(end),
+                        }));
+                        b.extend_from_slice(&wire::end_stream_envelope(None));
+                        Some((b.freeze(), (Phase::Finished, rx)))
                     }
+                    Ok(Some(ev)) => Some((
+                        wire::json_envelope(&EventEnvelope { event: ev }),
+                        (Phase::Events, rx),
+                    )),
                     Ok(None) => {
                         let err = RpcError::new(
                             "unavailable",
@@ -126,7 +127,6 @@ fn event_stream(att: Attached, keepalive: Duration) -> Response {
                         Some((wire::end_stream_envelope(Some(err)), (Phase::Finished, rx)))
                     }
                 },
-                Phase::Done => Some((wire::end_stream_envelope(None), (Phase::Finished, rx))),
                 Phase::Finished => None,
             }
         });
