@@ -12,10 +12,19 @@
 // Handlers return `Result<_, Response>` to short-circuit with a ready answer.
 #![allow(clippy::result_large_err)]
 
+pub mod admin;
+pub mod api;
+pub mod app;
+pub mod audit;
+pub mod auth;
 pub mod bench;
+pub mod broker;
+pub mod cli;
+pub mod config;
 pub mod cube;
 pub mod embedded;
 pub mod server;
 pub mod standalone;
+pub mod store;
 pub mod telemetry;
 pub mod tls;

@@ -43,8 +43,129 @@ enum BenchCommand {
     },
 }
 
+#[derive(clap::Args, Clone)]
+struct Common {
+    /// Config file (default /etc/cube-adapter/config.toml; missing is fine).
+    #[arg(long, env = "CUBE_ADAPTER_CONFIG")]
+    config: Option<PathBuf>,
+    /// State directory (overrides the config file).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Load the configuration with every override, validate it, print it.
+    Check {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Issue a bearer token; prints the token alone on stdout.
+    Create {
+        #[command(flatten)]
+        common: Common,
+        /// Tenant the token acts for.
+        #[arg(long)]
+        tenant: String,
+        /// Subject (who holds it); defaults to the tenant.
+        #[arg(long)]
+        subject: Option<String>,
+        /// Allowed runtime (repeatable; default: any).
+        #[arg(long = "runtime")]
+        runtimes: Vec<String>,
+        /// Allowed profile (repeatable; default: any).
+        #[arg(long = "profile")]
+        profiles: Vec<String>,
+        /// Allowed action scope, e.g. exec:run, file:*, task:* (repeatable; default: *).
+        #[arg(long = "action")]
+        actions: Vec<String>,
+        /// Deny every action (an explicit empty scope list).
+        #[arg(long, conflicts_with = "actions")]
+        no_actions: bool,
+        /// Role: agent, approver, auditor or admin (repeatable; default agent).
+        #[arg(long = "role")]
+        roles: Vec<String>,
+        /// Free text kept with the token.
+        #[arg(long)]
+        description: Option<String>,
+    },
+    /// List tokens (ids and scopes, never secrets).
+    List {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a token by id (or by the token itself).
+    Revoke {
+        #[command(flatten)]
+        common: Common,
+        id: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Check the hash chain of the journal. Exit 0 when intact, 1 when not.
+    Verify {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Print events as JSON lines.
+    Export {
+        #[command(flatten)]
+        common: Common,
+        /// First sequence number to print.
+        #[arg(long, default_value_t = 1)]
+        since: u64,
+    },
+    /// Resolve intents left pending by a crash (service must be stopped).
+    ///
+    /// Records a `reconciled` outcome for each pending intent, with a digest
+    /// of your note (a ticket number, what you checked). It never claims the
+    /// operation succeeded and never re-runs it.
+    Reconcile {
+        #[command(flatten)]
+        common: Common,
+        /// Only this operation id (default: all pending).
+        #[arg(long)]
+        operation: Option<String>,
+        /// Why this is resolved (required).
+        #[arg(long)]
+        note: String,
+    },
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Run the appliance: the /v1 API over HTTPS, the audit journal and,
+    /// with no backend configured, the embedded backend.
+    Serve {
+        #[command(flatten)]
+        common: Common,
+        /// Listen address (default 127.0.0.1:18080).
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Serve plain HTTP (loopback addresses only).
+        #[arg(long)]
+        insecure_plain_http: bool,
+    },
+    /// Configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Bearer tokens (through the running service, or the store when stopped).
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// The audit journal.
+    #[command(subcommand)]
+    Audit(AuditCommand),
     /// Measure performance (prints p50/p90/p99/max; never a pass/fail test).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -109,6 +230,89 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cube_adapter::telemetry::init();
     match cli.command {
+        Command::Serve {
+            common,
+            listen,
+            insecure_plain_http,
+        } => {
+            let flags = cube_adapter::config::Flags {
+                state_dir: common.state_dir.clone(),
+                listen,
+                insecure_plain_http,
+            };
+            exit(cube_adapter::cli::serve(common.config.as_deref(), &flags))
+        }
+        Command::Config(ConfigCommand::Check { common, listen }) => {
+            let flags = cube_adapter::config::Flags {
+                state_dir: common.state_dir.clone(),
+                listen,
+                insecure_plain_http: false,
+            };
+            exit(cube_adapter::cli::config_check(
+                common.config.as_deref(),
+                &flags,
+            ))
+        }
+        Command::Token(t) => exit(match t {
+            TokenCommand::Create {
+                common,
+                tenant,
+                subject,
+                runtimes,
+                profiles,
+                actions,
+                no_actions,
+                roles,
+                description,
+            } => {
+                let req = cube_adapter::cli::TokenCreate {
+                    tenant,
+                    subject,
+                    runtimes,
+                    profiles,
+                    actions,
+                    no_actions,
+                    roles,
+                    description,
+                };
+                cube_adapter::cli::token_create(
+                    common.config.as_deref(),
+                    common.state_dir.as_deref(),
+                    req,
+                )
+            }
+            TokenCommand::List { common, json } => cube_adapter::cli::token_list(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+                json,
+            ),
+            TokenCommand::Revoke { common, id } => cube_adapter::cli::token_revoke(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+                &id,
+            ),
+        }),
+        Command::Audit(a) => exit(match a {
+            AuditCommand::Verify { common } => cube_adapter::cli::audit_verify(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+            ),
+            AuditCommand::Export { common, since } => cube_adapter::cli::audit_export(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+                since,
+            ),
+            AuditCommand::Reconcile {
+                common,
+                operation,
+                note,
+            } => cube_adapter::cli::audit_reconcile(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+                operation.as_deref(),
+                &note,
+            ),
+        }),
         Command::Bench(BenchCommand::Backend {
             cycles,
             execs,

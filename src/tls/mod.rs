@@ -69,6 +69,54 @@ pub struct LocalCa {
     params: CertificateParams,
     pub cert_pem: String,
     pub dir: PathBuf,
+    sealer: Option<crate::store::Sealer>,
+}
+
+const SEALED: &str = "sealed:";
+
+impl LocalCa {
+    fn write_key(&self, path: &Path, pem: &str) -> Result<(), TlsError> {
+        write_key(self.sealer.as_ref(), path, pem)
+    }
+
+    /// Read a key written by this CA (sealed or plain PEM).
+    pub fn read_key(&self, path: &Path) -> Result<String, TlsError> {
+        read_key(self.sealer.as_ref(), path)
+    }
+}
+
+fn write_key(
+    sealer: Option<&crate::store::Sealer>,
+    path: &Path,
+    pem: &str,
+) -> Result<(), TlsError> {
+    let data = match sealer {
+        Some(s) => format!(
+            "{SEALED}{}\n",
+            s.seal(pem.as_bytes())
+                .map_err(|e| TlsError::Pem(e.to_string()))?
+        ),
+        None => pem.to_string(),
+    };
+    write_private(path, data.as_bytes(), 0o600)
+}
+
+fn read_key(sealer: Option<&crate::store::Sealer>, path: &Path) -> Result<String, TlsError> {
+    let text = std::fs::read_to_string(path).map_err(io(format!("read {}", path.display())))?;
+    match (text.trim().strip_prefix(SEALED), sealer) {
+        (Some(b), Some(s)) => {
+            let pem = s
+                .open(b)
+                .map_err(|e| TlsError::Pem(format!("{}: {e}", path.display())))?;
+            String::from_utf8(pem)
+                .map_err(|_| TlsError::Pem(format!("{}: not UTF-8", path.display())))
+        }
+        (Some(_), None) => Err(TlsError::Pem(format!(
+            "{} is sealed and no key was given",
+            path.display()
+        ))),
+        (None, _) => Ok(text),
+    }
 }
 
 fn ca_params() -> Result<CertificateParams, TlsError> {
@@ -92,12 +140,19 @@ fn ca_params() -> Result<CertificateParams, TlsError> {
 impl LocalCa {
     /// Load the CA from `dir`, or create it on first use.
     pub fn load_or_create(dir: &Path) -> Result<Self, TlsError> {
+        Self::load_or_create_sealed(dir, None)
+    }
+
+    /// As `load_or_create`, with private keys sealed under the store key.
+    pub fn load_or_create_sealed(
+        dir: &Path,
+        sealer: Option<crate::store::Sealer>,
+    ) -> Result<Self, TlsError> {
         std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
         if cert_path.exists() && key_path.exists() {
-            let key_pem = std::fs::read_to_string(&key_path)
-                .map_err(io(format!("read {}", key_path.display())))?;
+            let key_pem = read_key(sealer.as_ref(), &key_path)?;
             let cert_pem = std::fs::read_to_string(&cert_path)
                 .map_err(io(format!("read {}", cert_path.display())))?;
             let key = KeyPair::from_pem(&key_pem)?;
@@ -106,18 +161,20 @@ impl LocalCa {
                 params: ca_params()?,
                 cert_pem,
                 dir: dir.to_path_buf(),
+                sealer,
             });
         }
         let key = KeyPair::generate()?;
         let params = ca_params()?;
         let cert = params.self_signed(&key)?;
-        write_private(&key_path, key.serialize_pem().as_bytes(), 0o600)?;
+        write_key(sealer.as_ref(), &key_path, &key.serialize_pem())?;
         write_private(&cert_path, cert.pem().as_bytes(), 0o644)?;
         Ok(Self {
             key,
             params,
             cert_pem: cert.pem(),
             dir: dir.to_path_buf(),
+            sealer,
         })
     }
 
@@ -196,7 +253,7 @@ impl LocalCa {
                 Some(n) => self.issue_server(n)?,
                 None => self.issue_client(name)?,
             };
-            write_private(&key, k.as_bytes(), 0o600)?;
+            self.write_key(&key, &k)?;
             write_private(&cert, c.as_bytes(), 0o644)?;
         }
         Ok((cert, key))

@@ -10,6 +10,7 @@
     clippy::indexing_slicing
 )]
 
+mod appliance;
 mod common;
 mod embedded;
 mod sdk;

@@ -228,9 +228,43 @@ pub fn move_entry(src: &Resolved, dst: &Resolved, user: &User) -> Result<EntryIn
         create_dirs_owned(parent, user)
             .map_err(|e| RpcError::from_io(&e, &dst.shown.to_string_lossy()))?;
     }
-    std::fs::rename(&src.real, &dst.real)
-        .map_err(|e| RpcError::from_io(&e, &src.shown.to_string_lossy()))?;
+    match std::fs::rename(&src.real, &dst.real) {
+        Ok(()) => {}
+        // Across mounts (/workspace and /tmp): copy, then remove the source.
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+            copy_recursive(&src.real, &dst.real)
+                .map_err(|e| RpcError::from_io(&e, &dst.shown.to_string_lossy()))?;
+            let md = std::fs::symlink_metadata(&src.real)
+                .map_err(|e| RpcError::from_io(&e, &src.shown.to_string_lossy()))?;
+            let removed = if md.is_dir() {
+                std::fs::remove_dir_all(&src.real)
+            } else {
+                std::fs::remove_file(&src.real)
+            };
+            removed.map_err(|e| RpcError::from_io(&e, &src.shown.to_string_lossy()))?;
+        }
+        Err(e) => return Err(RpcError::from_io(&e, &src.shown.to_string_lossy())),
+    }
     stat(dst)
+}
+
+/// Copy a file, symlink or directory tree, keeping modes and owners.
+fn copy_recursive(from: &Path, to: &Path) -> std::io::Result<()> {
+    let md = std::fs::symlink_metadata(from)?;
+    if md.file_type().is_symlink() {
+        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
+    } else if md.is_dir() {
+        std::fs::create_dir(to)?;
+        for e in std::fs::read_dir(from)? {
+            let e = e?;
+            copy_recursive(&e.path(), &to.join(e.file_name()))?;
+        }
+        std::fs::set_permissions(to, md.permissions())?;
+    } else {
+        std::fs::copy(from, to)?;
+    }
+    let _ = std::os::unix::fs::lchown(to, Some(md.uid()), Some(md.gid()));
+    Ok(())
 }
 
 pub fn remove(r: &Resolved) -> Result<(), RpcError> {

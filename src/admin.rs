@@ -1,0 +1,158 @@
+//! The local admin socket (`STATE/admin.sock`, 0600): while `serve` holds
+//! the store, operator commands (`token …`, `audit verify|export`) reach it
+//! here. One JSON request per connection, JSON lines back.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::auth::{self, Authenticator, Principal, TokenRecord};
+use crate::store::Store;
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    TokenCreate {
+        principal: Principal,
+        description: Option<String>,
+    },
+    TokenList,
+    TokenRevoke {
+        id: String,
+    },
+    AuditVerify,
+    AuditExport {
+        since: u64,
+    },
+}
+
+/// A token as listed: everything but the hash.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenInfo {
+    pub id: String,
+    pub principal: Principal,
+    pub created_at: String,
+    pub revoked_at: Option<String>,
+    pub description: Option<String>,
+}
+
+impl From<TokenRecord> for TokenInfo {
+    fn from(r: TokenRecord) -> Self {
+        Self {
+            id: r.id,
+            principal: r.principal,
+            created_at: r.created_at,
+            revoked_at: r.revoked_at,
+            description: r.description,
+        }
+    }
+}
+
+/// Serve the socket until the task is dropped.
+pub async fn serve(
+    path: &Path,
+    store: Store,
+    authn: Authenticator,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let _ = std::fs::remove_file(path);
+    let l = tokio::net::UnixListener::bind(path)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = l.accept().await else {
+                continue;
+            };
+            let store = store.clone();
+            let authn = authn.clone();
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let mut line = String::new();
+                if BufReader::new(r).read_line(&mut line).await.is_err() {
+                    return;
+                }
+                let out = match serde_json::from_str::<Request>(&line) {
+                    Ok(req) => handle(req, &store, &authn).await,
+                    Err(e) => {
+                        vec![serde_json::json!({"ok": false, "error": format!("bad request: {e}")})]
+                    }
+                };
+                for v in out {
+                    let mut b = serde_json::to_vec(&v).unwrap_or_default();
+                    b.push(b'\n');
+                    if w.write_all(&b).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    }))
+}
+
+async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde_json::Value> {
+    use serde_json::json;
+    let err = |e: String| vec![json!({"ok": false, "error": e})];
+    match req {
+        Request::TokenCreate {
+            principal,
+            description,
+        } => match auth::new_token(principal, description) {
+            Ok((token, rec)) => match auth::store_token(store, rec).await {
+                Ok(()) => vec![json!({"ok": true, "token": token})],
+                Err(e) => err(e.to_string()),
+            },
+            Err(e) => err(e),
+        },
+        Request::TokenList => match auth::list_tokens(store) {
+            Ok(v) => vec![
+                json!({"ok": true, "tokens": v.into_iter().map(TokenInfo::from).collect::<Vec<_>>()}),
+            ],
+            Err(e) => err(e.to_string()),
+        },
+        Request::TokenRevoke { id } => match auth::revoke_token(store, &id).await {
+            Ok(found) => {
+                authn.clear_cache();
+                vec![json!({"ok": true, "revoked": found})]
+            }
+            Err(e) => err(e.to_string()),
+        },
+        Request::AuditVerify => match crate::audit::verify(store) {
+            Ok(v) => vec![json!({"ok": true, "result": v})],
+            Err(e) => err(e),
+        },
+        Request::AuditExport { since } => {
+            let mut out = vec![];
+            match crate::audit::export(store, since, |e| {
+                out.push(json!({"event": e}));
+                Ok(())
+            }) {
+                Ok(n) => {
+                    out.push(json!({"ok": true, "count": n}));
+                    out
+                }
+                Err(e) => err(e),
+            }
+        }
+    }
+}
+
+/// Send one request to a running service.
+pub fn call(path: &Path, req: &Request) -> Result<Vec<serde_json::Value>, String> {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path)
+        .map_err(|e| format!("cannot reach the service at {}: {e}", path.display()))?;
+    let mut b = serde_json::to_vec(req).map_err(|e| e.to_string())?;
+    b.push(b'\n');
+    s.write_all(&b).map_err(|e| e.to_string())?;
+    let mut out = vec![];
+    for line in std::io::BufReader::new(s).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        out.push(
+            serde_json::from_str(&line).map_err(|e| format!("bad answer from the service: {e}"))?,
+        );
+    }
+    Ok(out)
+}

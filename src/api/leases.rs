@@ -1,0 +1,356 @@
+//! `/v1/leases…`: rows 5–18 of the reference endpoint table.
+
+use axum::Router;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+
+use super::{ApiError, AppState, Auth, Strict, ctx, err};
+use crate::broker::leases::FileOp;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/leases", get(list))
+        .route("/v1/leases/acquire", post(acquire))
+        .route(
+            "/v1/leases/{lease_ref}/status",
+            get(status_get).post(status_post),
+        )
+        .route("/v1/leases/{lease_ref}/exec", post(exec))
+        .route("/v1/leases/{lease_ref}/read", post(read))
+        .route("/v1/leases/{lease_ref}/write", post(write))
+        .route("/v1/leases/{lease_ref}/list", post(list_files))
+        .route("/v1/leases/{lease_ref}/stat", post(stat))
+        .route("/v1/leases/{lease_ref}/mkdir", post(mkdir))
+        .route("/v1/leases/{lease_ref}/remove", post(remove))
+        .route("/v1/leases/{lease_ref}/move", post(move_))
+        .route("/v1/leases/{lease_ref}/artifacts/upload", post(upload))
+        .route("/v1/leases/{lease_ref}/artifacts/download", post(download))
+        .route("/v1/leases/{lease_ref}/release", post(release))
+}
+
+type R = Result<Response, ApiError>;
+
+fn ok(v: serde_json::Value) -> R {
+    Ok(axum::Json(v).into_response())
+}
+
+fn header_request_id(h: &HeaderMap) -> Option<String> {
+    h.get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+async fn list(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    ok(st.broker.list_leases(&p, &c).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcquireReq {
+    runtime: String,
+    session_key: String,
+    #[serde(default)]
+    profile: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn acquire(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<AcquireReq>) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st
+        .broker
+        .acquire(&p, &c, &b.runtime, &b.session_key, b.profile.as_deref())
+        .await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatusReq {
+    #[serde(default)]
+    refresh: Option<bool>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn status_get(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    ok(st.broker.lease_status(&p, &c, &lease, false).await?)
+}
+
+async fn status_post(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<StatusReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st
+        .broker
+        .lease_status(&p, &c, &lease, b.refresh.unwrap_or(true))
+        .await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExecReq {
+    command: String,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    timeout_ms: Option<serde_json::Value>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn exec(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<ExecReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let timeout = match &b.timeout_ms {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Some(n),
+            _ => {
+                return Err(err(
+                    "invalid_timeout",
+                    "timeout_ms must be an integer of at least 1",
+                ));
+            }
+        },
+    };
+    ok(st
+        .broker
+        .exec(&p, &c, &lease, &b.command, b.cwd.as_deref(), timeout)
+        .await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PathReq {
+    path: String,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WriteReq {
+    path: String,
+    content: String,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveReq {
+    path: String,
+    destination: String,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UploadReq {
+    path: String,
+    content_base64: String,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseReq {
+    #[serde(default)]
+    action: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn file(
+    st: &AppState,
+    p: &crate::auth::Principal,
+    lease: &str,
+    rid: Option<&str>,
+    op: FileOp,
+) -> R {
+    let c = ctx(rid)?;
+    ok(st.broker.file_op(p, &c, lease, op).await?)
+}
+
+async fn read(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Read { path: b.path },
+    )
+    .await
+}
+
+async fn write(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<WriteReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Write {
+            path: b.path,
+            content: b.content,
+        },
+    )
+    .await
+}
+
+async fn list_files(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::List { path: b.path },
+    )
+    .await
+}
+
+async fn stat(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Stat { path: b.path },
+    )
+    .await
+}
+
+async fn mkdir(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Mkdir { path: b.path },
+    )
+    .await
+}
+
+async fn remove(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Remove { path: b.path },
+    )
+    .await
+}
+
+async fn move_(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<MoveReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Move {
+            path: b.path,
+            destination: b.destination,
+        },
+    )
+    .await
+}
+
+async fn upload(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<UploadReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Upload {
+            path: b.path,
+            content_base64: b.content_base64,
+        },
+    )
+    .await
+}
+
+async fn download(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<PathReq>,
+) -> R {
+    file(
+        &st,
+        &p,
+        &l,
+        b.request_id.as_deref(),
+        FileOp::Download { path: b.path },
+    )
+    .await
+}
+
+async fn release(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(l): Path<String>,
+    Strict(b): Strict<ReleaseReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let action = b.action.unwrap_or_else(|| "pause".into());
+    ok(st.broker.release(&p, &c, &l, &action).await?)
+}

@@ -1,0 +1,398 @@
+//! The `/v1` HTTP API (reference-compatible), health, readiness and metrics.
+//!
+//! Layers, outermost first: tracing; response headers (`Cache-Control:
+//! no-store`, `nosniff`, JSON charset) so that every answer, errors
+//! included, carries them; panics become a 500 envelope. Authentication is
+//! an extractor on every `/v1` handler.
+
+pub mod leases;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use crate::auth::{AuthError, Authenticator, Principal};
+use crate::broker::{Broker, Ctx, Error};
+
+/// Largest request body (reference: 16 MiB).
+pub const MAX_BODY: usize = 16 * 1024 * 1024;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub broker: Broker,
+    pub auth: Authenticator,
+    pub metrics: Arc<Metrics>,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    pub errors_4xx: AtomicU64,
+    pub errors_5xx: AtomicU64,
+}
+
+/// Every error code and its HTTP status, in one place.
+pub fn status_of(code: &str) -> StatusCode {
+    match code {
+        "invalid_body" => StatusCode::BAD_REQUEST,
+        "invalid_json" | "unknown_fields" | "invalid_request" | "invalid_runtime"
+        | "invalid_path" | "invalid_timeout" | "invalid_base64" | "invalid_offset"
+        | "invalid_limit" | "invalid_pty_size" | "invalid_branch" | "invalid_action"
+        | "invalid_parameters" | "invalid_decision" => StatusCode::BAD_REQUEST,
+        "unauthorized" | "invalid_token" => StatusCode::UNAUTHORIZED,
+        "action_denied"
+        | "admin_required"
+        | "runtime_denied"
+        | "profile_denied"
+        | "path_denied"
+        | "checkpoint_denied"
+        | "task_template_denied"
+        | "approver_required"
+        | "self_approval_denied" => StatusCode::FORBIDDEN,
+        "not_found"
+        | "lease_not_found"
+        | "job_not_found"
+        | "pty_not_found"
+        | "checkpoint_not_found"
+        | "artifact_not_found"
+        | "task_plan_not_found"
+        | "task_not_found"
+        | "path_not_found" => StatusCode::NOT_FOUND,
+        "profile_conflict"
+        | "already_exists"
+        | "checkpoint_with_mount_denied"
+        | "plan_not_pending"
+        | "plan_not_approved"
+        | "plan_expired"
+        | "task_template_changed"
+        | "task_not_ready"
+        | "task_running"
+        | "receipt_not_ready" => StatusCode::CONFLICT,
+        "body_too_large" | "value_too_large" | "artifact_too_large" => {
+            StatusCode::PAYLOAD_TOO_LARGE
+        }
+        "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "lease_quota_exceeded" | "job_quota_exceeded" => StatusCode::TOO_MANY_REQUESTS,
+        "execution_failed" | "checkpoint_cleanup_failed" | "invalid_artifact" => {
+            StatusCode::BAD_GATEWAY
+        }
+        "audit_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        "timeout" => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The error envelope: `{"error": {"code", "message"}}`.
+pub struct ApiError(pub Error);
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        Self(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = status_of(self.0.code);
+        let mut r = (
+            status,
+            axum::Json(json!({"error": {"code": self.0.code, "message": self.0.message}})),
+        )
+            .into_response();
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        }
+        r
+    }
+}
+
+fn err(code: &'static str, msg: impl Into<String>) -> ApiError {
+    ApiError(Error::new(code, msg))
+}
+
+/// The authenticated caller.
+pub struct Auth(pub Principal);
+
+impl FromRequestParts<AppState> for Auth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, st: &AppState) -> Result<Self, ApiError> {
+        let h = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let token = h
+            .strip_prefix("Bearer ")
+            .or_else(|| h.strip_prefix("bearer "))
+            .map(str::trim)
+            .unwrap_or("");
+        if token.is_empty() {
+            return Err(err("unauthorized", "a bearer token is required"));
+        }
+        match st.auth.authenticate(token).await {
+            Ok(p) => Ok(Auth(p)),
+            Err(AuthError::Unauthorized) => Err(err("unauthorized", "invalid bearer token")),
+            Err(AuthError::Unavailable) => Err(err(
+                "audit_unavailable",
+                "the identity store is unavailable",
+            )),
+        }
+    }
+}
+
+/// A strict JSON body: `application/json`, 1 byte .. 16 MiB, an object,
+/// no unknown fields.
+pub struct Strict<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Strict<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let ct = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if ct.split(';').next().map(str::trim) != Some("application/json") {
+            return Err(err(
+                "unsupported_media_type",
+                "Content-Type must be application/json",
+            ));
+        }
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > MAX_BODY) {
+            return Err(err(
+                "body_too_large",
+                format!("request bodies are limited to {MAX_BODY} bytes"),
+            ));
+        }
+        let body = Bytes::from_request(req, state).await.map_err(|_| {
+            err(
+                "body_too_large",
+                format!("request bodies are limited to {MAX_BODY} bytes"),
+            )
+        })?;
+        if body.is_empty() {
+            return Err(err(
+                "invalid_body",
+                "a JSON object body is required (send {} for none)",
+            ));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|_| err("invalid_json", "the body is not valid JSON"))?;
+        if !v.is_object() {
+            return Err(err("invalid_json", "the body must be a JSON object"));
+        }
+        serde_json::from_value(v).map(Strict).map_err(|e| {
+            let m = e.to_string();
+            if m.starts_with("unknown field") {
+                err(
+                    "unknown_fields",
+                    m.split(", expected").next().unwrap_or(&m).to_string(),
+                )
+            } else {
+                err("invalid_request", m)
+            }
+        })
+    }
+}
+
+/// `request_id`: echoed; an invalid one is rejected, a missing one made up.
+pub fn ctx(request_id: Option<&str>) -> Result<Ctx, ApiError> {
+    match request_id {
+        Some(r) => {
+            let ok = !r.is_empty()
+                && r.len() <= 80
+                && r.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
+            if !ok {
+                return Err(err(
+                    "invalid_request",
+                    "request_id must match ^[A-Za-z0-9_.:-]{1,80}$",
+                ));
+            }
+            Ok(Ctx {
+                request_id: r.to_string(),
+            })
+        }
+        None => Ok(Ctx {
+            request_id: (0..8)
+                .map(|_| format!("{:02x}", rand::random::<u8>()))
+                .collect(),
+        }),
+    }
+}
+
+async fn headers(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let mut r = next.run(req).await;
+    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    if r.status().is_client_error() {
+        st.metrics.errors_4xx.fetch_add(1, Ordering::Relaxed);
+    } else if r.status().is_server_error() {
+        st.metrics.errors_5xx.fetch_add(1, Ordering::Relaxed);
+    }
+    let h = r.headers_mut();
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    if h.get(header::CONTENT_TYPE)
+        .is_some_and(|v| v == "application/json")
+    {
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json; charset=utf-8"),
+        );
+    }
+    r
+}
+
+/// Every route served, as documented in `docs/openapi.yaml` (a test keeps
+/// the router, this list and the spec in step).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.yaml"),
+    ("GET", "/v1/leases"),
+    ("POST", "/v1/leases/acquire"),
+    ("GET", "/v1/leases/{lease_ref}/status"),
+    ("POST", "/v1/leases/{lease_ref}/status"),
+    ("POST", "/v1/leases/{lease_ref}/exec"),
+    ("POST", "/v1/leases/{lease_ref}/read"),
+    ("POST", "/v1/leases/{lease_ref}/write"),
+    ("POST", "/v1/leases/{lease_ref}/list"),
+    ("POST", "/v1/leases/{lease_ref}/stat"),
+    ("POST", "/v1/leases/{lease_ref}/mkdir"),
+    ("POST", "/v1/leases/{lease_ref}/remove"),
+    ("POST", "/v1/leases/{lease_ref}/move"),
+    ("POST", "/v1/leases/{lease_ref}/artifacts/upload"),
+    ("POST", "/v1/leases/{lease_ref}/artifacts/download"),
+    ("POST", "/v1/leases/{lease_ref}/release"),
+];
+
+pub fn router(st: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.yaml", get(openapi))
+        .merge(leases::router())
+        .fallback(|| async { err("not_found", "no such route") })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(middleware::from_fn_with_state(st.clone(), headers))
+        .with_state(st)
+}
+
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+async fn healthz(State(st): State<AppState>) -> Response {
+    let j = st.broker.journal();
+    axum::Json(json!({
+        "status": "ok",
+        "version": VERSION,
+        "state_backend": "durable",
+        "audit_mode": match j.mode() { crate::audit::AuditMode::Required => "required", crate::audit::AuditMode::BestEffort => "best_effort" },
+        "audit_ready": j.is_ready(),
+    }))
+    .into_response()
+}
+
+async fn readyz(State(st): State<AppState>) -> Response {
+    let j = st.broker.journal();
+    if let Err(e) = j.check() {
+        let body = json!({
+            "status": "not_ready", "version": VERSION,
+            "checks": {"audit": match e { crate::audit::AuditError::Blocked => "reconciliation_required", _ => "unavailable" }},
+            "error": {"code": "audit_unavailable", "message": e.to_string()},
+        });
+        let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        return r;
+    }
+    let mut checks = serde_json::Map::new();
+    checks.insert("state".into(), json!("ok"));
+    checks.insert("audit".into(), json!("ok"));
+    let mut ready = true;
+    let mut templates: Vec<&str> = st
+        .broker
+        .config()
+        .profiles
+        .values()
+        .map(|p| p.template.as_str())
+        .collect();
+    templates.sort_unstable();
+    templates.dedup();
+    for t in templates {
+        let v = match st.broker.cube().template_ready(t).await {
+            Ok(true) => "ready".to_string(),
+            Ok(false) => {
+                ready = false;
+                "not_ready".to_string()
+            }
+            Err(e) => {
+                ready = false;
+                format!("error:{:?}", e.kind)
+            }
+        };
+        checks.insert(format!("template:{t}"), json!(v));
+    }
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(json!({"status": if ready {"ready"} else {"not_ready"}, "version": VERSION, "checks": checks}))).into_response()
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    let j = st.broker.journal();
+    let m = &st.metrics;
+    let required = u8::from(j.mode() == crate::audit::AuditMode::Required);
+    let blocked = u8::from(!j.is_ready());
+    let body = format!(
+        "# HELP cube_adapter_http_requests_total HTTP requests answered.\n# TYPE cube_adapter_http_requests_total counter\n\
+         cube_adapter_http_requests_total {}\n\
+         # HELP cube_adapter_http_errors_total HTTP error answers by class.\n# TYPE cube_adapter_http_errors_total counter\n\
+         cube_adapter_http_errors_total{{class=\"4xx\"}} {}\ncube_adapter_http_errors_total{{class=\"5xx\"}} {}\n\
+         # HELP cube_adapter_audit_required 1 in required audit mode.\n# TYPE cube_adapter_audit_required gauge\n\
+         cube_adapter_audit_required {required}\n\
+         # HELP cube_adapter_audit_blocked 1 while sandbox effects are refused for audit reasons.\n# TYPE cube_adapter_audit_blocked gauge\n\
+         cube_adapter_audit_blocked {blocked}\n",
+        m.requests.load(Ordering::Relaxed),
+        m.errors_4xx.load(Ordering::Relaxed),
+        m.errors_5xx.load(Ordering::Relaxed),
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+pub const OPENAPI: &str = include_str!("../../docs/openapi.yaml");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/yaml")], OPENAPI).into_response()
+}

@@ -1,0 +1,276 @@
+//! `cube-adapter serve`: assemble store, journal, identity, backend and API,
+//! then serve until shutdown.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::api::{self, AppState};
+use crate::audit::Journal;
+use crate::auth::{self, Authenticator, Principal, Role};
+use crate::broker::Broker;
+use crate::config::Config;
+use crate::cube::{BackendConfig, CubeClient, Secret};
+use crate::embedded::{Backend, Limits, Settings};
+use crate::store::Store;
+use crate::tls::LocalCa;
+
+/// What `serve` prints once it listens.
+#[derive(Debug, Clone)]
+pub struct Started {
+    pub url: String,
+    pub ca_file: PathBuf,
+    pub ca_fingerprint: String,
+    /// Set on the first start only.
+    pub admin_token_file: Option<PathBuf>,
+    pub backend: String,
+}
+
+/// Secrets handed in from the environment (never from the config file).
+#[derive(Debug, Clone, Default)]
+pub struct EnvSecrets {
+    /// `CUBE_ADAPTER_TOKEN`: a shared agent token (reference compatible).
+    pub shared_token: Option<Secret>,
+}
+
+fn random_key(path: &Path) -> anyhow::Result<Vec<u8>> {
+    match std::fs::read(path) {
+        Ok(k) if k.len() == 32 => Ok(k),
+        Ok(_) => anyhow::bail!("{} is not a 32-byte key", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let k: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
+            crate::tls::write_private(path, &k, 0o600)?;
+            Ok(k)
+        }
+        Err(e) => Err(e).with_context(|| format!("read {}", path.display())),
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Run the appliance on `listener` until `shutdown`.
+pub async fn serve(
+    cfg: Config,
+    secrets: EnvSecrets,
+    listener: tokio::net::TcpListener,
+    launcher: PathBuf,
+    on_started: impl FnOnce(&Started),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let cfg = Arc::new(cfg);
+    let state = cfg.state_dir.clone();
+    std::fs::create_dir_all(&state).with_context(|| format!("create {}", state.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700));
+    }
+    let store = Store::open(&state).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let key = random_key(&state.join("hmac.key"))?;
+    let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    // TLS: the appliance's own CA, keys sealed under the store key.
+    let ca = LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;
+    let addr = listener.local_addr()?;
+    let mut names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    let host = hostname();
+    if !host.is_empty() {
+        names.push(host);
+    }
+    if !addr.ip().is_unspecified() {
+        names.push(addr.ip().to_string());
+    }
+    names.extend(cfg.server_names.iter().cloned());
+    names.sort();
+    names.dedup();
+    let (scert, skey) = ca.leaf_files("server", Some(&names))?;
+    let server_tls = crate::tls::server_config(
+        &std::fs::read(&scert)?,
+        ca.read_key(&skey)?.as_bytes(),
+        None,
+    )?;
+
+    // First start: a bootstrap admin token, written once.
+    let admin_file = state.join("admin.token");
+    let mut admin_token_file = None;
+    if auth::list_tokens(&store)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .is_empty()
+        && !admin_file.exists()
+    {
+        let principal = Principal {
+            tenant: "admin".into(),
+            subject: "bootstrap-admin".into(),
+            roles: vec![Role::Admin],
+            runtimes: None,
+            profiles: None,
+            actions: vec!["*".into()],
+        };
+        let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()))
+            .map_err(|e| anyhow::anyhow!(e))?;
+        auth::store_token(&store, rec)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        crate::tls::write_private(&admin_file, format!("{token}\n").as_bytes(), 0o600)?;
+        admin_token_file = Some(admin_file.clone());
+    }
+
+    // Fixed principals: the shared token and the reference principals file.
+    let mut fixed = vec![];
+    if let Some(t) = &secrets.shared_token {
+        anyhow::ensure!(
+            t.expose().len() >= 24,
+            "CUBE_ADAPTER_TOKEN must be at least 24 characters"
+        );
+        fixed.push((
+            t.expose().to_string(),
+            Principal {
+                tenant: "default".into(),
+                subject: "shared-bearer".into(),
+                roles: vec![Role::Agent],
+                runtimes: None,
+                profiles: None,
+                actions: vec!["*".into()],
+            },
+        ));
+    }
+    if let Some(f) = &cfg.tokens_file {
+        let text = std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?;
+        fixed.extend(
+            auth::load_tokens_file(&text).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?,
+        );
+    }
+    let authn = Authenticator::new(store.clone(), fixed, cfg.hashing_slots);
+
+    // The backend: configured, or the embedded one on loopback with mTLS.
+    let mut background = vec![];
+    let (cube, backend_desc) = match &cfg.backend {
+        Some(b) => {
+            let mut bc = BackendConfig::new("default", b.api_url.clone());
+            bc.proxy_url = b.proxy_url.clone();
+            bc.domain = b.domain.clone();
+            bc.insecure_plain_http = b.insecure_plain_http;
+            if let Some(f) = &b.api_key_file {
+                bc.api_key = Some(Secret::new(
+                    std::fs::read_to_string(f)
+                        .with_context(|| format!("read {}", f.display()))?
+                        .trim(),
+                ));
+            }
+            if let Some(f) = &b.ca_file {
+                bc.ca_pem =
+                    Some(std::fs::read(f).with_context(|| format!("read {}", f.display()))?);
+            }
+            if let (Some(c), Some(k)) = (&b.client_cert_file, &b.client_key_file) {
+                bc.client_cert_pem =
+                    Some(std::fs::read(c).with_context(|| format!("read {}", c.display()))?);
+                bc.client_key_pem = Some(Secret::new(
+                    std::fs::read_to_string(k).with_context(|| format!("read {}", k.display()))?,
+                ));
+            }
+            (
+                CubeClient::new(bc)?,
+                format!("CubeSandbox at {}", b.api_url),
+            )
+        }
+        None => {
+            let e = &cfg.embedded;
+            let settings = Settings {
+                state_dir: e
+                    .state_dir
+                    .clone()
+                    .unwrap_or_else(|| state.join("embedded")),
+                isolation: e.isolation,
+                templates: e.templates.clone(),
+                limits: Limits {
+                    memory_mb: e.memory_mb,
+                    max_processes: e.max_processes,
+                    ..Limits::default()
+                },
+                cpus: e.cpus,
+                domain: "cube.local".into(),
+                launcher,
+                uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
+                mask: vec![state.clone()],
+                default_timeout: None,
+            };
+            let backend = Backend::open(settings, None)
+                .map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;
+            let bl = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+            let baddr = bl.local_addr()?;
+            let (bcert, bkey) =
+                ca.leaf_files("embedded-server", Some(&["127.0.0.1".to_string()]))?;
+            let (ccert, ckey) = ca.leaf_files("broker-client", None)?;
+            let btls = crate::tls::server_config(
+                &std::fs::read(&bcert)?,
+                ca.read_key(&bkey)?.as_bytes(),
+                Some(ca.cert_pem.as_bytes()),
+            )?;
+            background.push(backend.spawn_reaper());
+            let router = backend.router();
+            background.push(tokio::spawn(async move {
+                if let Err(e) =
+                    crate::server::serve(bl, router, Some(Arc::new(btls)), std::future::pending())
+                        .await
+                {
+                    tracing::error!(error = %e, "embedded backend stopped");
+                }
+            }));
+            let mut bc = BackendConfig::new("embedded", format!("https://{baddr}"));
+            bc.domain = "cube.local".into();
+            bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+            bc.client_cert_pem = Some(std::fs::read(&ccert)?);
+            bc.client_key_pem = Some(Secret::new(ca.read_key(&ckey)?));
+            (
+                CubeClient::new(bc)?,
+                format!("embedded ({:?} isolation) on {baddr}", e.isolation),
+            )
+        }
+    };
+
+    background.push(
+        crate::admin::serve(&state.join("admin.sock"), store.clone(), authn.clone())
+            .await
+            .context("admin socket")?,
+    );
+    let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key);
+    let st = AppState {
+        broker,
+        auth: authn,
+        metrics: Arc::default(),
+    };
+    let app = api::router(st);
+    let tls = if cfg.insecure_plain_http {
+        anyhow::ensure!(
+            addr.ip().is_loopback(),
+            "plain HTTP is only allowed on a loopback address"
+        );
+        None
+    } else {
+        Some(Arc::new(server_tls))
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    on_started(&Started {
+        url: format!("{scheme}://{addr}"),
+        ca_file: ca.dir.join("ca.pem"),
+        ca_fingerprint: ca.fingerprint(),
+        admin_token_file,
+        backend: backend_desc,
+    });
+    let r = crate::server::serve(listener, app, tls, shutdown).await;
+    for h in background {
+        h.abort();
+    }
+    let _ = std::fs::remove_file(state.join("admin.sock"));
+    r.context("serve")
+}

@@ -1,0 +1,81 @@
+//! The audit event and its hash chain.
+//!
+//! Never in an event: command text, file content, output, tokens, session
+//! keys, subjects or full sandbox ids. Those appear only as keyed digests
+//! (HMAC-SHA256 under the appliance's key) or as the 8-character
+//! `sandbox_ref`.
+
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+
+/// `prev_hash` of the first event.
+pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Event {
+    pub seq: u64,
+    pub event_id: String,
+    pub ts: String,
+    /// Links an intent, its outcome and reconciliation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<String>,
+    /// `intent`, `outcome` or `event` (a single-step record).
+    pub phase: String,
+    pub action: String,
+    /// `pending` (intent), `ok`, `rejected`, `error`, `uncertain`, `reconciled`.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reused: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub release_action: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note_digest: Option<String>,
+    pub prev_hash: String,
+    pub hash: String,
+}
+
+impl Event {
+    /// SHA-256 over the previous hash and this event without its own hash.
+    pub fn compute_hash(&self) -> String {
+        let mut copy = self.clone();
+        copy.hash = String::new();
+        let body = serde_json::to_vec(&copy).unwrap_or_default();
+        let mut h = sha2::Sha256::new();
+        h.update(self.prev_hash.as_bytes());
+        h.update(b"\n");
+        h.update(&body);
+        hex::encode(h.finalize())
+    }
+}

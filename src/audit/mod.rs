@@ -1,0 +1,383 @@
+//! The audit journal: intent before effect, outcome after, hash-chained.
+//!
+//! In `required` mode (the default) an intent is committed durably before
+//! any backend effect; if it cannot be, the request fails with 503
+//! `audit_unavailable` and nothing happens. A crash between intent and
+//! outcome leaves the intent pending: at the next start every sandbox effect
+//! (and `/readyz`) answers 503 until `cube-adapter audit reconcile` records
+//! a resolution. A backend error or timeout is recorded as the outcome
+//! (`error` / `uncertain`), so it never blocks the journal.
+
+pub mod event;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use hmac::{Hmac, Mac};
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+
+use self::event::{Event, GENESIS};
+use crate::store::{Store, StoreError, codec, tables};
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AuditMode {
+    #[default]
+    Required,
+    BestEffort,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AuditError {
+    #[error("the audit journal cannot record this action: {0}")]
+    Unavailable(String),
+    #[error(
+        "the audit journal has unreconciled intents; run `cube-adapter audit reconcile` with the service stopped"
+    )]
+    Blocked,
+}
+
+fn now_ts() -> String {
+    time::OffsetDateTime::now_utc()
+        .replace_nanosecond(0)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_default()
+}
+
+fn new_id() -> String {
+    (0..16)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect()
+}
+
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct Journal {
+    store: Store,
+    mode: AuditMode,
+    blocked: Arc<AtomicBool>,
+    key: Arc<[u8]>,
+}
+
+/// A committed intent, waiting for its outcome.
+pub struct Intent {
+    pub operation_id: String,
+    base: Event,
+    started: Instant,
+    /// False when best-effort mode could not write the intent.
+    recorded: bool,
+}
+
+impl Journal {
+    /// `key` keys the digests (HMAC-SHA256). The journal is blocked when
+    /// intents are pending from an earlier run.
+    pub fn open(store: Store, mode: AuditMode, key: Vec<u8>) -> Result<Self, StoreError> {
+        let pending = pending(&store)?;
+        if !pending.is_empty() {
+            tracing::error!(
+                count = pending.len(),
+                "pending audit intents from an earlier run: sandbox effects are blocked until `cube-adapter audit reconcile`"
+            );
+        }
+        Ok(Self {
+            store,
+            mode,
+            blocked: Arc::new(AtomicBool::new(!pending.is_empty())),
+            key: key.into(),
+        })
+    }
+
+    pub fn mode(&self) -> AuditMode {
+        self.mode
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Why the journal cannot take a sandbox effect now, if it cannot.
+    pub fn check(&self) -> Result<(), AuditError> {
+        if self.mode == AuditMode::BestEffort {
+            return Ok(());
+        }
+        if self.blocked.load(Ordering::SeqCst) {
+            return Err(AuditError::Blocked);
+        }
+        if self.store.failed() {
+            return Err(AuditError::Unavailable("a store commit failed".into()));
+        }
+        Ok(())
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.check().is_ok()
+    }
+
+    /// Keyed digest of a value, labelled by kind (`command`, `path`, …).
+    pub fn digest(&self, kind: &str, value: &[u8]) -> String {
+        let mut m = match <Hmac<sha2::Sha256> as Mac>::new_from_slice(&self.key) {
+            Ok(m) => m,
+            Err(_) => return String::new(),
+        };
+        m.update(kind.as_bytes());
+        m.update(b"\0");
+        m.update(value);
+        hex::encode(m.finalize().into_bytes())
+            .chars()
+            .take(32)
+            .collect()
+    }
+
+    /// A new event with id and timestamp.
+    pub fn event(&self, action: &str) -> Event {
+        Event {
+            event_id: new_id(),
+            ts: now_ts(),
+            action: action.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Commit an intent (and its pending marker) before an effect.
+    pub async fn intent(&self, mut base: Event) -> Result<Intent, AuditError> {
+        self.check()?;
+        let op = new_id();
+        base.operation_id = Some(op.clone());
+        let mut ev = base.clone();
+        ev.phase = "intent".into();
+        ev.outcome = "pending".into();
+        let op2 = op.clone();
+        let r = self
+            .store
+            .write(move |txn, chain| {
+                let ev = chain.append(txn, ev)?;
+                txn.open_table(tables::PENDING)?
+                    .insert(op2.as_str(), ev.seq)?;
+                Ok(())
+            })
+            .await;
+        let recorded = match (r, self.mode) {
+            (Ok(()), _) => true,
+            (Err(e), AuditMode::Required) => return Err(AuditError::Unavailable(e.to_string())),
+            (Err(e), AuditMode::BestEffort) => {
+                tracing::warn!(error = %e, "best-effort audit: intent not recorded");
+                false
+            }
+        };
+        Ok(Intent {
+            operation_id: op,
+            base,
+            started: Instant::now(),
+            recorded,
+        })
+    }
+
+    /// Record the outcome of an intent, together with `state` changes in the
+    /// same transaction.
+    pub async fn outcome<T: Send + 'static>(
+        &self,
+        intent: Intent,
+        outcome: &str,
+        fill: impl FnOnce(&mut Event),
+        state: impl FnOnce(&WriteTransaction) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, AuditError> {
+        let mut ev = intent.base.clone();
+        ev.event_id = new_id();
+        ev.ts = now_ts();
+        ev.phase = "outcome".into();
+        ev.outcome = outcome.into();
+        ev.duration_ms =
+            Some(u64::try_from(intent.started.elapsed().as_millis()).unwrap_or(u64::MAX));
+        fill(&mut ev);
+        let op = intent.operation_id.clone();
+        let recorded = intent.recorded;
+        let r = self
+            .store
+            .write(move |txn, chain| {
+                let t = state(txn)?;
+                chain.append(txn, ev)?;
+                if recorded {
+                    txn.open_table(tables::PENDING)?.remove(op.as_str())?;
+                }
+                Ok(t)
+            })
+            .await;
+        r.map_err(|e| {
+            if self.mode == AuditMode::Required {
+                // The effect happened and is not recorded: stop everything.
+                self.blocked.store(true, Ordering::SeqCst);
+            }
+            AuditError::Unavailable(e.to_string())
+        })
+    }
+
+    /// A single-step event (a rejection, a read-only action).
+    pub async fn record(&self, mut ev: Event) -> Result<(), AuditError> {
+        if ev.phase.is_empty() {
+            ev.phase = "event".into();
+        }
+        let r = self
+            .store
+            .write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
+            .await;
+        match (r, self.mode) {
+            (Ok(()), _) => Ok(()),
+            (Err(e), AuditMode::Required) => Err(AuditError::Unavailable(e.to_string())),
+            (Err(e), AuditMode::BestEffort) => {
+                tracing::warn!(error = %e, "best-effort audit: event not recorded");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Operation ids with an intent and no outcome.
+pub fn pending(store: &Store) -> Result<Vec<(String, u64)>, StoreError> {
+    store.read_now(|txn| {
+        let t = txn.open_table(tables::PENDING)?;
+        let mut v = vec![];
+        for item in t.iter()? {
+            let (k, s) = item?;
+            v.push((k.value().to_string(), s.value()));
+        }
+        Ok(v)
+    })
+}
+
+/// Result of `audit verify`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Verified {
+    pub events: u64,
+    pub last_seq: u64,
+    pub head: String,
+    pub pending: usize,
+}
+
+/// Check every event's hash and the links between them.
+pub fn verify(store: &Store) -> Result<Verified, String> {
+    let (events, last_seq, head) = store
+        .read_now(|txn| {
+            let t = txn.open_table(tables::AUDIT)?;
+            let mut prev = GENESIS.to_string();
+            let mut expect = 1u64;
+            let mut n = 0u64;
+            for item in t.iter()? {
+                let (k, v) = item?;
+                let seq = k.value();
+                let ev: Event = codec::decode(v.value())?;
+                if seq != expect || ev.seq != seq {
+                    return Err(StoreError::Corrupt(format!(
+                        "sequence gap or mismatch at {seq} (expected {expect})"
+                    )));
+                }
+                if ev.prev_hash != prev {
+                    return Err(StoreError::Corrupt(format!(
+                        "event {seq}: prev_hash does not match event {}",
+                        seq - 1
+                    )));
+                }
+                if ev.compute_hash() != ev.hash {
+                    return Err(StoreError::Corrupt(format!(
+                        "event {seq}: hash does not match its content"
+                    )));
+                }
+                prev = ev.hash;
+                expect += 1;
+                n += 1;
+            }
+            Ok((n, expect - 1, prev))
+        })
+        .map_err(|e| e.to_string())?;
+    let pending = pending(store).map_err(|e| e.to_string())?.len();
+    Ok(Verified {
+        events,
+        last_seq,
+        head,
+        pending,
+    })
+}
+
+/// Events with `seq >= since`, in order.
+pub fn export(
+    store: &Store,
+    since: u64,
+    mut out: impl FnMut(&Event) -> std::io::Result<()>,
+) -> Result<u64, String> {
+    store
+        .read_now(|txn| {
+            let t = txn.open_table(tables::AUDIT)?;
+            let mut n = 0;
+            for item in t.range(since..)? {
+                let (_, v) = item?;
+                let ev: Event = codec::decode(v.value())?;
+                out(&ev).map_err(|e| StoreError::Io(e.to_string()))?;
+                n += 1;
+            }
+            Ok(n)
+        })
+        .map_err(|e| e.to_string())
+}
+
+/// Resolve pending intents (offline): each gets a `reconciled` outcome
+/// carrying a digest of the operator's note, and leaves the pending set.
+pub async fn reconcile(
+    journal: &Journal,
+    only: Option<&str>,
+    note: &str,
+) -> Result<Vec<String>, String> {
+    let all = pending(&journal.store).map_err(|e| e.to_string())?;
+    let chosen: Vec<(String, u64)> = all
+        .into_iter()
+        .filter(|(op, _)| only.is_none_or(|o| o == op))
+        .collect();
+    if let Some(o) = only
+        && chosen.is_empty()
+    {
+        return Err(format!("no pending intent with operation id {o}"));
+    }
+    let note_digest = journal.digest("note", note.as_bytes());
+    let mut done = vec![];
+    for (op, seq) in chosen {
+        let intent: Event = journal
+            .store
+            .read_now(|txn| {
+                let t = txn.open_table(tables::AUDIT)?;
+                let v = t.get(seq)?.ok_or(StoreError::NotFound)?;
+                codec::decode(v.value())
+            })
+            .map_err(|e| e.to_string())?;
+        let mut ev = journal.event("audit_reconcile");
+        ev.phase = "outcome".into();
+        ev.outcome = "reconciled".into();
+        ev.operation_id = Some(op.clone());
+        ev.runtime = Some("admin".into());
+        ev.lease_ref = intent.lease_ref.clone();
+        ev.sandbox_ref = intent.sandbox_ref.clone();
+        ev.note_digest = Some(note_digest.clone());
+        ev.error_code = Some(format!("reconciled:{}", intent.action));
+        let op2 = op.clone();
+        journal
+            .store
+            .write(move |txn, chain| {
+                chain.append(txn, ev)?;
+                txn.open_table(tables::PENDING)?.remove(op2.as_str())?;
+                Ok(())
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        done.push(op);
+    }
+    if pending(&journal.store)
+        .map(|p| p.is_empty())
+        .unwrap_or(false)
+    {
+        journal.blocked.store(false, Ordering::SeqCst);
+    }
+    Ok(done)
+}

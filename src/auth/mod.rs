@@ -1,0 +1,512 @@
+//! Identity: who is calling, and what they may do.
+//!
+//! Bearer tokens issued by `cube-adapter token create` are stored as argon2
+//! hashes; verification runs on the blocking pool behind a semaphore, and a
+//! verified token is cached (by its SHA-256) for a minute. The reference
+//! adapter's `CUBE_ADAPTER_TOKENS_FILE` principals and shared
+//! `CUBE_ADAPTER_TOKEN` are accepted too (compared in constant time).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
+use base64::Engine;
+use redb::ReadableTable;
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+use subtle::ConstantTimeEq;
+
+use crate::store::{Store, StoreError, codec, get_json, tables};
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Agent,
+    Approver,
+    Auditor,
+    Admin,
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "agent" | "runtime" => Ok(Role::Agent),
+            "approver" => Ok(Role::Approver),
+            "auditor" => Ok(Role::Auditor),
+            "admin" => Ok(Role::Admin),
+            other => Err(format!(
+                "unknown role '{other}' (agent, approver, auditor, admin)"
+            )),
+        }
+    }
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Principal {
+    pub tenant: String,
+    pub subject: String,
+    pub roles: Vec<Role>,
+    /// `None`: any runtime. `Some([])`: none.
+    pub runtimes: Option<Vec<String>>,
+    /// `None`: any profile. `Some([])`: none.
+    pub profiles: Option<Vec<String>>,
+    /// Action scopes (`exec:run`, `file:*`, `*`); an empty list denies all.
+    pub actions: Vec<String>,
+}
+
+impl Principal {
+    pub fn is_admin(&self) -> bool {
+        self.roles.contains(&Role::Admin)
+    }
+
+    /// `*`, an exact match, or `family:*`.
+    pub fn allows_action(&self, action: &str) -> bool {
+        self.is_admin()
+            || self.actions.iter().any(|a| {
+                a == "*"
+                    || a == action
+                    || a.strip_suffix(":*")
+                        .is_some_and(|fam| action.split(':').next() == Some(fam))
+            })
+    }
+
+    pub fn allows_runtime(&self, r: &str) -> bool {
+        self.runtimes
+            .as_ref()
+            .is_none_or(|v| v.iter().any(|x| x == r || x == "*"))
+    }
+
+    pub fn allows_profile(&self, p: &str) -> bool {
+        self.profiles
+            .as_ref()
+            .is_none_or(|v| v.iter().any(|x| x == p || x == "*"))
+    }
+}
+
+/// A stored token (never the token itself).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub id: String,
+    /// argon2id PHC string.
+    pub hash: String,
+    pub principal: Principal,
+    pub created_at: String,
+    #[serde(default)]
+    pub revoked_at: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// `cat_<id>_<secret>`.
+pub const TOKEN_PREFIX: &str = "cat_";
+
+fn parse_token(t: &str) -> Option<(&str, &str)> {
+    let rest = t.strip_prefix(TOKEN_PREFIX)?;
+    let (id, secret) = rest.split_once('_')?;
+    (id.len() == 12 && id.bytes().all(|b| b.is_ascii_hexdigit()) && secret.len() >= 32)
+        .then_some((id, secret))
+}
+
+/// Make a new token: the plaintext (shown once) and its record.
+pub fn new_token(
+    principal: Principal,
+    description: Option<String>,
+) -> Result<(String, TokenRecord), String> {
+    let id: String = (0..6)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    let secret: [u8; 32] = rand::random();
+    let token = format!(
+        "{TOKEN_PREFIX}{id}_{}",
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
+    );
+    let salt_bytes: [u8; 16] = rand::random();
+    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| e.to_string())?;
+    let hash = argon2::Argon2::default()
+        .hash_password(token.as_bytes(), &salt)
+        .map_err(|e| e.to_string())?
+        .to_string();
+    let created_at = time::OffsetDateTime::now_utc()
+        .replace_nanosecond(0)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_default();
+    Ok((
+        token,
+        TokenRecord {
+            id,
+            hash,
+            principal,
+            created_at,
+            revoked_at: None,
+            description,
+        },
+    ))
+}
+
+pub async fn store_token(store: &Store, rec: TokenRecord) -> Result<(), StoreError> {
+    store
+        .write(move |txn, _| {
+            let bytes = codec::encode(&rec)?;
+            txn.open_table(tables::TOKENS)?
+                .insert(rec.id.as_str(), bytes.as_slice())?;
+            Ok(())
+        })
+        .await
+}
+
+pub fn list_tokens(store: &Store) -> Result<Vec<TokenRecord>, StoreError> {
+    store.read_now(|txn| {
+        let t = txn.open_table(tables::TOKENS)?;
+        let mut v = vec![];
+        for item in t.iter()? {
+            let (_, val) = item?;
+            v.push(codec::decode::<TokenRecord>(val.value())?);
+        }
+        Ok(v)
+    })
+}
+
+/// Mark a token revoked. Returns false when no such token exists.
+pub async fn revoke_token(store: &Store, id: &str) -> Result<bool, StoreError> {
+    let id = id
+        .trim_start_matches(TOKEN_PREFIX)
+        .split('_')
+        .next()
+        .unwrap_or("")
+        .to_string();
+    store
+        .write(move |txn, _| {
+            let mut t = txn.open_table(tables::TOKENS)?;
+            let Some(mut rec): Option<TokenRecord> = get_json(&t, &id)? else {
+                return Ok(false);
+            };
+            if rec.revoked_at.is_none() {
+                rec.revoked_at = Some(
+                    time::OffsetDateTime::now_utc()
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default(),
+                );
+            }
+            let bytes = codec::encode(&rec)?;
+            t.insert(id.as_str(), bytes.as_slice())?;
+            Ok(true)
+        })
+        .await
+}
+
+/// A reference-adapter principal (`CUBE_ADAPTER_TOKENS_FILE` entry).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileEntry {
+    #[serde(default)]
+    token: Option<String>,
+    tenant_id: String,
+    #[serde(default)]
+    subject: Option<String>,
+    #[serde(default)]
+    roles: Option<ListOrString>,
+    #[serde(default)]
+    allowed_profiles: Option<ListOrString>,
+    #[serde(default)]
+    allowed_runtimes: Option<ListOrString>,
+    #[serde(default)]
+    allowed_actions: Option<ListOrString>,
+    #[serde(default)]
+    allowed_task_templates: Option<ListOrString>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum ListOrString {
+    List(Vec<String>),
+    Str(String),
+}
+
+impl ListOrString {
+    fn items(&self) -> Vec<String> {
+        match self {
+            ListOrString::List(v) => v
+                .iter()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            ListOrString::Str(s) => s
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+        }
+    }
+}
+
+fn valid_tenant(t: &str) -> bool {
+    !t.is_empty()
+        && t.len() <= 128
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b))
+}
+
+/// Parse a reference principals file: a list of entries, or a map
+/// token → entry.
+pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("tokens file is not JSON: {e}"))?;
+    let entries: Vec<(String, FileEntry)> = match v {
+        serde_json::Value::Array(items) => items
+            .into_iter()
+            .map(|i| {
+                let e: FileEntry =
+                    serde_json::from_value(i).map_err(|e| format!("tokens file entry: {e}"))?;
+                let t = e.token.clone().ok_or("tokens file entry without a token")?;
+                Ok((t, e))
+            })
+            .collect::<Result<_, String>>()?,
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(t, i)| {
+                let e: FileEntry =
+                    serde_json::from_value(i).map_err(|e| format!("tokens file entry: {e}"))?;
+                Ok((t, e))
+            })
+            .collect::<Result<_, String>>()?,
+        _ => return Err("tokens file must be a list or an object".into()),
+    };
+    let mut out = vec![];
+    for (token, e) in entries {
+        if token.len() < 24 {
+            return Err(format!(
+                "a token for tenant {} is shorter than 24 characters",
+                e.tenant_id
+            ));
+        }
+        if !valid_tenant(&e.tenant_id) {
+            return Err(format!("invalid tenant_id '{}'", e.tenant_id));
+        }
+        let roles = e
+            .roles
+            .map(|r| {
+                r.items()
+                    .iter()
+                    .map(|x| x.parse())
+                    .collect::<Result<Vec<Role>, _>>()
+            })
+            .transpose()?
+            .unwrap_or_else(|| vec![Role::Agent]);
+        // The reference's empty profile/runtime lists mean "all".
+        let nonempty = |l: Option<ListOrString>| l.map(|l| l.items()).filter(|v| !v.is_empty());
+        let _templates = e.allowed_task_templates.map(|l| l.items());
+        out.push((
+            token,
+            Principal {
+                subject: e.subject.unwrap_or_else(|| e.tenant_id.clone()),
+                tenant: e.tenant_id,
+                roles,
+                runtimes: nonempty(e.allowed_runtimes),
+                profiles: nonempty(e.allowed_profiles),
+                actions: e
+                    .allowed_actions
+                    .map(|l| l.items())
+                    .unwrap_or_else(|| vec!["*".into()]),
+            },
+        ));
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum AuthError {
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    #[error("identity store unavailable")]
+    Unavailable,
+}
+
+struct Cached {
+    principal: Principal,
+    until: Instant,
+}
+
+/// Verifies bearer tokens. Cheap to clone.
+#[derive(Clone)]
+pub struct Authenticator {
+    store: Store,
+    fixed: Arc<Vec<(Vec<u8>, Principal)>>,
+    cache: Arc<Mutex<HashMap<[u8; 32], Cached>>>,
+    hashing: Arc<tokio::sync::Semaphore>,
+}
+
+const CACHE_TTL: Duration = Duration::from_secs(60);
+const CACHE_MAX: usize = 10_000;
+
+impl Authenticator {
+    /// `fixed`: the shared token and file principals.
+    pub fn new(store: Store, fixed: Vec<(String, Principal)>, hashing_slots: usize) -> Self {
+        Self {
+            store,
+            fixed: Arc::new(
+                fixed
+                    .into_iter()
+                    .map(|(t, p)| (t.into_bytes(), p))
+                    .collect(),
+            ),
+            cache: Arc::default(),
+            hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
+        }
+    }
+
+    /// Forget verified tokens (after a revocation).
+    pub fn clear_cache(&self) {
+        if let Ok(mut c) = self.cache.lock() {
+            c.clear();
+        }
+    }
+
+    pub async fn authenticate(&self, token: &str) -> Result<Principal, AuthError> {
+        if token.is_empty() || token.len() > 512 {
+            return Err(AuthError::Unauthorized);
+        }
+        let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        if let Ok(c) = self.cache.lock()
+            && let Some(hit) = c.get(&key).filter(|h| h.until > Instant::now())
+        {
+            return Ok(hit.principal.clone());
+        }
+        let mut found = None;
+        for (t, p) in self.fixed.iter() {
+            if t.len() == token.len() && bool::from(t.as_slice().ct_eq(token.as_bytes())) {
+                found = Some(p.clone());
+            }
+        }
+        let principal = match found {
+            Some(p) => p,
+            None => self.verify_stored(token).await?,
+        };
+        if let Ok(mut c) = self.cache.lock() {
+            if c.len() >= CACHE_MAX {
+                let now = Instant::now();
+                c.retain(|_, v| v.until > now);
+                if c.len() >= CACHE_MAX {
+                    c.clear();
+                }
+            }
+            c.insert(
+                key,
+                Cached {
+                    principal: principal.clone(),
+                    until: Instant::now() + CACHE_TTL,
+                },
+            );
+        }
+        Ok(principal)
+    }
+
+    async fn verify_stored(&self, token: &str) -> Result<Principal, AuthError> {
+        let Some((id, _)) = parse_token(token) else {
+            return Err(AuthError::Unauthorized);
+        };
+        let id = id.to_string();
+        let rec: Option<TokenRecord> = self
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::TOKENS)?;
+                get_json(&t, &id)
+            })
+            .await
+            .map_err(|_| AuthError::Unavailable)?;
+        let rec = rec
+            .filter(|r| r.revoked_at.is_none())
+            .ok_or(AuthError::Unauthorized)?;
+        let _permit = self
+            .hashing
+            .acquire()
+            .await
+            .map_err(|_| AuthError::Unavailable)?;
+        let token = token.to_string();
+        let hash = rec.hash.clone();
+        let ok = tokio::task::spawn_blocking(move || {
+            PasswordHash::new(&hash)
+                .map(|h| {
+                    argon2::Argon2::default()
+                        .verify_password(token.as_bytes(), &h)
+                        .is_ok()
+                })
+                .unwrap_or(false)
+        })
+        .await
+        .map_err(|_| AuthError::Unavailable)?;
+        if ok {
+            Ok(rec.principal)
+        } else {
+            Err(AuthError::Unauthorized)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(actions: &[&str]) -> Principal {
+        Principal {
+            tenant: "t".into(),
+            subject: "s".into(),
+            roles: vec![Role::Agent],
+            runtimes: None,
+            profiles: Some(vec![]),
+            actions: actions.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn scopes() {
+        assert!(p(&["*"]).allows_action("exec:run"));
+        assert!(p(&["task:*"]).allows_action("task:status"));
+        assert!(!p(&["task:*"]).allows_action("exec:run"));
+        assert!(!p(&["tas:*"]).allows_action("task:status"));
+        assert!(p(&["exec:run"]).allows_action("exec:run"));
+        assert!(
+            !p(&[]).allows_action("exec:run"),
+            "explicit empty list denies all"
+        );
+        assert!(
+            !p(&["*"]).allows_profile("offline-code"),
+            "explicit empty profiles denies all"
+        );
+        assert!(p(&["*"]).allows_runtime("mcp"));
+    }
+
+    #[test]
+    fn tokens_file_formats() {
+        let list = r#"[{"token":"aaaaaaaaaaaaaaaaaaaaaaaaaaaa","tenant_id":"acme","allowed_actions":"exec:run,file:*","allowed_profiles":[]}]"#;
+        let v = load_tokens_file(list).unwrap();
+        assert_eq!(v[0].1.actions, ["exec:run", "file:*"]);
+        assert_eq!(v[0].1.profiles, None);
+        let map =
+            r#"{"bbbbbbbbbbbbbbbbbbbbbbbbbbbb":{"tenant_id":"x","roles":["runtime","approver"]}}"#;
+        let v = load_tokens_file(map).unwrap();
+        assert_eq!(v[0].1.roles, [Role::Agent, Role::Approver]);
+        assert!(load_tokens_file(r#"[{"token":"short","tenant_id":"x"}]"#).is_err());
+        assert!(
+            load_tokens_file(
+                r#"[{"token":"cccccccccccccccccccccccccccc","tenant_id":"x","bogus":1}]"#
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn token_shape() {
+        let (t, rec) = new_token(p(&["*"]), None).unwrap();
+        let (id, _) = parse_token(&t).unwrap();
+        assert_eq!(id, rec.id);
+        assert!(rec.hash.starts_with("$argon2id$"));
+        assert!(!rec.hash.contains(&t));
+    }
+}

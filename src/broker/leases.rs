@@ -1,0 +1,925 @@
+//! Leases and everything done on one: acquire (idempotent per tenant +
+//! runtime + HMAC(session_key)), status, exec, files, artifacts, release.
+
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+use super::paths;
+use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use crate::audit::Intent;
+use crate::audit::event::Event;
+use crate::auth::Principal;
+use crate::config::RUNTIMES;
+use crate::cube::wire::{CreateSandbox, Lifecycle, NetworkPolicy};
+use crate::cube::{ErrorKind, SandboxAddr, Secret, StartOptions};
+use crate::store::{StoreError, codec, get_json, tables};
+
+pub const MAX_COMMAND: usize = 16 * 1024;
+pub const MAX_OUTPUT: usize = 64 * 1024;
+pub const MAX_WRITE: usize = 256 * 1024;
+pub const MAX_READ: usize = 64 * 1024;
+pub const MAX_ARTIFACT: usize = 8 * 1024 * 1024;
+pub const MAX_SESSION_KEY: usize = 512;
+pub const MAX_LIST: usize = 1000;
+
+/// A lease as stored. The sandbox id and traffic token never leave.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Lease {
+    pub lease_ref: String,
+    pub tenant: String,
+    pub runtime: String,
+    pub session_hash: String,
+    pub profile: String,
+    pub sandbox_id: String,
+    pub sandbox_ref: String,
+    pub domain: String,
+    /// Sealed with the store's key.
+    pub traffic_token: Option<String>,
+    pub state: String,
+    pub created_at: String,
+    pub last_used_at: String,
+    pub last_used_unix: i64,
+}
+
+fn now() -> (String, i64) {
+    let t = time::OffsetDateTime::now_utc();
+    let s = t
+        .replace_nanosecond(0)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_default();
+    (s, t.unix_timestamp())
+}
+
+fn new_ref(prefix: &str) -> String {
+    let h: String = (0..10)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    format!("{prefix}_{h}")
+}
+
+fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
+    format!("{tenant}\0{runtime}\0{hash}")
+}
+
+fn put_lease(txn: &WriteTransaction, l: &Lease) -> std::result::Result<(), StoreError> {
+    let b = codec::encode(l)?;
+    txn.open_table(tables::LEASES)?
+        .insert(l.lease_ref.as_str(), b.as_slice())?;
+    Ok(())
+}
+
+fn valid_ref(r: &str, prefix: &str) -> bool {
+    r.strip_prefix(prefix)
+        .and_then(|s| s.strip_prefix('_'))
+        .is_some_and(|h| {
+            h.len() == 20
+                && h.bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        })
+}
+
+impl Broker {
+    async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
+        let r = lease_ref.to_string();
+        Ok(self
+            .inner
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::LEASES)?;
+                get_json(&t, &r)
+            })
+            .await?)
+    }
+
+    /// The lease, if the principal may see it; otherwise exactly the answer
+    /// a missing lease gets.
+    async fn owned_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
+        let missing = || Error::new("lease_not_found", "no such lease");
+        if !valid_ref(lease_ref, "lease") {
+            return Err(missing());
+        }
+        match self.get_lease(lease_ref).await? {
+            Some(l) if l.tenant == p.tenant || p.is_admin() => Ok(l),
+            _ => Err(missing()),
+        }
+    }
+
+    fn addr(&self, l: &Lease) -> Result<SandboxAddr> {
+        let traffic_token = match &l.traffic_token {
+            Some(s) => Some(Secret::new(
+                String::from_utf8(self.inner.store.sealer.open(s)?)
+                    .map_err(|_| Error::new("audit_unavailable", "corrupt sealed token"))?,
+            )),
+            None => None,
+        };
+        Ok(SandboxAddr {
+            id: l.sandbox_id.clone(),
+            domain: l.domain.clone(),
+            traffic_token,
+        })
+    }
+
+    fn lease_event(&self, p: &Principal, action: &str, ctx: &Ctx, l: &Lease) -> Event {
+        let mut ev = self.event(p, action, ctx);
+        ev.runtime = Some(l.runtime.clone());
+        ev.profile = Some(l.profile.clone());
+        ev.lease_ref = Some(l.lease_ref.clone());
+        ev.sandbox_ref = Some(l.sandbox_ref.clone());
+        ev.session_digest = Some(l.session_hash.clone());
+        ev
+    }
+
+    fn base(&self, l: &Lease, ctx: &Ctx) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        m.insert("executor".into(), json!(EXECUTOR));
+        m.insert("sandbox_ref".into(), json!(l.sandbox_ref));
+        m.insert("request_id".into(), json!(ctx.request_id));
+        m
+    }
+
+    /// `POST /v1/leases/acquire`.
+    pub async fn acquire(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        runtime: &str,
+        session: &str,
+        profile: Option<&str>,
+    ) -> Result<Value> {
+        let profile_name = profile.unwrap_or("offline-code").to_string();
+        let mut ev = self.event(p, "acquire", ctx);
+        ev.runtime = Some(runtime.to_string());
+        ev.profile = Some(profile_name.clone());
+        self.authorize(p, "lease:acquire", &ev).await?;
+        if !RUNTIMES.contains(&runtime) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        "invalid_runtime",
+                        format!("runtime must be one of {}", RUNTIMES.join(", ")),
+                    ),
+                )
+                .await);
+        }
+        if !p.allows_runtime(runtime) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        "runtime_denied",
+                        format!("runtime {runtime} is not allowed for this identity"),
+                    ),
+                )
+                .await);
+        }
+        if session.len() > MAX_SESSION_KEY {
+            return Err(Error::new(
+                "value_too_large",
+                format!("session_key is longer than {MAX_SESSION_KEY} bytes"),
+            ));
+        }
+        if session.trim().is_empty() {
+            return Err(Error::new(
+                "invalid_request",
+                "session_key must not be empty",
+            ));
+        }
+        let denied = || {
+            Error::new(
+                "profile_denied",
+                format!("profile {profile_name} is not available to this identity"),
+            )
+        };
+        let Some(prof) = self.profile(&profile_name).cloned() else {
+            return Err(self.reject(ev, denied()).await);
+        };
+        if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {
+            return Err(self.reject(ev, denied()).await);
+        }
+        let hash: String = self
+            .hmac_hex(&[p.tenant.as_bytes(), session.as_bytes()])
+            .chars()
+            .take(24)
+            .collect();
+        ev.session_digest = Some(hash.clone());
+        let skey = session_key(&p.tenant, runtime, &hash);
+        let _session_lock = self.lock(format!("session:{skey}")).await;
+
+        // Reuse.
+        let sk = skey.clone();
+        let existing: Option<Lease> = self
+            .inner
+            .store
+            .read(move |txn| {
+                let s = txn.open_table(tables::SESSIONS)?;
+                let Some(r) = s.get(sk.as_str())?.map(|v| v.value().to_string()) else {
+                    return Ok(None);
+                };
+                let l = txn.open_table(tables::LEASES)?;
+                get_json::<Lease>(&l, &r)
+            })
+            .await?;
+        if let Some(mut l) = existing {
+            if l.profile != profile_name {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            "profile_conflict",
+                            format!("this session already has a lease with profile {}; release it first to use {profile_name}", l.profile),
+                        ),
+                    )
+                    .await);
+            }
+            let (ts, unix) = now();
+            l.last_used_at = ts;
+            l.last_used_unix = unix;
+            let mut ev = self.lease_event(p, "acquire", ctx, &l);
+            ev.outcome = "ok".into();
+            ev.reused = Some(true);
+            ev.phase = "event".into();
+            let l2 = l.clone();
+            self.inner
+                .store
+                .write(move |txn, chain| {
+                    put_lease(txn, &l2)?;
+                    chain.append(txn, ev)?;
+                    Ok(())
+                })
+                .await?;
+            return Ok(self.lease_answer(&l, true, ctx));
+        }
+
+        // Quota, across the tenant's leases.
+        let _tenant_lock = self.lock(format!("tenant:{}", p.tenant)).await;
+        let tenant = p.tenant.clone();
+        let active = self
+            .inner
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::LEASES)?;
+                let mut n = 0u32;
+                for item in t.iter()? {
+                    let (_, v) = item?;
+                    let l: Lease = codec::decode(v.value())?;
+                    if l.tenant == tenant {
+                        n += 1;
+                    }
+                }
+                Ok(n)
+            })
+            .await?;
+        if active >= prof.max_active_leases_per_tenant {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        "lease_quota_exceeded",
+                        format!(
+                            "the tenant already has {active} active leases (limit {})",
+                            prof.max_active_leases_per_tenant
+                        ),
+                    ),
+                )
+                .await);
+        }
+
+        let intent = self.inner.journal.intent(ev).await?;
+        let req = CreateSandbox {
+            template_id: prof.template.clone(),
+            timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
+            lifecycle: Some(Lifecycle {
+                on_timeout: Some(prof.lifecycle.on_timeout.clone()),
+                auto_resume: Some(prof.lifecycle.auto_resume),
+            }),
+            allow_internet_access: Some(prof.allow_internet_access),
+            network: Some(NetworkPolicy {
+                allow_public_traffic: Some(false),
+                ..Default::default()
+            }),
+            metadata: [
+                ("runtime".to_string(), runtime.to_string()),
+                ("purpose".to_string(), "agent-adapter".to_string()),
+                (
+                    "tenant".to_string(),
+                    self.inner.journal.digest("tenant", p.tenant.as_bytes()),
+                ),
+                ("session".to_string(), hash.clone()),
+                ("policy".to_string(), profile_name.clone()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let created = match self.inner.cube.create(&req).await {
+            Ok(s) => s,
+            Err(e) => {
+                let err = backend(&e);
+                self.fail(intent, &err).await?;
+                return Err(err);
+            }
+        };
+        let (ts, unix) = now();
+        let sealed = match &created.traffic_access_token {
+            Some(t) => Some(self.inner.store.sealer.seal(t.as_bytes())?),
+            None => None,
+        };
+        let lease = Lease {
+            lease_ref: new_ref("lease"),
+            tenant: p.tenant.clone(),
+            runtime: runtime.to_string(),
+            session_hash: hash,
+            profile: profile_name,
+            sandbox_ref: created.sandbox_id.chars().take(8).collect(),
+            sandbox_id: created.sandbox_id.clone(),
+            domain: created.domain.clone(),
+            traffic_token: sealed,
+            state: "running".into(),
+            created_at: ts.clone(),
+            last_used_at: ts,
+            last_used_unix: unix,
+        };
+        let l2 = lease.clone();
+        let lref = lease.lease_ref.clone();
+        let sref = lease.sandbox_ref.clone();
+        let stored = self
+            .inner
+            .journal
+            .outcome(
+                intent,
+                "ok",
+                |e| {
+                    e.lease_ref = Some(lref);
+                    e.sandbox_ref = Some(sref);
+                    e.reused = Some(false);
+                },
+                move |txn| {
+                    put_lease(txn, &l2)?;
+                    txn.open_table(tables::SESSIONS)?
+                        .insert(skey.as_str(), l2.lease_ref.as_str())?;
+                    Ok(())
+                },
+            )
+            .await;
+        if let Err(e) = stored {
+            // Not recorded: do not leave an untracked sandbox behind.
+            let _ = self.inner.cube.kill(&created.sandbox_id).await;
+            return Err(e.into());
+        }
+        Ok(self.lease_answer(&lease, false, ctx))
+    }
+
+    fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> Value {
+        json!({
+            "executor": EXECUTOR,
+            "lease_ref": l.lease_ref,
+            "sandbox_ref": l.sandbox_ref,
+            "profile": l.profile,
+            "reused": reused,
+            "state": l.state,
+            "persistent_workspace": false,
+            "request_id": ctx.request_id,
+        })
+    }
+
+    /// Record a failed effect's outcome.
+    async fn fail(&self, intent: Intent, e: &Error) -> Result<()> {
+        let outcome = if e.code == "timeout" {
+            "uncertain"
+        } else {
+            "error"
+        };
+        let code = e.code;
+        self.inner
+            .journal
+            .outcome(
+                intent,
+                outcome,
+                |ev| ev.error_code = Some(code.to_string()),
+                |_| Ok(()),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /v1/leases`.
+    pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+        let ev = self.event(p, "lease_list", ctx);
+        self.authorize(p, "lease:list", &ev).await?;
+        let tenant = p.tenant.clone();
+        let admin = p.is_admin();
+        let mut leases: Vec<Lease> = self
+            .inner
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::LEASES)?;
+                let mut v = vec![];
+                for item in t.iter()? {
+                    let (_, val) = item?;
+                    let l: Lease = codec::decode(val.value())?;
+                    if admin || l.tenant == tenant {
+                        v.push(l);
+                    }
+                }
+                Ok(v)
+            })
+            .await?;
+        leases.sort_by(|a, b| {
+            b.created_at
+                .cmp(&a.created_at)
+                .then(b.lease_ref.cmp(&a.lease_ref))
+        });
+        let items: Vec<Value> = leases
+            .iter()
+            .map(|l| {
+                json!({
+                    "lease_ref": l.lease_ref, "sandbox_ref": l.sandbox_ref,
+                    "tenant": if admin { Value::String(l.tenant.clone()) } else { Value::Null },
+                    "runtime": l.runtime, "profile": l.profile, "state": l.state,
+                    "created_at": l.created_at, "last_used_at": l.last_used_at,
+                })
+            })
+            .collect();
+        Ok(json!({ "leases": items }))
+    }
+
+    /// `GET|POST /v1/leases/{ref}/status`.
+    pub async fn lease_status(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        refresh: bool,
+    ) -> Result<Value> {
+        let ev = self.event(p, "status", ctx);
+        self.authorize(p, "lease:status", &ev).await?;
+        let mut l = self.owned_lease(p, lease_ref).await?;
+        if refresh {
+            self.inner.journal.check()?;
+            match self.inner.cube.get(&l.sandbox_id).await {
+                Ok(d) => l.state = d.state,
+                Err(e) if e.kind == ErrorKind::NotFound => l.state = "gone".into(),
+                Err(e) => return Err(backend(&e)),
+            }
+            let (ts, unix) = now();
+            l.last_used_at = ts;
+            l.last_used_unix = unix;
+            let l2 = l.clone();
+            self.inner
+                .store
+                .write(move |txn, _| put_lease(txn, &l2))
+                .await?;
+        }
+        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let idle = now().1 - l.last_used_unix;
+        let expires = i64::try_from(prof.lease_idle_ttl_seconds)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(idle)
+            .max(0);
+        let mut m = self.base(&l, ctx);
+        for (k, v) in [
+            ("lease_ref", json!(l.lease_ref)),
+            ("runtime", json!(l.runtime)),
+            ("profile", json!(l.profile)),
+            ("state", json!(l.state)),
+            ("created_at", json!(l.created_at)),
+            ("last_used_at", json!(l.last_used_at)),
+            ("expires_in_seconds", json!(expires)),
+            ("volume_attached", json!(false)),
+            ("jobs", json!([])),
+            ("checkpoints", json!([])),
+            ("recoverable", json!(true)),
+        ] {
+            m.insert(k.into(), v);
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// Run one effect on a lease's sandbox under intent/outcome.
+    #[allow(clippy::too_many_arguments)]
+    async fn effect<T>(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        action: &str,
+        scope: &str,
+        fill: impl FnOnce(&mut Event),
+        run: impl AsyncFnOnce(&Self, &Lease, SandboxAddr) -> Result<(T, Option<i32>, Option<u64>)>,
+    ) -> Result<(Lease, T)> {
+        let ev = self.event(p, action, ctx);
+        self.authorize(p, scope, &ev).await?;
+        let mut l = self.owned_lease(p, lease_ref).await?;
+        let mut ev = self.lease_event(p, action, ctx, &l);
+        fill(&mut ev);
+        let addr = self.addr(&l)?;
+        let intent = self.inner.journal.intent(ev).await?;
+        super::failpoint("after_intent");
+        let r = run(self, &l, addr).await;
+        match r {
+            Ok((t, exit, bytes)) => {
+                let (ts, unix) = now();
+                l.last_used_at = ts;
+                l.last_used_unix = unix;
+                l.state = "running".into();
+                let l2 = l.clone();
+                self.inner
+                    .journal
+                    .outcome(
+                        intent,
+                        "ok",
+                        |e| {
+                            e.exit_code = exit;
+                            e.bytes = bytes;
+                        },
+                        move |txn| put_lease(txn, &l2),
+                    )
+                    .await?;
+                Ok((l, t))
+            }
+            Err(e) => {
+                let known = matches!(
+                    e.code,
+                    "path_not_found"
+                        | "artifact_not_found"
+                        | "invalid_path"
+                        | "already_exists"
+                        | "not_a_directory"
+                        | "artifact_too_large"
+                );
+                if known {
+                    let code = e.code;
+                    self.inner
+                        .journal
+                        .outcome(
+                            intent,
+                            "rejected",
+                            |ev| ev.error_code = Some(code.to_string()),
+                            |_| Ok(()),
+                        )
+                        .await?;
+                } else {
+                    self.fail(intent, &e).await?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// `POST /v1/leases/{ref}/exec`.
+    pub async fn exec(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        command: &str,
+        cwd: Option<&str>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Value> {
+        if command.len() > MAX_COMMAND {
+            return Err(Error::new(
+                "value_too_large",
+                format!("command is longer than {MAX_COMMAND} bytes"),
+            ));
+        }
+        if command.trim().is_empty() {
+            return Err(Error::new("invalid_request", "command must not be empty"));
+        }
+        let cwd = match cwd {
+            Some(c) => paths::check(c)?,
+            None => "/workspace".to_string(),
+        };
+        if timeout_ms == Some(0) {
+            return Err(Error::new(
+                "invalid_timeout",
+                "timeout_ms must be at least 1",
+            ));
+        }
+        let cmd_digest = self.inner.journal.digest("command", command.as_bytes());
+        let command = command.to_string();
+        let ((l, out), ms) = {
+            let started = std::time::Instant::now();
+            let r = self
+                .effect(
+                    p,
+                    ctx,
+                    lease_ref,
+                    "exec",
+                    "exec:run",
+                    |e| e.command_digest = Some(cmd_digest),
+                    async move |b: &Self, l: &Lease, addr| {
+                        let cap = b
+                            .profile(&l.profile)
+                            .map(|p| p.max_command_seconds)
+                            .unwrap_or(120)
+                            * 1000;
+                        let ms = timeout_ms.unwrap_or(60_000).min(cap);
+                        let mut o = StartOptions::shell(&command);
+                        o.cwd = Some(cwd.clone());
+                        o.timeout = Some(Duration::from_millis(ms));
+                        let out =
+                            b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(|e| {
+                                match e.kind {
+                                    ErrorKind::InvalidArgument => Error::new(
+                                        "invalid_path",
+                                        "the working directory does not exist",
+                                    ),
+                                    _ => backend(&e),
+                                }
+                            })?;
+                        let code = out.exit_code;
+                        Ok((out, Some(code), None))
+                    },
+                )
+                .await?;
+            (r, started.elapsed().as_millis())
+        };
+        let mut m = self.base(&l, ctx);
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        m.insert("exit_code".into(), json!(out.exit_code));
+        m.insert("stdout".into(), json!(text(&out.stdout)));
+        m.insert("stderr".into(), json!(text(&out.stderr)));
+        let (so, se) = (
+            out.truncated && out.stdout.len() >= MAX_OUTPUT,
+            out.truncated && out.stderr.len() >= MAX_OUTPUT,
+        );
+        m.insert("stdout_truncated".into(), json!(so));
+        m.insert("stderr_truncated".into(), json!(se));
+        m.insert(
+            "duration_ms".into(),
+            json!(u64::try_from(ms).unwrap_or(u64::MAX)),
+        );
+        Ok(Value::Object(m))
+    }
+
+    /// File operations: read, write, list, stat, mkdir, remove, move.
+    pub async fn file_op(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        op: FileOp,
+    ) -> Result<Value> {
+        let (action, scope, path) = match &op {
+            FileOp::Read { path } => ("read", "file:read", path),
+            FileOp::Write { path, .. } => ("write", "file:write", path),
+            FileOp::List { path } => ("list", "file:list", path),
+            FileOp::Stat { path } => ("stat", "file:stat", path),
+            FileOp::Mkdir { path } => ("mkdir", "file:mkdir", path),
+            FileOp::Remove { path } => ("remove", "file:remove", path),
+            FileOp::Move { path, .. } => ("move", "file:move", path),
+            FileOp::Upload { path, .. } => ("artifact_upload", "artifact:upload", path),
+            FileOp::Download { path } => ("artifact_download", "artifact:download", path),
+        };
+        let path = paths::check(path)?;
+        let dest = match &op {
+            FileOp::Move { destination, .. } => Some(paths::check(destination)?),
+            _ => None,
+        };
+        if let FileOp::Write { content, .. } = &op
+            && content.len() > MAX_WRITE
+        {
+            return Err(Error::new(
+                "value_too_large",
+                format!("content is larger than {MAX_WRITE} bytes"),
+            ));
+        }
+        let upload = match &op {
+            FileOp::Upload { content_base64, .. } => {
+                if content_base64.len() > MAX_ARTIFACT / 3 * 4 + 16 {
+                    return Err(Error::new(
+                        "artifact_too_large",
+                        format!("artifacts are limited to {MAX_ARTIFACT} bytes"),
+                    ));
+                }
+                let b = B64.decode(content_base64.as_bytes()).map_err(|_| {
+                    Error::new("invalid_base64", "content_base64 is not valid base64")
+                })?;
+                if b.len() > MAX_ARTIFACT {
+                    return Err(Error::new(
+                        "artifact_too_large",
+                        format!("artifacts are limited to {MAX_ARTIFACT} bytes"),
+                    ));
+                }
+                Some(b)
+            }
+            _ => None,
+        };
+        let j = &self.inner.journal;
+        let pd = j.digest("path", path.as_bytes());
+        let dd = dest.as_ref().map(|d| j.digest("path", d.as_bytes()));
+        let content_sha = match (&op, &upload) {
+            (FileOp::Write { content, .. }, _) => {
+                Some(hex::encode(sha2::Sha256::digest(content.as_bytes())))
+            }
+            (_, Some(b)) => Some(hex::encode(sha2::Sha256::digest(b))),
+            _ => None,
+        };
+        let path2 = path.clone();
+        let dest2 = dest.clone();
+        let (l, (result, _)) = self
+            .effect(
+                p,
+                ctx,
+                lease_ref,
+                action,
+                scope,
+                |e| {
+                    e.path_digest = Some(pd);
+                    e.destination_digest = dd;
+                    e.content_sha256 = content_sha;
+                },
+                async move |b: &Self, _l: &Lease, addr| {
+                    let c = &b.inner.cube;
+                    let nf = |e: crate::cube::CubeError, code: &'static str| match e.kind {
+                        ErrorKind::NotFound => Error::new(code, "no such file or directory"),
+                        ErrorKind::InvalidArgument => Error::new("invalid_path", "the path is not usable for this operation"),
+                        ErrorKind::Conflict => Error::new("already_exists", "the path already exists"),
+                        _ => backend(&e),
+                    };
+                    let r: (Value, Option<u64>) = match op {
+                        FileOp::Read { .. } => {
+                            let st = c.stat(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            if st.is_dir() {
+                                return Err(Error::new("invalid_path", "the path is a directory"));
+                            }
+                            let data = c.download(&addr, &path2, MAX_READ.max(st.size as usize).min(MAX_ARTIFACT)).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let truncated = data.len() > MAX_READ;
+                            let cut = data.get(..data.len().min(MAX_READ)).unwrap_or_default();
+                            (json!({"path": path2, "content": String::from_utf8_lossy(cut), "truncated": truncated}), Some(data.len() as u64))
+                        }
+                        FileOp::Write { content, .. } => {
+                            let n = content.len();
+                            c.upload(&addr, &path2, content.into_bytes()).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "bytes": n}), Some(n as u64))
+                        }
+                        FileOp::List { .. } => {
+                            let entries = c.list_dir(&addr, &path2, 1).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let v: Vec<Value> = entries.iter().take(MAX_LIST).map(entry_json).collect();
+                            (json!({"path": path2, "entries": v}), None)
+                        }
+                        FileOp::Stat { .. } => {
+                            let e = c.stat(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "entry": entry_json(&e)}), None)
+                        }
+                        FileOp::Mkdir { .. } => {
+                            let e = c.make_dir(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "entry": entry_json(&e)}), None)
+                        }
+                        FileOp::Remove { .. } => {
+                            c.remove(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "removed": true}), None)
+                        }
+                        FileOp::Move { .. } => {
+                            let d = dest2.unwrap_or_default();
+                            let e = c.rename(&addr, &path2, &d).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "destination": d, "entry": entry_json(&e)}), None)
+                        }
+                        FileOp::Upload { .. } => {
+                            let data = upload.unwrap_or_default();
+                            let n = data.len();
+                            let sha = hex::encode(sha2::Sha256::digest(&data));
+                            c.upload(&addr, &path2, data).await.map_err(|e| nf(e, "path_not_found"))?;
+                            (json!({"path": path2, "bytes": n, "sha256": sha}), Some(n as u64))
+                        }
+                        FileOp::Download { .. } => {
+                            let data = c.download(&addr, &path2, MAX_ARTIFACT).await.map_err(|e| match e.kind {
+                                ErrorKind::TooLarge => Error::new("artifact_too_large", format!("artifacts are limited to {MAX_ARTIFACT} bytes")),
+                                _ => nf(e, "artifact_not_found"),
+                            })?;
+                            let sha = hex::encode(sha2::Sha256::digest(&data));
+                            (json!({"path": path2, "bytes": data.len(), "sha256": sha, "content_base64": B64.encode(&data)}), Some(data.len() as u64))
+                        }
+                    };
+                    let bytes = r.1;
+                    Ok((r, None, bytes))
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        if let Value::Object(extra) = result {
+            m.extend(extra);
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/leases/{ref}/release` (`pause` or `kill`).
+    pub async fn release(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        action: &str,
+    ) -> Result<Value> {
+        if action != "pause" && action != "kill" {
+            return Err(Error::new("invalid_action", "action must be pause or kill"));
+        }
+        let ev = self.event(p, "release", ctx);
+        self.authorize(p, "lease:release", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let _lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let mut ev = self.lease_event(p, "release", ctx, &l);
+        ev.release_action = Some(action.to_string());
+        let intent = self.inner.journal.intent(ev).await?;
+        let r = if action == "pause" {
+            match self.inner.cube.pause(&l.sandbox_id).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind == ErrorKind::Conflict => Ok(()), // already paused
+                Err(e) => Err(backend(&e)),
+            }
+        } else {
+            match self.inner.cube.kill(&l.sandbox_id).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind == ErrorKind::NotFound => Ok(()), // already gone
+                Err(e) => Err(backend(&e)),
+            }
+        };
+        if let Err(e) = r {
+            self.fail(intent, &e).await?;
+            return Err(e);
+        }
+        let mut l2 = l.clone();
+        let kill = action == "kill";
+        self.inner
+            .journal
+            .outcome(
+                intent,
+                "ok",
+                |_| {},
+                move |txn| {
+                    if kill {
+                        txn.open_table(tables::LEASES)?
+                            .remove(l2.lease_ref.as_str())?;
+                        let sk = session_key(&l2.tenant, &l2.runtime, &l2.session_hash);
+                        txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
+                    } else {
+                        l2.state = "paused".into();
+                        put_lease(txn, &l2)?;
+                    }
+                    Ok(())
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("action".into(), json!(action));
+        Ok(Value::Object(m))
+    }
+}
+
+/// A file operation.
+#[derive(Debug, Clone)]
+pub enum FileOp {
+    Read {
+        path: String,
+    },
+    Write {
+        path: String,
+        content: String,
+    },
+    List {
+        path: String,
+    },
+    Stat {
+        path: String,
+    },
+    Mkdir {
+        path: String,
+    },
+    Remove {
+        path: String,
+    },
+    Move {
+        path: String,
+        destination: String,
+    },
+    Upload {
+        path: String,
+        content_base64: String,
+    },
+    Download {
+        path: String,
+    },
+}
+
+/// The listing fields the reference exposes (nothing else).
+fn entry_json(e: &crate::cube::wire::EntryInfo) -> Value {
+    let kind = match e.kind.as_str() {
+        "FILE_TYPE_DIRECTORY" => "dir",
+        "FILE_TYPE_FILE" => "file",
+        _ => "other",
+    };
+    json!({
+        "name": e.name, "path": e.path, "type": kind, "size": e.size, "mode": e.mode,
+        "permissions": e.permissions, "modified_time": e.modified_time, "is_dir": e.is_dir(),
+    })
+}

@@ -1,0 +1,377 @@
+//! Settings: defaults < `/etc/cube-adapter/config.toml` < `CUBE_ADAPTER_*`
+//! environment < command-line flags. Unknown keys in the file are errors;
+//! booleans must be booleans.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::audit::AuditMode;
+use crate::embedded::{Isolation, TemplateConfig};
+
+pub const DEFAULT_CONFIG: &str = "/etc/cube-adapter/config.toml";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/cube-adapter";
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:18080";
+
+/// The runtimes agents identify as (reference set).
+pub const RUNTIMES: &[&str] = &["openclaw", "dsh", "hermes", "mcp"];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the HTTPS listener.
+    pub listen: SocketAddr,
+    pub state_dir: PathBuf,
+    /// Extra DNS names / IPs for the server certificate.
+    pub server_names: Vec<String>,
+    /// Serve plain HTTP (loopback only).
+    pub insecure_plain_http: bool,
+    /// Reference-format principals file (JSON).
+    pub tokens_file: Option<PathBuf>,
+    pub audit: AuditConfig,
+    /// A CubeSandbox backend; absent: the embedded backend.
+    pub backend: Option<BackendSection>,
+    pub embedded: EmbeddedSection,
+    /// Profiles by name; the shipped ones unless the file defines any.
+    pub profiles: BTreeMap<String, Profile>,
+    /// Concurrent argon2 verifications.
+    pub hashing_slots: usize,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuditConfig {
+    pub mode: AuditMode,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendSection {
+    pub api_url: String,
+    #[serde(default)]
+    pub proxy_url: Option<String>,
+    #[serde(default = "default_domain")]
+    pub domain: String,
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    #[serde(default)]
+    pub client_cert_file: Option<PathBuf>,
+    #[serde(default)]
+    pub client_key_file: Option<PathBuf>,
+    #[serde(default)]
+    pub insecure_plain_http: bool,
+}
+
+fn default_domain() -> String {
+    "cube.app".into()
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddedSection {
+    /// Where sandboxes and snapshots live (default `STATE/embedded`).
+    pub state_dir: Option<PathBuf>,
+    pub isolation: Isolation,
+    pub templates: Vec<TemplateConfig>,
+    pub memory_mb: u64,
+    pub max_processes: u64,
+    pub cpus: f64,
+}
+
+impl Default for EmbeddedSection {
+    fn default() -> Self {
+        Self {
+            state_dir: None,
+            isolation: Isolation::Namespaces,
+            templates: vec![],
+            memory_mb: 2048,
+            max_processes: 512,
+            cpus: 1.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Lifecycle {
+    pub on_timeout: String,
+    pub auto_resume: bool,
+}
+
+/// An operator-owned profile (the reference's fields).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Profile {
+    pub template: String,
+    pub sandbox_timeout_seconds: u64,
+    pub max_command_seconds: u64,
+    pub lease_idle_ttl_seconds: u64,
+    pub max_active_leases_per_tenant: u32,
+    pub max_jobs_per_lease: u32,
+    pub allow_internet_access: bool,
+    pub allowed_runtimes: Vec<String>,
+    pub checkpoints_enabled: bool,
+    pub allow_checkpoint_with_mounts: bool,
+    pub lifecycle: Lifecycle,
+    /// Keep the sandbox alive while jobs or PTYs run.
+    pub keepalive_enabled: bool,
+    pub max_keepalive_seconds: u64,
+}
+
+impl Default for Profile {
+    fn default() -> Self {
+        Self {
+            template: "host".into(),
+            sandbox_timeout_seconds: 300,
+            max_command_seconds: 120,
+            lease_idle_ttl_seconds: 3600,
+            max_active_leases_per_tenant: 8,
+            max_jobs_per_lease: 8,
+            allow_internet_access: false,
+            allowed_runtimes: RUNTIMES.iter().map(|s| s.to_string()).collect(),
+            checkpoints_enabled: false,
+            allow_checkpoint_with_mounts: false,
+            lifecycle: Lifecycle {
+                on_timeout: "pause".into(),
+                auto_resume: true,
+            },
+            keepalive_enabled: false,
+            max_keepalive_seconds: 3600,
+        }
+    }
+}
+
+/// The profiles shipped with the appliance.
+pub fn shipped_profiles() -> BTreeMap<String, Profile> {
+    let offline = Profile::default();
+    let persistent = Profile {
+        sandbox_timeout_seconds: 3600,
+        lease_idle_ttl_seconds: 8 * 3600,
+        keepalive_enabled: true,
+        ..Profile::default()
+    };
+    let checkpoint = Profile {
+        checkpoints_enabled: true,
+        ..Profile::default()
+    };
+    BTreeMap::from([
+        ("offline-code".to_string(), offline),
+        ("persistent-code".to_string(), persistent),
+        ("checkpoint-code".to_string(), checkpoint),
+    ])
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN
+                .parse()
+                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 18080))),
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            server_names: vec![],
+            insecure_plain_http: false,
+            tokens_file: None,
+            audit: AuditConfig::default(),
+            backend: None,
+            embedded: EmbeddedSection::default(),
+            profiles: BTreeMap::new(),
+            hashing_slots: 2,
+        }
+    }
+}
+
+/// Command-line overrides (highest precedence).
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    pub state_dir: Option<PathBuf>,
+    pub listen: Option<SocketAddr>,
+    pub insecure_plain_http: bool,
+}
+
+pub fn valid_profile_name(n: &str) -> bool {
+    let mut c = n.chars();
+    n.len() <= 63
+        && c.next().is_some_and(|f| f.is_ascii_lowercase())
+        && c.all(|x| x.is_ascii_lowercase() || x.is_ascii_digit() || x == '-')
+}
+
+impl Config {
+    /// Load with the full precedence order. `file`: the config path; a
+    /// missing file is fine only when it is the default path.
+    pub fn load(
+        file: Option<&Path>,
+        env: &[(String, String)],
+        flags: &Flags,
+    ) -> Result<(Self, Vec<String>), String> {
+        let mut warnings = vec![];
+        let path = file
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
+        let mut cfg = match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                toml::from_str::<Config>(&text).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && file.is_none() => {
+                Config::default()
+            }
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        let mut bind: Option<String> = None;
+        let mut port: Option<String> = None;
+        for (k, v) in env {
+            let Some(name) = k.strip_prefix("CUBE_ADAPTER_") else {
+                continue;
+            };
+            match name {
+                "LISTEN" => cfg.listen = v.parse().map_err(|e| format!("{k}: {e}"))?,
+                "BIND" => bind = Some(v.clone()),
+                "PORT" => port = Some(v.clone()),
+                "STATE_DIR" => cfg.state_dir = PathBuf::from(v),
+                "AUDIT_MODE" => {
+                    cfg.audit.mode = match v.as_str() {
+                        "required" => AuditMode::Required,
+                        "best_effort" => AuditMode::BestEffort,
+                        other => {
+                            return Err(format!("{k}: '{other}' is not required or best_effort"));
+                        }
+                    }
+                }
+                "TOKENS_FILE" => cfg.tokens_file = Some(PathBuf::from(v)),
+                "INSECURE_PLAIN_HTTP" => cfg.insecure_plain_http = parse_bool(k, v)?,
+                // Read elsewhere (secrets, clients of the appliance).
+                "TOKEN" | "TOKEN_FILE" | "URL" | "CA_FILE" | "CLIENT_CERT_FILE"
+                | "CLIENT_KEY_FILE" | "PROFILE" | "RUNTIME" | "FAILPOINT" => {}
+                _ => warnings.push(format!("unknown environment variable {k} ignored")),
+            }
+        }
+        if bind.is_some() || port.is_some() {
+            let host = bind.unwrap_or_else(|| cfg.listen.ip().to_string());
+            let port = port.unwrap_or_else(|| cfg.listen.port().to_string());
+            cfg.listen = format!("{host}:{port}")
+                .parse()
+                .map_err(|e| format!("CUBE_ADAPTER_BIND/PORT: {e}"))?;
+        }
+        if let Some(d) = &flags.state_dir {
+            cfg.state_dir = d.clone();
+        }
+        if let Some(l) = flags.listen {
+            cfg.listen = l;
+        }
+        if flags.insecure_plain_http {
+            cfg.insecure_plain_http = true;
+        }
+        if cfg.profiles.is_empty() {
+            cfg.profiles = shipped_profiles();
+        }
+        cfg.validate()?;
+        Ok((cfg, warnings))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.insecure_plain_http && !self.listen.ip().is_loopback() {
+            return Err(format!(
+                "insecure_plain_http is only allowed on a loopback address (listen = {})",
+                self.listen
+            ));
+        }
+        for (name, p) in &self.profiles {
+            if !valid_profile_name(name) {
+                return Err(format!(
+                    "profile name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
+                ));
+            }
+            if p.template.is_empty() {
+                return Err(format!("profile {name}: template is required"));
+            }
+            for r in &p.allowed_runtimes {
+                if !RUNTIMES.contains(&r.as_str()) {
+                    return Err(format!(
+                        "profile {name}: unknown runtime '{r}' (one of {})",
+                        RUNTIMES.join(", ")
+                    ));
+                }
+            }
+            if !["pause", "kill"].contains(&p.lifecycle.on_timeout.as_str()) {
+                return Err(format!(
+                    "profile {name}: lifecycle.on_timeout must be pause or kill"
+                ));
+            }
+            if p.sandbox_timeout_seconds == 0 || p.max_command_seconds == 0 {
+                return Err(format!(
+                    "profile {name}: timeouts must be at least 1 second"
+                ));
+            }
+        }
+        if let Some(b) = &self.backend
+            && b.client_cert_file.is_some() != b.client_key_file.is_some()
+        {
+            return Err("backend: client_cert_file and client_key_file go together".into());
+        }
+        Ok(())
+    }
+}
+
+fn parse_bool(k: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "1" | "true" => Ok(true),
+        "0" | "false" => Ok(false),
+        other => Err(format!("{k}: '{other}' is not a boolean (true/false/1/0)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precedence_and_strictness() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(
+            &f,
+            "listen = \"127.0.0.1:1000\"\nstate_dir = \"/a\"\n[audit]\nmode = \"best_effort\"\n",
+        )
+        .unwrap();
+        let env = vec![
+            ("CUBE_ADAPTER_STATE_DIR".to_string(), "/b".to_string()),
+            ("CUBE_ADAPTER_NOPE".to_string(), "x".to_string()),
+        ];
+        let flags = Flags {
+            listen: Some("127.0.0.1:2000".parse().unwrap()),
+            ..Default::default()
+        };
+        let (c, w) = Config::load(Some(&f), &env, &flags).unwrap();
+        assert_eq!(c.listen.port(), 2000);
+        assert_eq!(c.state_dir, PathBuf::from("/b"));
+        assert_eq!(c.audit.mode, AuditMode::BestEffort);
+        assert_eq!(w.len(), 1);
+        assert!(c.profiles.contains_key("offline-code"));
+
+        std::fs::write(&f, "bogus = 1\n").unwrap();
+        assert!(
+            Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .contains("bogus")
+        );
+        std::fs::write(&f, "[profiles.x]\ncheckpoints_enabled = \"false\"\n").unwrap();
+        assert!(Config::load(Some(&f), &[], &Flags::default()).is_err());
+        std::fs::write(&f, "listen = \"0.0.0.0:1\"\ninsecure_plain_http = true\n").unwrap();
+        assert!(
+            Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .contains("loopback")
+        );
+        assert!(
+            Config::load(
+                Some(&dir.path().join("missing.toml")),
+                &[],
+                &Flags::default()
+            )
+            .is_err()
+        );
+    }
+}

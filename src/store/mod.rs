@@ -1,0 +1,351 @@
+//! The store: one redb file, `STATE/state.redb`, opened by one process.
+//!
+//! All mutations go through one writer thread that batches whatever is
+//! queued into a single durable commit (group commit): throughput is bounded
+//! by commits per fsync, not requests per fsync. A failed commit stops the
+//! writer for good and every later write fails (`Unavailable`): redb blocks
+//! writes after a failed commit, and retrying blindly could record an effect
+//! twice. Reads run on the blocking pool.
+
+pub mod codec;
+pub mod seal;
+pub mod tables;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::audit::event::Event;
+pub use seal::Sealer;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("{0}")]
+    Locked(String),
+    #[error("store I/O: {0}")]
+    Io(String),
+    #[error("store data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error(
+        "store schema {found} is newer than this binary supports ({supported}); upgrade cube-adapter"
+    )]
+    Newer { found: u64, supported: u64 },
+    #[error("{0}")]
+    Conflict(String),
+    #[error("not found")]
+    NotFound,
+}
+
+impl From<redb::Error> for StoreError {
+    fn from(e: redb::Error) -> Self {
+        match e {
+            redb::Error::DatabaseAlreadyOpen => {
+                StoreError::Locked("the store is already open".into())
+            }
+            redb::Error::Corrupted(m) => StoreError::Corrupt(m),
+            redb::Error::Io(e) => StoreError::Io(e.to_string()),
+            other => StoreError::Io(other.to_string()),
+        }
+    }
+}
+
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self {
+                StoreError::from(redb::Error::from(e))
+            }
+        }
+    )*};
+}
+from_redb!(
+    redb::DatabaseError,
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
+
+impl From<redb::SetDurabilityError> for StoreError {
+    fn from(e: redb::SetDurabilityError) -> Self {
+        StoreError::Io(e.to_string())
+    }
+}
+
+/// The head of the audit hash chain, owned by the writer.
+#[derive(Debug, Clone)]
+pub struct Chain {
+    pub next_seq: u64,
+    pub last_hash: String,
+}
+
+impl Chain {
+    /// Append an event: assign its sequence number and chain hash, insert it.
+    pub fn append(&mut self, txn: &WriteTransaction, mut ev: Event) -> Result<Event, StoreError> {
+        ev.seq = self.next_seq;
+        ev.prev_hash = self.last_hash.clone();
+        ev.hash = ev.compute_hash();
+        let bytes = codec::encode(&ev)?;
+        txn.open_table(tables::AUDIT)?
+            .insert(ev.seq, bytes.as_slice())?;
+        self.next_seq += 1;
+        self.last_hash = ev.hash.clone();
+        Ok(ev)
+    }
+}
+
+type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
+type Job = Box<dyn FnOnce(&WriteTransaction, &mut Chain) -> Finish + Send>;
+
+struct Inner {
+    db: Arc<Database>,
+    jobs: mpsc::Sender<Job>,
+    failed: AtomicBool,
+    path: PathBuf,
+}
+
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+    pub sealer: Sealer,
+}
+
+/// Largest number of queued writes committed together.
+const MAX_BATCH: usize = 512;
+
+impl Store {
+    /// Open (or create) `STATE/state.redb` with an exclusive lock, apply
+    /// migrations, and start the writer.
+    pub fn open(state_dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(state_dir)
+            .map_err(|e| StoreError::Io(format!("create {}: {e}", state_dir.display())))?;
+        let path = state_dir.join("state.redb");
+        let db = match Database::create(&path) {
+            Ok(db) => db,
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                return Err(StoreError::Locked(format!(
+                    "{} is in use by another cube-adapter process (is the service running? \
+                     operator commands reach a running service through STATE/admin.sock)",
+                    path.display()
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        set_mode(&path, 0o600);
+        let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
+        let chain = migrate(&db)?;
+        let db = Arc::new(db);
+        let (tx, rx) = mpsc::channel::<Job>(4096);
+        let inner = Arc::new(Inner {
+            db: db.clone(),
+            jobs: tx,
+            failed: AtomicBool::new(false),
+            path,
+        });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("store-writer".into())
+            .spawn(move || writer(db, rx, chain, weak))
+            .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
+        Ok(Self { inner, sealer })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Whether a commit has failed (the writer is stopped).
+    pub fn failed(&self) -> bool {
+        self.inner.failed.load(Ordering::SeqCst)
+    }
+
+    /// Run `f` in the next group commit. `f` must not write anything when it
+    /// returns an error (validate first, then write).
+    pub async fn write<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&WriteTransaction, &mut Chain) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        if self.failed() {
+            return Err(StoreError::Unavailable(
+                "an earlier commit failed; restart required".into(),
+            ));
+        }
+        let (tx, rx) = oneshot::channel();
+        let job: Job = Box::new(move |txn, chain| {
+            let r = f(txn, chain);
+            Box::new(move |commit: Result<(), StoreError>| {
+                let _ = tx.send(commit.and(r));
+            })
+        });
+        self.inner
+            .jobs
+            .send(job)
+            .await
+            .map_err(|_| StoreError::Unavailable("the writer has stopped".into()))?;
+        rx.await
+            .map_err(|_| StoreError::Unavailable("the writer has stopped".into()))?
+    }
+
+    /// Run a read on the blocking pool.
+    pub async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let db = self.inner.db.clone();
+        tokio::task::spawn_blocking(move || {
+            let txn = db.begin_read()?;
+            f(&txn)
+        })
+        .await
+        .map_err(|e| StoreError::Io(e.to_string()))?
+    }
+
+    /// Synchronous read (CLI, startup).
+    pub fn read_now<T>(
+        &self,
+        f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let txn = self.inner.db.begin_read()?;
+        f(&txn)
+    }
+}
+
+fn set_mode(p: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode));
+}
+
+/// One durable write transaction (fsync on commit).
+fn begin(db: &Database) -> Result<WriteTransaction, StoreError> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(redb::Durability::Immediate)?;
+    Ok(txn)
+}
+
+/// Create tables, check and record the schema version, load the chain head.
+fn migrate(db: &Database) -> Result<Chain, StoreError> {
+    let txn = begin(db)?;
+    let found = {
+        let meta = txn.open_table(tables::META)?;
+        match meta.get("schema_version")? {
+            Some(v) => Some(codec::decode::<u64>(v.value())?),
+            None => None,
+        }
+    };
+    match found {
+        Some(v) if v > tables::SCHEMA_VERSION => {
+            return Err(StoreError::Newer {
+                found: v,
+                supported: tables::SCHEMA_VERSION,
+            });
+        }
+        Some(_) => {}
+        None => {
+            let mut meta = txn.open_table(tables::META)?;
+            meta.insert(
+                "schema_version",
+                codec::encode(&tables::SCHEMA_VERSION)?.as_slice(),
+            )?;
+            let instance: String = (0..16)
+                .map(|_| format!("{:02x}", rand::random::<u8>()))
+                .collect();
+            meta.insert("instance_id", codec::encode(&instance)?.as_slice())?;
+        }
+    }
+    // Version 1 is the first schema: creating the tables is the whole step.
+    txn.open_table(tables::TOKENS)?;
+    txn.open_table(tables::LEASES)?;
+    txn.open_table(tables::SESSIONS)?;
+    txn.open_table(tables::PENDING)?;
+    let chain = {
+        let audit = txn.open_table(tables::AUDIT)?;
+        match audit.last()? {
+            Some((k, v)) => {
+                let ev: Event = codec::decode(v.value())?;
+                Chain {
+                    next_seq: k.value() + 1,
+                    last_hash: ev.hash,
+                }
+            }
+            None => Chain {
+                next_seq: 1,
+                last_hash: crate::audit::event::GENESIS.into(),
+            },
+        }
+    };
+    txn.commit()?;
+    Ok(chain)
+}
+
+fn writer(
+    db: Arc<Database>,
+    mut rx: mpsc::Receiver<Job>,
+    mut chain: Chain,
+    inner: std::sync::Weak<Inner>,
+) {
+    while let Some(first) = rx.blocking_recv() {
+        let mut jobs = vec![first];
+        while jobs.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let before = chain.clone();
+        let txn = match begin(&db) {
+            Ok(t) => t,
+            Err(e) => {
+                fail(&inner, &e);
+                for j in jobs {
+                    // Nothing may run without a transaction: tell each job.
+                    drop(j);
+                }
+                break;
+            }
+        };
+        let finishes: Vec<Finish> = jobs.into_iter().map(|j| j(&txn, &mut chain)).collect();
+        match txn.commit() {
+            Ok(()) => {
+                for f in finishes {
+                    f(Ok(()));
+                }
+            }
+            Err(e) => {
+                let e = StoreError::from(e);
+                fail(&inner, &e);
+                chain = before;
+                for f in finishes {
+                    f(Err(StoreError::Unavailable(format!("commit failed: {e}"))));
+                }
+                let _ = chain;
+                break;
+            }
+        }
+    }
+    // Stopped: everything still queued fails (its sender sees a dropped reply).
+    rx.close();
+}
+
+fn fail(inner: &std::sync::Weak<Inner>, e: &StoreError) {
+    tracing::error!(error = %e, "store commit failed; the store is now read-only until restart");
+    if let Some(i) = inner.upgrade() {
+        i.failed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Read a JSON value from a `&str → &[u8]` table.
+pub fn get_json<T: serde::de::DeserializeOwned>(
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+    key: &str,
+) -> Result<Option<T>, StoreError> {
+    match table.get(key)? {
+        Some(v) => Ok(Some(codec::decode(v.value())?)),
+        None => Ok(None),
+    }
+}

@@ -1,0 +1,20 @@
+//! Every table of `state.redb`, in one place. Names carry their version;
+//! values are versioned JSON decoded with typed errors (see `codec`).
+
+use redb::TableDefinition;
+
+/// Schema version this binary writes (see `migrations/`).
+pub const SCHEMA_VERSION: u64 = 1;
+
+/// `schema_version`, `instance_id`, audit chain head.
+pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+/// Token id → token record (argon2 hash, scopes).
+pub const TOKENS: TableDefinition<&str, &[u8]> = TableDefinition::new("tokens_v1");
+/// lease_ref → lease record.
+pub const LEASES: TableDefinition<&str, &[u8]> = TableDefinition::new("leases_v1");
+/// `tenant \0 runtime \0 session_hash` → lease_ref.
+pub const SESSIONS: TableDefinition<&str, &str> = TableDefinition::new("sessions_v1");
+/// seq → audit event (hash-chained).
+pub const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_v1");
+/// operation_id → seq of its intent, while the outcome is not recorded.
+pub const PENDING: TableDefinition<&str, u64> = TableDefinition::new("pending_v1");

@@ -1,0 +1,872 @@
+//! The appliance: `/v1` over TLS with the generated CA, identity, policy,
+//! strict bodies and the audit journal. Each test runs the real server
+//! in-process on 127.0.0.1:0 with the embedded backend.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cube_adapter::config::Config;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::common::BIN;
+
+pub struct Server {
+    pub dir: tempfile::TempDir,
+    pub url: String,
+    pub http: reqwest::Client,
+    pub admin: String,
+    pub state: PathBuf,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Server {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> Self {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config {
+            state_dir: dir.path().join("state"),
+            profiles: cube_adapter::config::shipped_profiles(),
+            ..Config::default()
+        };
+        tweak(&mut cfg);
+        let state = cfg.state_dir.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let task = tokio::spawn(cube_adapter::app::serve(
+            cfg,
+            Default::default(),
+            listener,
+            PathBuf::from(BIN),
+            move |s| {
+                let _ = started_tx.send(s.clone());
+            },
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        let started = loop {
+            if let Ok(s) = started_rx.try_recv() {
+                break s;
+            }
+            if task.is_finished() {
+                panic!("server failed to start: {:?}", task.await);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        };
+        let ca = std::fs::read(&started.ca_file).unwrap();
+        let tls = cube_adapter::tls::client_config(Some(&ca), None).unwrap();
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
+            .build()
+            .unwrap();
+        let admin = std::fs::read_to_string(state.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        Self {
+            dir,
+            url: started.url,
+            http,
+            admin,
+            state,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+        // Let the store's writer thread close the file.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    pub async fn post(&self, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn get(&self, token: &str, path: &str) -> (StatusCode, Value) {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Issue a token through the CLI (reaches the running server's admin socket).
+    pub fn token(&self, args: &[&str]) -> String {
+        let out = std::process::Command::new(BIN)
+            .args(["token", "create", "--state-dir"])
+            .arg(&self.state)
+            .arg("--config")
+            .arg(self.empty_config())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "token create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let t = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(t.lines().count(), 1, "the token alone on stdout");
+        t.trim().to_string()
+    }
+
+    /// An empty config file, so that no host config is read.
+    pub fn empty_config(&self) -> PathBuf {
+        let p = self.dir.path().join("empty.toml");
+        if !p.exists() {
+            std::fs::write(&p, "").unwrap();
+        }
+        p
+    }
+
+    pub async fn acquire(&self, token: &str, session: &str) -> String {
+        let (s, v) = self
+            .post(
+                token,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": session}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        v["lease_ref"].as_str().unwrap().to_string()
+    }
+
+    pub fn sandboxes(&self) -> usize {
+        std::fs::read_dir(self.state.join("embedded/sandboxes"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        for d in std::fs::read_dir(self.state.join("embedded/sandboxes"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(b) = std::fs::read(d.path().join("init.json"))
+                && let Ok(v) = serde_json::from_slice::<Value>(&b)
+                && let Some(pid) = v["pid"].as_i64()
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Send raw bytes over TLS and return what comes back first.
+async fn raw_request(s: &Server, req: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ca = std::fs::read(s.state.join("tls/ca.pem")).unwrap();
+    let cfg = cube_adapter::tls::client_config(Some(&ca), None).unwrap();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let addr = s.url.trim_start_matches("https://").to_string();
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tls.read(&mut buf).await.unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_start_flow_and_idempotent_acquire() {
+    let s = Server::start().await;
+    let (st, h) = s.get("", "/healthz").await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(h["audit_mode"], "required");
+    let (st, r) = s.get("", "/readyz").await;
+    assert_eq!(st, StatusCode::OK, "{r}");
+
+    let (st, a) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "chat-1", "request_id": "req-1"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{a}");
+    assert_eq!(a["reused"], false);
+    assert_eq!(a["request_id"], "req-1");
+    assert_eq!(a["executor"], "cubesandbox-microvm");
+    assert_eq!(a["sandbox_ref"].as_str().unwrap().len(), 8);
+    let lease = a["lease_ref"].as_str().unwrap().to_string();
+    assert!(lease.starts_with("lease_") && lease.len() == 26, "{lease}");
+
+    let (st, e) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo hello; echo err >&2; exit 3"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{e}");
+    assert_eq!(e["stdout"], "hello\n");
+    assert_eq!(e["stderr"], "err\n");
+    assert_eq!(e["exit_code"], 3);
+
+    // Same session: the same lease. Another profile for it: an error.
+    let (_, again) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "chat-1"}),
+        )
+        .await;
+    assert_eq!(again["lease_ref"], lease.as_str());
+    assert_eq!(again["reused"], true);
+    let (st, conflict) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "chat-1", "profile": "checkpoint-code"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT, "{conflict}");
+    assert_eq!(code(&conflict), "profile_conflict");
+
+    let (st, status) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(status["state"], "running");
+    let (_, list) = s.get(&s.admin, "/v1/leases").await;
+    assert_eq!(list["leases"].as_array().unwrap().len(), 1);
+
+    let (st, rel) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{rel}");
+    assert_eq!(s.sandboxes(), 0);
+    let (st, gone) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(code(&gone), "lease_not_found");
+    // Headers on every answer.
+    let r = s
+        .http
+        .get(format!("{}/v1/leases", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(r.headers()["cache-control"], "no-store");
+    assert_eq!(r.headers()["x-content-type-options"], "nosniff");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_of_one_session_make_one_sandbox_and_quota_holds() {
+    let s = Arc::new(
+        Server::start_with(|c| {
+            if let Some(p) = c.profiles.get_mut("offline-code") {
+                p.max_active_leases_per_tenant = 2;
+            }
+        })
+        .await,
+    );
+    let mut tasks = vec![];
+    for _ in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.acquire(&s.admin, "same-session").await
+        }));
+    }
+    let mut refs = vec![];
+    for t in tasks {
+        refs.push(t.await.unwrap());
+    }
+    refs.dedup();
+    assert_eq!(refs.len(), 1, "{refs:?}");
+    assert_eq!(s.sandboxes(), 1);
+
+    // Quota: 8 concurrent new sessions with one lease left: exactly one wins.
+    let mut tasks = vec![];
+    for i in 0..8 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.post(
+                &s.admin,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": format!("s{i}")}),
+            )
+            .await
+        }));
+    }
+    let mut ok = 0;
+    let mut limited = 0;
+    for t in tasks {
+        let (st, v) = t.await.unwrap();
+        match st {
+            StatusCode::OK => ok += 1,
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(code(&v), "lease_quota_exceeded");
+                limited += 1;
+            }
+            other => panic!("{other}: {v}"),
+        }
+    }
+    assert_eq!((ok, limited), (1, 7));
+    assert_eq!(s.sandboxes(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_scopes_and_tokens() {
+    let s = Server::start().await;
+    let a = s.token(&["--tenant", "alpha"]);
+    let b = s.token(&["--tenant", "beta"]);
+    let reader = s.token(&[
+        "--tenant",
+        "alpha",
+        "--action",
+        "file:read",
+        "--action",
+        "lease:*",
+    ]);
+    let nothing = s.token(&["--tenant", "alpha", "--no-actions"]);
+    let lease = s.acquire(&a, "a-session").await;
+
+    // Another tenant's lease answers exactly like a missing one.
+    let (st1, v1) = s
+        .post(
+            &b,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "id"}),
+        )
+        .await;
+    let (st2, v2) = s
+        .post(
+            &b,
+            "/v1/leases/lease_00000000000000000000/exec",
+            json!({"command": "id"}),
+        )
+        .await;
+    assert_eq!((st1, v1), (st2, v2));
+    assert_eq!(st1, StatusCode::NOT_FOUND);
+    let (_, list) = s.get(&b, "/v1/leases").await;
+    assert_eq!(list["leases"].as_array().unwrap().len(), 0);
+
+    // Scopes.
+    let (st, v) = s
+        .post(
+            &reader,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "id"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    assert_eq!(code(&v), "action_denied");
+    let (st, _) = s
+        .post(
+            &reader,
+            &format!("/v1/leases/{lease}/write"),
+            json!({"path": "/workspace/x", "content": "x"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    let (st, v) = s
+        .post(
+            &nothing,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "x"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "action_denied"));
+    let rt = s.token(&["--tenant", "alpha", "--runtime", "hermes"]);
+    let (st, v) = s
+        .post(
+            &rt,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "x"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "runtime_denied"));
+    let pf = s.token(&["--tenant", "alpha", "--profile", "checkpoint-code"]);
+    let (st, v) = s
+        .post(
+            &pf,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "x"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "profile_denied"));
+    let (st, v) = s
+        .post(
+            &a,
+            "/v1/leases/acquire",
+            json!({"runtime": "nope", "session_key": "x"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_runtime"));
+
+    // Missing, wrong and revoked tokens.
+    let (st, v) = s.get("", "/v1/leases").await;
+    assert_eq!((st, code(&v)), (StatusCode::UNAUTHORIZED, "unauthorized"));
+    let (st, _) = s
+        .get(
+            "cat_000000000000_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+            "/v1/leases",
+        )
+        .await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let id = b.split('_').nth(1).unwrap().to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["token", "revoke", "--state-dir"])
+        .arg(&s.state)
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (st, _) = s.get(&b, "/v1/leases").await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    // token list shows ids and scopes, never secrets.
+    let out = std::process::Command::new(BIN)
+        .args(["token", "list", "--json", "--state-dir"])
+        .arg(&s.state)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("alpha") && !text.contains(&a) && !text.contains("argon2"),
+        "{text}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_bodies_request_ids_and_paths() {
+    let s = Server::start().await;
+    let lease = s.acquire(&s.admin, "strict").await;
+    let url = format!("{}/v1/leases/{lease}/exec", s.url);
+    let send = |ct: &'static str, body: Vec<u8>| {
+        s.http
+            .post(&url)
+            .bearer_auth(&s.admin)
+            .header("content-type", ct)
+            .body(body)
+            .send()
+    };
+    let r = send("text/plain", b"{}".to_vec()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(code(&r.json().await.unwrap()), "unsupported_media_type");
+    // An oversize body is refused from its Content-Length, before it is read.
+    let head = raw_request(
+        &s,
+        &format!(
+            "POST /v1/leases/{lease}/exec HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            s.admin,
+            17 * 1024 * 1024
+        ),
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(head.contains("body_too_large"), "{head}");
+    let r = send("application/json", b"{nope".to_vec()).await.unwrap();
+    assert_eq!(
+        (r.status(), code(&r.json().await.unwrap()).to_string()),
+        (StatusCode::BAD_REQUEST, "invalid_json".into())
+    );
+    let r = send("application/json", b"[]".to_vec()).await.unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let r = send(
+        "application/json; charset=utf-8",
+        br#"{"command":"true","bogus":1}"#.to_vec(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(code(&r.json().await.unwrap()), "unknown_fields");
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "true", "request_id": "bad id!"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_request"));
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "true", "timeout_ms": 0}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_timeout"));
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "x".repeat(16 * 1024 + 1)}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::PAYLOAD_TOO_LARGE, "value_too_large")
+    );
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "true", "request_id": "ok-1.2:3_4"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(v["request_id"], "ok-1.2:3_4");
+
+    // Path policy.
+    for (path, want) in [
+        ("/etc/passwd", "path_denied"),
+        ("/workspace/../etc", "path_denied"),
+        ("relative", "invalid_path"),
+    ] {
+        let (st, v) = s
+            .post(
+                &s.admin,
+                &format!("/v1/leases/{lease}/read"),
+                json!({"path": path}),
+            )
+            .await;
+        assert_eq!(code(&v), want, "{path}: {st} {v}");
+    }
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "pwd", "cwd": "/etc"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "path_denied"));
+    let (st, v) = s.post(&s.admin, "/v1/nope", json!({})).await;
+    assert_eq!((st, code(&v)), (StatusCode::NOT_FOUND, "not_found"));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_and_artifacts() {
+    use base64::Engine;
+    use sha2::Digest;
+    let s = Server::start().await;
+    let l = s.acquire(&s.admin, "files").await;
+    let p = |op: &str| format!("/v1/leases/{l}/{op}");
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("write"),
+            json!({"path": "/workspace/dir/a.txt", "content": "héllo"}),
+        )
+        .await;
+    assert_eq!((st, v["bytes"].as_u64()), (StatusCode::OK, Some(6)), "{v}");
+    let (_, v) = s
+        .post(
+            &s.admin,
+            &p("read"),
+            json!({"path": "/workspace/dir/a.txt"}),
+        )
+        .await;
+    assert_eq!(v["content"], "héllo");
+    assert_eq!(v["truncated"], false);
+    let (_, v) = s
+        .post(&s.admin, &p("list"), json!({"path": "/workspace/dir"}))
+        .await;
+    assert_eq!(v["entries"][0]["name"], "a.txt");
+    let (_, v) = s
+        .post(
+            &s.admin,
+            &p("stat"),
+            json!({"path": "/workspace/dir/a.txt"}),
+        )
+        .await;
+    assert_eq!(v["entry"]["size"], 6);
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &p("mkdir"),
+            json!({"path": "/workspace/new/deep"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("move"),
+            json!({"path": "/workspace/dir/a.txt", "destination": "/tmp/b.txt"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("read"),
+            json!({"path": "/workspace/dir/a.txt"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::NOT_FOUND, "path_not_found"));
+    let (st, v) = s
+        .post(&s.admin, &p("remove"), json!({"path": "/tmp/b.txt"}))
+        .await;
+    assert_eq!((st, v["removed"].as_bool()), (StatusCode::OK, Some(true)));
+
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&data);
+    let sha = hex::encode(sha2::Sha256::digest(&data));
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("artifacts/upload"),
+            json!({"path": "/workspace/bin.dat", "content_base64": b64}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["sha256"], sha.as_str());
+    let (_, v) = s
+        .post(
+            &s.admin,
+            &p("artifacts/download"),
+            json!({"path": "/workspace/bin.dat"}),
+        )
+        .await;
+    assert_eq!(v["sha256"], sha.as_str());
+    assert_eq!(v["content_base64"], b64.as_str());
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("artifacts/download"),
+            json!({"path": "/workspace/none"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::NOT_FOUND, "artifact_not_found")
+    );
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("artifacts/upload"),
+            json!({"path": "/workspace/x", "content_base64": "!!!"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_base64"));
+    let (st, v) = s
+        .post(&s.admin, &p("release"), json!({"action": "explode"}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_action"));
+    let (st, v) = s.post(&s.admin, &p("release"), json!({})).await;
+    assert_eq!((st, v["action"].as_str()), (StatusCode::OK, Some("pause")));
+    // A paused lease resumes on use (the profile's auto_resume).
+    let (st, v) = s
+        .post(&s.admin, &p("exec"), json!({"command": "echo back"}))
+        .await;
+    assert_eq!(
+        (st, v["stdout"].as_str()),
+        (StatusCode::OK, Some("back\n")),
+        "{v}"
+    );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_journal_is_chained_and_holds_no_secrets() {
+    let s = Server::start().await;
+    let session = "secret-session-key-4711";
+    let (_, a) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": session}),
+        )
+        .await;
+    let lease = a["lease_ref"].as_str().unwrap().to_string();
+    let command = "echo top-secret-command-text";
+    let (_, e) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": command}),
+        )
+        .await;
+    assert_eq!(e["stdout"], "top-secret-command-text\n");
+    s.post(
+        &s.admin,
+        &format!("/v1/leases/{lease}/write"),
+        json!({"path": "/workspace/f", "content": "file-content-xyz"}),
+    )
+    .await;
+    let reader = s.token(&["--tenant", "t2", "--action", "lease:acquire"]);
+    let (st, _) = s
+        .post(
+            &reader,
+            "/v1/leases/lease_00000000000000000000/exec",
+            json!({"command": "denied-secret"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN);
+    let sandbox_id = std::fs::read_dir(s.state.join("embedded/sandboxes"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+    let sandbox_id = sandbox_id.to_str().unwrap().to_string();
+
+    let out = std::process::Command::new(BIN)
+        .args(["audit", "export", "--state-dir"])
+        .arg(&s.state)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let journal = String::from_utf8(out.stdout).unwrap();
+    assert!(journal.lines().count() >= 7, "{journal}");
+    for secret in [
+        session,
+        command,
+        "top-secret",
+        "file-content-xyz",
+        "denied-secret",
+        &s.admin,
+        &reader,
+        &sandbox_id,
+    ] {
+        assert!(!journal.contains(secret), "the journal contains {secret}");
+    }
+    assert!(
+        journal.contains("\"outcome\":\"rejected\""),
+        "denials are recorded"
+    );
+    let events: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let exec: Vec<&Value> = events.iter().filter(|e| e["action"] == "exec").collect();
+    assert_eq!(exec[0]["phase"], "intent");
+    assert_eq!(exec[1]["phase"], "outcome");
+    assert!(exec[0]["command_digest"].is_string());
+    for w in events.windows(2) {
+        assert_eq!(w[1]["prev_hash"], w[0]["hash"]);
+    }
+    let out = std::process::Command::new(BIN)
+        .args(["audit", "verify", "--state-dir"])
+        .arg(&s.state)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    s.stop().await;
+}
+
+/// `(METHOD, path)` pairs of the OpenAPI document.
+fn spec_routes() -> Vec<(String, String)> {
+    let mut out = vec![];
+    let mut path = None;
+    let mut in_paths = false;
+    for line in cube_adapter::api::OPENAPI.lines() {
+        if line == "paths:" {
+            in_paths = true;
+            continue;
+        }
+        if in_paths && !line.starts_with(' ') && !line.is_empty() {
+            break;
+        }
+        if let Some(p) = line.strip_prefix("  /").and_then(|l| l.strip_suffix(':')) {
+            path = Some(format!("/{p}"));
+        } else if let (Some(p), Some(m)) = (
+            &path,
+            line.strip_prefix("    ").and_then(|l| l.strip_suffix(':')),
+        ) && ["get", "post", "put", "delete", "patch"].contains(&m)
+        {
+            out.push((m.to_uppercase(), p.clone()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_and_openapi_are_in_step() {
+    let mut code_routes: Vec<(String, String)> = cube_adapter::api::ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    code_routes.sort();
+    assert_eq!(
+        spec_routes(),
+        code_routes,
+        "docs/openapi.yaml and api::ROUTES differ"
+    );
+    // Every documented route is served (never the not-found fallback).
+    let s = Server::start().await;
+    for (m, p) in &code_routes {
+        let url = format!(
+            "{}{}",
+            s.url,
+            p.replace("{lease_ref}", "lease_00000000000000000000")
+        );
+        let req = if m == "GET" {
+            s.http.get(&url)
+        } else {
+            s.http.post(&url).json(&json!({}))
+        };
+        let r = req.bearer_auth(&s.admin).send().await.unwrap();
+        let status = r.status();
+        let body = r.text().await.unwrap();
+        assert!(
+            !body.contains("no such route"),
+            "{m} {p} is documented but not routed ({status})"
+        );
+    }
+    let r = s
+        .http
+        .get(format!("{}/openapi.yaml", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.text().await.unwrap(), cube_adapter::api::OPENAPI);
+    s.stop().await;
+}
