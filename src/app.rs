@@ -90,6 +90,21 @@ pub async fn serve(
     if !addr.ip().is_unspecified() {
         names.push(addr.ip().to_string());
     }
+    // The host's own addresses, so agents may use any of them.
+    if let Ok(ifs) = nix::ifaddrs::getifaddrs() {
+        for i in ifs {
+            let Some(a) = i.address else { continue };
+            if let Some(v4) = a.as_sockaddr_in() {
+                names.push(v4.ip().to_string());
+            } else if let Some(v6) = a.as_sockaddr_in6() {
+                let ip = v6.ip();
+                // Link-local addresses need a zone and cannot be in a SAN.
+                if (ip.segments()[0] & 0xffc0) != 0xfe80 {
+                    names.push(ip.to_string());
+                }
+            }
+        }
+    }
     names.extend(cfg.server_names.iter().cloned());
     names.sort();
     names.dedup();

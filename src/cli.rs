@@ -143,19 +143,25 @@ pub fn serve(config: Option<&Path>, flags: &Flags) -> i32 {
 }
 
 fn print_started(s: &crate::app::Started) {
-    println!("cube-adapter listening on {}", s.url);
-    println!("  CA certificate:  {}", s.ca_file.display());
-    println!("  CA SHA-256:      {}", s.ca_fingerprint);
-    match &s.admin_token_file {
-        Some(f) => println!(
+    use std::io::Write;
+    // A closed stdout must not take the service down: ignore write errors.
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "cube-adapter listening on {}", s.url);
+    let _ = writeln!(o, "  CA certificate:  {}", s.ca_file.display());
+    let _ = writeln!(o, "  CA SHA-256:      {}", s.ca_fingerprint);
+    let _ = match &s.admin_token_file {
+        Some(f) => writeln!(
+            o,
             "  admin token:     {} (written once; keep it safe)",
             f.display()
         ),
-        None => {
-            println!("  admin token:     issued on first start (see `cube-adapter token list`)")
-        }
-    }
-    println!("  backend:         {}", s.backend);
+        None => writeln!(
+            o,
+            "  admin token:     issued on first start (see `cube-adapter token list`)"
+        ),
+    };
+    let _ = writeln!(o, "  backend:         {}", s.backend);
+    let _ = o.flush();
 }
 
 async fn shutdown_signal() {

@@ -152,11 +152,13 @@ impl Broker {
 }
 
 /// Test-only failpoints, set with `CUBE_ADAPTER_FAILPOINT=<name>`: the
-/// process aborts at the named point (`after_intent`: right after an intent
-/// is committed, before the backend is called). Used by the crash tests.
+/// process kills itself (SIGKILL) at the named point. `after_intent`: right
+/// after an intent is committed, before the backend is called. Used by the
+/// crash tests; never set it in production.
 pub(crate) fn failpoint(name: &str) {
     if std::env::var("CUBE_ADAPTER_FAILPOINT").is_ok_and(|v| v == name) {
-        eprintln!("failpoint {name}: aborting");
+        eprintln!("failpoint {name}: killing this process");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
         std::process::abort();
     }
 }

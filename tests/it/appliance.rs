@@ -870,3 +870,457 @@ async fn router_and_openapi_are_in_step() {
     assert_eq!(r.text().await.unwrap(), cube_adapter::api::OPENAPI);
     s.stop().await;
 }
+
+/// A `cube-adapter serve` process on 127.0.0.1:0 and its URL.
+struct Proc {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Proc {
+    fn start(
+        state: &std::path::Path,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+    ) -> Result<Self, String> {
+        use std::io::BufRead;
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(state)
+            .arg("--config")
+            .arg(config)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if !line.starts_with("cube-adapter listening on ") {
+            let out = child.wait_with_output().unwrap();
+            return Err(format!("{line}{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        // Keep draining both pipes: a server whose stdout is closed would
+        // fail its next print.
+        let mut stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        Ok(Self {
+            url: line.trim().rsplit(' ').next().unwrap().to_string(),
+            child,
+        })
+    }
+
+    fn stop(mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+fn cli(args: &[&str], state: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(BIN)
+        .args(args)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_intent_and_outcome_blocks_until_reconciled() {
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let client = |state: &std::path::Path| {
+        let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+        reqwest::Client::builder()
+            .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+            .build()
+            .unwrap()
+    };
+    let _cleanup = SandboxReaper(state.join("embedded/sandboxes"));
+
+    // 1. A server that dies right after committing an exec intent.
+    let p = Proc::start(
+        &state,
+        &config,
+        &[("CUBE_ADAPTER_FAILPOINT", "after_intent")],
+    )
+    .unwrap();
+    let http = client(&state);
+    let admin = std::fs::read_to_string(state.join("admin.token"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let r: Value = http
+        .post(format!("{}/v1/leases/acquire", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"runtime": "mcp", "session_key": "crash"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let lease = r["lease_ref"].as_str().unwrap().to_string();
+    let exec = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"command": "echo never-runs > /workspace/proof"}))
+        .send()
+        .await;
+    assert!(exec.is_err(), "the process should have died mid-request");
+    let mut p = p;
+    let status = p.child.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "{status:?}"
+    );
+
+    // 2. Restarted: blocked — readiness and every sandbox effect answer 503.
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let r = http.get(format!("{}/readyz", p.url)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["checks"]["audit"], "reconciliation_required");
+    let r = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"command": "true"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(code(&r.json().await.unwrap()), "audit_unavailable");
+    // Reconcile refuses while the service runs.
+    let out = cli(&["audit", "reconcile", "--note", "INC-1"], &state);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    p.stop();
+
+    // 3. Offline reconcile records a resolution; the chain stays intact.
+    let out = cli(
+        &[
+            "audit",
+            "reconcile",
+            "--note",
+            "INC-1: checked, the command never ran",
+        ],
+        &state,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("reconciled "));
+    let out = cli(&["audit", "verify"], &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let export = String::from_utf8(cli(&["audit", "export"], &state).stdout).unwrap();
+    assert!(export.contains("\"outcome\":\"reconciled\""));
+    assert!(
+        !export.contains("INC-1"),
+        "the note is kept as a digest only"
+    );
+
+    // 4. Unblocked; the sandbox outlived both processes; nothing re-ran.
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let r = http.get(format!("{}/readyz", p.url)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"command": "ls /workspace; echo ok"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["stdout"], "ok\n", "{v}");
+    p.stop();
+}
+
+/// Kills the sandboxes under a directory when a test ends.
+struct SandboxReaper(std::path::PathBuf);
+
+impl Drop for SandboxReaper {
+    fn drop(&mut self) {
+        for d in std::fs::read_dir(&self.0).into_iter().flatten().flatten() {
+            let Ok(b) = std::fs::read(d.path().join("init.json")) else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<Value>(&b) else {
+                continue;
+            };
+            if let Some(pid) = v["pid"].as_i64() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process_per_store_keys_sealed_and_config_checked() {
+    let s = Server::start().await;
+    // A second process on the same state directory exits with a clear message.
+    let err = Proc::start(&s.state, &s.empty_config(), &[])
+        .err()
+        .expect("a second server must not start");
+    assert!(
+        err.contains("in use by another cube-adapter process"),
+        "{err}"
+    );
+    // Secrets at rest: private keys sealed, 0600; the admin token 0600.
+    use std::os::unix::fs::PermissionsExt;
+    for f in [
+        "tls/ca.key",
+        "tls/server.key",
+        "admin.token",
+        "secret.key",
+        "hmac.key",
+        "state.redb",
+    ] {
+        let mode = std::fs::metadata(s.state.join(f))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{f}");
+    }
+    let ca_key = std::fs::read_to_string(s.state.join("tls/ca.key")).unwrap();
+    assert!(ca_key.starts_with("sealed:") && !ca_key.contains("PRIVATE KEY"));
+    let ca_pem = std::fs::metadata(s.state.join("tls/ca.pem"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(ca_pem, 0o644);
+    s.stop().await;
+
+    // config check: unknown keys and non-boolean booleans are refused.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("c.toml");
+    std::fs::write(&f, "listen = \"127.0.0.1:1\"\nsurprise = true\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["config", "check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("surprise"));
+    std::fs::write(&f, "[audit]\nmode = \"best_effort\"\n[profiles.mine]\ntemplate = \"host\"\nallow_internet_access = \"yes\"\n").unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["config", "check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    std::fs::write(
+        &f,
+        "[profiles.mine]\ntemplate = \"host\"\nmax_command_seconds = 30\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["config", "check", "--config"])
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[profiles.mine]"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_principals_file_and_shared_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("principals.json");
+    std::fs::write(
+        &file,
+        r#"[{"token":"ref-token-aaaaaaaaaaaaaaaaaaaaaaaa","tenant_id":"acme","allowed_actions":"lease:*,file:read"},
+            {"token":"ref-token-bbbbbbbbbbbbbbbbbbbbbbbb","tenant_id":"acme","roles":["runtime"],"allowed_actions":[]}]"#,
+    )
+    .unwrap();
+    let s = Server::start_with(|c| c.tokens_file = Some(file.clone())).await;
+    let lease = s.acquire("ref-token-aaaaaaaaaaaaaaaaaaaaaaaa", "ref").await;
+    let (st, v) = s
+        .post(
+            "ref-token-aaaaaaaaaaaaaaaaaaaaaaaa",
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "id"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "action_denied"));
+    // An explicit empty action list denies everything.
+    let (st, v) = s
+        .get("ref-token-bbbbbbbbbbbbbbbbbbbbbbbb", "/v1/leases")
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "action_denied"));
+    s.stop().await;
+}
+
+/// A tmpfs of `size` mounted on `dir` for the test's duration (root only).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, size: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let st = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .status()
+            .unwrap();
+        assert!(
+            st.success(),
+            "mounting a tmpfs needs root (CI runs as root)"
+        );
+        Self(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_store_fails_closed_with_no_sandbox_created() {
+    let outer = tempfile::tempdir().unwrap();
+    let state = outer.path().join("state");
+    let _fs = Tmpfs::mount(&state, "8m");
+    let sandboxes = outer.path().join("sandboxes");
+    let s = Server::start_with(|c| {
+        c.state_dir = state.clone();
+        c.embedded.state_dir = Some(sandboxes.clone());
+    })
+    .await;
+    let count = || {
+        std::fs::read_dir(sandboxes.join("sandboxes"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let lease = s.acquire(&s.admin, "before").await;
+    assert_eq!(count(), 1);
+    // Fill the store's filesystem to the last byte.
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(state.join("filler")).unwrap();
+        let block = vec![0u8; 64 * 1024];
+        while f.write_all(&block).is_ok() {}
+        let one = [0u8; 1];
+        while f.write_all(&one).is_ok() {}
+    }
+    // The journal cannot grow: sooner or later an intent fails to commit.
+    // From then on every effect is refused with 503 and nothing reaches the
+    // backend: no sandbox is created, no command runs.
+    let mut refused = None;
+    for i in 0..5000 {
+        let (st, v) = s
+            .post(
+                &s.admin,
+                &format!("/v1/leases/{lease}/write"),
+                json!({"path": "/workspace/n", "content": i.to_string()}),
+            )
+            .await;
+        if st == StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(code(&v), "audit_unavailable", "{v}");
+            refused = Some(i);
+            break;
+        }
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+    let refused = refused.expect("a full store never refused a write");
+    let (st, v) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "after"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::SERVICE_UNAVAILABLE, "audit_unavailable")
+    );
+    assert_eq!(
+        count(),
+        1,
+        "no sandbox may be created without a committed intent"
+    );
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo ran > /workspace/proof"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE);
+    let r = s
+        .http
+        .get(format!("{}/readyz", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The last write that was accepted is the one in the sandbox.
+    let file = std::fs::read_dir(sandboxes.join("sandboxes"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+        .join("state/workspace/n");
+    let last = std::fs::read_to_string(file).ok();
+    let want = (refused > 0).then(|| (refused - 1).to_string());
+    assert_eq!(
+        last, want,
+        "the refused write (#{refused}) must not have happened"
+    );
+    assert!(
+        !std::fs::read_dir(sandboxes.join("sandboxes"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path()
+            .join("state/workspace/proof")
+            .exists()
+    );
+    s.stop().await;
+}
