@@ -104,9 +104,16 @@ impl From<Error> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = status_of(self.0.code);
+        // An oversize body is 413 `invalid_body`, as in the reference (an
+        // empty one is 400 `invalid_body` here, where the reference said 413).
+        let code = if self.0.code == "body_too_large" {
+            "invalid_body"
+        } else {
+            self.0.code
+        };
         let mut r = (
             status,
-            axum::Json(json!({"error": {"code": self.0.code, "message": self.0.message}})),
+            axum::Json(json!({"error": {"code": code, "message": self.0.message}})),
         )
             .into_response();
         if status == StatusCode::SERVICE_UNAVAILABLE {

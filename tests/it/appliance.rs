@@ -27,6 +27,13 @@ impl Server {
     }
 
     pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> Self {
+        Self::start_full(tweak, Default::default()).await
+    }
+
+    pub async fn start_full(
+        tweak: impl FnOnce(&mut Config),
+        secrets: cube_adapter::app::EnvSecrets,
+    ) -> Self {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config {
@@ -41,7 +48,7 @@ impl Server {
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let task = tokio::spawn(cube_adapter::app::serve(
             cfg,
-            Default::default(),
+            secrets,
             listener,
             PathBuf::from(BIN),
             move |s| {
@@ -505,7 +512,7 @@ async fn strict_bodies_request_ids_and_paths() {
     )
     .await;
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
-    assert!(head.contains("body_too_large"), "{head}");
+    assert!(head.contains("\"invalid_body\""), "{head}");
     let r = send("application/json", b"{nope".to_vec()).await.unwrap();
     assert_eq!(
         (r.status(), code(&r.json().await.unwrap()).to_string()),
@@ -1159,7 +1166,7 @@ async fn one_process_per_store_keys_sealed_and_config_checked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reference_principals_file_and_shared_token() {
+async fn reference_principals_file() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("principals.json");
     std::fs::write(
@@ -1322,5 +1329,40 @@ async fn a_full_store_fails_closed_with_no_sandbox_created() {
             .join("state/workspace/proof")
             .exists()
     );
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_token_is_an_agent_not_an_admin_and_empty_bodies_are_400() {
+    let shared = "shared-token-0123456789abcdefghij";
+    let secrets = cube_adapter::app::EnvSecrets {
+        shared_token: Some(cube_adapter::cube::Secret::new(shared)),
+    };
+    let s = Server::start_full(|_| {}, secrets).await;
+    let lease = s.acquire(shared, "shared").await;
+    let (st, v) = s
+        .post(
+            shared,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo ok"}),
+        )
+        .await;
+    assert_eq!((st, v["stdout"].as_str()), (StatusCode::OK, Some("ok\n")));
+    // Not an admin: the admin's leases stay invisible to it.
+    let admin_lease = s.acquire(&s.admin, "admin-session").await;
+    let (st, _) = s
+        .get(shared, &format!("/v1/leases/{admin_lease}/status"))
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let r = s
+        .http
+        .post(format!("{}/v1/leases/{lease}/exec", s.url))
+        .bearer_auth(shared)
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(code(&r.json().await.unwrap()), "invalid_body");
     s.stop().await;
 }
