@@ -28,6 +28,51 @@ enum IsolationArg {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Added latency of the appliance: the same exec through /v1 and
+    /// directly with the cube client, and what a durable commit costs.
+    Overhead {
+        #[arg(long, default_value_t = 300)]
+        iterations: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// acquire → exec → release(kill) cycles with 1, 16 and 64 agents.
+    Cycle {
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 4)]
+        cycles_per_agent: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Exec on existing leases with many concurrent agents.
+    Hot {
+        #[arg(long, default_value_t = 64)]
+        agents: usize,
+        #[arg(long, default_value_t = 30)]
+        ops_per_agent: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Journal commits: group commit vs one fsync per event.
+    Audit {
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        writers: Vec<usize>,
+        #[arg(long, default_value_t = 200)]
+        events_per_writer: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// RSS idle and with many live leases, and start-to-ready time, of a
+    /// real `serve` process.
+    Memory {
+        #[arg(long, default_value_t = 1000)]
+        leases: usize,
+        #[arg(long, default_value_t = 10)]
+        starts: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The embedded backend through the cube client over mTLS: sandbox
     /// create → exec → kill cycles and exec round-trips on a live sandbox.
     Backend {
@@ -313,11 +358,7 @@ fn main() -> ExitCode {
                 &note,
             ),
         }),
-        Command::Bench(BenchCommand::Backend {
-            cycles,
-            execs,
-            json,
-        }) => {
+        Command::Bench(b) => {
             let launcher = match std::env::current_exe() {
                 Ok(p) => p,
                 Err(e) => {
@@ -332,25 +373,66 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            let opts = cube_adapter::bench::BackendBench {
-                cycles,
-                execs,
-                launcher,
+            use cube_adapter::bench::{self, appliance};
+            let (result, json) = match b {
+                BenchCommand::Backend {
+                    cycles,
+                    execs,
+                    json,
+                } => {
+                    let opts = bench::BackendBench {
+                        cycles,
+                        execs,
+                        launcher,
+                    };
+                    (rt.block_on(bench::backend(&opts)), json)
+                }
+                BenchCommand::Overhead { iterations, json } => (
+                    rt.block_on(appliance::overhead(&launcher, iterations)),
+                    json,
+                ),
+                BenchCommand::Cycle {
+                    concurrency,
+                    cycles_per_agent,
+                    json,
+                } => (
+                    rt.block_on(appliance::cycle(&launcher, &concurrency, cycles_per_agent)),
+                    json,
+                ),
+                BenchCommand::Hot {
+                    agents,
+                    ops_per_agent,
+                    json,
+                } => (
+                    rt.block_on(appliance::hot(&launcher, agents, ops_per_agent)),
+                    json,
+                ),
+                BenchCommand::Audit {
+                    writers,
+                    events_per_writer,
+                    json,
+                } => (
+                    rt.block_on(appliance::audit(&writers, events_per_writer)),
+                    json,
+                ),
+                BenchCommand::Memory {
+                    leases,
+                    starts,
+                    json,
+                } => (
+                    rt.block_on(appliance::memory_and_startup(&launcher, leases, starts)),
+                    json,
+                ),
             };
-            match rt.block_on(cube_adapter::bench::backend(&opts)) {
+            match result {
                 Ok(report) => {
-                    println!("machine: {}", report.machine);
-                    for r in &report.results {
-                        println!("{}", r.line());
-                    }
-                    let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                    report.print();
                     if let Some(path) = json {
-                        if let Err(e) = std::fs::write(&path, &text) {
+                        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                        if let Err(e) = std::fs::write(&path, text) {
                             eprintln!("error: cannot write {}: {e}", path.display());
                             return ExitCode::FAILURE;
                         }
-                    } else {
-                        println!("{text}");
                     }
                     ExitCode::SUCCESS
                 }

@@ -15,6 +15,8 @@ use crate::cube::wire::CreateSandbox;
 use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
 use crate::embedded::{Backend, Isolation, Limits, Settings};
 
+pub mod appliance;
+
 /// Latency summary of one measured step.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
@@ -70,6 +72,30 @@ pub struct Report {
     pub scenario: String,
     pub machine: String,
     pub results: Vec<Summary>,
+    /// Derived figures (ratios, throughputs, memory), by name.
+    #[serde(default)]
+    pub figures: std::collections::BTreeMap<String, f64>,
+}
+
+impl Report {
+    pub fn new(scenario: &str) -> Self {
+        Self {
+            scenario: scenario.into(),
+            machine: machine(),
+            results: vec![],
+            figures: Default::default(),
+        }
+    }
+
+    pub fn print(&self) {
+        println!("== {} ({})", self.scenario, self.machine);
+        for r in &self.results {
+            println!("{}", r.line());
+        }
+        for (k, v) in &self.figures {
+            println!("{k:<52} {v:>12.3}");
+        }
+    }
 }
 
 fn machine() -> String {
@@ -204,6 +230,7 @@ async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<R
     Ok(Report {
         scenario: "backend".into(),
         machine: machine(),
+        figures: Default::default(),
         results: vec![
             Summary::of("sandbox create", &create),
             Summary::of("first exec /bin/true (new sandbox)", &exec),

@@ -1,0 +1,552 @@
+//! Appliance benchmarks: the whole path an agent's call takes (TLS, auth,
+//! policy, two durable audit commits, the backend) against the same call
+//! made directly with the `cube/` client.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use super::{Report, Summary};
+use crate::config::{BackendSection, Config, Profile};
+use crate::cube::wire::CreateSandbox;
+use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
+use crate::embedded::{Backend, Isolation, Limits, Settings};
+
+/// An embedded backend on loopback (mTLS) plus an appliance in front of it.
+pub struct Rig {
+    pub url: String,
+    pub http: reqwest::Client,
+    pub admin: String,
+    pub direct: CubeClient,
+    pub dir: PathBuf,
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Rig {
+    pub async fn start(
+        dir: &Path,
+        launcher: &Path,
+        max_batch: Option<usize>,
+    ) -> anyhow::Result<Self> {
+        let _ = max_batch;
+        std::fs::create_dir_all(dir)?;
+        // The backend.
+        let settings = Settings {
+            state_dir: dir.join("embedded"),
+            isolation: Isolation::Namespaces,
+            templates: vec![],
+            limits: Limits::default(),
+            cpus: 0.0,
+            domain: "cube.bench".into(),
+            launcher: launcher.to_path_buf(),
+            uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
+            mask: vec![dir.to_path_buf()],
+            default_timeout: None,
+        };
+        let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;
+        let ca = crate::tls::LocalCa::load_or_create(&dir.join("backend-tls"))?;
+        let (scert, skey) = ca.leaf_files("server", Some(&["127.0.0.1".to_string()]))?;
+        let (ccert, ckey) = ca.leaf_files("client", None)?;
+        let tls = crate::tls::server_config(
+            &std::fs::read(scert)?,
+            &std::fs::read(skey)?,
+            Some(ca.cert_pem.as_bytes()),
+        )?;
+        let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let burl = format!("https://{}", bl.local_addr()?);
+        let (btx, brx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(crate::server::serve(
+            bl,
+            backend.router(),
+            Some(Arc::new(tls)),
+            async move {
+                let _ = brx.await;
+            },
+        ));
+        let mut bc = BackendConfig::new("bench", burl.clone());
+        bc.domain = "cube.bench".into();
+        bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+        bc.client_cert_pem = Some(std::fs::read(&ccert)?);
+        bc.client_key_pem = Some(Secret::new(std::fs::read_to_string(&ckey)?));
+        let direct = CubeClient::new(bc)?;
+
+        // The appliance, configured with that backend.
+        let bench_profile = Profile {
+            max_active_leases_per_tenant: 100_000,
+            max_command_seconds: 600,
+            ..Profile::default()
+        };
+        let mut profiles = crate::config::shipped_profiles();
+        profiles.insert("bench".into(), bench_profile);
+        let cfg = Config {
+            state_dir: dir.join("state"),
+            backend: Some(BackendSection {
+                api_url: burl,
+                proxy_url: None,
+                domain: "cube.bench".into(),
+                api_key_file: None,
+                ca_file: Some(ca.dir.join("ca.pem")),
+                client_cert_file: Some(ccert),
+                client_key_file: Some(ckey),
+                insecure_plain_http: false,
+            }),
+            profiles,
+            ..Config::default()
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let (atx, arx) = tokio::sync::oneshot::channel::<()>();
+        let (stx, srx) = tokio::sync::oneshot::channel();
+        tokio::spawn(crate::app::serve(
+            cfg,
+            Default::default(),
+            listener,
+            launcher.to_path_buf(),
+            move |s| {
+                let _ = stx.send(s.clone());
+            },
+            async move {
+                let _ = arx.await;
+            },
+        ));
+        let started = tokio::time::timeout(Duration::from_secs(30), srx).await??;
+        let cafile = std::fs::read(&started.ca_file)?;
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(crate::tls::client_config(Some(&cafile), None)?)
+            .pool_max_idle_per_host(256)
+            .build()?;
+        let admin = std::fs::read_to_string(dir.join("state/admin.token"))?
+            .trim()
+            .to_string();
+        Ok(Self {
+            url: started.url,
+            http,
+            admin,
+            direct,
+            dir: dir.to_path_buf(),
+            stops: vec![atx, btx],
+        })
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> anyhow::Result<Value> {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(&self.admin)
+            .json(&body)
+            .send()
+            .await?;
+        let status = r.status();
+        let v: Value = r.json().await?;
+        anyhow::ensure!(status.is_success(), "{path}: {status} {v}");
+        Ok(v)
+    }
+
+    pub async fn acquire(&self, session: &str) -> anyhow::Result<String> {
+        let v = self
+            .post(
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": session, "profile": "bench"}),
+            )
+            .await?;
+        v["lease_ref"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("no lease_ref in {v}"))
+    }
+
+    pub async fn exec(&self, lease: &str, cmd: &str) -> anyhow::Result<Value> {
+        self.post(&format!("/v1/leases/{lease}/exec"), json!({"command": cmd}))
+            .await
+    }
+
+    pub async fn stop(self) {
+        for s in self.stops {
+            let _ = s.send(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        kill_sandboxes(&self.dir.join("embedded/sandboxes"));
+    }
+}
+
+/// SIGKILL the init of every sandbox under a directory.
+pub fn kill_sandboxes(dir: &Path) {
+    for d in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let Ok(b) = std::fs::read(d.path().join("init.json")) else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_slice::<Value>(&b) else {
+            continue;
+        };
+        if let Some(pid) = v["pid"].as_i64() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("cube-bench-{name}-{:016x}", rand::random::<u64>()))
+}
+
+/// `bench overhead`: the same exec through the appliance and directly.
+pub async fn overhead(launcher: &Path, iterations: usize) -> anyhow::Result<Report> {
+    let dir = tmpdir("overhead");
+    let rig = Rig::start(&dir, launcher, None).await?;
+    let lease = rig.acquire("overhead").await?;
+    let s = rig
+        .direct
+        .create(&CreateSandbox {
+            template_id: "host".into(),
+            ..Default::default()
+        })
+        .await?;
+    let sb = rig.direct.addr(&s);
+    let mut report = Report::new("overhead");
+    for (name, cmd) in [("true", "true"), ("64KiB", "head -c 65536 /dev/zero")] {
+        let mut o = StartOptions::shell(cmd);
+        o.cwd = Some("/workspace".into());
+        o.timeout = Some(Duration::from_secs(60));
+        for _ in 0..10 {
+            rig.exec(&lease, cmd).await?;
+            rig.direct.run(&sb, &o, 64 * 1024).await?;
+        }
+        let (mut via, mut direct) = (vec![], vec![]);
+        for _ in 0..iterations {
+            let t = Instant::now();
+            rig.exec(&lease, cmd).await?;
+            via.push(t.elapsed());
+            let t = Instant::now();
+            rig.direct.run(&sb, &o, 64 * 1024).await?;
+            direct.push(t.elapsed());
+        }
+        let v = Summary::of(&format!("exec {name} via appliance"), &via);
+        let d = Summary::of(&format!("exec {name} direct (cube client)"), &direct);
+        report
+            .figures
+            .insert(format!("{name}: added p50 ms"), v.p50_ms - d.p50_ms);
+        report
+            .figures
+            .insert(format!("{name}: added p99 ms"), v.p99_ms - d.p99_ms);
+        report.results.push(v);
+        report.results.push(d);
+    }
+    // What one durable commit costs here (each exec makes two: intent, outcome).
+    let store = crate::store::Store::open(&dir.join("commit-probe"))?;
+    let mut commits = vec![];
+    for i in 0..iterations {
+        let ev = crate::audit::event::Event {
+            action: format!("probe{i}"),
+            ..Default::default()
+        };
+        let t = Instant::now();
+        store
+            .write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
+            .await?;
+        commits.push(t.elapsed());
+    }
+    let c = Summary::of("one durable commit (fsync)", &commits);
+    report.figures.insert(
+        "fsync share of the added p50 (2 commits) ms".into(),
+        2.0 * c.p50_ms,
+    );
+    report.results.push(c);
+    rig.direct.kill(&sb.id).await?;
+    rig.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+/// `bench cycle`: acquire → exec → release(kill) with N concurrent agents.
+pub async fn cycle(
+    launcher: &Path,
+    concurrency: &[usize],
+    cycles_per_agent: usize,
+) -> anyhow::Result<Report> {
+    let dir = tmpdir("cycle");
+    let rig = Arc::new(Rig::start(&dir, launcher, None).await?);
+    let mut report = Report::new("cycle");
+    for &n in concurrency {
+        let t0 = Instant::now();
+        let mut tasks = vec![];
+        for a in 0..n {
+            let rig = rig.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut lat = vec![];
+                for c in 0..cycles_per_agent {
+                    let t = Instant::now();
+                    let lease = rig.acquire(&format!("cycle-{n}-{a}-{c}")).await?;
+                    rig.exec(&lease, "true").await?;
+                    rig.post(
+                        &format!("/v1/leases/{lease}/release"),
+                        json!({"action": "kill"}),
+                    )
+                    .await?;
+                    lat.push(t.elapsed());
+                }
+                Ok::<_, anyhow::Error>(lat)
+            }));
+        }
+        let mut all = vec![];
+        for t in tasks {
+            all.extend(t.await??);
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let s = Summary::of(&format!("cycle, {n} concurrent agents"), &all);
+        report
+            .figures
+            .insert(format!("cycles/s at {n} agents"), all.len() as f64 / secs);
+        report.results.push(s);
+    }
+    match Arc::try_unwrap(rig) {
+        Ok(r) => r.stop().await,
+        Err(_) => kill_sandboxes(&dir.join("embedded/sandboxes")),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+/// `bench hot`: exec on existing leases with N concurrent agents.
+pub async fn hot(launcher: &Path, agents: usize, ops_per_agent: usize) -> anyhow::Result<Report> {
+    let dir = tmpdir("hot");
+    let rig = Arc::new(Rig::start(&dir, launcher, None).await?);
+    let mut leases = vec![];
+    for a in 0..agents {
+        leases.push(rig.acquire(&format!("hot-{a}")).await?);
+    }
+    let t0 = Instant::now();
+    let mut tasks = vec![];
+    for lease in leases {
+        let rig = rig.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = vec![];
+            for _ in 0..ops_per_agent {
+                let t = Instant::now();
+                rig.exec(&lease, "true").await?;
+                lat.push(t.elapsed());
+            }
+            Ok::<_, anyhow::Error>(lat)
+        }));
+    }
+    let mut all = vec![];
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let mut report = Report::new("hot lease");
+    report.results.push(Summary::of(
+        &format!("exec true, {agents} agents on own leases"),
+        &all,
+    ));
+    report.figures.insert(
+        format!("audited execs/s at {agents} agents"),
+        all.len() as f64 / secs,
+    );
+    match Arc::try_unwrap(rig) {
+        Ok(r) => r.stop().await,
+        Err(_) => kill_sandboxes(&dir.join("embedded/sandboxes")),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+/// `bench audit`: journal commits with group commit vs one fsync per event.
+pub async fn audit(writers: &[usize], events_per_writer: usize) -> anyhow::Result<Report> {
+    let mut report = Report::new("audit");
+    for &w in writers {
+        for (mode, batch) in [("group commit", 512usize), ("one fsync per event", 1)] {
+            let dir = tmpdir("audit");
+            let store = crate::store::Store::open_with(&dir, batch)?;
+            let t0 = Instant::now();
+            let mut tasks = vec![];
+            for i in 0..w {
+                let store = store.clone();
+                tasks.push(tokio::spawn(async move {
+                    let mut lat = vec![];
+                    for j in 0..events_per_writer {
+                        let ev = crate::audit::event::Event {
+                            action: format!("w{i}e{j}"),
+                            ..Default::default()
+                        };
+                        let t = Instant::now();
+                        store
+                            .write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
+                            .await?;
+                        lat.push(t.elapsed());
+                    }
+                    Ok::<_, anyhow::Error>(lat)
+                }));
+            }
+            let mut all = vec![];
+            for t in tasks {
+                all.extend(t.await??);
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            report.figures.insert(
+                format!("events/s, {w} writers, {mode}"),
+                all.len() as f64 / secs,
+            );
+            report.results.push(Summary::of(
+                &format!("commit latency, {w} writers, {mode}"),
+                &all,
+            ));
+            drop(store);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let g = report
+            .figures
+            .get(&format!("events/s, {w} writers, group commit"))
+            .copied()
+            .unwrap_or(0.0);
+        let o = report
+            .figures
+            .get(&format!("events/s, {w} writers, one fsync per event"))
+            .copied()
+            .unwrap_or(1.0);
+        report.figures.insert(
+            format!("group commit speed-up, {w} writers (x)"),
+            g / o.max(f64::MIN_POSITIVE),
+        );
+    }
+    Ok(report)
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+struct ServeProc {
+    child: std::process::Child,
+    url: String,
+}
+
+fn spawn_serve(launcher: &Path, state: &Path, config: &Path) -> anyhow::Result<ServeProc> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(launcher)
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(state)
+        .arg("--config")
+        .arg(config)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let mut reader = std::io::BufReader::new(
+        child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?,
+    );
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+    let url = line.trim().rsplit(' ').next().unwrap_or("").to_string();
+    anyhow::ensure!(url.starts_with("https://"), "serve did not start: {line}");
+    Ok(ServeProc { child, url })
+}
+
+fn stop_serve(mut p: ServeProc) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = p.child.wait();
+}
+
+/// `bench memory` and `bench startup`: a real `serve` process.
+pub async fn memory_and_startup(
+    launcher: &Path,
+    leases: usize,
+    starts: usize,
+) -> anyhow::Result<Report> {
+    let dir = tmpdir("memory");
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        "[profiles.bench]\ntemplate = \"host\"\nmax_active_leases_per_tenant = 100000\n[profiles.offline-code]\n",
+    )?;
+    let state = dir.join("state");
+    let mut report = Report::new("memory and startup");
+    let p = spawn_serve(launcher, &state, &config)?;
+    let ca = std::fs::read(state.join("tls/ca.pem"))?;
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
+        .build()?;
+    let admin = std::fs::read_to_string(state.join("admin.token"))?
+        .trim()
+        .to_string();
+    let ready = |http: reqwest::Client, url: String| async move {
+        loop {
+            if let Ok(r) = http.get(format!("{url}/readyz")).send().await {
+                if r.status().is_success() {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    ready(http.clone(), p.url.clone()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = rss_kb(p.child.id());
+    report.figures.insert("RSS idle (KiB)".into(), idle as f64);
+    // Many live leases (each a real sandbox of the embedded backend).
+    let sem = Arc::new(tokio::sync::Semaphore::new(16));
+    let mut tasks = vec![];
+    for i in 0..leases {
+        let (http, url, admin, sem) = (http.clone(), p.url.clone(), admin.clone(), sem.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire().await?;
+            let r = http
+                .post(format!("{url}/v1/leases/acquire"))
+                .bearer_auth(&admin)
+                .json(
+                    &json!({"runtime": "mcp", "session_key": format!("m{i}"), "profile": "bench"}),
+                )
+                .send()
+                .await?;
+            anyhow::ensure!(r.status().is_success(), "acquire: {}", r.status());
+            Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let loaded = rss_kb(p.child.id());
+    report.figures.insert(
+        format!("RSS with {leases} live leases (KiB)"),
+        loaded as f64,
+    );
+    report.figures.insert(
+        "RSS per live lease (KiB)".into(),
+        (loaded.saturating_sub(idle)) as f64 / leases.max(1) as f64,
+    );
+    stop_serve(p);
+    // Startup on the existing state directory (its sandboxes are re-adopted).
+    let mut times = vec![];
+    for _ in 0..starts {
+        let t = Instant::now();
+        let p = spawn_serve(launcher, &state, &config)?;
+        ready(http.clone(), p.url.clone()).await;
+        times.push(t.elapsed());
+        stop_serve(p);
+    }
+    report.results.push(Summary::of(
+        &format!("start to /readyz ready ({leases} sandboxes to re-adopt)"),
+        &times,
+    ));
+    kill_sandboxes(&state.join("embedded/sandboxes"));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
