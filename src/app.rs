@@ -48,6 +48,32 @@ fn random_key(path: &Path) -> anyhow::Result<Vec<u8>> {
     }
 }
 
+/// Host paths no sandbox may see: the appliance's state and secrets.
+fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
+    let mut v = vec![
+        state.to_path_buf(),
+        PathBuf::from(crate::config::DEFAULT_STATE_DIR),
+        PathBuf::from("/etc/cube-adapter"),
+    ];
+    if let Some(d) = &cfg.embedded.state_dir {
+        v.push(d.clone());
+    }
+    if let Some(f) = &cfg.tokens_file {
+        v.push(f.clone());
+    }
+    if let Some(b) = &cfg.backend {
+        v.extend(b.api_key_file.iter().cloned());
+        v.extend(b.client_key_file.iter().cloned());
+    }
+    v.into_iter()
+        .filter_map(|p| {
+            std::fs::canonicalize(&p)
+                .ok()
+                .or(p.is_absolute().then_some(p))
+        })
+        .collect()
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
@@ -64,8 +90,11 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let cfg = Arc::new(cfg);
-    let state = cfg.state_dir.clone();
-    std::fs::create_dir_all(&state).with_context(|| format!("create {}", state.display()))?;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("create {}", cfg.state_dir.display()))?;
+    // Absolute from here on: sandboxes mask it by path.
+    let state = std::fs::canonicalize(&cfg.state_dir)
+        .with_context(|| format!("resolve {}", cfg.state_dir.display()))?;
     {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700));
@@ -216,7 +245,7 @@ pub async fn serve(
                 domain: "cube.local".into(),
                 launcher,
                 uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
-                mask: vec![state.clone()],
+                mask: masks(&cfg, &state),
                 default_timeout: None,
             };
             let backend = Backend::open(settings, None)
@@ -260,7 +289,7 @@ pub async fn serve(
     );
     let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key);
     let st = AppState {
-        broker,
+        broker: broker.clone(),
         auth: authn,
         metrics: Arc::default(),
     };
@@ -283,6 +312,12 @@ pub async fn serve(
         backend: backend_desc,
     });
     let r = crate::server::serve(listener, app, tls, shutdown).await;
+    // Let effects in flight record their outcome before the store closes.
+    if !broker.drain(std::time::Duration::from_secs(30)).await {
+        tracing::warn!(
+            "effects still running after 30 s; their intents stay pending until reconciled"
+        );
+    }
     for h in background {
         h.abort();
     }

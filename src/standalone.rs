@@ -65,6 +65,9 @@ pub async fn run(
     }
     std::fs::create_dir_all(&o.state_dir)
         .with_context(|| format!("create {}", o.state_dir.display()))?;
+    let mut o = o;
+    o.state_dir = std::fs::canonicalize(&o.state_dir)
+        .with_context(|| format!("resolve {}", o.state_dir.display()))?;
     let backend =
         Backend::open(settings(&o), o.api_key.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let listener = tokio::net::TcpListener::bind(o.listen)

@@ -304,8 +304,17 @@ pub fn router(st: AppState) -> Router {
         .merge(leases::router())
         .fallback(|| async { err("not_found", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        // Innermost: a panic in a handler becomes a logged 500 envelope.
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            panic_response,
+        ))
         .layer(middleware::from_fn_with_state(st.clone(), headers))
         .with_state(st)
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    tracing::error!("a request handler panicked");
+    err("internal_error", "internal error").into_response()
 }
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -150,8 +150,8 @@ impl Rig {
                 json!({"runtime": "mcp", "session_key": session, "profile": "bench"}),
             )
             .await?;
-        v["lease_ref"]
-            .as_str()
+        v.get("lease_ref")
+            .and_then(Value::as_str)
             .map(str::to_string)
             .ok_or_else(|| anyhow::anyhow!("no lease_ref in {v}"))
     }
@@ -179,7 +179,7 @@ pub fn kill_sandboxes(dir: &Path) {
         let Ok(v) = serde_json::from_slice::<Value>(&b) else {
             continue;
         };
-        if let Some(pid) = v["pid"].as_i64() {
+        if let Some(pid) = v.get("pid").and_then(Value::as_i64) {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid as i32),
                 nix::sys::signal::Signal::SIGKILL,
@@ -488,10 +488,10 @@ pub async fn memory_and_startup(
         .to_string();
     let ready = |http: reqwest::Client, url: String| async move {
         loop {
-            if let Ok(r) = http.get(format!("{url}/readyz")).send().await {
-                if r.status().is_success() {
-                    return;
-                }
+            if let Ok(r) = http.get(format!("{url}/readyz")).send().await
+                && r.status().is_success()
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }

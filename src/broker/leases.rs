@@ -296,86 +296,110 @@ impl Broker {
         }
 
         let intent = self.inner.journal.intent(ev).await?;
-        let req = CreateSandbox {
-            template_id: prof.template.clone(),
-            timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
-            lifecycle: Some(Lifecycle {
-                on_timeout: Some(prof.lifecycle.on_timeout.clone()),
-                auto_resume: Some(prof.lifecycle.auto_resume),
-            }),
-            allow_internet_access: Some(prof.allow_internet_access),
-            network: Some(NetworkPolicy {
-                allow_public_traffic: Some(false),
+        // From here the effect runs to its recorded outcome even if the
+        // client goes away (the task is drained at shutdown).
+        let b = self.clone();
+        let tenant = p.tenant.clone();
+        let runtime = runtime.to_string();
+        let task = self.inner.tracker.spawn(async move {
+            let this = &b;
+            let p_tenant = tenant;
+            let req = CreateSandbox {
+                template_id: prof.template.clone(),
+                timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
+                lifecycle: Some(Lifecycle {
+                    on_timeout: Some(prof.lifecycle.on_timeout.clone()),
+                    auto_resume: Some(prof.lifecycle.auto_resume),
+                }),
+                allow_internet_access: Some(prof.allow_internet_access),
+                network: Some(NetworkPolicy {
+                    allow_public_traffic: Some(false),
+                    ..Default::default()
+                }),
+                metadata: [
+                    ("runtime".to_string(), runtime.to_string()),
+                    ("purpose".to_string(), "agent-adapter".to_string()),
+                    (
+                        "tenant".to_string(),
+                        this.inner.journal.digest("tenant", p_tenant.as_bytes()),
+                    ),
+                    ("session".to_string(), hash.clone()),
+                    ("policy".to_string(), profile_name.clone()),
+                ]
+                .into(),
                 ..Default::default()
-            }),
-            metadata: [
-                ("runtime".to_string(), runtime.to_string()),
-                ("purpose".to_string(), "agent-adapter".to_string()),
-                (
-                    "tenant".to_string(),
-                    self.inner.journal.digest("tenant", p.tenant.as_bytes()),
-                ),
-                ("session".to_string(), hash.clone()),
-                ("policy".to_string(), profile_name.clone()),
-            ]
-            .into(),
-            ..Default::default()
-        };
-        let created = match self.inner.cube.create(&req).await {
-            Ok(s) => s,
-            Err(e) => {
-                let err = backend(&e);
-                self.fail(intent, &err).await?;
-                return Err(err);
+            };
+            let created = match this.inner.cube.create(&req).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let err = backend(&e);
+                    this.fail(intent, &err).await?;
+                    return Err(err);
+                }
+            };
+            let (ts, unix) = now();
+            let sealed = match &created.traffic_access_token {
+                Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        // Cannot keep the token: do not keep the sandbox.
+                        tracing::error!(error = %e, "sealing a traffic token failed");
+                        let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                        let err =
+                            Error::new("execution_failed", "the sandbox could not be recorded");
+                        this.fail(intent, &err).await?;
+                        return Err(err);
+                    }
+                },
+                None => None,
+            };
+            let lease = Lease {
+                lease_ref: new_ref("lease"),
+                tenant: p_tenant.clone(),
+                runtime: runtime.to_string(),
+                session_hash: hash,
+                profile: profile_name,
+                sandbox_ref: created.sandbox_id.chars().take(8).collect(),
+                sandbox_id: created.sandbox_id.clone(),
+                domain: created.domain.clone(),
+                traffic_token: sealed,
+                state: "running".into(),
+                created_at: ts.clone(),
+                last_used_at: ts,
+                last_used_unix: unix,
+            };
+            let l2 = lease.clone();
+            let lref = lease.lease_ref.clone();
+            let sref = lease.sandbox_ref.clone();
+            let stored = this
+                .inner
+                .journal
+                .outcome(
+                    intent,
+                    "ok",
+                    |e| {
+                        e.lease_ref = Some(lref);
+                        e.sandbox_ref = Some(sref);
+                        e.reused = Some(false);
+                    },
+                    move |txn| {
+                        put_lease(txn, &l2)?;
+                        txn.open_table(tables::SESSIONS)?
+                            .insert(skey.as_str(), l2.lease_ref.as_str())?;
+                        Ok(())
+                    },
+                )
+                .await;
+            if let Err(e) = stored {
+                // Not recorded: do not leave an untracked sandbox behind.
+                let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                return Err(e.into());
             }
-        };
-        let (ts, unix) = now();
-        let sealed = match &created.traffic_access_token {
-            Some(t) => Some(self.inner.store.sealer.seal(t.as_bytes())?),
-            None => None,
-        };
-        let lease = Lease {
-            lease_ref: new_ref("lease"),
-            tenant: p.tenant.clone(),
-            runtime: runtime.to_string(),
-            session_hash: hash,
-            profile: profile_name,
-            sandbox_ref: created.sandbox_id.chars().take(8).collect(),
-            sandbox_id: created.sandbox_id.clone(),
-            domain: created.domain.clone(),
-            traffic_token: sealed,
-            state: "running".into(),
-            created_at: ts.clone(),
-            last_used_at: ts,
-            last_used_unix: unix,
-        };
-        let l2 = lease.clone();
-        let lref = lease.lease_ref.clone();
-        let sref = lease.sandbox_ref.clone();
-        let stored = self
-            .inner
-            .journal
-            .outcome(
-                intent,
-                "ok",
-                |e| {
-                    e.lease_ref = Some(lref);
-                    e.sandbox_ref = Some(sref);
-                    e.reused = Some(false);
-                },
-                move |txn| {
-                    put_lease(txn, &l2)?;
-                    txn.open_table(tables::SESSIONS)?
-                        .insert(skey.as_str(), l2.lease_ref.as_str())?;
-                    Ok(())
-                },
-            )
-            .await;
-        if let Err(e) = stored {
-            // Not recorded: do not leave an untracked sandbox behind.
-            let _ = self.inner.cube.kill(&created.sandbox_id).await;
-            return Err(e.into());
-        }
+            Ok::<Lease, Error>(lease)
+        });
+        let lease = task
+            .await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
         Ok(self.lease_answer(&lease, false, ctx))
     }
 
@@ -390,6 +414,24 @@ impl Broker {
             "persistent_workspace": false,
             "request_id": ctx.request_id,
         })
+    }
+
+    /// Apply the path policy; a denied path is recorded as `rejected`.
+    async fn checked_path(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        action: &str,
+        path: &str,
+    ) -> Result<String> {
+        match paths::check(path) {
+            Ok(norm) => Ok(norm),
+            Err(e) => {
+                let mut ev = self.event(p, action, ctx);
+                ev.path_digest = Some(self.inner.journal.digest("path", path.as_bytes()));
+                Err(self.reject(ev, e).await)
+            }
+        }
     }
 
     /// Record a failed effect's outcome.
@@ -506,8 +548,12 @@ impl Broker {
     }
 
     /// Run one effect on a lease's sandbox under intent/outcome.
+    ///
+    /// Once the intent is committed, the effect and its outcome run in a
+    /// task of their own: a client that disconnects, or a shutdown (which
+    /// drains these tasks), never leaves an intent without its outcome.
     #[allow(clippy::too_many_arguments)]
-    async fn effect<T>(
+    async fn effect<T, F, Fut>(
         &self,
         p: &Principal,
         ctx: &Ctx,
@@ -515,17 +561,38 @@ impl Broker {
         action: &str,
         scope: &str,
         fill: impl FnOnce(&mut Event),
-        run: impl AsyncFnOnce(&Self, &Lease, SandboxAddr) -> Result<(T, Option<i32>, Option<u64>)>,
-    ) -> Result<(Lease, T)> {
+        run: F,
+    ) -> Result<(Lease, T)>
+    where
+        T: Send + 'static,
+        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<(T, Option<i32>, Option<u64>)>> + Send + 'static,
+    {
         let ev = self.event(p, action, ctx);
         self.authorize(p, scope, &ev).await?;
-        let mut l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
         let mut ev = self.lease_event(p, action, ctx, &l);
         fill(&mut ev);
         let addr = self.addr(&l)?;
         let intent = self.inner.journal.intent(ev).await?;
         super::failpoint("after_intent");
-        let r = run(self, &l, addr).await;
+        let b = self.clone();
+        let task = self.inner.tracker.spawn(async move {
+            let r = run(b.clone(), l.clone(), addr).await;
+            b.finish(intent, l, r).await
+        });
+        task.await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))?
+    }
+
+    /// Record an effect's outcome; on success, touch the lease in the same
+    /// transaction (if it still exists: a concurrent kill wins).
+    async fn finish<T>(
+        &self,
+        intent: Intent,
+        mut l: Lease,
+        r: Result<(T, Option<i32>, Option<u64>)>,
+    ) -> Result<(Lease, T)> {
         match r {
             Ok((t, exit, bytes)) => {
                 let (ts, unix) = now();
@@ -542,7 +609,16 @@ impl Broker {
                             e.exit_code = exit;
                             e.bytes = bytes;
                         },
-                        move |txn| put_lease(txn, &l2),
+                        move |txn| {
+                            let exists = txn
+                                .open_table(tables::LEASES)?
+                                .get(l2.lease_ref.as_str())?
+                                .is_some();
+                            if exists {
+                                put_lease(txn, &l2)?;
+                            }
+                            Ok(())
+                        },
                     )
                     .await?;
                 Ok((l, t))
@@ -554,7 +630,6 @@ impl Broker {
                         | "artifact_not_found"
                         | "invalid_path"
                         | "already_exists"
-                        | "not_a_directory"
                         | "artifact_too_large"
                 );
                 if known {
@@ -596,7 +671,7 @@ impl Broker {
             return Err(Error::new("invalid_request", "command must not be empty"));
         }
         let cwd = match cwd {
-            Some(c) => paths::check(c)?,
+            Some(c) => self.checked_path(p, ctx, "exec", c).await?,
             None => "/workspace".to_string(),
         };
         if timeout_ms == Some(0) {
@@ -617,7 +692,7 @@ impl Broker {
                     "exec",
                     "exec:run",
                     |e| e.command_digest = Some(cmd_digest),
-                    async move |b: &Self, l: &Lease, addr| {
+                    move |b: Broker, l: Lease, addr| async move {
                         let cap = b
                             .profile(&l.profile)
                             .map(|p| p.max_command_seconds)
@@ -681,9 +756,11 @@ impl Broker {
             FileOp::Upload { path, .. } => ("artifact_upload", "artifact:upload", path),
             FileOp::Download { path } => ("artifact_download", "artifact:download", path),
         };
-        let path = paths::check(path)?;
+        let path = self.checked_path(p, ctx, action, path).await?;
         let dest = match &op {
-            FileOp::Move { destination, .. } => Some(paths::check(destination)?),
+            FileOp::Move { destination, .. } => {
+                Some(self.checked_path(p, ctx, action, destination).await?)
+            }
             _ => None,
         };
         if let FileOp::Write { content, .. } = &op
@@ -739,7 +816,7 @@ impl Broker {
                     e.destination_digest = dd;
                     e.content_sha256 = content_sha;
                 },
-                async move |b: &Self, _l: &Lease, addr| {
+                move |b: Broker, _l: Lease, addr| async move {
                     let c = &b.inner.cube;
                     let nf = |e: crate::cube::CubeError, code: &'static str| match e.kind {
                         ErrorKind::NotFound => Error::new(code, "no such file or directory"),

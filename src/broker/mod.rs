@@ -36,6 +36,8 @@ pub(crate) struct Inner {
     pub cube: CubeClient,
     key: Vec<u8>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Effects in flight (drained at shutdown).
+    pub tracker: tokio_util::task::TaskTracker,
 }
 
 /// Per-request context from the transport.
@@ -60,8 +62,17 @@ impl Broker {
                 cube,
                 key,
                 locks: Mutex::default(),
+                tracker: tokio_util::task::TaskTracker::new(),
             }),
         }
+    }
+
+    /// Wait (at most `limit`) for effects in flight to record their outcome.
+    pub async fn drain(&self, limit: std::time::Duration) -> bool {
+        self.inner.tracker.close();
+        tokio::time::timeout(limit, self.inner.tracker.wait())
+            .await
+            .is_ok()
     }
 
     pub fn journal(&self) -> &Journal {
@@ -100,7 +111,7 @@ impl Broker {
         LockGuard {
             broker: self.clone(),
             name,
-            _guard: guard,
+            guard: Some(guard),
             mutex: m,
         }
     }
@@ -166,12 +177,14 @@ pub(crate) fn failpoint(name: &str) {
 pub(crate) struct LockGuard {
     broker: Broker,
     name: String,
-    _guard: tokio::sync::OwnedMutexGuard<()>,
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
     mutex: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        // Release first: the guard holds a reference of its own.
+        self.guard.take();
         let mut map = self
             .broker
             .inner

@@ -329,20 +329,56 @@ fn unshare_child(
             drop(dirs);
             let _ = nix::sys::prctl::set_dumpable(false);
             let code = match setup {
-                Ok(()) => match sys::fork_single_threaded() {
-                    Ok(Forked::Child) => {
+                Ok(()) => match lock_pipes().and_then(|p| Ok((p, sys::fork_single_threaded()?))) {
+                    Ok(((to_init, from_agent, to_agent, from_init), Forked::Child)) => {
+                        drop(from_agent);
+                        drop(to_agent);
                         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+                        // Lock every mount: a nested user + mount namespace
+                        // makes the mounts above un-unmountable and their
+                        // read-only/nosuid flags permanent for everything the
+                        // sandbox runs, whatever capabilities it holds.
+                        // (Dumpable while the init writes our id maps: nothing
+                        // of the sandbox runs yet.)
+                        let _ = nix::sys::prctl::set_dumpable(true);
+                        if unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS).is_err() {
+                            std::process::exit(1);
+                        }
+                        signal_line(&to_init, "unshared");
+                        if read_line(&from_init).ok().as_deref() != Some("mapped") {
+                            std::process::exit(1);
+                        }
+                        let _ = nix::sys::prctl::set_dumpable(false);
+                        drop(to_init);
+                        drop(from_init);
                         // This process never returns to the owners of these.
                         sys::close_inherited(ready);
                         sys::close_inherited(go);
                         run_agent(listener, agent_env(spec, None))
                     }
-                    Ok(Forked::Parent(agent)) => {
+                    Ok(((to_init, from_agent, to_agent, from_init), Forked::Parent(agent))) => {
+                        drop(to_init);
+                        drop(from_init);
                         drop(listener);
-                        signal_line(ready, "ready");
-                        sys::close_inherited(ready);
-                        sys::close_inherited(go);
-                        reap_forever(agent)
+                        let locked = match read_line(&from_agent) {
+                            Ok(l) if l == "unshared" => write_identity_maps(agent, spec.id_count)
+                                .map(|()| signal_line(&to_agent, "mapped"))
+                                .map_err(|e| format!("map the agent's ids: {e}")),
+                            _ => Err("the agent could not lock the sandbox's mounts".to_string()),
+                        };
+                        drop(to_agent);
+                        match locked {
+                            Ok(()) => {
+                                signal_line(ready, "ready");
+                                sys::close_inherited(ready);
+                                sys::close_inherited(go);
+                                reap_forever(agent)
+                            }
+                            Err(e) => {
+                                signal_line(ready, &format!("error {e}"));
+                                1
+                            }
+                        }
                     }
                     Err(e) => {
                         signal_line(ready, &format!("error fork agent: {e}"));
@@ -357,6 +393,21 @@ fn unshare_child(
             std::process::exit(code)
         }
     }
+}
+
+type LockPipes = (OwnedFd, OwnedFd, OwnedFd, OwnedFd);
+
+/// Two pipes: agent → init, init → agent.
+fn lock_pipes() -> nix::Result<LockPipes> {
+    let (from_agent, to_init) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    let (from_init, to_agent) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    Ok((to_init, from_agent, to_agent, from_init))
+}
+
+/// Map ids 1:1 into the agent's nested user namespace.
+fn write_identity_maps(pid: Pid, count: u32) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/{pid}/uid_map"), format!("0 0 {count}\n"))?;
+    std::fs::write(format!("/proc/{pid}/gid_map"), format!("0 0 {count}\n"))
 }
 
 fn agent_env(spec: &LaunchSpec, none_dir: Option<&Path>) -> AgentEnv {
@@ -506,19 +557,29 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         Some("mode=0755"),
     )
     .context("mount /run")?;
+    // Hide the appliance's own files: an empty read-only tmpfs over a
+    // directory, /dev/null over a file. A mask that cannot be put in place
+    // fails the launch.
     for m in &spec.mask {
         let Ok(rel) = m.strip_prefix("/") else {
-            continue;
+            anyhow::bail!("mask path {} is not absolute", m.display());
         };
         let t = nr.join(rel);
-        if t.is_dir() {
-            let _ = mount(
+        let Ok(md) = std::fs::symlink_metadata(&t) else {
+            continue;
+        };
+        if md.is_dir() {
+            mount(
                 Some("tmpfs"),
                 &t,
                 Some("tmpfs"),
                 ro,
                 Some("mode=0000,size=4k"),
-            );
+            )
+            .with_context(|| format!("mask {}", m.display()))?;
+        } else if md.is_file() {
+            mount(Some("/dev/null"), &t, none, MsFlags::MS_BIND, none)
+                .with_context(|| format!("mask {}", m.display()))?;
         }
     }
 

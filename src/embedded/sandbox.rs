@@ -106,6 +106,9 @@ pub struct Meta {
     pub started_at: String,
     /// Unix seconds at which the timeout fires; None = never.
     pub end_at: Option<i64>,
+    /// The sandbox's timeout (s), re-armed whenever it resumes.
+    #[serde(default)]
+    pub timeout_secs: Option<i64>,
     pub on_timeout_pause: bool,
     pub auto_resume: bool,
     pub state: State,
@@ -215,6 +218,21 @@ const ENV_DENY: &[&str] = &[
     "RUBYLIB",
     "GCONV_PATH",
 ];
+
+/// CubeAPI timeouts are int32 seconds, `-1` = never.
+fn check_timeout(t: i64) -> Result<(), BackendError> {
+    if (-1..=i64::from(i32::MAX)).contains(&t) {
+        Ok(())
+    } else {
+        Err(BackendError::BadRequest(
+            "timeout must be -1 (never) or 0..=2147483647 seconds".into(),
+        ))
+    }
+}
+
+fn deadline(secs: i64) -> Option<i64> {
+    (secs >= 0).then(|| now_unix().saturating_add(secs))
+}
 
 fn validate_env(env: &BTreeMap<String, String>) -> Result<(), BackendError> {
     for (k, v) in env {
@@ -407,12 +425,8 @@ impl Manager {
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<Sandbox, BackendError> {
         validate_env(&req.env_vars)?;
         let timeout = req.timeout.or(self.settings.default_timeout);
-        if let Some(t) = timeout
-            && t < -1
-        {
-            return Err(BackendError::BadRequest(
-                "timeout must be >= 0 or -1".into(),
-            ));
+        if let Some(t) = timeout {
+            check_timeout(t)?;
         }
         let snap = self.snapshot(&req.template_id);
         let (template_id, rootfs, host_root, from_snap) = match &snap {
@@ -492,6 +506,7 @@ impl Manager {
             client_id: random_hex(8),
             started_at: now_rfc3339(),
             end_at: None,
+            timeout_secs: timeout.filter(|t| *t >= 0),
             on_timeout_pause,
             auto_resume,
             state: State::Running,
@@ -544,7 +559,7 @@ impl Manager {
                 .lock()
                 .map_err(|_| internal("state", "poisoned"))?;
             m.init = init;
-            m.end_at = timeout.and_then(|t| if t < 0 { None } else { Some(now_unix() + t) });
+            m.end_at = timeout.and_then(deadline);
             m.clone()
         };
         write_json_atomic(&dir.join("meta.json"), &meta)
@@ -616,7 +631,8 @@ impl Manager {
             .arg(dir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
-            .stderr(log);
+            .stderr(log)
+            .kill_on_drop(true);
         let status = tokio::time::timeout(Duration::from_secs(30), cmd.status())
             .await
             .map_err(|_| internal("launch sandbox", "timed out"))?
@@ -745,19 +761,12 @@ impl Manager {
 
     /// `POST /sandboxes/{id}/timeout`: the sandbox now ends `secs` from now.
     pub async fn set_timeout(&self, id: &str, secs: i64) -> Result<(), BackendError> {
-        if secs < -1 {
-            return Err(BackendError::BadRequest(
-                "timeout must be >= 0 or -1".into(),
-            ));
-        }
+        check_timeout(secs)?;
         let e = self.entry(id)?;
         let _op = e.op.lock().await;
         if let Ok(mut m) = e.meta.lock() {
-            m.end_at = if secs < 0 {
-                None
-            } else {
-                Some(now_unix() + secs)
-            };
+            m.end_at = deadline(secs);
+            m.timeout_secs = (secs >= 0).then_some(secs);
         }
         self.persist(&e)
     }
@@ -774,7 +783,7 @@ impl Manager {
         if let Ok(mut m) = e.meta.lock()
             && let Some(end) = m.end_at
         {
-            m.end_at = Some(end.max(now_unix() + secs));
+            m.end_at = Some(end.max(now_unix().saturating_add(secs)));
         }
         self.persist(&e)
     }
@@ -806,12 +815,8 @@ impl Manager {
         timeout: Option<i64>,
         must_be_paused: bool,
     ) -> Result<Sandbox, BackendError> {
-        if let Some(t) = timeout
-            && t < -1
-        {
-            return Err(BackendError::BadRequest(
-                "timeout must be >= 0 or -1".into(),
-            ));
+        if let Some(t) = timeout {
+            check_timeout(t)?;
         }
         let e = self.entry(id)?;
         let _op = e.op.lock().await;
@@ -830,8 +835,13 @@ impl Manager {
         }
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Running;
-            if let Some(t) = timeout {
-                m.end_at = if t < 0 { None } else { Some(now_unix() + t) };
+            match timeout {
+                Some(t) => {
+                    m.end_at = deadline(t);
+                    m.timeout_secs = (t >= 0).then_some(t);
+                }
+                // Re-arm the sandbox's own timeout on every resume.
+                None => m.end_at = m.timeout_secs.and_then(deadline),
             }
         }
         self.persist(&e)?;

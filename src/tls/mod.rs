@@ -308,15 +308,18 @@ pub fn server_config(
     Ok(cfg)
 }
 
-/// Client config trusting `ca_pem` (or nothing), optionally presenting a
-/// client certificate.
+/// Client config trusting `ca_pem` (or the public web PKI), optionally
+/// presenting a client certificate.
 pub fn client_config(
     ca_pem: Option<&[u8]>,
     identity: Option<(&[u8], &[u8])>,
 ) -> Result<rustls::ClientConfig, TlsError> {
+    // Without a CA of its own, trust the public web PKI (Mozilla's roots).
     let store = match ca_pem {
         Some(ca) => roots(ca)?,
-        None => rustls::RootCertStore::empty(),
+        None => rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        },
     };
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?

@@ -1191,3 +1191,31 @@ fn refuses_to_start_without_namespaces_unless_isolation_none() {
     let _ = child.wait();
     assert!(line.contains("listening on http://127.0.0.1:"), "{line}");
 }
+
+#[tokio::test]
+async fn sandbox_root_cannot_undo_its_mounts() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    // Root in the sandbox, with every capability of its own namespaces: the
+    // mounts it was given are locked all the same.
+    let probe = "mount -o remount,bind,rw /usr 2>/dev/null && echo remounted-usr; \
+                 umount /etc 2>/dev/null && echo unmounted-etc; \
+                 umount -l /usr 2>/dev/null && echo detached-usr; \
+                 mount -o remount,rw / 2>/dev/null && echo remounted-root; \
+                 touch /usr/x 2>/dev/null && echo wrote-usr; \
+                 echo probe-done";
+    let out = t.client.run(&sb, &sh(probe), MB).await.unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "probe-done\n");
+    // The appliance's state directory is masked and stays masked.
+    let state = t.dir.path().to_str().unwrap().to_string();
+    let hidden = format!(
+        "ls -A {state} 2>&1 | wc -l; umount {state} 2>/dev/null && echo unmasked; echo done"
+    );
+    let out = t.client.run(&sb, &sh(&hidden), MB).await.unwrap();
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("unmasked"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
