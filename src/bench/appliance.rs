@@ -345,6 +345,51 @@ pub async fn hot(launcher: &Path, agents: usize, ops_per_agent: usize) -> anyhow
         format!("audited execs/s at {agents} agents"),
         all.len() as f64 / secs,
     );
+
+    // The same load straight at the backend: what bounds the number above.
+    let mut sandboxes = vec![];
+    for _ in 0..agents {
+        let s = rig
+            .direct
+            .create(&CreateSandbox {
+                template_id: "host".into(),
+                ..Default::default()
+            })
+            .await?;
+        sandboxes.push(rig.direct.addr(&s));
+    }
+    let t0 = Instant::now();
+    let mut tasks = vec![];
+    for sb in sandboxes.clone() {
+        let c = rig.direct.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut o = StartOptions::shell("true");
+            o.cwd = Some("/workspace".into());
+            let mut lat = vec![];
+            for _ in 0..ops_per_agent {
+                let t = Instant::now();
+                c.run(&sb, &o, 64 * 1024).await?;
+                lat.push(t.elapsed());
+            }
+            Ok::<_, anyhow::Error>(lat)
+        }));
+    }
+    let mut direct = vec![];
+    for t in tasks {
+        direct.extend(t.await??);
+    }
+    let dsecs = t0.elapsed().as_secs_f64();
+    report.results.push(Summary::of(
+        &format!("same exec direct, {agents} sandboxes"),
+        &direct,
+    ));
+    report.figures.insert(
+        format!("direct execs/s at {agents} sandboxes (backend bound)"),
+        direct.len() as f64 / dsecs,
+    );
+    for sb in sandboxes {
+        let _ = rig.direct.kill(&sb.id).await;
+    }
     match Arc::try_unwrap(rig) {
         Ok(r) => r.stop().await,
         Err(_) => kill_sandboxes(&dir.join("embedded/sandboxes")),
@@ -439,7 +484,12 @@ fn spawn_serve(launcher: &Path, state: &Path, config: &Path) -> anyhow::Result<S
         .arg("--config")
         .arg(config)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(state.with_extension("log"))?,
+        )
         .spawn()?;
     let mut reader = std::io::BufReader::new(
         child
@@ -500,36 +550,56 @@ pub async fn memory_and_startup(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle = rss_kb(p.child.id());
     report.figures.insert("RSS idle (KiB)".into(), idle as f64);
-    // Many live leases (each a real sandbox of the embedded backend).
-    let sem = Arc::new(tokio::sync::Semaphore::new(16));
-    let mut tasks = vec![];
-    for i in 0..leases {
-        let (http, url, admin, sem) = (http.clone(), p.url.clone(), admin.clone(), sem.clone());
-        tasks.push(tokio::spawn(async move {
-            let _permit = sem.acquire().await?;
-            let r = http
-                .post(format!("{url}/v1/leases/acquire"))
-                .bearer_auth(&admin)
-                .json(
-                    &json!({"runtime": "mcp", "session_key": format!("m{i}"), "profile": "bench"}),
-                )
-                .send()
-                .await?;
-            anyhow::ensure!(r.status().is_success(), "acquire: {}", r.status());
-            Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
+    // Many live leases (each a real sandbox of the embedded backend), in two
+    // halves: the second half's growth is the per-lease cost, without the
+    // one-off growth (thread pools, allocator arenas) of the first burst.
+    let acquire_range = |from: usize, to: usize| {
+        let (http, url, admin) = (http.clone(), p.url.clone(), admin.clone());
+        async move {
+            let sem = Arc::new(tokio::sync::Semaphore::new(16));
+            let mut tasks = vec![];
+            for i in from..to {
+                let (http, url, admin, sem) =
+                    (http.clone(), url.clone(), admin.clone(), sem.clone());
+                tasks.push(tokio::spawn(async move {
+                    let _permit = sem.acquire().await?;
+                    let r = http
+                        .post(format!("{url}/v1/leases/acquire"))
+                        .bearer_auth(&admin)
+                        .json(&json!({"runtime": "mcp", "session_key": format!("m{i}"), "profile": "bench"}))
+                        .send()
+                        .await?;
+                    let status = r.status();
+                    anyhow::ensure!(status.is_success(), "acquire: {status}: {}", r.text().await.unwrap_or_default());
+                    Ok(())
+                }));
+            }
+            for t in tasks {
+                t.await??;
+            }
+            Ok::<_, anyhow::Error>(())
+        }
+    };
+    let half = leases / 2;
+    acquire_range(0, half).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mid = rss_kb(p.child.id());
+    acquire_range(half, leases).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let loaded = rss_kb(p.child.id());
+    report
+        .figures
+        .insert(format!("RSS with {half} live leases (KiB)"), mid as f64);
     report.figures.insert(
         format!("RSS with {leases} live leases (KiB)"),
         loaded as f64,
     );
     report.figures.insert(
-        "RSS per live lease (KiB)".into(),
+        "RSS per live lease, marginal (KiB)".into(),
+        (loaded.saturating_sub(mid)) as f64 / (leases - half).max(1) as f64,
+    );
+    report.figures.insert(
+        "RSS per live lease, average (KiB)".into(),
         (loaded.saturating_sub(idle)) as f64 / leases.max(1) as f64,
     );
     stop_serve(p);

@@ -103,6 +103,11 @@ pub const SPEC_FILE: &str = "spec.json";
 pub const INIT_FILE: &str = "init.json";
 pub const SOCKET: &str = "run/envd.sock";
 
+/// `/proc/self/fd/N/envd.sock` for a descriptor of a sandbox's run directory.
+pub fn short_socket_path(run_dir: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/envd.sock", run_dir.as_raw_fd()))
+}
+
 /// Start time of a host process (`/proc/PID/stat` field 22), to tell a live
 /// init from a recycled pid.
 pub fn process_start_time(pid: i32) -> Option<u64> {
@@ -136,8 +141,18 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
     }
     let sock_path = dir.join(SOCKET);
     let _ = std::fs::remove_file(&sock_path);
-    let listener =
-        std::os::unix::net::UnixListener::bind(&sock_path).context("bind envd socket")?;
+    let listener = {
+        // Through the directory's descriptor: socket paths are limited to
+        // 108 bytes, state directories are not.
+        let run = open(
+            &dir.join("run"),
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .context("open the sandbox's run directory")?;
+        std::os::unix::net::UnixListener::bind(short_socket_path(&run))
+            .context("bind envd socket")?
+    };
     std::fs::set_permissions(
         &sock_path,
         std::os::unix::fs::PermissionsExt::from_mode(0o600),

@@ -118,12 +118,38 @@ pub async fn forward(m: &Manager, port: u16, id: &str, req: Request) -> Response
     }
 }
 
+/// Connect to a unix socket whatever the length of its path (through a
+/// descriptor of its directory when the path is too long for `sun_path`).
+pub async fn connect_unix(socket: &Path) -> std::io::Result<tokio::net::UnixStream> {
+    if socket.as_os_str().len() < 100 {
+        return tokio::net::UnixStream::connect(socket).await;
+    }
+    let dir = socket.parent().unwrap_or(Path::new("/"));
+    let fd = nix::fcntl::open(
+        dir,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_DIRECTORY | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(std::io::Error::from)?;
+    let name = socket
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let short = format!(
+        "/proc/self/fd/{}/{name}",
+        std::os::fd::AsRawFd::as_raw_fd(&fd)
+    );
+    let stream = tokio::net::UnixStream::connect(short).await;
+    drop(fd);
+    stream
+}
+
 /// Send a request to envd on a unix socket; the response body streams.
 pub async fn send(
     socket: &Path,
     req: Request,
 ) -> Result<Response, Box<dyn std::error::Error + Send + Sync>> {
-    let stream = tokio::net::UnixStream::connect(socket).await?;
+    let stream = connect_unix(socket).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;

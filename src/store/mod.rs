@@ -133,7 +133,11 @@ impl Store {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| StoreError::Io(format!("create {}: {e}", state_dir.display())))?;
         let path = state_dir.join("state.redb");
-        let db = match Database::create(&path) {
+        // A bounded page cache: the working set (leases, the chain head) is small.
+        let db = match Database::builder()
+            .set_cache_size(32 * 1024 * 1024)
+            .create(&path)
+        {
             Ok(db) => db,
             Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
                 return Err(StoreError::Locked(format!(

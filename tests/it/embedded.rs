@@ -1219,3 +1219,24 @@ async fn sandbox_root_cannot_undo_its_mounts() {
     );
     t.client.kill(&sb.id).await.unwrap();
 }
+
+#[tokio::test]
+async fn long_state_directory_paths_work() {
+    // Unix socket paths are limited to 108 bytes; state directories are not.
+    let t = TestBackend::start_with(|s| {
+        s.state_dir = s
+            .state_dir
+            .join("a-rather-long-directory-name-for-the-state-of-this-backend-0123456789");
+    })
+    .await;
+    let sb = t.sandbox().await;
+    assert_eq!(
+        t.client
+            .run(&sb, &sh("echo long"), MB)
+            .await
+            .unwrap()
+            .stdout,
+        b"long\n"
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
