@@ -40,14 +40,7 @@ pub enum AuditError {
 }
 
 fn now_ts() -> String {
-    time::OffsetDateTime::now_utc()
-        .replace_nanosecond(0)
-        .ok()
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_default()
+    crate::clock::now().0
 }
 
 fn new_id() -> String {

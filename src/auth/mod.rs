@@ -129,14 +129,7 @@ pub fn new_token(
         .hash_password(token.as_bytes(), &salt)
         .map_err(|e| e.to_string())?
         .to_string();
-    let created_at = time::OffsetDateTime::now_utc()
-        .replace_nanosecond(0)
-        .ok()
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_default();
+    let created_at = crate::clock::now().0;
     Ok((
         token,
         TokenRecord {
@@ -188,11 +181,7 @@ pub async fn revoke_token(store: &Store, id: &str) -> Result<bool, StoreError> {
                 return Ok(false);
             };
             if rec.revoked_at.is_none() {
-                rec.revoked_at = Some(
-                    time::OffsetDateTime::now_utc()
-                        .format(&time::format_description::well_known::Rfc3339)
-                        .unwrap_or_default(),
-                );
+                rec.revoked_at = Some(crate::clock::now().0);
             }
             let bytes = codec::encode(&rec)?;
             t.insert(id.as_str(), bytes.as_slice())?;

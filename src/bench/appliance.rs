@@ -11,8 +11,7 @@ use serde_json::{Value, json};
 use super::{Report, Summary};
 use crate::config::{BackendSection, Config, Profile};
 use crate::cube::wire::CreateSandbox;
-use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
-use crate::embedded::{Backend, Isolation, Limits, Settings};
+use crate::cube::{CubeClient, StartOptions};
 
 /// An embedded backend on loopback (mTLS) plus an appliance in front of it.
 pub struct Rig {
@@ -32,46 +31,8 @@ impl Rig {
     ) -> anyhow::Result<Self> {
         let _ = max_batch;
         std::fs::create_dir_all(dir)?;
-        // The backend.
-        let settings = Settings {
-            state_dir: dir.join("embedded"),
-            isolation: Isolation::Namespaces,
-            templates: vec![],
-            limits: Limits::default(),
-            cpus: 0.0,
-            domain: "cube.bench".into(),
-            launcher: launcher.to_path_buf(),
-            uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
-            mask: vec![dir.to_path_buf()],
-            default_timeout: None,
-        };
-        let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;
-        let ca = crate::tls::LocalCa::load_or_create(&dir.join("backend-tls"))?;
-        let (scert, skey) = ca.leaf_files("server", Some(&["127.0.0.1".to_string()]))?;
-        let (ccert, ckey) = ca.leaf_files("client", None)?;
-        let tls = crate::tls::server_config(
-            &std::fs::read(scert)?,
-            &std::fs::read(skey)?,
-            Some(ca.cert_pem.as_bytes()),
-        )?;
-        let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let burl = format!("https://{}", bl.local_addr()?);
-        let (btx, brx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(crate::server::serve(
-            bl,
-            backend.router(),
-            Some(Arc::new(tls)),
-            async move {
-                let _ = brx.await;
-            },
-        ));
-        let mut bc = BackendConfig::new("bench", burl.clone());
-        bc.domain = "cube.bench".into();
-        bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
-        bc.client_cert_pem = Some(std::fs::read(&ccert)?);
-        bc.client_key_pem = Some(Secret::new(std::fs::read_to_string(&ckey)?));
-        let direct = CubeClient::new(bc)?;
-
+        let lb = super::loopback_backend(dir, launcher).await?;
+        let (direct, burl, btx) = (lb.client, lb.url, lb.stop);
         // The appliance, configured with that backend.
         let bench_profile = Profile {
             max_active_leases_per_tenant: 100_000,
@@ -87,9 +48,9 @@ impl Rig {
                 proxy_url: None,
                 domain: "cube.bench".into(),
                 api_key_file: None,
-                ca_file: Some(ca.dir.join("ca.pem")),
-                client_cert_file: Some(ccert),
-                client_key_file: Some(ckey),
+                ca_file: Some(lb.ca_file),
+                client_cert_file: Some(lb.client_cert),
+                client_key_file: Some(lb.client_key),
                 insecure_plain_http: false,
             }),
             profiles,

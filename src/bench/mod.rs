@@ -131,7 +131,21 @@ pub async fn backend(o: &BackendBench) -> anyhow::Result<Report> {
     result
 }
 
-async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<Report> {
+/// The embedded backend on 127.0.0.1:0 with mTLS, and a client for it.
+pub struct Loopback {
+    pub client: CubeClient,
+    pub url: String,
+    pub ca_file: std::path::PathBuf,
+    pub client_cert: std::path::PathBuf,
+    pub client_key: std::path::PathBuf,
+    pub stop: tokio::sync::oneshot::Sender<()>,
+    pub server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+pub async fn loopback_backend(
+    dir: &std::path::Path,
+    launcher: &std::path::Path,
+) -> anyhow::Result<Loopback> {
     let settings = Settings {
         state_dir: dir.join("embedded"),
         isolation: Isolation::Namespaces,
@@ -139,13 +153,13 @@ async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<R
         limits: Limits::default(),
         cpus: 0.0,
         domain: "cube.bench".into(),
-        launcher: o.launcher.clone(),
+        launcher: launcher.to_path_buf(),
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
     };
     let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;
-    let ca = crate::tls::LocalCa::load_or_create(&dir.join("tls"))?;
+    let ca = crate::tls::LocalCa::load_or_create(&dir.join("backend-tls"))?;
     let (scert, skey) = ca.leaf_files("server", Some(&["127.0.0.1".to_string()]))?;
     let (ccert, ckey) = ca.leaf_files("client", None)?;
     let tls = crate::tls::server_config(
@@ -164,12 +178,30 @@ async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<R
             let _ = rx.await;
         },
     ));
-    let mut cfg = BackendConfig::new("bench", url);
+    let mut cfg = BackendConfig::new("bench", url.clone());
     cfg.domain = "cube.bench".into();
     cfg.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
-    cfg.client_cert_pem = Some(std::fs::read(ccert)?);
-    cfg.client_key_pem = Some(Secret::new(std::fs::read_to_string(ckey)?));
+    cfg.client_cert_pem = Some(std::fs::read(&ccert)?);
+    cfg.client_key_pem = Some(Secret::new(std::fs::read_to_string(&ckey)?));
     let client = CubeClient::new(cfg)?;
+    Ok(Loopback {
+        client,
+        url,
+        ca_file: ca.dir.join("ca.pem"),
+        client_cert: ccert,
+        client_key: ckey,
+        stop: tx,
+        server,
+    })
+}
+
+async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<Report> {
+    let Loopback {
+        client,
+        stop: tx,
+        server,
+        ..
+    } = loopback_backend(dir, &o.launcher).await?;
     let req = CreateSandbox {
         template_id: "host".into(),
         ..Default::default()

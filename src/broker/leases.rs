@@ -47,18 +47,7 @@ pub struct Lease {
     pub last_used_unix: i64,
 }
 
-fn now() -> (String, i64) {
-    let t = time::OffsetDateTime::now_utc();
-    let s = t
-        .replace_nanosecond(0)
-        .ok()
-        .and_then(|t| {
-            t.format(&time::format_description::well_known::Rfc3339)
-                .ok()
-        })
-        .unwrap_or_default();
-    (s, t.unix_timestamp())
-}
+use crate::clock::now;
 
 fn new_ref(prefix: &str) -> String {
     let h: String = (0..10)
