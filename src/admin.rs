@@ -64,6 +64,8 @@ pub async fn serve(
     Ok(tokio::spawn(async move {
         loop {
             let Ok((s, _)) = l.accept().await else {
+                // EMFILE and friends: back off instead of spinning.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             };
             let store = store.clone();
@@ -119,21 +121,33 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
             }
             Err(e) => err(e.to_string()),
         },
-        Request::AuditVerify => match crate::audit::verify(store) {
-            Ok(v) => vec![json!({"ok": true, "result": v})],
-            Err(e) => err(e),
-        },
+        // Whole-journal reads run on the blocking pool.
+        Request::AuditVerify => {
+            let store = store.clone();
+            match tokio::task::spawn_blocking(move || crate::audit::verify(&store)).await {
+                Ok(Ok(v)) => vec![json!({"ok": true, "result": v})],
+                Ok(Err(e)) => err(e),
+                Err(e) => err(e.to_string()),
+            }
+        }
         Request::AuditExport { since } => {
-            let mut out = vec![];
-            match crate::audit::export(store, since, |e| {
-                out.push(json!({"event": e}));
-                Ok(())
-            }) {
-                Ok(n) => {
+            let store = store.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                let mut out = vec![];
+                crate::audit::export(&store, since, |e| {
+                    out.push(json!({"event": e}));
+                    Ok(())
+                })
+                .map(|n| {
                     out.push(json!({"ok": true, "count": n}));
                     out
-                }
-                Err(e) => err(e),
+                })
+            })
+            .await;
+            match r {
+                Ok(Ok(out)) => out,
+                Ok(Err(e)) => err(e),
+                Err(e) => err(e.to_string()),
             }
         }
     }

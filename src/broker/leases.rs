@@ -691,6 +691,7 @@ impl Broker {
                         let mut o = StartOptions::shell(&command);
                         o.cwd = Some(cwd.clone());
                         o.timeout = Some(Duration::from_millis(ms));
+                        let started = std::time::Instant::now();
                         let out =
                             b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(|e| {
                                 match e.kind {
@@ -701,6 +702,15 @@ impl Broker {
                                     _ => backend(&e),
                                 }
                             })?;
+                        // Killed at its deadline: the reference's 504 `timeout`.
+                        if out.status == "signal: killed"
+                            && started.elapsed() >= Duration::from_millis(ms)
+                        {
+                            return Err(Error::new(
+                                "timeout",
+                                format!("the command did not finish within {ms} ms"),
+                            ));
+                        }
                         let code = out.exit_code;
                         Ok((out, Some(code), None))
                     },
@@ -819,10 +829,10 @@ impl Broker {
                             if st.is_dir() {
                                 return Err(Error::new("invalid_path", "the path is a directory"));
                             }
-                            let data = c.download(&addr, &path2, MAX_READ.max(st.size as usize).min(MAX_ARTIFACT)).await.map_err(|e| nf(e, "path_not_found"))?;
-                            let truncated = data.len() > MAX_READ;
-                            let cut = data.get(..data.len().min(MAX_READ)).unwrap_or_default();
-                            (json!({"path": path2, "content": String::from_utf8_lossy(cut), "truncated": truncated}), Some(data.len() as u64))
+                            // Only the first MAX_READ bytes are fetched, however large the file.
+                            let (data, truncated) = c.download_prefix(&addr, &path2, MAX_READ).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let n = data.len() as u64;
+                            (json!({"path": path2, "content": String::from_utf8_lossy(&data), "truncated": truncated}), Some(n))
                         }
                         FileOp::Write { content, .. } => {
                             let n = content.len();

@@ -594,6 +594,29 @@ impl CubeClient {
         Ok(out)
     }
 
+    /// The first `max` bytes of a file, and whether there was more. Stops
+    /// reading at `max`, however large the file is.
+    pub async fn download_prefix(
+        &self,
+        sb: &SandboxAddr,
+        path: &str,
+        max: usize,
+    ) -> Result<(Vec<u8>, bool)> {
+        let resp = self.download_stream(sb, path).await?;
+        let mut out = Vec::new();
+        let mut s = resp.bytes_stream();
+        while let Some(chunk) = s.next().await {
+            let chunk = chunk.map_err(|e| CubeError::from_reqwest("download", e))?;
+            let room = max - out.len();
+            if chunk.len() > room {
+                out.extend_from_slice(chunk.get(..room).unwrap_or_default());
+                return Ok((out, true));
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok((out, false))
+    }
+
     /// `GET /health` on envd (204).
     pub async fn envd_health(&self, sb: &SandboxAddr) -> Result<()> {
         let resp = self

@@ -658,6 +658,35 @@ async fn files_and_artifacts() {
         .await;
     assert_eq!((st, v["removed"].as_bool()), (StatusCode::OK, Some(true)));
 
+    // Reads return at most 64 KiB, flagged as truncated, however large the file.
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &p("exec"),
+            json!({"command": "head -c 9000000 /dev/zero | tr '\\0' a > /workspace/big"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, v) = s
+        .post(&s.admin, &p("read"), json!({"path": "/workspace/big"}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["truncated"], true);
+    assert_eq!(v["content"].as_str().unwrap().len(), 64 * 1024);
+    // A command killed at its deadline is a timeout.
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &p("exec"),
+            json!({"command": "sleep 30", "timeout_ms": 300}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::GATEWAY_TIMEOUT, "timeout"),
+        "{v}"
+    );
+
     let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
     let b64 = base64::engine::general_purpose::STANDARD.encode(&data);
     let sha = hex::encode(sha2::Sha256::digest(&data));
