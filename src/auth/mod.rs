@@ -328,8 +328,12 @@ pub struct Authenticator {
     store: Store,
     fixed: Arc<Vec<(Vec<u8>, Principal)>>,
     cache: Arc<Mutex<HashMap<[u8; 32], Cached>>>,
+    inflight: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
     hashing: Arc<tokio::sync::Semaphore>,
 }
+
+/// One token's verification in progress.
+type Flight = Arc<tokio::sync::Mutex<()>>;
 
 const CACHE_TTL: Duration = Duration::from_secs(60);
 const CACHE_MAX: usize = 10_000;
@@ -346,6 +350,7 @@ impl Authenticator {
                     .collect(),
             ),
             cache: Arc::default(),
+            inflight: Arc::default(),
             hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
         }
     }
@@ -362,10 +367,37 @@ impl Authenticator {
             return Err(AuthError::Unauthorized);
         }
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
-        if let Ok(c) = self.cache.lock()
-            && let Some(hit) = c.get(&key).filter(|h| h.until > Instant::now())
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
+        }
+        // One verification per token at a time: concurrent requests with the
+        // same token wait for it and then hit the cache, instead of each
+        // running argon2 (19 MiB and tens of milliseconds apiece).
+        let flight = {
+            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            f.entry(key).or_default().clone()
+        };
+        let _turn = flight.lock().await;
+        let r = self.verify_uncached(token, key).await;
         {
-            return Ok(hit.principal.clone());
+            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            if Arc::strong_count(&flight) <= 2 {
+                f.remove(&key);
+            }
+        }
+        r
+    }
+
+    fn cached(&self, key: &[u8; 32]) -> Option<Principal> {
+        let c = self.cache.lock().ok()?;
+        c.get(key)
+            .filter(|h| h.until > Instant::now())
+            .map(|h| h.principal.clone())
+    }
+
+    async fn verify_uncached(&self, token: &str, key: [u8; 32]) -> Result<Principal, AuthError> {
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
         }
         let mut found = None;
         for (t, p) in self.fixed.iter() {
