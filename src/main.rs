@@ -28,6 +28,12 @@ enum IsolationArg {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Every scenario below with its defaults, one after the other; with
+    /// --json-dir, one JSON report per scenario.
+    All {
+        #[arg(long)]
+        json_dir: Option<PathBuf>,
+    },
     /// Added latency of the appliance: the same exec through /v1 and
     /// directly with the cube client, and what a durable commit costs.
     Overhead {
@@ -374,7 +380,17 @@ fn main() -> ExitCode {
                 }
             };
             use cube_adapter::bench::{self, appliance};
+            if let BenchCommand::All { json_dir } = &b {
+                return match rt.block_on(bench::all(&launcher, json_dir.as_deref())) {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("error: {e:#}");
+                        ExitCode::FAILURE
+                    }
+                };
+            }
             let (result, json) = match b {
+                BenchCommand::All { .. } => return ExitCode::FAILURE,
                 BenchCommand::Backend {
                     cycles,
                     execs,

@@ -114,6 +114,42 @@ fn machine() -> String {
     format!("{cpus} CPUs ({model}), Linux {}", kernel.trim())
 }
 
+/// `bench all`: every scenario with its defaults, in about two minutes.
+pub async fn all(
+    launcher: &std::path::Path,
+    json_dir: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    let backend_opts = BackendBench {
+        cycles: 100,
+        execs: 1000,
+        launcher: launcher.to_path_buf(),
+    };
+    let reports = [
+        ("backend", backend(&backend_opts).await?),
+        ("overhead", appliance::overhead(launcher, 300).await?),
+        ("audit", appliance::audit(&[1, 64], 200).await?),
+        ("cycle", appliance::cycle(launcher, &[1, 16, 64], 4).await?),
+        ("hot", appliance::hot(launcher, 64, 30).await?),
+        (
+            "memory",
+            appliance::memory_and_startup(launcher, 1000, 10).await?,
+        ),
+    ];
+    for (name, r) in &reports {
+        r.print();
+        if let Some(dir) = json_dir {
+            std::fs::create_dir_all(dir)?;
+            std::fs::write(
+                dir.join(format!("{name}.json")),
+                serde_json::to_string_pretty(r)?,
+            )?;
+        }
+    }
+    println!("all scenarios in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
 /// Options of `bench backend`.
 #[derive(Debug, Clone)]
 pub struct BackendBench {

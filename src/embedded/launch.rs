@@ -208,28 +208,39 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
                 write_id_maps(child, &spec).context("write uid/gid maps")?;
                 signal_line(&go_w, "mapped");
                 drop(go_w);
-                line.clear();
-                reader.read_line(&mut line)?;
-                let init: i32 = match line.trim().strip_prefix("pid ") {
-                    Some(p) => p.parse()?,
-                    None => {
-                        let _ = waitpid(child, None);
-                        anyhow::bail!("sandbox init failed: {}", line.trim());
+                // The child reports the init's pid and the init reports
+                // "ready" on the same pipe, in either order (both race).
+                let mut init: Option<i32> = None;
+                let mut ready = false;
+                let mut failure: Option<String> = None;
+                while failure.is_none() && !(ready && init.is_some()) {
+                    line.clear();
+                    if reader.read_line(&mut line)? == 0 {
+                        failure = Some("the sandbox's init exited during setup".into());
+                        break;
                     }
-                };
-                let _ = waitpid(child, None);
-                line.clear();
-                reader.read_line(&mut line)?;
-                if line.trim() != "ready" {
-                    let _ = nix::sys::signal::kill(
-                        Pid::from_raw(init),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                    anyhow::bail!(
-                        "sandbox setup failed: {}",
-                        line.trim().trim_start_matches("error ")
-                    );
+                    let l = line.trim();
+                    if let Some(p) = l.strip_prefix("pid ") {
+                        init = Some(p.parse()?);
+                    } else if l == "ready" {
+                        ready = true;
+                    } else {
+                        failure = Some(l.trim_start_matches("error ").to_string());
+                    }
                 }
+                let _ = waitpid(child, None);
+                if let Some(f) = failure {
+                    if let Some(pid) = init {
+                        let _ = nix::sys::signal::kill(
+                            Pid::from_raw(pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                    anyhow::bail!("sandbox setup failed: {f}");
+                }
+                let Some(init) = init else {
+                    anyhow::bail!("sandbox setup failed: no init pid")
+                };
                 Pid::from_raw(init)
             }
         },
