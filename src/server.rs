@@ -71,8 +71,3 @@ pub async fn serve(
         });
     }
 }
-
-/// Whether an address is loopback (127.0.0.0/8 or ::1).
-pub fn is_loopback(addr: &std::net::SocketAddr) -> bool {
-    addr.ip().is_loopback()
-}

@@ -24,12 +24,7 @@ pub struct Rig {
 }
 
 impl Rig {
-    pub async fn start(
-        dir: &Path,
-        launcher: &Path,
-        max_batch: Option<usize>,
-    ) -> anyhow::Result<Self> {
-        let _ = max_batch;
+    pub async fn start(dir: &Path, launcher: &Path) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let lb = super::loopback_backend(dir, launcher).await?;
         let (direct, burl, btx) = (lb.client, lb.url, lb.stop);
@@ -156,7 +151,7 @@ fn tmpdir(name: &str) -> PathBuf {
 /// `bench overhead`: the same exec through the appliance and directly.
 pub async fn overhead(launcher: &Path, iterations: usize) -> anyhow::Result<Report> {
     let dir = tmpdir("overhead");
-    let rig = Rig::start(&dir, launcher, None).await?;
+    let rig = Rig::start(&dir, launcher).await?;
     let lease = rig.acquire("overhead").await?;
     let s = rig
         .direct
@@ -228,7 +223,7 @@ pub async fn cycle(
     cycles_per_agent: usize,
 ) -> anyhow::Result<Report> {
     let dir = tmpdir("cycle");
-    let rig = Arc::new(Rig::start(&dir, launcher, None).await?);
+    let rig = Arc::new(Rig::start(&dir, launcher).await?);
     let mut report = Report::new("cycle");
     for &n in concurrency {
         let t0 = Instant::now();
@@ -273,7 +268,7 @@ pub async fn cycle(
 /// `bench hot`: exec on existing leases with N concurrent agents.
 pub async fn hot(launcher: &Path, agents: usize, ops_per_agent: usize) -> anyhow::Result<Report> {
     let dir = tmpdir("hot");
-    let rig = Arc::new(Rig::start(&dir, launcher, None).await?);
+    let rig = Arc::new(Rig::start(&dir, launcher).await?);
     let mut leases = vec![];
     for a in 0..agents {
         leases.push(rig.acquire(&format!("hot-{a}")).await?);

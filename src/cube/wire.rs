@@ -179,9 +179,9 @@ pub struct SnapshotInfo {
 }
 
 /// `POST /sandboxes/{id}/rollback` body and response.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RollbackBody {
-    #[serde(rename = "snapshotID")]
+    #[serde(rename = "snapshotID", default)]
     pub snapshot_id: String,
 }
 

@@ -28,7 +28,7 @@ use serde::de::DeserializeOwned;
 
 use self::sandbox::{BackendError, Manager};
 use crate::cube::wire::{
-    self, ApiErrorBody, CreateSandbox, RefreshBody, RollbackBody, SnapshotBody, TimeoutBody,
+    ApiErrorBody, CreateSandbox, RefreshBody, RollbackBody, SnapshotBody, TimeoutBody,
 };
 
 pub use self::launch::{Isolation, Limits};
@@ -356,21 +356,12 @@ async fn list_snapshots(State(b): State<Backend>, Query(q): Query<SnapQuery>) ->
     axum::Json(b.manager.list_snapshots(q.sandbox_id.as_deref())).into_response()
 }
 
-#[derive(Deserialize, Default)]
-struct RollbackIn {
-    #[serde(rename = "snapshotID", default)]
-    snapshot_id: String,
-}
-
 async fn rollback(State(b): State<Backend>, Path(id): Path<String>, body: Bytes) -> Response {
     tri!(check_id(&id));
-    let r: RollbackIn = tri!(json_body(&body));
+    let r: RollbackBody = tri!(json_body(&body));
     if r.snapshot_id.is_empty() {
         return bad_request("snapshotID is required");
     }
-    let _ = RollbackBody {
-        snapshot_id: String::new(),
-    };
     match b.manager.rollback(&id, &r.snapshot_id).await {
         Ok(r) => axum::Json(r).into_response(),
         Err(e) => e.into_response(),
@@ -414,9 +405,4 @@ async fn delete_template(
         .into_response();
     }
     BackendError::TemplateNotFound(id).into_response()
-}
-
-/// Version of envd the backend reports.
-pub fn envd_version() -> &'static str {
-    wire::ENVD_VERSION
 }
