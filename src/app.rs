@@ -26,6 +26,8 @@ pub struct Started {
     /// Set on the first start only.
     pub admin_token_file: Option<PathBuf>,
     pub backend: String,
+    /// The open store (benchmarks read its commit counters).
+    pub store: Store,
 }
 
 /// Secrets handed in from the environment (never from the config file).
@@ -310,6 +312,7 @@ pub async fn serve(
         ca_fingerprint: ca.fingerprint(),
         admin_token_file,
         backend: backend_desc,
+        store: store.clone(),
     });
     let r = crate::server::serve(listener, app, tls, shutdown).await;
     // Let effects in flight record their outcome before the store closes.

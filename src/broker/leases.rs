@@ -79,15 +79,10 @@ fn valid_ref(r: &str, prefix: &str) -> bool {
 
 impl Broker {
     async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
-        let r = lease_ref.to_string();
-        Ok(self
-            .inner
-            .store
-            .read(move |txn| {
-                let t = txn.open_table(tables::LEASES)?;
-                get_json(&t, &r)
-            })
-            .await?)
+        Ok(self.inner.store.read_now(|txn| {
+            let t = txn.open_table(tables::LEASES)?;
+            get_json(&t, lease_ref)
+        })?)
     }
 
     /// The lease, if the principal may see it; otherwise exactly the answer
