@@ -5,6 +5,7 @@
 //! included, carries them; panics become a 500 envelope. Authentication is
 //! an extractor on every `/v1` handler.
 
+pub mod jobs;
 pub mod leases;
 
 use std::sync::Arc;
@@ -293,6 +294,13 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/leases/{lease_ref}/artifacts/upload"),
     ("POST", "/v1/leases/{lease_ref}/artifacts/download"),
     ("POST", "/v1/leases/{lease_ref}/release"),
+    ("POST", "/v1/leases/{lease_ref}/jobs"),
+    ("GET", "/v1/jobs/{job_ref}/status"),
+    ("POST", "/v1/jobs/{job_ref}/status"),
+    ("POST", "/v1/jobs/{job_ref}/output"),
+    ("POST", "/v1/jobs/{job_ref}/cancel"),
+    ("GET", "/v1/jobs/{job_ref}/events"),
+    ("GET", "/v1/jobs/{job_ref}/recover"),
 ];
 
 pub fn router(st: AppState) -> Router {
@@ -302,6 +310,7 @@ pub fn router(st: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/openapi.yaml", get(openapi))
         .merge(leases::router())
+        .merge(jobs::router())
         .fallback(|| async { err("not_found", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         // Innermost: a panic in a handler becomes a logged 500 envelope.

@@ -49,7 +49,49 @@ pub struct Lease {
 
 use crate::clock::now;
 
-fn new_ref(prefix: &str) -> String {
+/// State written in an effect's outcome transaction.
+pub(crate) type Persist =
+    Box<dyn FnOnce(&WriteTransaction) -> std::result::Result<(), StoreError> + Send>;
+
+/// What an effect gives back: its value, what its outcome event records,
+/// and state to write in the outcome's transaction.
+pub(crate) struct Done<T> {
+    pub value: T,
+    pub exit_code: Option<i32>,
+    pub bytes: Option<u64>,
+    pub persist: Option<Persist>,
+}
+
+impl<T> Done<T> {
+    pub fn new(value: T) -> Self {
+        Self {
+            value,
+            exit_code: None,
+            bytes: None,
+            persist: None,
+        }
+    }
+
+    pub fn exit_code(mut self, code: i32) -> Self {
+        self.exit_code = Some(code);
+        self
+    }
+
+    pub fn bytes(mut self, n: Option<u64>) -> Self {
+        self.bytes = n;
+        self
+    }
+
+    pub fn persist(
+        mut self,
+        f: impl FnOnce(&WriteTransaction) -> std::result::Result<(), StoreError> + Send + 'static,
+    ) -> Self {
+        self.persist = Some(Box::new(f));
+        self
+    }
+}
+
+pub(crate) fn new_ref(prefix: &str) -> String {
     let h: String = (0..10)
         .map(|_| format!("{:02x}", rand::random::<u8>()))
         .collect();
@@ -67,7 +109,7 @@ fn put_lease(txn: &WriteTransaction, l: &Lease) -> std::result::Result<(), Store
     Ok(())
 }
 
-fn valid_ref(r: &str, prefix: &str) -> bool {
+pub(crate) fn valid_ref(r: &str, prefix: &str) -> bool {
     r.strip_prefix(prefix)
         .and_then(|s| s.strip_prefix('_'))
         .is_some_and(|h| {
@@ -78,7 +120,7 @@ fn valid_ref(r: &str, prefix: &str) -> bool {
 }
 
 impl Broker {
-    async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
+    pub(crate) async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
         Ok(self.inner.store.read_now(|txn| {
             let t = txn.open_table(tables::LEASES)?;
             get_json(&t, lease_ref)
@@ -87,7 +129,7 @@ impl Broker {
 
     /// The lease, if the principal may see it; otherwise exactly the answer
     /// a missing lease gets.
-    async fn owned_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
+    pub(crate) async fn owned_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
         let missing = || Error::new("lease_not_found", "no such lease");
         if !valid_ref(lease_ref, "lease") {
             return Err(missing());
@@ -98,7 +140,7 @@ impl Broker {
         }
     }
 
-    fn addr(&self, l: &Lease) -> Result<SandboxAddr> {
+    pub(crate) fn addr(&self, l: &Lease) -> Result<SandboxAddr> {
         let traffic_token = match &l.traffic_token {
             Some(s) => Some(Secret::new(
                 String::from_utf8(self.inner.store.sealer.open(s)?)
@@ -123,7 +165,7 @@ impl Broker {
         ev
     }
 
-    fn base(&self, l: &Lease, ctx: &Ctx) -> serde_json::Map<String, Value> {
+    pub(crate) fn base(&self, l: &Lease, ctx: &Ctx) -> serde_json::Map<String, Value> {
         let mut m = serde_json::Map::new();
         m.insert("executor".into(), json!(EXECUTOR));
         m.insert("sandbox_ref".into(), json!(l.sandbox_ref));
@@ -401,7 +443,7 @@ impl Broker {
     }
 
     /// Apply the path policy; a denied path is recorded as `rejected`.
-    async fn checked_path(
+    pub(crate) async fn checked_path(
         &self,
         p: &Principal,
         ctx: &Ctx,
@@ -522,7 +564,7 @@ impl Broker {
             ("last_used_at", json!(l.last_used_at)),
             ("expires_in_seconds", json!(expires)),
             ("volume_attached", json!(false)),
-            ("jobs", json!([])),
+            ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
             ("checkpoints", json!([])),
             ("recoverable", json!(true)),
         ] {
@@ -537,7 +579,7 @@ impl Broker {
     /// task of their own: a client that disconnects, or a shutdown (which
     /// drains these tasks), never leaves an intent without its outcome.
     #[allow(clippy::too_many_arguments)]
-    async fn effect<T, F, Fut>(
+    pub(crate) async fn effect<T, F, Fut>(
         &self,
         p: &Principal,
         ctx: &Ctx,
@@ -550,11 +592,32 @@ impl Broker {
     where
         T: Send + 'static,
         F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = Result<(T, Option<i32>, Option<u64>)>> + Send + 'static,
+        Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
     {
         let ev = self.event(p, action, ctx);
         self.authorize(p, scope, &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
+        self.effect_on(p, ctx, l, action, fill, None, run).await
+    }
+
+    /// As `effect`, on a lease already looked up (and authorized), holding
+    /// `hold` (a lock) until the outcome is committed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn effect_on<T, F, Fut>(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        l: Lease,
+        action: &str,
+        fill: impl FnOnce(&mut Event),
+        hold: Option<super::LockGuard>,
+        run: F,
+    ) -> Result<(Lease, T)>
+    where
+        T: Send + 'static,
+        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
+    {
         let mut ev = self.lease_event(p, action, ctx, &l);
         fill(&mut ev);
         let addr = self.addr(&l)?;
@@ -563,7 +626,9 @@ impl Broker {
         let b = self.clone();
         let task = self.inner.tracker.spawn(async move {
             let r = run(b.clone(), l.clone(), addr).await;
-            b.finish(intent, l, r).await
+            let r = b.finish(intent, l, r).await;
+            drop(hold);
+            r
         });
         task.await
             .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))?
@@ -575,10 +640,15 @@ impl Broker {
         &self,
         intent: Intent,
         mut l: Lease,
-        r: Result<(T, Option<i32>, Option<u64>)>,
+        r: Result<Done<T>>,
     ) -> Result<(Lease, T)> {
         match r {
-            Ok((t, exit, bytes)) => {
+            Ok(Done {
+                value: t,
+                exit_code: exit,
+                bytes,
+                persist,
+            }) => {
                 let (ts, unix) = now();
                 l.last_used_at = ts;
                 l.last_used_unix = unix;
@@ -601,7 +671,10 @@ impl Broker {
                             if exists {
                                 put_lease(txn, &l2)?;
                             }
-                            Ok(())
+                            match persist {
+                                Some(f) => f(txn),
+                                None => Ok(()),
+                            }
                         },
                     )
                     .await?;
@@ -615,6 +688,8 @@ impl Broker {
                         | "invalid_path"
                         | "already_exists"
                         | "artifact_too_large"
+                        | "job_quota_exceeded"
+                        | "invalid_offset"
                 );
                 if known {
                     let code = e.code;
@@ -707,7 +782,7 @@ impl Broker {
                             ));
                         }
                         let code = out.exit_code;
-                        Ok((out, Some(code), None))
+                        Ok(Done::new(out).exit_code(code))
                     },
                 )
                 .await?;
@@ -873,7 +948,7 @@ impl Broker {
                         }
                     };
                     let bytes = r.1;
-                    Ok((r, None, bytes))
+                    Ok(Done::new(r).bytes(bytes))
                 },
             )
             .await?;
@@ -933,6 +1008,7 @@ impl Broker {
                             .remove(l2.lease_ref.as_str())?;
                         let sk = session_key(&l2.tenant, &l2.runtime, &l2.session_hash);
                         txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
+                        super::jobs::delete_lease_jobs(txn, &l2.lease_ref)?;
                     } else {
                         l2.state = "paused".into();
                         put_lease(txn, &l2)?;

@@ -4,6 +4,7 @@
 //! the same transaction as the state change it causes.
 
 pub mod error;
+pub mod jobs;
 pub mod leases;
 pub mod paths;
 

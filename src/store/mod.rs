@@ -318,6 +318,18 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
                 supported: tables::SCHEMA_VERSION,
             });
         }
+        Some(v) if v < tables::SCHEMA_VERSION => {
+            // Every step so far only adds tables (created below).
+            tracing::info!(
+                from = v,
+                to = tables::SCHEMA_VERSION,
+                "upgrading the store schema"
+            );
+            txn.open_table(tables::META)?.insert(
+                "schema_version",
+                codec::encode(&tables::SCHEMA_VERSION)?.as_slice(),
+            )?;
+        }
         Some(_) => {}
         None => {
             let mut meta = txn.open_table(tables::META)?;
@@ -331,7 +343,9 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
             meta.insert("instance_id", codec::encode(&instance)?.as_slice())?;
         }
     }
-    // Version 1 is the first schema: creating the tables is the whole step.
+    // Versions 1 and 2 only create tables: opening them is the whole step.
+    txn.open_table(tables::JOBS)?;
+    txn.open_table(tables::LEASE_JOBS)?;
     txn.open_table(tables::TOKENS)?;
     txn.open_table(tables::LEASES)?;
     txn.open_table(tables::SESSIONS)?;

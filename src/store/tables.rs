@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 1;
+pub const SCHEMA_VERSION: u64 = 2;
 
 /// `schema_version`, `instance_id`, audit chain head.
 pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
@@ -18,3 +18,7 @@ pub const SESSIONS: TableDefinition<&str, &str> = TableDefinition::new("sessions
 pub const AUDIT: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_v1");
 /// operation_id → seq of its intent, while the outcome is not recorded.
 pub const PENDING: TableDefinition<&str, u64> = TableDefinition::new("pending_v1");
+/// job_ref → job record (schema 2).
+pub const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs_v1");
+/// `lease_ref \0 job_ref` → () : a lease's jobs, by prefix (schema 2).
+pub const LEASE_JOBS: TableDefinition<&str, ()> = TableDefinition::new("lease_jobs_v1");

@@ -13,4 +13,5 @@
 mod appliance;
 mod common;
 mod embedded;
+mod jobs;
 mod sdk;

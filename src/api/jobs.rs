@@ -1,0 +1,317 @@
+//! Jobs: reference rows 19–23, plus per-stream cursors and `recover`.
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{ApiError, AppState, Auth, Strict, ctx, err};
+use crate::broker::jobs::{Cursors, DEFAULT_CHUNK, MAX_CHUNK, OutputRequest};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/leases/{lease_ref}/jobs", post(start))
+        .route(
+            "/v1/jobs/{job_ref}/status",
+            get(status_get).post(status_post),
+        )
+        .route("/v1/jobs/{job_ref}/output", post(output))
+        .route("/v1/jobs/{job_ref}/cancel", post(cancel))
+        .route("/v1/jobs/{job_ref}/events", get(events))
+        .route("/v1/jobs/{job_ref}/recover", get(recover))
+}
+
+type R = Result<Response, ApiError>;
+
+fn header_request_id(h: &HeaderMap) -> Option<String> {
+    h.get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartReq {
+    command: String,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn start(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<StartReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let v = st
+        .broker
+        .start_job(&p, &c, &lease, &b.command, b.cwd.as_deref())
+        .await?;
+    Ok((axum::http::StatusCode::ACCEPTED, axum::Json(v)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EmptyReq {
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn status_get(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    Ok(axum::Json(st.broker.job_status(&p, &c, &job).await?).into_response())
+}
+
+async fn status_post(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    Strict(b): Strict<EmptyReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    Ok(axum::Json(st.broker.job_status(&p, &c, &job).await?).into_response())
+}
+
+async fn recover(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    Ok(axum::Json(st.broker.recover_job(&p, &c, &job).await?).into_response())
+}
+
+async fn cancel(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    Strict(b): Strict<EmptyReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    Ok(axum::Json(st.broker.cancel_job(&p, &c, &job).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputReq {
+    #[serde(default)]
+    offset: Option<Value>,
+    #[serde(default)]
+    max_bytes: Option<Value>,
+    #[serde(default)]
+    stdout_offset: Option<Value>,
+    #[serde(default)]
+    stderr_offset: Option<Value>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+/// A non-negative integer offset, or 400 `invalid_offset`.
+fn offset(v: Option<&Value>, name: &str) -> Result<u64, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(0),
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| err("invalid_offset", format!("{name} must be an integer ≥ 0"))),
+    }
+}
+
+/// A chunk size in 1..=1 MiB (default 64 KiB), or 400 `invalid_limit`.
+fn limit(v: Option<&Value>) -> Result<usize, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(DEFAULT_CHUNK),
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|n| (1..=MAX_CHUNK).contains(n))
+            .ok_or_else(|| {
+                err(
+                    "invalid_limit",
+                    format!("max_bytes must be an integer in 1..={MAX_CHUNK}"),
+                )
+            }),
+    }
+}
+
+async fn output(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    Strict(b): Strict<OutputReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let max_bytes = limit(b.max_bytes.as_ref())?;
+    let cursors = b.stdout_offset.is_some() || b.stderr_offset.is_some();
+    let req = if cursors {
+        if b.offset.is_some() {
+            return Err(err(
+                "invalid_request",
+                "offset pages the reference's fragment; use it without stdout_offset/stderr_offset",
+            ));
+        }
+        OutputRequest::Cursors(Cursors {
+            stdout_offset: offset(b.stdout_offset.as_ref(), "stdout_offset")?,
+            stderr_offset: offset(b.stderr_offset.as_ref(), "stderr_offset")?,
+            max_bytes,
+        })
+    } else {
+        OutputRequest::Fragment {
+            offset: offset(b.offset.as_ref(), "offset")?,
+            max_bytes,
+        }
+    };
+    Ok(axum::Json(st.broker.job_output(&p, &c, &job, req).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    stdout_offset: Option<u64>,
+    #[serde(default)]
+    stderr_offset: Option<u64>,
+}
+
+/// Longest an event stream stays open (seconds).
+const MAX_STREAM_SECONDS: u64 = 3600;
+/// Largest chunk per stream in one `output` event.
+const EVENT_CHUNK: usize = 256 * 1024;
+/// Pause between polls once the output is drained.
+const POLL: Duration = Duration::from_millis(500);
+
+/// `GET /v1/jobs/{ref}/events`: `output` events with the new bytes of each
+/// stream (text, base64 and the offsets; the SSE id is `stdout:stderr`
+/// offsets, so `Last-Event-ID` resumes), a `status` event per poll, and a
+/// final `status` once the job has ended and its output is drained, or
+/// `timeout` at the deadline.
+async fn events(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(job): Path<String>,
+    q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    h: HeaderMap,
+) -> R {
+    let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
+    let c = ctx(header_request_id(&h).as_deref())?;
+    // Resume: query offsets, else the last event id a client saw.
+    let mut cur = Cursors {
+        stdout_offset: q.stdout_offset.unwrap_or(0),
+        stderr_offset: q.stderr_offset.unwrap_or(0),
+        max_bytes: EVENT_CHUNK,
+    };
+    if q.stdout_offset.is_none()
+        && q.stderr_offset.is_none()
+        && let Some(id) = h.get("last-event-id").and_then(|v| v.to_str().ok())
+    {
+        let (o, e) = id
+            .split_once(':')
+            .and_then(|(o, e)| Some((o.parse().ok()?, e.parse().ok()?)))
+            .ok_or_else(|| err("invalid_offset", "Last-Event-ID must be <stdout>:<stderr>"))?;
+        cur.stdout_offset = o;
+        cur.stderr_offset = e;
+    }
+    let secs = q.timeout.unwrap_or(300).clamp(1, MAX_STREAM_SECONDS);
+    let opened = st.broker.open_job_events(&p, &c, &job).await?;
+    let broker = st.broker.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+    let job_ref = opened.job_ref.clone();
+    tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let polled = broker.job_poll(&job_ref, cur).await;
+            let (job, sandbox_ref, out, errb, drained) = match polled {
+                Ok(x) => x,
+                Err(e) => {
+                    let ev = Event::default()
+                        .event("error")
+                        .data(json!({"code": e.code, "message": e.message}).to_string());
+                    let _ = tx.send(ev).await;
+                    return;
+                }
+            };
+            if !out.is_empty() || !errb.is_empty() {
+                let (on, en) = (
+                    cur.stdout_offset + out.len() as u64,
+                    cur.stderr_offset + errb.len() as u64,
+                );
+                let data = json!({
+                    "stdout": String::from_utf8_lossy(&out),
+                    "stderr": String::from_utf8_lossy(&errb),
+                    "stdout_base64": B64.encode(&out),
+                    "stderr_base64": B64.encode(&errb),
+                    "stdout_offset": cur.stdout_offset,
+                    "stderr_offset": cur.stderr_offset,
+                    "stdout_next_offset": on,
+                    "stderr_next_offset": en,
+                });
+                let ev = Event::default()
+                    .event("output")
+                    .id(format!("{on}:{en}"))
+                    .data(data.to_string());
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+                cur.stdout_offset = on;
+                cur.stderr_offset = en;
+            }
+            let mut fields = serde_json::Map::new();
+            fields.insert("executor".into(), json!(crate::broker::EXECUTOR));
+            fields.insert("sandbox_ref".into(), json!(sandbox_ref));
+            fields.insert("job_ref".into(), json!(job.job_ref));
+            fields.insert("state".into(), json!(job.state));
+            fields.insert("exit_code".into(), json!(job.exit_code));
+            fields.insert("cancelled".into(), json!(job.cancelled));
+            fields.insert("timed_out".into(), json!(job.state == "timed_out"));
+            fields.insert("created_at".into(), json!(job.created_at));
+            fields.insert("updated_at".into(), json!(job.updated_at));
+            let ev = Event::default()
+                .event("status")
+                .data(Value::Object(fields).to_string());
+            if tx.send(ev).await.is_err() {
+                return;
+            }
+            if job.is_terminal() && drained {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let ev = Event::default()
+                    .event("timeout")
+                    .data(json!({"job_ref": job.job_ref}).to_string());
+                let _ = tx.send(ev).await;
+                return;
+            }
+            if drained {
+                tokio::select! {
+                    _ = tokio::time::sleep(POLL) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}

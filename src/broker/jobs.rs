@@ -1,0 +1,775 @@
+//! Durable jobs (reference rows 19–23): a command that outlives the request.
+//!
+//! A job lives in its sandbox, not in the appliance: a runner started with
+//! `setsid` writes the command's output to `/tmp/cube-adapter-jobs/<job>/`
+//! (`stdout`, `stderr`), then its exit code (`exit-code`, renamed into place).
+//! A watchdog ends the job's process group at the profile's
+//! `max_command_seconds` and leaves `timed-out`; cancel leaves `cancelled`.
+//! The appliance keeps only the record (`jobs_v1`), so output survives client
+//! disconnects and appliance restarts, and byte offsets into each stream
+//! never shift while the job runs. Nothing is ever re-run: a job whose runner
+//! or sandbox is gone becomes `lost`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::leases::{Done, Lease, MAX_COMMAND, new_ref, valid_ref};
+use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use crate::auth::Principal;
+use crate::clock::now;
+use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
+use crate::store::{StoreError, codec, get_json, tables};
+
+/// Where jobs keep their files inside the sandbox.
+pub const JOBS_DIR: &str = "/tmp/cube-adapter-jobs";
+/// Largest chunk one output call returns per stream.
+pub const MAX_CHUNK: usize = 1024 * 1024;
+/// Default chunk per stream.
+pub const DEFAULT_CHUNK: usize = 64 * 1024;
+/// The reference's paging reads each stream up to this much.
+const COMPAT_LIMIT: usize = 1024 * 1024;
+
+/// Starts the runner in a session of its own and prints its pid. Inputs
+/// come as environment variables, so nothing is quoted into a script.
+const LAUNCH: &str = r#"set -e
+d="/tmp/cube-adapter-jobs/$CUBE_ADAPTER_JOB_REF"
+mkdir -p -m 700 /tmp/cube-adapter-jobs "$d"
+cd "$d"
+printf '%s' "$CUBE_ADAPTER_JOB_COMMAND" > command.sh
+printf '%s' "$CUBE_ADAPTER_JOB_RUNNER" > run.sh
+: > stdout
+: > stderr
+c="$CUBE_ADAPTER_JOB_CWD"
+m="$CUBE_ADAPTER_JOB_SECONDS"
+unset CUBE_ADAPTER_JOB_REF CUBE_ADAPTER_JOB_COMMAND CUBE_ADAPTER_JOB_RUNNER CUBE_ADAPTER_JOB_CWD CUBE_ADAPTER_JOB_SECONDS
+setsid /bin/bash "$d/run.sh" "$d" "$c" "$m" </dev/null >/dev/null 2>&1 &
+echo "$!"
+"#;
+
+/// The runner: the command in a process group of its own, a watchdog for
+/// the time limit, and the exit code written last (atomically). Whatever the
+/// command left running in its group is ended with it, so no byte is written
+/// after `exit-code` appears.
+const RUNNER: &str = r#"d="$1"; cwd="$2"; max="$3"
+fin() { printf '%s' "$1" > "$d/exit-code.tmp"; mv -f "$d/exit-code.tmp" "$d/exit-code"; }
+if ! cd -- "$cwd" 2>/dev/null; then
+  printf 'cube-adapter: cannot enter %s\n' "$cwd" >> "$d/stderr"
+  fin 1
+  exit 0
+fi
+setsid /bin/bash "$d/command.sh" </dev/null >>"$d/stdout" 2>>"$d/stderr" &
+c=$!
+printf '%s' "$c" > "$d/pgid"
+setsid /bin/bash -c 'sleep "$1" || exit 0; [ -e "$2/exit-code" ] && exit 0; : > "$2/timed-out"; kill -TERM -- "-$3" 2>/dev/null; sleep 5; kill -KILL -- "-$3" 2>/dev/null' cube-adapter-watchdog "$max" "$d" "$c" </dev/null >/dev/null 2>&1 &
+w=$!
+wait "$c"
+rc=$?
+kill -KILL -- "-$c" 2>/dev/null
+kill -KILL -- "-$w" 2>/dev/null
+fin "$rc"
+"#;
+
+/// Reports the job's state and file sizes on one line, then the requested
+/// stdout range on stdout and stderr range on stderr.
+const READER: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || { echo cube-adapter-job gone - 0 0 0 0; exit 0; }
+if [ -e exit-code ]; then k=exit; rc=$(cat exit-code)
+elif kill -0 "$R" 2>/dev/null; then k=running; rc=-
+else k=dead; rc=-; fi
+t=0; [ -e timed-out ] && t=1
+x=0; [ -e cancelled ] && x=1
+echo cube-adapter-job "$k" "$rc" $(wc -c < stdout) $(wc -c < stderr) "$t" "$x"
+if [ "$OM" -gt 0 ]; then tail -c +$((OO + 1)) stdout | head -c "$OM"; fi
+if [ "$EM" -gt 0 ]; then tail -c +$((EO + 1)) stderr | head -c "$EM" >&2; fi
+exit 0
+"#;
+
+/// Ends the job's process group: TERM, then KILL after two seconds.
+const CANCEL: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
+[ -e exit-code ] && exit 2
+: > cancelled
+i=0
+while [ ! -e pgid ] && [ "$i" -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
+c=$(cat pgid 2>/dev/null) || exit 0
+kill -TERM -- "-$c" 2>/dev/null || exit 0
+i=0
+while kill -0 -- "-$c" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
+kill -KILL -- "-$c" 2>/dev/null
+exit 0
+"#;
+
+/// A job as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    pub job_ref: String,
+    pub lease_ref: String,
+    pub tenant: String,
+    /// Keyed digest of the command (never the command).
+    pub command_digest: String,
+    /// The runner's pid inside the sandbox.
+    pub runner_pid: u32,
+    pub state: String,
+    pub exit_code: Option<i32>,
+    pub cancelled: bool,
+    pub created_at: String,
+    pub updated_at: String,
+    pub max_seconds: u64,
+}
+
+impl Job {
+    pub fn is_terminal(&self) -> bool {
+        self.state != "running"
+    }
+
+    fn fields(&self, sandbox_ref: &str) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        for (k, v) in [
+            ("executor", json!(EXECUTOR)),
+            ("sandbox_ref", json!(sandbox_ref)),
+            ("lease_ref", json!(self.lease_ref)),
+            ("job_ref", json!(self.job_ref)),
+            ("state", json!(self.state)),
+            ("exit_code", json!(self.exit_code)),
+            ("cancelled", json!(self.cancelled)),
+            ("timed_out", json!(self.state == "timed_out")),
+            ("created_at", json!(self.created_at)),
+            ("updated_at", json!(self.updated_at)),
+        ] {
+            m.insert(k.into(), v);
+        }
+        m
+    }
+}
+
+fn put_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreError> {
+    let b = codec::encode(j)?;
+    txn.open_table(tables::JOBS)?
+        .insert(j.job_ref.as_str(), b.as_slice())?;
+    txn.open_table(tables::LEASE_JOBS)?
+        .insert(format!("{}\0{}", j.lease_ref, j.job_ref).as_str(), ())?;
+    Ok(())
+}
+
+/// Remove a lease's jobs (when the lease is killed).
+pub(crate) fn delete_lease_jobs(
+    txn: &WriteTransaction,
+    lease_ref: &str,
+) -> std::result::Result<(), StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let keys: Vec<String> = {
+        let t = txn.open_table(tables::LEASE_JOBS)?;
+        let mut keys = vec![];
+        for r in t.range(from.as_str()..to.as_str())? {
+            keys.push(r?.0.value().to_string());
+        }
+        keys
+    };
+    let mut idx = txn.open_table(tables::LEASE_JOBS)?;
+    let mut jobs = txn.open_table(tables::JOBS)?;
+    for k in keys {
+        idx.remove(k.as_str())?;
+        if let Some((_, job)) = k.split_once('\0') {
+            jobs.remove(job)?;
+        }
+    }
+    Ok(())
+}
+
+/// A lease's jobs, oldest first.
+pub(crate) fn lease_jobs(
+    txn: &redb::ReadTransaction,
+    lease_ref: &str,
+) -> std::result::Result<Vec<Job>, StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let idx = txn.open_table(tables::LEASE_JOBS)?;
+    let jobs = txn.open_table(tables::JOBS)?;
+    let mut out = vec![];
+    for r in idx.range(from.as_str()..to.as_str())? {
+        let k = r?.0.value().to_string();
+        if let Some((_, job)) = k.split_once('\0')
+            && let Some(j) = get_json::<Job>(&jobs, job)?
+        {
+            out.push(j);
+        }
+    }
+    out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    Ok(out)
+}
+
+/// What the reader saw.
+#[derive(Debug, Default)]
+struct Probe {
+    /// `exit`, `running`, `dead` (runner gone, no exit code) or `gone`.
+    kind: String,
+    rc: Option<i32>,
+    out_size: u64,
+    err_size: u64,
+    timed_out: bool,
+    cancelled: bool,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+impl Probe {
+    /// The state this probe shows for `job`.
+    fn state(&self, job: &Job) -> (String, Option<i32>) {
+        match (self.kind.as_str(), self.rc) {
+            ("exit", Some(rc)) => {
+                let killed = rc >= 128;
+                let s = if self.timed_out && killed {
+                    "timed_out"
+                } else if (self.cancelled || job.cancelled) && killed {
+                    "cancelled"
+                } else if rc == 0 {
+                    "succeeded"
+                } else {
+                    "failed"
+                };
+                (s.into(), Some(rc))
+            }
+            ("running", _) => ("running".into(), None),
+            _ => ("lost".into(), job.exit_code),
+        }
+    }
+}
+
+/// One read of a job: state, sizes and the asked ranges
+/// (`(offset, max)` per stream; max 0 reads nothing).
+async fn probe(
+    b: &Broker,
+    addr: &SandboxAddr,
+    job: &Job,
+    out: (u64, usize),
+    err: (u64, usize),
+) -> Result<Probe> {
+    let envs: BTreeMap<String, String> = [
+        ("J", job.job_ref.clone()),
+        ("R", job.runner_pid.to_string()),
+        ("OO", out.0.to_string()),
+        ("OM", out.1.to_string()),
+        ("EO", err.0.to_string()),
+        ("EM", err.1.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let o = StartOptions {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), READER.into()],
+        envs,
+        timeout: Some(Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let limit = out.1.max(err.1) + 256;
+    let r = match b.inner.cube.run(addr, &o, limit).await {
+        Ok(r) => r,
+        Err(e) if e.kind == ErrorKind::NotFound => {
+            return Ok(Probe {
+                kind: "gone".into(),
+                ..Default::default()
+            });
+        }
+        Err(e) => return Err(backend(&e)),
+    };
+    let nl = r
+        .stdout
+        .iter()
+        .position(|&c| c == b'\n')
+        .ok_or_else(|| Error::new("execution_failed", "the job reader gave no status line"))?;
+    let (head, rest) = r.stdout.split_at(nl);
+    let head = String::from_utf8_lossy(head);
+    let t: Vec<&str> = head.split_whitespace().collect();
+    let bad = || {
+        Error::new(
+            "execution_failed",
+            "the job reader's status line is malformed",
+        )
+    };
+    if t.len() != 7 || t.first() != Some(&"cube-adapter-job") {
+        return Err(bad());
+    }
+    let field = |i: usize| t.get(i).copied().unwrap_or_default();
+    Ok(Probe {
+        kind: field(1).to_string(),
+        rc: field(2).parse().ok(),
+        out_size: field(3).parse().map_err(|_| bad())?,
+        err_size: field(4).parse().map_err(|_| bad())?,
+        timed_out: field(5) == "1",
+        cancelled: field(6) == "1",
+        stdout: rest.get(1..).unwrap_or_default().to_vec(),
+        stderr: r.stderr,
+    })
+}
+
+/// Output read by per-stream cursors.
+#[derive(Debug, Clone, Copy)]
+pub struct Cursors {
+    pub stdout_offset: u64,
+    pub stderr_offset: u64,
+    pub max_bytes: usize,
+}
+
+/// Which output paging the caller asked for.
+#[derive(Debug, Clone, Copy)]
+pub enum OutputRequest {
+    /// The reference's: one JSON fragment of both streams, sliced by bytes.
+    Fragment { offset: u64, max_bytes: usize },
+    /// Ours: a cursor per stream, base64 chunks, offsets that never shift.
+    Cursors(Cursors),
+}
+
+impl Broker {
+    async fn get_job(&self, job_ref: &str) -> Result<Option<Job>> {
+        Ok(self.inner.store.read_now(|txn| {
+            let t = txn.open_table(tables::JOBS)?;
+            get_json(&t, job_ref)
+        })?)
+    }
+
+    /// The job and its lease, if the principal may see them; otherwise
+    /// exactly what a missing job answers.
+    async fn owned_job(&self, p: &Principal, job_ref: &str) -> Result<(Job, Lease)> {
+        let missing = || Error::new("job_not_found", "no such job");
+        if !valid_ref(job_ref, "job") {
+            return Err(missing());
+        }
+        let job = match self.get_job(job_ref).await? {
+            Some(j) if j.tenant == p.tenant || p.is_admin() => j,
+            _ => return Err(missing()),
+        };
+        let lease = self.get_lease(&job.lease_ref).await?.ok_or_else(missing)?;
+        Ok((job, lease))
+    }
+
+    /// `POST /v1/leases/{ref}/jobs`: start a job (202).
+    pub async fn start_job(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        command: &str,
+        cwd: Option<&str>,
+    ) -> Result<Value> {
+        if command.len() > MAX_COMMAND {
+            return Err(Error::new(
+                "value_too_large",
+                format!("command is longer than {MAX_COMMAND} bytes"),
+            ));
+        }
+        if command.trim().is_empty() {
+            return Err(Error::new("invalid_request", "command must not be empty"));
+        }
+        let cwd = match cwd {
+            Some(c) => self.checked_path(p, ctx, "job_start", c).await?,
+            None => "/workspace".to_string(),
+        };
+        let ev = self.event(p, "job_start", ctx);
+        self.authorize(p, "job:start", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        // One start at a time per lease: the quota check and the record are
+        // under the lease's lock until the outcome is committed.
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let digest = self.inner.journal.digest("command", command.as_bytes());
+        let job_ref = new_ref("job");
+        let command = command.to_string();
+        let tenant = p.tenant.clone();
+        let jr = job_ref.clone();
+        let d2 = digest.clone();
+        let (l, job) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "job_start",
+                |e| {
+                    e.command_digest = Some(digest);
+                    e.job_ref = Some(jr);
+                },
+                Some(lock),
+                move |b: Broker, l: Lease, addr| async move {
+                    // Running jobs count against the quota; those that
+                    // have ended since their last look are brought up to date.
+                    let jobs = b
+                        .inner
+                        .store
+                        .read_now(|txn| lease_jobs(txn, &l.lease_ref))?;
+                    let mut running = 0u32;
+                    let mut updated = vec![];
+                    for mut j in jobs.into_iter().filter(|j| !j.is_terminal()) {
+                        let pr = probe(&b, &addr, &j, (0, 0), (0, 0)).await?;
+                        let (state, rc) = pr.state(&j);
+                        if state == "running" {
+                            running += 1;
+                        } else {
+                            j.state = state;
+                            j.exit_code = rc;
+                            j.updated_at = now().0;
+                            updated.push(j);
+                        }
+                    }
+                    let save = move |txn: &WriteTransaction| {
+                        for j in &updated {
+                            put_job(txn, j)?;
+                        }
+                        Ok::<(), StoreError>(())
+                    };
+                    if running >= prof.max_jobs_per_lease {
+                        return Err(Error::new(
+                            "job_quota_exceeded",
+                            format!(
+                                "this lease already runs {running} jobs or PTYs (the profile allows {})",
+                                prof.max_jobs_per_lease
+                            ),
+                        ));
+                    }
+                    let envs: BTreeMap<String, String> = [
+                        ("CUBE_ADAPTER_JOB_REF", job_ref.clone()),
+                        ("CUBE_ADAPTER_JOB_COMMAND", command),
+                        ("CUBE_ADAPTER_JOB_RUNNER", RUNNER.to_string()),
+                        ("CUBE_ADAPTER_JOB_CWD", cwd),
+                        (
+                            "CUBE_ADAPTER_JOB_SECONDS",
+                            prof.max_command_seconds.max(1).to_string(),
+                        ),
+                    ]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect();
+                    let mut o = StartOptions::shell(LAUNCH);
+                    o.envs = envs;
+                    o.timeout = Some(Duration::from_secs(30));
+                    let out = b.inner.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
+                    let pid: u32 = String::from_utf8_lossy(&out.stdout)
+                        .trim()
+                        .lines()
+                        .last()
+                        .and_then(|s| s.trim().parse().ok())
+                        .filter(|_| out.exit_code == 0)
+                        .ok_or_else(|| {
+                            Error::new(
+                                "execution_failed",
+                                format!(
+                                    "the job could not be started (exit {}): {}",
+                                    out.exit_code,
+                                    String::from_utf8_lossy(&out.stderr).trim()
+                                ),
+                            )
+                        })?;
+                    let (ts, _) = now();
+                    let job = Job {
+                        job_ref,
+                        lease_ref: l.lease_ref.clone(),
+                        tenant,
+                        command_digest: d2,
+                        runner_pid: pid,
+                        state: "running".into(),
+                        exit_code: None,
+                        cancelled: false,
+                        created_at: ts.clone(),
+                        updated_at: ts,
+                        max_seconds: prof.max_command_seconds,
+                    };
+                    let j2 = job.clone();
+                    Ok(Done::new(job).persist(move |txn| {
+                        save(txn)?;
+                        put_job(txn, &j2)
+                    }))
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("job_ref".into(), json!(job.job_ref));
+        m.insert("lease_ref".into(), json!(job.lease_ref));
+        m.insert("state".into(), json!(job.state));
+        Ok(Value::Object(m))
+    }
+
+    /// One audited read of a job (status and output), saving a changed state.
+    async fn job_read(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        job_ref: &str,
+        action: &str,
+        out: (u64, usize),
+        err: (u64, usize),
+    ) -> Result<(Job, Lease, Probe)> {
+        // Status reads need `job:status`; output reads `job:output`.
+        let scope = match action {
+            "job_output" | "job_events" => "job:output",
+            _ => "job:status",
+        };
+        let ev = self.event(p, action, ctx);
+        self.authorize(p, scope, &ev).await?;
+        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let jr = job.job_ref.clone();
+        let (lease, (job, pr)) = self
+            .effect_on(
+                p,
+                ctx,
+                lease,
+                action,
+                |e| e.job_ref = Some(jr),
+                None,
+                move |b: Broker, _l: Lease, addr| async move {
+                    let mut job = job;
+                    let pr = probe(&b, &addr, &job, out, err).await?;
+                    if out.0 > pr.out_size || err.0 > pr.err_size {
+                        return Err(Error::new(
+                            "invalid_offset",
+                            format!(
+                                "the offset is past the end of the output (stdout has {} bytes, stderr {})",
+                                pr.out_size, pr.err_size
+                            ),
+                        ));
+                    }
+                    let bytes = (pr.stdout.len() + pr.stderr.len()) as u64;
+                    let (state, rc) = pr.state(&job);
+                    let changed = state != job.state || rc != job.exit_code;
+                    let mut done = Done::new(());
+                    if changed {
+                        job.state = state;
+                        job.exit_code = rc;
+                        job.updated_at = now().0;
+                        let j2 = job.clone();
+                        done = done.persist(move |txn| put_job(txn, &j2));
+                    }
+                    let Done { persist, .. } = done;
+                    Ok(Done {
+                        value: (job, pr),
+                        exit_code: None,
+                        bytes: Some(bytes),
+                        persist,
+                    })
+                },
+            )
+            .await?;
+        Ok((job, lease, pr))
+    }
+
+    /// `GET|POST /v1/jobs/{ref}/status`.
+    pub async fn job_status(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+        let (job, lease, _) = self
+            .job_read(p, ctx, job_ref, "job_status", (0, 0), (0, 0))
+            .await?;
+        let mut m = job.fields(&lease.sandbox_ref);
+        m.insert("request_id".into(), json!(ctx.request_id));
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/jobs/{ref}/output`: the reference's fragment paging, or
+    /// per-stream cursors.
+    pub async fn job_output(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        job_ref: &str,
+        req: OutputRequest,
+    ) -> Result<Value> {
+        match req {
+            OutputRequest::Fragment { offset, max_bytes } => {
+                let (job, lease, pr) = self
+                    .job_read(
+                        p,
+                        ctx,
+                        job_ref,
+                        "job_output",
+                        (0, COMPAT_LIMIT),
+                        (0, COMPAT_LIMIT),
+                    )
+                    .await?;
+                let fragment = format!(
+                    "{{\"stdout\":{},\"stderr\":{}}}",
+                    Value::String(String::from_utf8_lossy(&pr.stdout).into_owned()),
+                    Value::String(String::from_utf8_lossy(&pr.stderr).into_owned()),
+                );
+                let bytes = fragment.as_bytes();
+                let start = usize::try_from(offset)
+                    .unwrap_or(usize::MAX)
+                    .min(bytes.len());
+                let end = start.saturating_add(max_bytes).min(bytes.len());
+                let chunk = bytes.get(start..end).unwrap_or_default();
+                let mut m = job.fields(&lease.sandbox_ref);
+                m.insert("request_id".into(), json!(ctx.request_id));
+                m.insert("offset".into(), json!(offset));
+                m.insert("next_offset".into(), json!(end));
+                m.insert("eof".into(), json!(end >= bytes.len() && job.is_terminal()));
+                m.insert("data".into(), json!(String::from_utf8_lossy(chunk)));
+                m.insert("encoding".into(), json!("json-fragment"));
+                Ok(Value::Object(m))
+            }
+            OutputRequest::Cursors(c) => {
+                let (job, lease, pr) = self
+                    .job_read(
+                        p,
+                        ctx,
+                        job_ref,
+                        "job_output",
+                        (c.stdout_offset, c.max_bytes),
+                        (c.stderr_offset, c.max_bytes),
+                    )
+                    .await?;
+                let mut m = job.fields(&lease.sandbox_ref);
+                m.insert("request_id".into(), json!(ctx.request_id));
+                let (on, en) = (
+                    c.stdout_offset + pr.stdout.len() as u64,
+                    c.stderr_offset + pr.stderr.len() as u64,
+                );
+                // The state was read before the ranges: a job that had ended
+                // then has all its output in the files.
+                let eof = job.is_terminal() && on >= pr.out_size && en >= pr.err_size;
+                for (k, v) in [
+                    ("stdout_offset", json!(c.stdout_offset)),
+                    ("stderr_offset", json!(c.stderr_offset)),
+                    ("stdout_base64", json!(B64.encode(&pr.stdout))),
+                    ("stderr_base64", json!(B64.encode(&pr.stderr))),
+                    ("stdout_next_offset", json!(on)),
+                    ("stderr_next_offset", json!(en)),
+                    ("eof", json!(eof)),
+                ] {
+                    m.insert(k.into(), v);
+                }
+                Ok(Value::Object(m))
+            }
+        }
+    }
+
+    /// `POST /v1/jobs/{ref}/cancel`: end the job's process group.
+    pub async fn cancel_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+        let ev = self.event(p, "job_cancel", ctx);
+        self.authorize(p, "job:cancel", &ev).await?;
+        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let lock = self.lock(format!("lease:{}", lease.lease_ref)).await;
+        let jr = job.job_ref.clone();
+        let (lease, job) = self
+            .effect_on(
+                p,
+                ctx,
+                lease,
+                "job_cancel",
+                |e| e.job_ref = Some(jr),
+                Some(lock),
+                move |b: Broker, _l: Lease, addr| async move {
+                    let mut job = job;
+                    if !job.is_terminal() {
+                        let mut o = StartOptions {
+                            cmd: "/bin/sh".into(),
+                            args: vec!["-c".into(), CANCEL.into()],
+                            timeout: Some(Duration::from_secs(30)),
+                            ..Default::default()
+                        };
+                        o.envs.insert("J".into(), job.job_ref.clone());
+                        match b.inner.cube.run(&addr, &o, 4096).await {
+                            Ok(r) if r.exit_code == 0 => job.cancelled = true,
+                            Ok(_) => {}
+                            Err(e) if e.kind == ErrorKind::NotFound => {}
+                            Err(e) => return Err(backend(&e)),
+                        }
+                        // Wait (briefly) for the runner to record the end.
+                        for _ in 0..30 {
+                            let pr = probe(&b, &addr, &job, (0, 0), (0, 0)).await?;
+                            let (state, rc) = pr.state(&job);
+                            job.state = state;
+                            job.exit_code = rc;
+                            if job.is_terminal() {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        job.updated_at = now().0;
+                    }
+                    let j2 = job.clone();
+                    Ok(Done::new(job).persist(move |txn| put_job(txn, &j2)))
+                },
+            )
+            .await?;
+        let mut m = job.fields(&lease.sandbox_ref);
+        m.insert("request_id".into(), json!(ctx.request_id));
+        Ok(Value::Object(m))
+    }
+
+    /// `GET /v1/jobs/{ref}/recover`: where the job is and what state it is
+    /// in, after a restart or a lost connection.
+    pub async fn recover_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+        let (job, lease, pr) = self
+            .job_read(p, ctx, job_ref, "job_recover", (0, 0), (0, 0))
+            .await?;
+        let mut m = job.fields(&lease.sandbox_ref);
+        m.insert("request_id".into(), json!(ctx.request_id));
+        m.insert("stdout_bytes".into(), json!(pr.out_size));
+        m.insert("stderr_bytes".into(), json!(pr.err_size));
+        m.insert("recoverable".into(), json!(job.state != "lost"));
+        Ok(Value::Object(m))
+    }
+
+    /// The jobs of a lease as status shows them (stored states).
+    pub(crate) fn jobs_summary(&self, lease_ref: &str) -> Result<Vec<Value>> {
+        let jobs = self
+            .inner
+            .store
+            .read_now(|txn| lease_jobs(txn, lease_ref))?;
+        Ok(jobs
+            .iter()
+            .map(|j| {
+                json!({"job_ref": j.job_ref, "state": j.state, "exit_code": j.exit_code,
+                       "created_at": j.created_at, "updated_at": j.updated_at})
+            })
+            .collect())
+    }
+
+    /// One poll for the event stream: the job and the new output from the
+    /// cursors (not audited on its own: the stream's opening is).
+    pub(crate) async fn job_poll(
+        &self,
+        job_ref: &str,
+        c: Cursors,
+    ) -> Result<(Job, String, Vec<u8>, Vec<u8>, bool)> {
+        let job = self
+            .get_job(job_ref)
+            .await?
+            .ok_or_else(|| Error::new("job_not_found", "no such job"))?;
+        let lease = self
+            .get_lease(&job.lease_ref)
+            .await?
+            .ok_or_else(|| Error::new("job_not_found", "no such job"))?;
+        let addr = self.addr(&lease)?;
+        let mut job = job;
+        let pr = probe(
+            self,
+            &addr,
+            &job,
+            (c.stdout_offset, c.max_bytes),
+            (c.stderr_offset, c.max_bytes),
+        )
+        .await?;
+        let (state, rc) = pr.state(&job);
+        if state != job.state || rc != job.exit_code {
+            job.state = state;
+            job.exit_code = rc;
+            job.updated_at = now().0;
+            let j2 = job.clone();
+            self.inner
+                .store
+                .write(move |txn, _| put_job(txn, &j2))
+                .await?;
+        }
+        let on = c.stdout_offset + pr.stdout.len() as u64;
+        let en = c.stderr_offset + pr.stderr.len() as u64;
+        let drained = on >= pr.out_size && en >= pr.err_size;
+        Ok((job, lease.sandbox_ref, pr.stdout, pr.stderr, drained))
+    }
+
+    /// Open a job's event stream: authorize and audit once.
+    pub async fn open_job_events(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Job> {
+        let (job, _, _) = self
+            .job_read(p, ctx, job_ref, "job_events", (0, 0), (0, 0))
+            .await?;
+        Ok(job)
+    }
+}
