@@ -658,8 +658,9 @@ impl Broker {
                 move |b: Broker, _l: Lease, addr| async move {
                     let mut job = job;
                     if !job.is_terminal() {
+                        // bash: its `kill` takes `--` before a process group.
                         let mut o = StartOptions {
-                            cmd: "/bin/sh".into(),
+                            cmd: "/bin/bash".into(),
                             args: vec!["-c".into(), CANCEL.into()],
                             timeout: Some(Duration::from_secs(30)),
                             ..Default::default()

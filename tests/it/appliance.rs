@@ -211,7 +211,7 @@ async fn raw_request(s: &Server, req: &str) -> String {
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
-fn code(v: &Value) -> &str {
+pub fn code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("")
 }
 
@@ -908,13 +908,13 @@ async fn router_and_openapi_are_in_step() {
 }
 
 /// A `cube-adapter serve` process on 127.0.0.1:0 and its URL.
-struct Proc {
-    child: std::process::Child,
-    url: String,
+pub struct Proc {
+    pub child: std::process::Child,
+    pub url: String,
 }
 
 impl Proc {
-    fn start(
+    pub fn start(
         state: &std::path::Path,
         config: &std::path::Path,
         env: &[(&str, &str)],
@@ -949,7 +949,7 @@ impl Proc {
         })
     }
 
-    fn stop(mut self) {
+    pub fn stop(mut self) {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(self.child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
@@ -1094,7 +1094,7 @@ async fn a_crash_between_intent_and_outcome_blocks_until_reconciled() {
 }
 
 /// Kills the sandboxes under a directory when a test ends.
-struct SandboxReaper(std::path::PathBuf);
+pub struct SandboxReaper(pub std::path::PathBuf);
 
 impl Drop for SandboxReaper {
     fn drop(&mut self) {

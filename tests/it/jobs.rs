@@ -197,3 +197,341 @@ async fn job_start_status_output_and_events() {
     assert_eq!(ls["jobs"][0]["job_ref"], job.as_str());
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_time_limit_cancel_and_quota_race() {
+    let s = Server::start_with(|c| {
+        c.profiles
+            .get_mut("offline-code")
+            .unwrap()
+            .max_command_seconds = 2;
+        c.profiles
+            .get_mut("persistent-code")
+            .unwrap()
+            .max_jobs_per_lease = 1;
+    })
+    .await;
+    // The time limit ends the job's process group: a state of its own.
+    let lease = s.acquire(&s.admin, "jobs-limit").await;
+    let job = start(&s, &lease, "echo started; sleep 60 & sleep 60").await;
+    let end = wait_end(&s, &job).await;
+    assert_eq!(end["state"], "timed_out", "{end}");
+    assert_eq!(end["timed_out"], true);
+    assert_eq!(end["exit_code"], 143);
+    let (out, _, _) = read_all(&s, &job, 65536).await;
+    assert_eq!(out, b"started\n");
+
+    // 8 concurrent starts with quota 1: exactly one wins.
+    let (st, v) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "jobs-quota", "profile": "persistent-code"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let lease = v["lease_ref"].as_str().unwrap().to_string();
+    let mut tasks = vec![];
+    for _ in 0..8 {
+        let (http, url, admin, lease) = (
+            s.http.clone(),
+            s.url.clone(),
+            s.admin.clone(),
+            lease.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let r = http
+                .post(format!("{url}/v1/leases/{lease}/jobs"))
+                .bearer_auth(admin)
+                .json(&json!({"command": "sleep 30"}))
+                .send()
+                .await
+                .unwrap();
+            let st = r.status();
+            (st, r.json::<Value>().await.unwrap())
+        }));
+    }
+    let mut won = vec![];
+    let mut refused = 0;
+    for t in tasks {
+        let (st, v) = t.await.unwrap();
+        match st {
+            StatusCode::ACCEPTED => won.push(v["job_ref"].as_str().unwrap().to_string()),
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(v["error"]["code"], "job_quota_exceeded");
+                refused += 1;
+            }
+            other => panic!("{other}: {v}"),
+        }
+    }
+    assert_eq!((won.len(), refused), (1, 7));
+
+    // Cancel ends the process group; the slot is free again.
+    let (st, v) = s
+        .post(&s.admin, &format!("/v1/jobs/{}/cancel", won[0]), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "cancelled", "{v}");
+    assert_eq!(v["cancelled"], true);
+    // Cancelling an ended job changes nothing.
+    let (st, again) = s
+        .post(&s.admin, &format!("/v1/jobs/{}/cancel", won[0]), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(again["state"], "cancelled");
+    let next = start(&s, &lease, "true").await;
+    assert_eq!(wait_end(&s, &next).await["state"], "succeeded");
+    // Nothing of the cancelled job is left running in the sandbox.
+    let (_, ps) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "ps -eo args | grep -c '^sleep 30' || true"}),
+        )
+        .await;
+    assert_eq!(ps["stdout"].as_str().unwrap().trim(), "0", "{ps}");
+    s.stop().await;
+}
+
+/// Parse an SSE body into `(event, id, data)` triples (complete events
+/// only: a chunk may end inside one, even inside a UTF-8 character).
+fn sse_events(buf: &[u8]) -> (Vec<(String, String, String)>, usize) {
+    let mut out = vec![];
+    let mut used = 0;
+    while let Some(end) = buf[used..].windows(2).position(|w| w == b"\n\n") {
+        let block = std::str::from_utf8(&buf[used..used + end]).unwrap();
+        used += end + 2;
+        let get = |k: &str| {
+            block
+                .lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap_or("")
+                .to_string()
+        };
+        out.push((get("event: "), get("id: "), get("data: ")));
+    }
+    (out, used)
+}
+
+/// The whole output of a job, streamed by SSE from the given cursors;
+/// gives up after `stop_after` output bytes (a client that goes away).
+async fn sse_read(
+    http: &reqwest::Client,
+    url: &str,
+    token: &str,
+    job: &str,
+    from: (usize, usize),
+    stop_after: Option<usize>,
+) -> (Vec<u8>, Vec<u8>, bool) {
+    use futures_util::StreamExt;
+    let r = http
+        .get(format!(
+            "{url}/v1/jobs/{job}/events?timeout=120&stdout_offset={}&stderr_offset={}",
+            from.0, from.1
+        ))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let mut body = r.bytes_stream();
+    let (mut out, mut err, mut text) = (vec![], vec![], Vec::<u8>::new());
+    let mut ended = false;
+    while let Some(chunk) = body.next().await {
+        text.extend_from_slice(&chunk.unwrap());
+        let (events, used) = sse_events(&text);
+        text.drain(..used);
+        for (ev, id, data) in events {
+            if ev == "output" {
+                let v: Value = serde_json::from_str(&data).unwrap();
+                assert_eq!(
+                    v["stdout_offset"].as_u64().unwrap() as usize,
+                    from.0 + out.len()
+                );
+                assert_eq!(
+                    v["stderr_offset"].as_u64().unwrap() as usize,
+                    from.1 + err.len()
+                );
+                out.extend(B64.decode(v["stdout_base64"].as_str().unwrap()).unwrap());
+                err.extend(B64.decode(v["stderr_base64"].as_str().unwrap()).unwrap());
+                assert_eq!(id, format!("{}:{}", from.0 + out.len(), from.1 + err.len()));
+            }
+            if ev == "status" {
+                let v: Value = serde_json::from_str(&data).unwrap();
+                ended = v["state"] != "running";
+            }
+            assert_ne!(ev, "error", "{data}");
+        }
+        if stop_after.is_some_and(|n| out.len() + err.len() >= n) {
+            return (out, err, false); // dropped: the client goes away
+        }
+    }
+    (out, err, ended)
+}
+
+/// ≥ 10 MB of mixed binary stdout/stderr, read by cursors across a SIGKILL
+/// and restart of the appliance, and by SSE across a client disconnect:
+/// both give exactly the bytes the job wrote, with no overlap and no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_output_survives_sigkill_restart_and_disconnect() {
+    use crate::appliance::{Proc, SandboxReaper};
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+        .build()
+        .unwrap();
+    let admin = std::fs::read_to_string(state.join("admin.token"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let post = |url: String, body: Value| {
+        let (http, admin) = (http.clone(), admin.clone());
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(admin)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let st = r.status();
+            (st, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (_, v) = post(
+        format!("{}/v1/leases/acquire", p.url),
+        json!({"runtime": "mcp", "session_key": "jobs-crash"}),
+    )
+    .await;
+    let lease = v["lease_ref"].as_str().unwrap().to_string();
+    // Random stdout (6 MiB) and stderr (5 MiB), written in interleaved 1 MiB
+    // pieces with pauses, so the job is still running while it is read.
+    let cmd = "head -c 6291456 /dev/urandom > /workspace/o.bin; \
+               head -c 5242880 /dev/urandom > /workspace/e.bin; \
+               for i in 0 1 2 3 4 5; do \
+                 dd if=/workspace/o.bin bs=1048576 skip=$i count=1 status=none; \
+                 dd if=/workspace/e.bin bs=1048576 skip=$i count=1 status=none >&2; \
+                 sleep 0.4; \
+               done; exit 7";
+    let (st, v) = post(
+        format!("{}/v1/leases/{lease}/jobs", p.url),
+        json!({"command": cmd}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    let job = v["job_ref"].as_str().unwrap().to_string();
+
+    // Read by cursors until some output has arrived, then SIGKILL the appliance.
+    let (mut out, mut err) = (Vec::<u8>::new(), Vec::<u8>::new());
+    let mut url = p.url.clone();
+    while out.len() + err.len() < 2 * 1024 * 1024 {
+        let (st, v) = post(
+            format!("{url}/v1/jobs/{job}/output"),
+            json!({"stdout_offset": out.len(), "stderr_offset": err.len(), "max_bytes": 262144}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        out.extend(B64.decode(v["stdout_base64"].as_str().unwrap()).unwrap());
+        err.extend(B64.decode(v["stderr_base64"].as_str().unwrap()).unwrap());
+        assert_eq!(v["eof"], false);
+    }
+    let mut p = p;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    p.child.wait().unwrap();
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    url = p.url.clone();
+
+    // After the restart: the job is still addressable and (still) running.
+    let r = http
+        .get(format!("{url}/v1/jobs/{job}/recover"))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let rec: Value = r.json().await.unwrap();
+    assert_eq!(rec["recoverable"], true, "{rec}");
+    assert_eq!(rec["lease_ref"], lease.as_str());
+
+    // Continue from the same cursors to the end.
+    loop {
+        let (st, v) = post(
+            format!("{url}/v1/jobs/{job}/output"),
+            json!({"stdout_offset": out.len(), "stderr_offset": err.len(), "max_bytes": 1048576}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        out.extend(B64.decode(v["stdout_base64"].as_str().unwrap()).unwrap());
+        err.extend(B64.decode(v["stderr_base64"].as_str().unwrap()).unwrap());
+        if v["eof"] == true {
+            assert_eq!(v["state"], "failed");
+            assert_eq!(v["exit_code"], 7);
+            break;
+        }
+        if v["stdout_base64"] == "" && v["stderr_base64"] == "" {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    // What the job wrote, fetched as artifacts.
+    let want = |path: &str| {
+        let (http, admin, url, lease) = (http.clone(), admin.clone(), url.clone(), lease.clone());
+        let path = path.to_string();
+        async move {
+            let v: Value = http
+                .post(format!("{url}/v1/leases/{lease}/artifacts/download"))
+                .bearer_auth(admin)
+                .json(&json!({"path": path}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            B64.decode(v["content_base64"].as_str().unwrap()).unwrap()
+        }
+    };
+    let (want_out, want_err) = (
+        want("/workspace/o.bin").await,
+        want("/workspace/e.bin").await,
+    );
+    assert_eq!(want_out.len() + want_err.len(), 11 * 1024 * 1024);
+    assert!(
+        out == want_out,
+        "stdout differs ({} vs {} bytes)",
+        out.len(),
+        want_out.len()
+    );
+    assert!(
+        err == want_err,
+        "stderr differs ({} vs {} bytes)",
+        err.len(),
+        want_err.len()
+    );
+
+    // SSE: a client that goes away after 3 MiB, then resumes from its cursors.
+    let (o1, e1, ended) = sse_read(&http, &url, &admin, &job, (0, 0), Some(3 * 1024 * 1024)).await;
+    assert!(!ended);
+    let (o2, e2, ended) = sse_read(&http, &url, &admin, &job, (o1.len(), e1.len()), None).await;
+    assert!(ended, "the stream ends with the job's final status");
+    assert!(
+        [o1, o2].concat() == want_out,
+        "SSE stdout differs from paging"
+    );
+    assert!(
+        [e1, e2].concat() == want_err,
+        "SSE stderr differs from paging"
+    );
+    p.stop();
+}
