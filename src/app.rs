@@ -314,7 +314,10 @@ pub async fn serve(
         backend: backend_desc,
         store: store.clone(),
     });
+    let upkeep = tokio_util::sync::CancellationToken::new();
+    broker.spawn_upkeep(upkeep.clone());
     let r = crate::server::serve(listener, app, tls, shutdown).await;
+    upkeep.cancel();
     // Let effects in flight record their outcome before the store closes.
     if !broker.drain(std::time::Duration::from_secs(30)).await {
         tracing::warn!(

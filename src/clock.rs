@@ -17,3 +17,10 @@ pub fn now() -> (String, i64) {
     let t = OffsetDateTime::now_utc();
     (rfc3339(t), t.unix_timestamp())
 }
+
+/// Unix seconds as `YYYY-MM-DDTHH:MM:SSZ` (empty if out of range).
+pub fn format_unix(secs: i64) -> String {
+    OffsetDateTime::from_unix_timestamp(secs)
+        .map(rfc3339)
+        .unwrap_or_default()
+}

@@ -29,6 +29,10 @@ pub fn router() -> Router<AppState> {
         .route("/v1/leases/{lease_ref}/artifacts/upload", post(upload))
         .route("/v1/leases/{lease_ref}/artifacts/download", post(download))
         .route("/v1/leases/{lease_ref}/release", post(release))
+        .route("/v1/leases/{lease_ref}/renew", post(renew))
+        .route("/v1/leases/{lease_ref}/recover", get(recover))
+        .route("/v1/profiles", get(profiles))
+        .route("/v1/admin/gc", post(admin_gc))
 }
 
 type R = Result<Response, ApiError>;
@@ -353,4 +357,58 @@ async fn release(
     let c = ctx(b.request_id.as_deref())?;
     let action = b.action.unwrap_or_else(|| "pause".into());
     ok(st.broker.release(&p, &c, &l, &action).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RenewReq {
+    #[serde(default)]
+    seconds: Option<serde_json::Value>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn renew(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<RenewReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let seconds = match &b.seconds {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|n| (1..=86_400).contains(n))
+                .ok_or_else(|| err("invalid_request", "seconds must be an integer in 1..=86400"))?,
+        ),
+    };
+    ok(st.broker.renew(&p, &c, &lease, seconds).await?)
+}
+
+async fn recover(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    ok(st.broker.recover_lease(&p, &c, &lease).await?)
+}
+
+async fn profiles(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    ok(st.broker.list_profiles(&p, &c).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EmptyReq {
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn admin_gc(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<EmptyReq>) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st.broker.admin_gc(&p, &c).await?)
 }

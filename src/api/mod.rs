@@ -70,6 +70,7 @@ pub fn status_of(code: &str) -> StatusCode {
         | "task_not_found"
         | "path_not_found" => StatusCode::NOT_FOUND,
         "profile_conflict"
+        | "keepalive_exhausted"
         | "already_exists"
         | "checkpoint_with_mount_denied"
         | "plan_not_pending"
@@ -294,6 +295,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/leases/{lease_ref}/artifacts/upload"),
     ("POST", "/v1/leases/{lease_ref}/artifacts/download"),
     ("POST", "/v1/leases/{lease_ref}/release"),
+    ("POST", "/v1/leases/{lease_ref}/renew"),
+    ("GET", "/v1/leases/{lease_ref}/recover"),
+    ("GET", "/v1/profiles"),
+    ("POST", "/v1/admin/gc"),
     ("POST", "/v1/leases/{lease_ref}/jobs"),
     ("GET", "/v1/jobs/{job_ref}/status"),
     ("POST", "/v1/jobs/{job_ref}/status"),

@@ -266,15 +266,21 @@ async fn probe(
         ..Default::default()
     };
     let limit = out.1.max(err.1) + 256;
+    let gone = || Probe {
+        kind: "gone".into(),
+        ..Default::default()
+    };
     let r = match b.inner.cube.run(addr, &o, limit).await {
         Ok(r) => r,
-        Err(e) if e.kind == ErrorKind::NotFound => {
-            return Ok(Probe {
-                kind: "gone".into(),
-                ..Default::default()
-            });
+        Err(e) if e.kind == ErrorKind::NotFound => return Ok(gone()),
+        // The data plane cannot tell a missing sandbox from a hiccup (a
+        // proxy answers 502 for both): ask the control plane.
+        Err(e) => {
+            return match b.inner.cube.get(&addr.id).await {
+                Err(g) if g.kind == ErrorKind::NotFound => Ok(gone()),
+                _ => Err(backend(&e)),
+            };
         }
-        Err(e) => return Err(backend(&e)),
     };
     let nl = r
         .stdout
@@ -546,6 +552,7 @@ impl Broker {
                         exit_code: None,
                         bytes: Some(bytes),
                         persist,
+                        touch: true,
                     })
                 },
             )

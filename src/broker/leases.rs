@@ -60,6 +60,8 @@ pub(crate) struct Done<T> {
     pub exit_code: Option<i32>,
     pub bytes: Option<u64>,
     pub persist: Option<Persist>,
+    /// Count as use of the lease (`last_used_at`; true unless said otherwise).
+    pub touch: bool,
 }
 
 impl<T> Done<T> {
@@ -69,7 +71,15 @@ impl<T> Done<T> {
             exit_code: None,
             bytes: None,
             persist: None,
+            touch: true,
         }
+    }
+
+    /// Not a use of the lease: renewals leave `last_used_at` alone, so
+    /// they cannot extend themselves past `max_keepalive_seconds`.
+    pub fn no_touch(mut self) -> Self {
+        self.touch = false;
+        self
     }
 
     pub fn exit_code(mut self, code: i32) -> Self {
@@ -98,7 +108,7 @@ pub(crate) fn new_ref(prefix: &str) -> String {
     format!("{prefix}_{h}")
 }
 
-fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
+pub(crate) fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
     format!("{tenant}\0{runtime}\0{hash}")
 }
 
@@ -155,7 +165,7 @@ impl Broker {
         })
     }
 
-    fn lease_event(&self, p: &Principal, action: &str, ctx: &Ctx, l: &Lease) -> Event {
+    pub(crate) fn lease_event(&self, p: &Principal, action: &str, ctx: &Ctx, l: &Lease) -> Event {
         let mut ev = self.event(p, action, ctx);
         ev.runtime = Some(l.runtime.clone());
         ev.profile = Some(l.profile.clone());
@@ -461,7 +471,7 @@ impl Broker {
     }
 
     /// Record a failed effect's outcome.
-    async fn fail(&self, intent: Intent, e: &Error) -> Result<()> {
+    pub(crate) async fn fail(&self, intent: Intent, e: &Error) -> Result<()> {
         let outcome = if e.code == "timeout" {
             "uncertain"
         } else {
@@ -648,11 +658,14 @@ impl Broker {
                 exit_code: exit,
                 bytes,
                 persist,
+                touch,
             }) => {
-                let (ts, unix) = now();
-                l.last_used_at = ts;
-                l.last_used_unix = unix;
-                l.state = "running".into();
+                if touch {
+                    let (ts, unix) = now();
+                    l.last_used_at = ts;
+                    l.last_used_unix = unix;
+                    l.state = "running".into();
+                }
                 let l2 = l.clone();
                 self.inner
                     .journal
@@ -668,7 +681,7 @@ impl Broker {
                                 .open_table(tables::LEASES)?
                                 .get(l2.lease_ref.as_str())?
                                 .is_some();
-                            if exists {
+                            if exists && touch {
                                 put_lease(txn, &l2)?;
                             }
                             match persist {
@@ -1004,11 +1017,7 @@ impl Broker {
                 |_| {},
                 move |txn| {
                     if kill {
-                        txn.open_table(tables::LEASES)?
-                            .remove(l2.lease_ref.as_str())?;
-                        let sk = session_key(&l2.tenant, &l2.runtime, &l2.session_hash);
-                        txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
-                        super::jobs::delete_lease_jobs(txn, &l2.lease_ref)?;
+                        super::upkeep::remove_lease_state(txn, &l2)?;
                     } else {
                         l2.state = "paused".into();
                         put_lease(txn, &l2)?;

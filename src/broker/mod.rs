@@ -7,6 +7,7 @@ pub mod error;
 pub mod jobs;
 pub mod leases;
 pub mod paths;
+pub mod upkeep;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

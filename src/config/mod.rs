@@ -38,6 +38,8 @@ pub struct Config {
     pub profiles: BTreeMap<String, Profile>,
     /// Concurrent argon2 verifications.
     pub hashing_slots: usize,
+    /// How often idle leases are collected (0: only by `POST /v1/admin/gc`).
+    pub gc_interval_seconds: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -180,6 +182,7 @@ impl Default for Config {
             embedded: EmbeddedSection::default(),
             profiles: BTreeMap::new(),
             hashing_slots: 2,
+            gc_interval_seconds: 30,
         }
     }
 }

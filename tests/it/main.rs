@@ -15,3 +15,4 @@ mod common;
 mod embedded;
 mod jobs;
 mod sdk;
+mod upkeep;

@@ -1,0 +1,363 @@
+//! Keeping leases alive and cleaning them up: profiles, renewal, the
+//! background keepalive for leases with running jobs, idle-lease GC, and
+//! lease recovery after a restart.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use redb::{ReadableTable, WriteTransaction};
+use serde_json::{Value, json};
+
+use super::leases::{Done, Lease, session_key};
+use super::{Broker, Ctx, Error, Result, error::backend};
+use crate::audit::event::Event;
+use crate::auth::Principal;
+use crate::clock::now;
+use crate::cube::ErrorKind;
+use crate::store::{StoreError, codec, tables};
+
+/// Remove a killed lease and everything recorded under it.
+pub(crate) fn remove_lease_state(
+    txn: &WriteTransaction,
+    l: &Lease,
+) -> std::result::Result<(), StoreError> {
+    txn.open_table(tables::LEASES)?
+        .remove(l.lease_ref.as_str())?;
+    let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
+    txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
+    super::jobs::delete_lease_jobs(txn, &l.lease_ref)
+}
+
+fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, StoreError> {
+    let t = txn.open_table(tables::LEASES)?;
+    let mut out = vec![];
+    for r in t.iter()? {
+        let (_, v) = r?;
+        out.push(codec::decode(v.value())?);
+    }
+    Ok(out)
+}
+
+/// The end of a lease's keepalive budget (unix seconds): renewals keep its
+/// sandbox up at most `max_keepalive_seconds` past its last use.
+fn keepalive_until(l: &Lease, max_keepalive: u64) -> i64 {
+    l.last_used_unix
+        .saturating_add(i64::try_from(max_keepalive).unwrap_or(i64::MAX))
+}
+
+impl Broker {
+    /// `GET /v1/profiles`: the profiles this caller may acquire with.
+    pub async fn list_profiles(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+        let ev = self.event(p, "profiles", ctx);
+        self.authorize(p, "lease:acquire", &ev).await?;
+        let items: Vec<Value> = self
+            .inner
+            .cfg
+            .profiles
+            .iter()
+            .filter(|(name, _)| p.allows_profile(name))
+            .map(|(name, pr)| {
+                let runtimes: Vec<&String> = pr
+                    .allowed_runtimes
+                    .iter()
+                    .filter(|r| p.allows_runtime(r))
+                    .collect();
+                json!({
+                    "name": name,
+                    "allowed_runtimes": runtimes,
+                    "sandbox_timeout_seconds": pr.sandbox_timeout_seconds,
+                    "max_command_seconds": pr.max_command_seconds,
+                    "lease_idle_ttl_seconds": pr.lease_idle_ttl_seconds,
+                    "max_active_leases_per_tenant": pr.max_active_leases_per_tenant,
+                    "max_jobs_per_lease": pr.max_jobs_per_lease,
+                    "allow_internet_access": pr.allow_internet_access,
+                    "checkpoints_enabled": pr.checkpoints_enabled,
+                    "keepalive_enabled": pr.keepalive_enabled,
+                    "max_keepalive_seconds": pr.max_keepalive_seconds,
+                })
+            })
+            .collect();
+        Ok(json!({"profiles": items, "request_id": ctx.request_id}))
+    }
+
+    /// `POST /v1/leases/{ref}/renew`: extend the sandbox's timeout, at most
+    /// `max_keepalive_seconds` past the lease's last use. A renewal is not a
+    /// use: it cannot extend its own budget.
+    pub async fn renew(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        seconds: Option<u64>,
+    ) -> Result<Value> {
+        if seconds == Some(0) {
+            return Err(Error::new("invalid_request", "seconds must be at least 1"));
+        }
+        let ev = self.event(p, "renew", ctx);
+        self.authorize(p, "lease:renew", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let until = keepalive_until(&l, prof.max_keepalive_seconds);
+        let left = until.saturating_sub(now().1);
+        if left <= 0 {
+            return Err(self
+                .reject(
+                    self.lease_event(p, "renew", ctx, &l),
+                    Error::new(
+                        "keepalive_exhausted",
+                        format!(
+                            "the lease was last used more than max_keepalive_seconds ({}) ago; use it or acquire again",
+                            prof.max_keepalive_seconds
+                        ),
+                    ),
+                )
+                .await);
+        }
+        let want = seconds.unwrap_or(prof.sandbox_timeout_seconds).max(1);
+        let secs = want.min(u64::try_from(left).unwrap_or(0));
+        let (l, ()) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "renew",
+                |_| {},
+                None,
+                move |b: Broker, l: Lease, _| async move {
+                    b.inner
+                        .cube
+                        .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
+                        .await
+                        .map_err(|e| backend(&e))?;
+                    Ok(Done::new(()).no_touch())
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("lease_ref".into(), json!(l.lease_ref));
+        m.insert("timeout_seconds".into(), json!(secs));
+        m.insert("capped".into(), json!(secs < want));
+        m.insert(
+            "keepalive_until".into(),
+            json!(crate::clock::format_unix(until)),
+        );
+        Ok(Value::Object(m))
+    }
+
+    /// `GET /v1/leases/{ref}/recover`: the lease, its sandbox's state as the
+    /// backend sees it now, and its jobs. Nothing is re-run or rebuilt.
+    pub async fn recover_lease(&self, p: &Principal, ctx: &Ctx, lease_ref: &str) -> Result<Value> {
+        let ev = self.event(p, "lease_recover", ctx);
+        self.authorize(p, "lease:status", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let state = match self.inner.cube.get(&l.sandbox_id).await {
+            Ok(d) => d.state,
+            Err(e) if e.kind == ErrorKind::NotFound => "gone".into(),
+            Err(e) => return Err(backend(&e)),
+        };
+        let mut m = self.base(&l, ctx);
+        for (k, v) in [
+            ("lease_ref", json!(l.lease_ref)),
+            ("runtime", json!(l.runtime)),
+            ("profile", json!(l.profile)),
+            ("state", json!(state)),
+            ("created_at", json!(l.created_at)),
+            ("last_used_at", json!(l.last_used_at)),
+            ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
+            ("recoverable", json!(state != "gone")),
+        ] {
+            m.insert(k.into(), v);
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// An audit event for the appliance's own actions on a lease.
+    fn system_event(&self, action: &str, l: &Lease) -> Event {
+        let j = &self.inner.journal;
+        let mut ev = j.event(action);
+        ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+        ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
+        ev.runtime = Some(l.runtime.clone());
+        ev.profile = Some(l.profile.clone());
+        ev.lease_ref = Some(l.lease_ref.clone());
+        ev.sandbox_ref = Some(l.sandbox_ref.clone());
+        ev.session_digest = Some(l.session_hash.clone());
+        ev
+    }
+
+    /// Kill one idle lease under an audit intent, with its jobs' records.
+    /// `Ok(false)`: it was used meanwhile (or is gone), nothing done.
+    async fn collect(&self, lease_ref: &str) -> Result<bool> {
+        let _lock = self.lock(format!("lease:{lease_ref}")).await;
+        let Some(l) = self.get_lease(lease_ref).await? else {
+            return Ok(false);
+        };
+        let ttl = self
+            .profile(&l.profile)
+            .map(|p| p.lease_idle_ttl_seconds)
+            .unwrap_or(3600);
+        if now().1 - l.last_used_unix < i64::try_from(ttl).unwrap_or(i64::MAX) {
+            return Ok(false);
+        }
+        let intent = self
+            .inner
+            .journal
+            .intent(self.system_event("gc_release", &l))
+            .await?;
+        match self.inner.cube.kill(&l.sandbox_id).await {
+            Ok(()) => {}
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(e) => {
+                let e = backend(&e);
+                self.fail(intent, &e).await?;
+                return Err(e);
+            }
+        }
+        self.inner
+            .journal
+            .outcome(intent, "ok", |_| {}, move |txn| remove_lease_state(txn, &l))
+            .await?;
+        Ok(true)
+    }
+
+    /// Kill every lease idle past its profile's `lease_idle_ttl_seconds`.
+    pub async fn gc(&self) -> Result<(u64, u64)> {
+        self.inner.journal.check()?;
+        let leases = self.inner.store.read(all_leases).await?;
+        let t = now().1;
+        let (mut collected, mut failed) = (0, 0);
+        for l in leases {
+            let ttl = self
+                .profile(&l.profile)
+                .map(|p| p.lease_idle_ttl_seconds)
+                .unwrap_or(3600);
+            if t - l.last_used_unix < i64::try_from(ttl).unwrap_or(i64::MAX) {
+                continue;
+            }
+            match self.collect(&l.lease_ref).await {
+                Ok(true) => collected += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(lease = %l.lease_ref, code = e.code, error = %e.message, "gc: could not collect an idle lease");
+                    failed += 1;
+                }
+            }
+        }
+        if collected + failed > 0 {
+            tracing::info!(collected, failed, "gc: idle leases");
+        }
+        Ok((collected, failed))
+    }
+
+    /// `POST /v1/admin/gc`: run GC now (admin role and `admin:gc`).
+    pub async fn admin_gc(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+        let ev = self.event(p, "admin_gc", ctx);
+        if !p.is_admin() {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new("admin_required", "this action needs the admin role"),
+                )
+                .await);
+        }
+        self.authorize(p, "admin:gc", &ev).await?;
+        let (collected, failed) = self.gc().await?;
+        Ok(json!({"collected": collected, "failed": failed, "request_id": ctx.request_id}))
+    }
+
+    /// Renew the sandboxes of leases with running jobs, when their profile
+    /// has `keepalive_enabled`, every third of the sandbox timeout, within
+    /// the keepalive budget. `last` remembers when each was renewed.
+    pub async fn keepalive(&self, last: &mut HashMap<String, Instant>) -> Result<usize> {
+        if self.inner.journal.check().is_err() {
+            return Ok(0);
+        }
+        let leases = self.inner.store.read(all_leases).await?;
+        let t = now().1;
+        let mut renewed = 0;
+        let live: std::collections::HashSet<String> =
+            leases.iter().map(|l| l.lease_ref.clone()).collect();
+        last.retain(|k, _| live.contains(k));
+        for l in leases {
+            let Some(prof) = self.profile(&l.profile).cloned() else {
+                continue;
+            };
+            if !prof.keepalive_enabled || l.state != "running" {
+                continue;
+            }
+            let every = Duration::from_secs((prof.sandbox_timeout_seconds / 3).max(1));
+            if last
+                .get(&l.lease_ref)
+                .is_some_and(|at| at.elapsed() < every)
+            {
+                continue;
+            }
+            let until = keepalive_until(&l, prof.max_keepalive_seconds);
+            if t >= until {
+                continue;
+            }
+            let jobs = self
+                .inner
+                .store
+                .read_now(|txn| super::jobs::lease_jobs(txn, &l.lease_ref))?;
+            if !jobs.iter().any(|j| !j.is_terminal()) {
+                continue;
+            }
+            let secs = prof
+                .sandbox_timeout_seconds
+                .min(u64::try_from(until - t).unwrap_or(0))
+                .max(1);
+            let intent = self
+                .inner
+                .journal
+                .intent(self.system_event("keepalive", &l))
+                .await?;
+            match self
+                .inner
+                .cube
+                .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
+                .await
+            {
+                Ok(()) => {
+                    self.inner
+                        .journal
+                        .outcome(intent, "ok", |_| {}, |_| Ok(()))
+                        .await?;
+                    last.insert(l.lease_ref.clone(), Instant::now());
+                    renewed += 1;
+                }
+                Err(e) => {
+                    let e = backend(&e);
+                    self.fail(intent, &e).await?;
+                }
+            }
+        }
+        Ok(renewed)
+    }
+
+    /// The background upkeep: keepalive every second or so, GC every
+    /// `gc_interval_seconds` (0: never). Stops with the token.
+    pub fn spawn_upkeep(&self, stop: tokio_util::sync::CancellationToken) {
+        let b = self.clone();
+        let gc_every = Duration::from_secs(self.inner.cfg.gc_interval_seconds);
+        tokio::spawn(async move {
+            let mut last = HashMap::new();
+            let mut last_gc = Instant::now();
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                if let Err(e) = b.keepalive(&mut last).await {
+                    tracing::warn!(code = e.code, error = %e.message, "keepalive pass failed");
+                }
+                if !gc_every.is_zero() && last_gc.elapsed() >= gc_every {
+                    last_gc = Instant::now();
+                    if let Err(e) = b.gc().await {
+                        tracing::warn!(code = e.code, error = %e.message, "gc pass failed");
+                    }
+                }
+            }
+        });
+    }
+}
