@@ -4,7 +4,7 @@
 //! re-adopted when it starts again.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -1298,38 +1298,84 @@ impl Shift {
     }
 }
 
-/// Recursive copy keeping modes, symlinks, ownership (shifted) and mtimes.
-/// Sockets, fifos and devices are skipped.
+/// Copy a directory tree, shifting owners, without ever following a
+/// symbolic link inside `src`: every directory and file is opened relative
+/// to its parent's descriptor with `O_NOFOLLOW` (and files with
+/// `O_NONBLOCK`, then checked to be regular). A sandbox that swaps a
+/// directory or file for a link (or a FIFO) while its tree is copied, with
+/// root privileges, cannot make the copy read anything outside the tree.
 pub fn copy_tree(src: &Path, dst: &Path, shift: &Shift) -> std::io::Result<()> {
-    let rd = match std::fs::read_dir(src) {
-        Ok(r) => r,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::Mode;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    match nix::fcntl::open(src, flags, Mode::empty()) {
+        Ok(fd) => copy_dir_fd(fd, dst, shift),
+        Err(nix::errno::Errno::ENOENT) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn copy_dir_fd(dir: std::os::fd::OwnedFd, dst: &Path, shift: &Shift) -> std::io::Result<()> {
+    use nix::fcntl::{AtFlags, OFlag};
+    use nix::sys::stat::{Mode, SFlag};
+    use std::os::unix::ffi::OsStrExt;
+    let names: Vec<std::ffi::CString> = {
+        let mut d = nix::dir::Dir::from_fd(dir.try_clone()?)?;
+        d.iter()
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_owned())
+            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
+            .collect()
     };
-    for e in rd {
-        let e = e?;
-        let from = e.path();
-        let to = dst.join(e.file_name());
-        let md = std::fs::symlink_metadata(&from)?;
-        let ft = md.file_type();
-        if ft.is_symlink() {
-            std::os::unix::fs::symlink(std::fs::read_link(&from)?, &to)?;
-        } else if ft.is_dir() {
+    for name in names {
+        let to = dst.join(std::ffi::OsStr::from_bytes(name.as_bytes()));
+        let st = match nix::sys::stat::fstatat(&dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+        {
+            Ok(st) => st,
+            Err(nix::errno::Errno::ENOENT) => continue, // removed meanwhile
+            Err(e) => return Err(e.into()),
+        };
+        let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+        let (uid, gid, mode) = if kind == SFlag::S_IFLNK {
+            let target = nix::fcntl::readlinkat(&dir, name.as_c_str())?;
+            std::os::unix::fs::symlink(target, &to)?;
+            (st.st_uid, st.st_gid, None)
+        } else if kind == SFlag::S_IFDIR {
+            let sub = nix::fcntl::openat(
+                &dir,
+                name.as_c_str(),
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )?;
+            let st = nix::sys::stat::fstat(&sub)?;
             std::fs::create_dir(&to)?;
-            copy_tree(&from, &to, shift)?;
-            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
-        } else if ft.is_file() {
-            std::fs::copy(&from, &to)?;
-            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
-            if let Ok(mtime) = md.modified()
-                && let Ok(f) = std::fs::File::options().write(true).open(&to)
-            {
-                let _ = f.set_modified(mtime);
+            copy_dir_fd(sub, &to, shift)?;
+            (st.st_uid, st.st_gid, Some(st.st_mode & 0o7777))
+        } else if kind == SFlag::S_IFREG {
+            let fd = nix::fcntl::openat(
+                &dir,
+                name.as_c_str(),
+                OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )?;
+            let st = nix::sys::stat::fstat(&fd)?;
+            if SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) != SFlag::S_IFREG {
+                continue; // swapped for something else meanwhile
             }
+            let mut from = std::fs::File::from(fd);
+            let mut out = std::fs::File::create_new(&to)?;
+            std::io::copy(&mut from, &mut out)?;
+            if let Ok(mtime) = from.metadata().and_then(|m| m.modified()) {
+                let _ = out.set_modified(mtime);
+            }
+            (st.st_uid, st.st_gid, Some(st.st_mode & 0o7777))
         } else {
             continue;
+        };
+        if let Some(m) = mode {
+            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(m))?;
         }
-        std::os::unix::fs::lchown(&to, Some(shift.uid(md.uid())), Some(shift.gid(md.gid())))?;
+        std::os::unix::fs::lchown(&to, Some(shift.uid(uid)), Some(shift.gid(gid)))?;
     }
     Ok(())
 }
@@ -1345,4 +1391,57 @@ pub fn clear_dir(dir: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Links are copied as links (never followed), FIFOs and sockets are
+    /// skipped, files keep their bytes and modes.
+    #[test]
+    fn copy_tree_never_follows_links() {
+        let t = tempfile::tempdir().unwrap();
+        let (src, dst) = (t.path().join("src"), t.path().join("dst"));
+        std::fs::create_dir_all(src.join("sub")).unwrap();
+        std::fs::write(src.join("sub/f"), b"data").unwrap();
+        std::fs::set_permissions(src.join("sub/f"), std::fs::Permissions::from_mode(0o640))
+            .unwrap();
+        std::os::unix::fs::symlink("/etc", src.join("etc-link")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", src.join("file-link")).unwrap();
+        nix::unistd::mkfifo(
+            &src.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        std::fs::create_dir(&dst).unwrap();
+        let me = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
+        let keep = Shift {
+            from_uid: me.0,
+            from_gid: me.1,
+            to_uid: me.0,
+            to_gid: me.1,
+            count: 1,
+        };
+        copy_tree(&src, &dst, &keep).unwrap();
+        assert_eq!(std::fs::read(dst.join("sub/f")).unwrap(), b"data");
+        let mode = std::fs::metadata(dst.join("sub/f"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o640);
+        for l in ["etc-link", "file-link"] {
+            let md = std::fs::symlink_metadata(dst.join(l)).unwrap();
+            assert!(md.file_type().is_symlink(), "{l} was followed");
+        }
+        assert!(!dst.join("fifo").exists());
+        // A source that is itself a link is not followed either.
+        let dst2 = t.path().join("dst2");
+        std::fs::create_dir(&dst2).unwrap();
+        assert!(copy_tree(&src.join("etc-link"), &dst2, &keep).is_err());
+        assert_eq!(std::fs::read_dir(&dst2).unwrap().count(), 0);
+    }
 }
