@@ -32,6 +32,18 @@ pub fn router() -> Router<AppState> {
         .route("/v1/leases/{lease_ref}/renew", post(renew))
         .route("/v1/leases/{lease_ref}/recover", get(recover))
         .route("/v1/profiles", get(profiles))
+        .route(
+            "/v1/leases/{lease_ref}/checkpoints",
+            get(checkpoints_list).post(checkpoint_create),
+        )
+        .route(
+            "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/rollback",
+            post(checkpoint_rollback),
+        )
+        .route(
+            "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/delete",
+            post(checkpoint_delete),
+        )
         .route("/v1/admin/gc", post(admin_gc))
 }
 
@@ -411,4 +423,68 @@ struct EmptyReq {
 async fn admin_gc(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<EmptyReq>) -> R {
     let c = ctx(b.request_id.as_deref())?;
     ok(st.broker.admin_gc(&p, &c).await?)
+}
+
+async fn checkpoints_list(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    ok(st.broker.list_checkpoints(&p, &c, &lease).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckpointReq {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn checkpoint_create(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<CheckpointReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let v = st
+        .broker
+        .create_checkpoint(&p, &c, &lease, b.name.as_deref())
+        .await?;
+    Ok((axum::http::StatusCode::CREATED, axum::Json(v)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RollbackReq {
+    /// Accepted and ignored, as in the reference.
+    #[serde(default)]
+    #[allow(dead_code)]
+    branch: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn checkpoint_rollback(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path((lease, ckpt)): Path<(String, String)>,
+    Strict(b): Strict<RollbackReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st.broker.rollback_checkpoint(&p, &c, &lease, &ckpt).await?)
+}
+
+async fn checkpoint_delete(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path((lease, ckpt)): Path<(String, String)>,
+    Strict(b): Strict<EmptyReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st.broker.delete_checkpoint(&p, &c, &lease, &ckpt).await?)
 }

@@ -299,6 +299,16 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/leases/{lease_ref}/recover"),
     ("GET", "/v1/profiles"),
     ("POST", "/v1/admin/gc"),
+    ("GET", "/v1/leases/{lease_ref}/checkpoints"),
+    ("POST", "/v1/leases/{lease_ref}/checkpoints"),
+    (
+        "POST",
+        "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/rollback",
+    ),
+    (
+        "POST",
+        "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/delete",
+    ),
     ("POST", "/v1/leases/{lease_ref}/jobs"),
     ("GET", "/v1/jobs/{job_ref}/status"),
     ("POST", "/v1/jobs/{job_ref}/status"),

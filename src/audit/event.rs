@@ -61,6 +61,8 @@ pub struct Event {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_ref: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_code: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note_digest: Option<String>,

@@ -575,7 +575,10 @@ impl Broker {
             ("expires_in_seconds", json!(expires)),
             ("volume_attached", json!(false)),
             ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
-            ("checkpoints", json!([])),
+            (
+                "checkpoints",
+                json!(self.checkpoints_summary(&l.lease_ref)?),
+            ),
             ("recoverable", json!(true)),
         ] {
             m.insert(k.into(), v);
@@ -1002,6 +1005,28 @@ impl Broker {
                 Err(e) if e.kind == ErrorKind::NotFound => Ok(()), // already gone
                 Err(e) => Err(backend(&e)),
             }
+        };
+        // Killed: its checkpoints go too. If one cannot be deleted, the lease
+        // stays (as `released`) so that the release can be retried.
+        let r = match r {
+            Ok(()) if action == "kill" => match self.delete_lease_snapshots(&l.lease_ref).await {
+                Err(e) => {
+                    let mut l2 = l.clone();
+                    l2.state = "released".into();
+                    self.inner
+                        .journal
+                        .outcome(
+                            intent,
+                            "error",
+                            |ev| ev.error_code = Some(e.code.to_string()),
+                            move |txn| put_lease(txn, &l2),
+                        )
+                        .await?;
+                    return Err(e);
+                }
+                Ok(()) => Ok(()),
+            },
+            other => other,
         };
         if let Err(e) = r {
             self.fail(intent, &e).await?;

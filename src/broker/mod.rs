@@ -3,6 +3,7 @@
 //! committed audit intent and followed by its outcome, which is written in
 //! the same transaction as the state change it causes.
 
+pub mod checkpoints;
 pub mod error;
 pub mod jobs;
 pub mod leases;

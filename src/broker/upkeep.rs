@@ -25,7 +25,8 @@ pub(crate) fn remove_lease_state(
         .remove(l.lease_ref.as_str())?;
     let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
     txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
-    super::jobs::delete_lease_jobs(txn, &l.lease_ref)
+    super::jobs::delete_lease_jobs(txn, &l.lease_ref)?;
+    super::checkpoints::delete_lease_checkpoints(txn, &l.lease_ref)
 }
 
 fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, StoreError> {
@@ -204,14 +205,19 @@ impl Broker {
             .journal
             .intent(self.system_event("gc_release", &l))
             .await?;
-        match self.inner.cube.kill(&l.sandbox_id).await {
-            Ok(()) => {}
-            Err(e) if e.kind == ErrorKind::NotFound => {}
-            Err(e) => {
-                let e = backend(&e);
-                self.fail(intent, &e).await?;
-                return Err(e);
-            }
+        let killed = match self.inner.cube.kill(&l.sandbox_id).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind == ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(backend(&e)),
+        };
+        // Its checkpoints go with it (the reference's GC leaked them).
+        let cleaned = match killed {
+            Ok(()) => self.delete_lease_snapshots(&l.lease_ref).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = cleaned {
+            self.fail(intent, &e).await?;
+            return Err(e);
         }
         self.inner
             .journal

@@ -346,6 +346,8 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
     // Versions 1 and 2 only create tables: opening them is the whole step.
     txn.open_table(tables::JOBS)?;
     txn.open_table(tables::LEASE_JOBS)?;
+    txn.open_table(tables::CHECKPOINTS)?;
+    txn.open_table(tables::LEASE_CHECKPOINTS)?;
     txn.open_table(tables::TOKENS)?;
     txn.open_table(tables::LEASES)?;
     txn.open_table(tables::SESSIONS)?;

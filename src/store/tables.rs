@@ -22,3 +22,8 @@ pub const PENDING: TableDefinition<&str, u64> = TableDefinition::new("pending_v1
 pub const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs_v1");
 /// `lease_ref \0 job_ref` → () : a lease's jobs, by prefix (schema 2).
 pub const LEASE_JOBS: TableDefinition<&str, ()> = TableDefinition::new("lease_jobs_v1");
+/// checkpoint_ref → checkpoint record (schema 2).
+pub const CHECKPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("checkpoints_v1");
+/// `lease_ref \0 checkpoint_ref` → () : a lease's checkpoints (schema 2).
+pub const LEASE_CHECKPOINTS: TableDefinition<&str, ()> =
+    TableDefinition::new("lease_checkpoints_v1");

@@ -210,3 +210,150 @@ async fn renewal_is_capped_profiles_listed_and_idle_leases_collected() {
     assert_eq!(v["reused"], false);
     s.stop().await;
 }
+
+fn snapshots(s: &Server) -> usize {
+    std::fs::read_dir(s.state.join("embedded/snapshots"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Checkpoints: gated by the profile, rolled back, deleted; and deleted
+/// with their lease by release-kill and by GC (the reference leaked them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_roll_back_and_go_with_their_lease() {
+    let s = Server::start_with(|c| {
+        c.gc_interval_seconds = 0;
+        let p = c.profiles.get_mut("checkpoint-code").unwrap();
+        p.checkpoints_enabled = true;
+        p.lease_idle_ttl_seconds = 2;
+    })
+    .await;
+    let lease = acquire(&s, "ckpt", "checkpoint-code").await;
+    let write = |content: &'static str| {
+        let lease = lease.clone();
+        let s = &s;
+        async move {
+            let (st, v) = s
+                .post(
+                    &s.admin,
+                    &format!("/v1/leases/{lease}/write"),
+                    json!({"path": "/workspace/f.txt", "content": content}),
+                )
+                .await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+        }
+    };
+    write("one").await;
+    let (st, c1) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/checkpoints"),
+            json!({"name": "before two"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{c1}");
+    assert_eq!(c1["name"], "before two");
+    let c1 = c1["checkpoint_ref"].as_str().unwrap().to_string();
+    assert!(c1.starts_with("ckpt_"));
+    write("two").await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/checkpoints/{c1}/rollback"),
+            json!({"branch": "ignored"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (_, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/read"),
+            json!({"path": "/workspace/f.txt"}),
+        )
+        .await;
+    assert_eq!(v["content"], "one", "{v}");
+
+    // A second one, deleted; a foreign or malformed ref is not found.
+    let (_, c2) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/checkpoints"),
+            json!({}),
+        )
+        .await;
+    let c2 = c2["checkpoint_ref"].as_str().unwrap().to_string();
+    assert_eq!(snapshots(&s), 2);
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/checkpoints/{c2}/delete"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["deleted"], true);
+    assert_eq!(snapshots(&s), 1);
+    for bad in [c2.as_str(), "ckpt_zz", "ckpt_00000000000000000000"] {
+        let (st, v) = s
+            .post(
+                &s.admin,
+                &format!("/v1/leases/{lease}/checkpoints/{bad}/rollback"),
+                json!({}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
+        assert_eq!(v["error"]["code"], "checkpoint_not_found");
+    }
+    let (_, list) = s
+        .get(&s.admin, &format!("/v1/leases/{lease}/checkpoints"))
+        .await;
+    assert_eq!(list["checkpoints"].as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list["checkpoints"][0]["checkpoint_ref"], c1.as_str());
+    let (_, st_) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st_["checkpoints"][0]["checkpoint_ref"], c1.as_str());
+
+    // The profile gate.
+    let plain = acquire(&s, "plain", "offline-code").await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{plain}/checkpoints"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(v["error"]["code"], "checkpoint_denied");
+
+    // Release-kill deletes a lease's checkpoints.
+    let other = acquire(&s, "ckpt-kill", "checkpoint-code").await;
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{other}/checkpoints"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED);
+    assert_eq!(snapshots(&s), 2);
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{other}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(snapshots(&s), 1);
+
+    // GC of the idle lease takes its checkpoint with it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["collected"], 1, "{v}");
+    assert_eq!(snapshots(&s), 0, "GC left a snapshot behind");
+    let (st, _) = s
+        .get(&s.admin, &format!("/v1/leases/{lease}/checkpoints"))
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    s.stop().await;
+}

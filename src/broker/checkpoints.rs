@@ -1,0 +1,332 @@
+//! Checkpoints (reference rows 30, 31 and 33): snapshots of a lease's
+//! sandbox, rolled back to, deleted, and cleaned up with the lease (by
+//! release-kill and by GC, where the reference leaked them).
+
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::leases::{Done, Lease, new_ref, valid_ref};
+use super::{Broker, Ctx, Error, Result, error::backend};
+use crate::auth::Principal;
+use crate::clock::now;
+use crate::cube::ErrorKind;
+use crate::store::{StoreError, codec, get_json, tables};
+
+/// Longest checkpoint name (bytes).
+pub const MAX_NAME: usize = 128;
+
+/// A checkpoint as stored. The backend's snapshot id never leaves.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub checkpoint_ref: String,
+    pub lease_ref: String,
+    pub tenant: String,
+    pub snapshot_id: String,
+    pub name: String,
+    pub created_at: String,
+}
+
+impl Checkpoint {
+    fn summary(&self) -> Value {
+        json!({"checkpoint_ref": self.checkpoint_ref, "name": self.name, "created_at": self.created_at})
+    }
+}
+
+fn index_key(lease_ref: &str, ckpt: &str) -> String {
+    format!("{lease_ref}\0{ckpt}")
+}
+
+fn put(txn: &WriteTransaction, c: &Checkpoint) -> std::result::Result<(), StoreError> {
+    let b = codec::encode(c)?;
+    txn.open_table(tables::CHECKPOINTS)?
+        .insert(c.checkpoint_ref.as_str(), b.as_slice())?;
+    txn.open_table(tables::LEASE_CHECKPOINTS)?
+        .insert(index_key(&c.lease_ref, &c.checkpoint_ref).as_str(), ())?;
+    Ok(())
+}
+
+fn remove(txn: &WriteTransaction, c: &Checkpoint) -> std::result::Result<(), StoreError> {
+    txn.open_table(tables::CHECKPOINTS)?
+        .remove(c.checkpoint_ref.as_str())?;
+    txn.open_table(tables::LEASE_CHECKPOINTS)?
+        .remove(index_key(&c.lease_ref, &c.checkpoint_ref).as_str())?;
+    Ok(())
+}
+
+/// A lease's checkpoints, oldest first.
+pub(crate) fn lease_checkpoints(
+    txn: &redb::ReadTransaction,
+    lease_ref: &str,
+) -> std::result::Result<Vec<Checkpoint>, StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let idx = txn.open_table(tables::LEASE_CHECKPOINTS)?;
+    let all = txn.open_table(tables::CHECKPOINTS)?;
+    let mut out = vec![];
+    for r in idx.range(from.as_str()..to.as_str())? {
+        let k = r?.0.value().to_string();
+        if let Some((_, c)) = k.split_once('\0')
+            && let Some(c) = get_json::<Checkpoint>(&all, c)?
+        {
+            out.push(c);
+        }
+    }
+    out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    Ok(out)
+}
+
+/// Remove a lease's checkpoint records (their snapshots are deleted first).
+pub(crate) fn delete_lease_checkpoints(
+    txn: &WriteTransaction,
+    lease_ref: &str,
+) -> std::result::Result<(), StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let keys: Vec<String> = {
+        let t = txn.open_table(tables::LEASE_CHECKPOINTS)?;
+        let mut keys = vec![];
+        for r in t.range(from.as_str()..to.as_str())? {
+            keys.push(r?.0.value().to_string());
+        }
+        keys
+    };
+    let mut idx = txn.open_table(tables::LEASE_CHECKPOINTS)?;
+    let mut all = txn.open_table(tables::CHECKPOINTS)?;
+    for k in keys {
+        idx.remove(k.as_str())?;
+        if let Some((_, c)) = k.split_once('\0') {
+            all.remove(c)?;
+        }
+    }
+    Ok(())
+}
+
+impl Broker {
+    /// The profile gate for checkpoints (403 `checkpoint_denied`).
+    async fn checkpoint_gate(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        l: &Lease,
+        action: &str,
+    ) -> Result<()> {
+        if self
+            .profile(&l.profile)
+            .is_some_and(|pr| pr.checkpoints_enabled)
+        {
+            return Ok(());
+        }
+        Err(self
+            .reject(
+                self.lease_event(p, action, ctx, l),
+                Error::new(
+                    "checkpoint_denied",
+                    format!("checkpoints are not enabled for profile {}", l.profile),
+                ),
+            )
+            .await)
+    }
+
+    fn owned_checkpoint(&self, l: &Lease, checkpoint_ref: &str) -> Result<Checkpoint> {
+        let missing = || Error::new("checkpoint_not_found", "no such checkpoint");
+        if !valid_ref(checkpoint_ref, "ckpt") {
+            return Err(missing());
+        }
+        let c: Option<Checkpoint> = self.inner.store.read_now(|txn| {
+            let t = txn.open_table(tables::CHECKPOINTS)?;
+            get_json(&t, checkpoint_ref)
+        })?;
+        c.filter(|c| c.lease_ref == l.lease_ref).ok_or_else(missing)
+    }
+
+    /// `GET /v1/leases/{ref}/checkpoints`.
+    pub async fn list_checkpoints(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+    ) -> Result<Value> {
+        let ev = self.event(p, "checkpoint_list", ctx);
+        self.authorize(p, "checkpoint:list", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let mut m = self.base(&l, ctx);
+        m.insert(
+            "checkpoints".into(),
+            json!(self.checkpoints_summary(&l.lease_ref)?),
+        );
+        Ok(Value::Object(m))
+    }
+
+    pub(crate) fn checkpoints_summary(&self, lease_ref: &str) -> Result<Vec<Value>> {
+        let cs = self
+            .inner
+            .store
+            .read_now(|txn| lease_checkpoints(txn, lease_ref))?;
+        Ok(cs.iter().map(Checkpoint::summary).collect())
+    }
+
+    /// `POST /v1/leases/{ref}/checkpoints` (201).
+    pub async fn create_checkpoint(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        name: Option<&str>,
+    ) -> Result<Value> {
+        if let Some(n) = name
+            && (n.is_empty() || n.len() > MAX_NAME)
+        {
+            return Err(Error::new(
+                "invalid_request",
+                format!("name must be 1..={MAX_NAME} bytes"),
+            ));
+        }
+        let ev = self.event(p, "checkpoint_create", ctx);
+        self.authorize(p, "checkpoint:create", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
+            .await?;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let ckpt_ref = new_ref("ckpt");
+        let name = name.map(str::to_string).unwrap_or_else(|| ckpt_ref.clone());
+        let tenant = p.tenant.clone();
+        let cr = ckpt_ref.clone();
+        let (l, c) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "checkpoint_create",
+                |e| e.checkpoint_ref = Some(cr),
+                Some(lock),
+                move |b: Broker, l: Lease, _| async move {
+                    let snap = b
+                        .inner
+                        .cube
+                        .create_snapshot(&l.sandbox_id, None)
+                        .await
+                        .map_err(|e| backend(&e))?;
+                    let c = Checkpoint {
+                        checkpoint_ref: ckpt_ref,
+                        lease_ref: l.lease_ref.clone(),
+                        tenant,
+                        snapshot_id: snap.snapshot_id,
+                        name,
+                        created_at: now().0,
+                    };
+                    let c2 = c.clone();
+                    Ok(Done::new(c).persist(move |txn| put(txn, &c2)))
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("checkpoint_ref".into(), json!(c.checkpoint_ref));
+        m.insert("name".into(), json!(c.name));
+        m.insert("created_at".into(), json!(c.created_at));
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/rollback`.
+    pub async fn rollback_checkpoint(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        checkpoint_ref: &str,
+    ) -> Result<Value> {
+        let ev = self.event(p, "checkpoint_rollback", ctx);
+        self.authorize(p, "checkpoint:rollback", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        self.checkpoint_gate(p, ctx, &l, "checkpoint_rollback")
+            .await?;
+        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let (l, ()) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "checkpoint_rollback",
+                |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
+                Some(lock),
+                move |b: Broker, l: Lease, _| async move {
+                    b.inner
+                        .cube
+                        .rollback(&l.sandbox_id, &c.snapshot_id)
+                        .await
+                        .map_err(|e| match e.kind {
+                            ErrorKind::NotFound => Error::new(
+                                "checkpoint_not_found",
+                                "the checkpoint's snapshot is gone",
+                            ),
+                            _ => backend(&e),
+                        })?;
+                    Ok(Done::new(()))
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
+        m.insert("state".into(), json!("running"));
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/delete`.
+    pub async fn delete_checkpoint(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        checkpoint_ref: &str,
+    ) -> Result<Value> {
+        let ev = self.event(p, "checkpoint_delete", ctx);
+        self.authorize(p, "checkpoint:delete", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let (l, ()) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "checkpoint_delete",
+                |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
+                Some(lock),
+                move |b: Broker, _l: Lease, _| async move {
+                    match b.inner.cube.delete_snapshot(&c.snapshot_id).await {
+                        Ok(()) => {}
+                        Err(e) if e.kind == ErrorKind::NotFound => {}
+                        Err(e) => return Err(backend(&e)),
+                    }
+                    Ok(Done::new(()).persist(move |txn| remove(txn, &c)))
+                },
+            )
+            .await?;
+        let mut m = self.base(&l, ctx);
+        m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
+        m.insert("deleted".into(), json!(true));
+        Ok(Value::Object(m))
+    }
+
+    /// Delete every snapshot of a lease at the backend (before the lease's
+    /// records go). An error leaves the records, so the caller can retry.
+    pub(crate) async fn delete_lease_snapshots(&self, lease_ref: &str) -> Result<()> {
+        let cs = self
+            .inner
+            .store
+            .read_now(|txn| lease_checkpoints(txn, lease_ref))?;
+        for c in cs {
+            match self.inner.cube.delete_snapshot(&c.snapshot_id).await {
+                Ok(()) => {}
+                Err(e) if e.kind == ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(lease = %lease_ref, checkpoint = %c.checkpoint_ref, error = %e, "could not delete a checkpoint's snapshot");
+                    return Err(Error::new(
+                        "checkpoint_cleanup_failed",
+                        "the sandbox is gone but a checkpoint could not be deleted; retry the release",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
