@@ -105,6 +105,15 @@ pub async fn serve(
     let key = random_key(&state.join("hmac.key"))?;
     let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let lost = crate::broker::ptys::mark_lost(&store)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if lost > 0 {
+        tracing::warn!(
+            count = lost,
+            "PTYs of the previous run are lost (their terminals ended with it)"
+        );
+    }
 
     // TLS: the appliance's own CA, keys sealed under the store key.
     let ca = LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;

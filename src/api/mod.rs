@@ -7,6 +7,7 @@
 
 pub mod jobs;
 pub mod leases;
+pub mod ptys;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -316,6 +317,12 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/jobs/{job_ref}/cancel"),
     ("GET", "/v1/jobs/{job_ref}/events"),
     ("GET", "/v1/jobs/{job_ref}/recover"),
+    ("POST", "/v1/leases/{lease_ref}/ptys"),
+    ("GET", "/v1/ptys/{pty_ref}/status"),
+    ("POST", "/v1/ptys/{pty_ref}/input"),
+    ("POST", "/v1/ptys/{pty_ref}/resize"),
+    ("POST", "/v1/ptys/{pty_ref}/kill"),
+    ("GET", "/v1/ptys/{pty_ref}/events"),
 ];
 
 pub fn router(st: AppState) -> Router {
@@ -326,6 +333,7 @@ pub fn router(st: AppState) -> Router {
         .route("/openapi.yaml", get(openapi))
         .merge(leases::router())
         .merge(jobs::router())
+        .merge(ptys::router())
         .fallback(|| async { err("not_found", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         // Innermost: a panic in a handler becomes a logged 500 envelope.

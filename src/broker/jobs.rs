@@ -352,6 +352,41 @@ impl Broker {
         Ok((job, lease))
     }
 
+    /// How many of a lease's jobs are running; those that have ended since
+    /// they were last looked at are brought up to date first.
+    pub(crate) async fn running_jobs(&self, addr: &SandboxAddr, lease_ref: &str) -> Result<u32> {
+        let jobs = self
+            .inner
+            .store
+            .read_now(|txn| lease_jobs(txn, lease_ref))?;
+        let mut running = 0u32;
+        let mut updated = vec![];
+        for mut j in jobs.into_iter().filter(|j| !j.is_terminal()) {
+            let pr = probe(self, addr, &j, (0, 0), (0, 0)).await?;
+            let (state, rc) = pr.state(&j);
+            if state == "running" {
+                running += 1;
+            } else {
+                j.state = state;
+                j.exit_code = rc;
+                j.updated_at = now().0;
+                updated.push(j);
+            }
+        }
+        if !updated.is_empty() {
+            self.inner
+                .store
+                .write(move |txn, _| {
+                    for j in &updated {
+                        put_job(txn, j)?;
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
+        Ok(running)
+    }
+
     /// `POST /v1/leases/{ref}/jobs`: start a job (202).
     pub async fn start_job(
         &self,
@@ -399,32 +434,9 @@ impl Broker {
                 },
                 Some(lock),
                 move |b: Broker, l: Lease, addr| async move {
-                    // Running jobs count against the quota; those that
-                    // have ended since their last look are brought up to date.
-                    let jobs = b
-                        .inner
-                        .store
-                        .read_now(|txn| lease_jobs(txn, &l.lease_ref))?;
-                    let mut running = 0u32;
-                    let mut updated = vec![];
-                    for mut j in jobs.into_iter().filter(|j| !j.is_terminal()) {
-                        let pr = probe(&b, &addr, &j, (0, 0), (0, 0)).await?;
-                        let (state, rc) = pr.state(&j);
-                        if state == "running" {
-                            running += 1;
-                        } else {
-                            j.state = state;
-                            j.exit_code = rc;
-                            j.updated_at = now().0;
-                            updated.push(j);
-                        }
-                    }
-                    let save = move |txn: &WriteTransaction| {
-                        for j in &updated {
-                            put_job(txn, j)?;
-                        }
-                        Ok::<(), StoreError>(())
-                    };
+                    // Running jobs and PTYs count against the quota.
+                    let running =
+                        b.running_jobs(&addr, &l.lease_ref).await? + b.running_ptys(&l.lease_ref)?;
                     if running >= prof.max_jobs_per_lease {
                         return Err(Error::new(
                             "job_quota_exceeded",
@@ -482,10 +494,7 @@ impl Broker {
                         max_seconds: prof.max_command_seconds,
                     };
                     let j2 = job.clone();
-                    Ok(Done::new(job).persist(move |txn| {
-                        save(txn)?;
-                        put_job(txn, &j2)
-                    }))
+                    Ok(Done::new(job).persist(move |txn| put_job(txn, &j2)))
                 },
             )
             .await?;

@@ -8,6 +8,7 @@ pub mod error;
 pub mod jobs;
 pub mod leases;
 pub mod paths;
+pub mod ptys;
 pub mod upkeep;
 
 use std::collections::HashMap;
@@ -41,6 +42,8 @@ pub(crate) struct Inner {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Effects in flight (drained at shutdown).
     pub tracker: tokio_util::task::TaskTracker,
+    /// The output of the PTYs this process runs.
+    pub ptys: ptys::Hubs,
 }
 
 /// Per-request context from the transport.
@@ -66,6 +69,7 @@ impl Broker {
                 key,
                 locks: Mutex::default(),
                 tracker: tokio_util::task::TaskTracker::new(),
+                ptys: ptys::Hubs::default(),
             }),
         }
     }

@@ -26,7 +26,8 @@ pub(crate) fn remove_lease_state(
     let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
     txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
     super::jobs::delete_lease_jobs(txn, &l.lease_ref)?;
-    super::checkpoints::delete_lease_checkpoints(txn, &l.lease_ref)
+    super::checkpoints::delete_lease_checkpoints(txn, &l.lease_ref)?;
+    super::ptys::delete_lease_ptys(txn, &l.lease_ref)
 }
 
 fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, StoreError> {

@@ -348,6 +348,8 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
     txn.open_table(tables::LEASE_JOBS)?;
     txn.open_table(tables::CHECKPOINTS)?;
     txn.open_table(tables::LEASE_CHECKPOINTS)?;
+    txn.open_table(tables::PTYS)?;
+    txn.open_table(tables::LEASE_PTYS)?;
     txn.open_table(tables::TOKENS)?;
     txn.open_table(tables::LEASES)?;
     txn.open_table(tables::SESSIONS)?;

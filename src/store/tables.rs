@@ -27,3 +27,7 @@ pub const CHECKPOINTS: TableDefinition<&str, &[u8]> = TableDefinition::new("chec
 /// `lease_ref \0 checkpoint_ref` → () : a lease's checkpoints (schema 2).
 pub const LEASE_CHECKPOINTS: TableDefinition<&str, ()> =
     TableDefinition::new("lease_checkpoints_v1");
+/// pty_ref → PTY record (schema 2).
+pub const PTYS: TableDefinition<&str, &[u8]> = TableDefinition::new("ptys_v1");
+/// `lease_ref \0 pty_ref` → () : a lease's PTYs (schema 2).
+pub const LEASE_PTYS: TableDefinition<&str, ()> = TableDefinition::new("lease_ptys_v1");

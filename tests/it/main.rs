@@ -14,5 +14,6 @@ mod appliance;
 mod common;
 mod embedded;
 mod jobs;
+mod ptys;
 mod sdk;
 mod upkeep;

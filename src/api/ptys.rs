@@ -1,0 +1,286 @@
+//! PTYs: reference rows 24–29, with viewers that resume by offset.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{ApiError, AppState, Auth, Strict, ctx, err};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/v1/leases/{lease_ref}/ptys", post(create))
+        .route("/v1/ptys/{pty_ref}/status", get(status))
+        .route("/v1/ptys/{pty_ref}/input", post(input))
+        .route("/v1/ptys/{pty_ref}/resize", post(resize))
+        .route("/v1/ptys/{pty_ref}/kill", post(kill))
+        .route("/v1/ptys/{pty_ref}/events", get(events))
+}
+
+type R = Result<Response, ApiError>;
+
+fn header_request_id(h: &HeaderMap) -> Option<String> {
+    h.get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
+/// A size in 1..=1000, or 400 `invalid_pty_size`.
+fn size(v: Option<&Value>, default: u32) -> Result<u32, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=1000).contains(n))
+            .map(|n| n as u32)
+            .ok_or_else(|| {
+                err(
+                    "invalid_pty_size",
+                    "rows and cols must be integers in 1..=1000",
+                )
+            }),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateReq {
+    #[serde(default)]
+    rows: Option<Value>,
+    #[serde(default)]
+    cols: Option<Value>,
+    #[serde(default)]
+    cwd: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn create(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<CreateReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let (rows, cols) = (size(b.rows.as_ref(), 24)?, size(b.cols.as_ref(), 80)?);
+    let v = st
+        .broker
+        .create_pty(&p, &c, &lease, rows, cols, b.cwd.as_deref())
+        .await?;
+    Ok((axum::http::StatusCode::CREATED, axum::Json(v)).into_response())
+}
+
+async fn status(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = ctx(header_request_id(&h).as_deref())?;
+    Ok(axum::Json(st.broker.pty_status(&p, &c, &pty).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InputReq {
+    /// Text (the reference's field).
+    #[serde(default)]
+    data: Option<String>,
+    /// Or bytes, base64.
+    #[serde(default)]
+    data_base64: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn input(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty): Path<String>,
+    Strict(b): Strict<InputReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let data = match (b.data, b.data_base64) {
+        (Some(d), None) => d.into_bytes(),
+        (None, Some(d)) => B64
+            .decode(d.as_bytes())
+            .map_err(|_| err("invalid_base64", "data_base64 is not valid base64"))?,
+        _ => {
+            return Err(err(
+                "invalid_request",
+                "send exactly one of data and data_base64",
+            ));
+        }
+    };
+    Ok(axum::Json(st.broker.pty_input(&p, &c, &pty, data).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResizeReq {
+    rows: Value,
+    cols: Value,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn resize(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty): Path<String>,
+    Strict(b): Strict<ResizeReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let (rows, cols) = (size(Some(&b.rows), 24)?, size(Some(&b.cols), 80)?);
+    Ok(axum::Json(st.broker.pty_resize(&p, &c, &pty, rows, cols).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EmptyReq {
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn kill(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty): Path<String>,
+    Strict(b): Strict<EmptyReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    Ok(axum::Json(st.broker.pty_kill(&p, &c, &pty).await?).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    #[serde(default)]
+    timeout: Option<u64>,
+    #[serde(default)]
+    offset: Option<u64>,
+}
+
+/// Largest chunk in one `output` event.
+const EVENT_CHUNK: usize = 64 * 1024;
+
+fn status_event(pty: &crate::broker::ptys::Pty, sandbox_ref: &str) -> Event {
+    let v = json!({
+        "executor": crate::broker::EXECUTOR, "sandbox_ref": sandbox_ref,
+        "lease_ref": pty.lease_ref, "pty_ref": pty.pty_ref, "state": pty.state,
+        "exit_code": pty.exit_code, "rows": pty.rows, "cols": pty.cols,
+        "created_at": pty.created_at, "updated_at": pty.updated_at,
+    });
+    Event::default().event("status").data(v.to_string())
+}
+
+/// `GET /v1/ptys/{ref}/events`: `status`, then `output` events
+/// (`content_base64`, `encoding: base64`, `offset`, `next_offset`; the SSE
+/// id is the next offset, so `Last-Event-ID` or `?offset=` resumes), a
+/// `gap` event if the viewer's offset is older than what is retained, and a
+/// final `status` once the PTY has ended and its output is drained (or
+/// `timeout`). Any number of viewers may watch one PTY.
+async fn events(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty_ref): Path<String>,
+    q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    h: HeaderMap,
+) -> R {
+    let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
+    let c = ctx(header_request_id(&h).as_deref())?;
+    let mut cur = match q.offset {
+        Some(o) => o,
+        None => match h.get("last-event-id").and_then(|v| v.to_str().ok()) {
+            Some(id) => id
+                .parse()
+                .map_err(|_| err("invalid_offset", "Last-Event-ID must be an offset"))?,
+            None => 0,
+        },
+    };
+    let secs = q.timeout.unwrap_or(300).clamp(1, 3600);
+    let (pty, sandbox_ref, hub) = st.broker.open_pty_events(&p, &c, &pty_ref).await?;
+    let broker = st.broker.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+    tokio::spawn(async move {
+        if tx.send(status_event(&pty, &sandbox_ref)).await.is_err() {
+            return;
+        }
+        let Some(hub) = hub else {
+            return; // not running in this process (ended long ago, or lost)
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+        let mut tick = hub.tick.subscribe();
+        loop {
+            let chunk = hub.read(cur, EVENT_CHUNK);
+            if let Some((from, to)) = chunk.missed {
+                let ev = Event::default()
+                    .event("gap")
+                    .data(json!({"from": from, "to": to}).to_string());
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+            if !chunk.bytes.is_empty() {
+                let next = chunk.from + chunk.bytes.len() as u64;
+                let ev = Event::default().event("output").id(next.to_string()).data(
+                    json!({
+                        "content_base64": B64.encode(&chunk.bytes),
+                        "encoding": "base64",
+                        "offset": chunk.from,
+                        "next_offset": next,
+                    })
+                    .to_string(),
+                );
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+                cur = next;
+                continue;
+            }
+            cur = chunk.from;
+            if chunk.ended {
+                // The pump records the end right after the stream closes.
+                for _ in 0..20 {
+                    match broker.pty_now(&pty_ref) {
+                        Ok(Some(p)) if p.is_running() => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        Ok(Some(p)) => {
+                            let _ = tx.send(status_event(&p, &sandbox_ref)).await;
+                            return;
+                        }
+                        _ => return,
+                    }
+                }
+                return;
+            }
+            tokio::select! {
+                r = tick.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep_until(deadline) => {
+                    let ev = Event::default()
+                        .event("timeout")
+                        .data(json!({"pty_ref": pty_ref}).to_string());
+                    let _ = tx.send(ev).await;
+                    return;
+                }
+                _ = tx.closed() => return,
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}

@@ -1,0 +1,607 @@
+//! Interactive terminals (reference rows 24–29).
+//!
+//! The appliance holds each PTY's output stream and keeps the last
+//! `RETAIN` bytes in memory with absolute offsets, so any number of viewers
+//! can watch one PTY and a viewer that reconnects resumes from its cursor
+//! without loss (within what is retained; an older cursor is told exactly
+//! which bytes it missed). The terminal belongs to this process: after an
+//! appliance restart a PTY that was running is `lost` (nothing re-runs).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use redb::{ReadableTable, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::leases::{Done, Lease, new_ref, valid_ref};
+use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use crate::auth::Principal;
+use crate::clock::now;
+use crate::cube::envd::decode_data;
+use crate::cube::wire::{ProcessEvent, PtySize};
+use crate::cube::{ErrorKind, StartOptions};
+use crate::store::{StoreError, codec, get_json, tables};
+
+/// Output kept per PTY for viewers that connect or reconnect later.
+pub const RETAIN: usize = 1024 * 1024;
+/// Largest input in one call (reference: 256 KiB).
+pub const MAX_INPUT: usize = 256 * 1024;
+
+/// A PTY as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pty {
+    pub pty_ref: String,
+    pub lease_ref: String,
+    pub tenant: String,
+    pub pid: u32,
+    /// `running`, `exited`, `cancelled` or `lost`.
+    pub state: String,
+    pub exit_code: Option<i32>,
+    pub rows: u32,
+    pub cols: u32,
+    pub created_at: String,
+    pub updated_at: String,
+}
+
+impl Pty {
+    pub fn is_running(&self) -> bool {
+        self.state == "running"
+    }
+
+    fn fields(&self, sandbox_ref: &str, ctx: &Ctx) -> serde_json::Map<String, Value> {
+        let mut m = serde_json::Map::new();
+        for (k, v) in [
+            ("executor", json!(EXECUTOR)),
+            ("sandbox_ref", json!(sandbox_ref)),
+            ("lease_ref", json!(self.lease_ref)),
+            ("pty_ref", json!(self.pty_ref)),
+            ("state", json!(self.state)),
+            ("exit_code", json!(self.exit_code)),
+            ("rows", json!(self.rows)),
+            ("cols", json!(self.cols)),
+            ("created_at", json!(self.created_at)),
+            ("updated_at", json!(self.updated_at)),
+            ("request_id", json!(ctx.request_id)),
+        ] {
+            m.insert(k.into(), v);
+        }
+        m
+    }
+}
+
+pub(crate) fn put_pty(txn: &WriteTransaction, p: &Pty) -> std::result::Result<(), StoreError> {
+    let b = codec::encode(p)?;
+    txn.open_table(tables::PTYS)?
+        .insert(p.pty_ref.as_str(), b.as_slice())?;
+    txn.open_table(tables::LEASE_PTYS)?
+        .insert(format!("{}\0{}", p.lease_ref, p.pty_ref).as_str(), ())?;
+    Ok(())
+}
+
+/// A lease's PTYs.
+pub(crate) fn lease_ptys(
+    txn: &redb::ReadTransaction,
+    lease_ref: &str,
+) -> std::result::Result<Vec<Pty>, StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let idx = txn.open_table(tables::LEASE_PTYS)?;
+    let all = txn.open_table(tables::PTYS)?;
+    let mut out = vec![];
+    for r in idx.range(from.as_str()..to.as_str())? {
+        let k = r?.0.value().to_string();
+        if let Some((_, p)) = k.split_once('\0')
+            && let Some(p) = get_json::<Pty>(&all, p)?
+        {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+/// Remove a lease's PTY records.
+pub(crate) fn delete_lease_ptys(
+    txn: &WriteTransaction,
+    lease_ref: &str,
+) -> std::result::Result<(), StoreError> {
+    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
+    let keys: Vec<String> = {
+        let t = txn.open_table(tables::LEASE_PTYS)?;
+        let mut keys = vec![];
+        for r in t.range(from.as_str()..to.as_str())? {
+            keys.push(r?.0.value().to_string());
+        }
+        keys
+    };
+    let mut idx = txn.open_table(tables::LEASE_PTYS)?;
+    let mut all = txn.open_table(tables::PTYS)?;
+    for k in keys {
+        idx.remove(k.as_str())?;
+        if let Some((_, p)) = k.split_once('\0') {
+            all.remove(p)?;
+        }
+    }
+    Ok(())
+}
+
+/// Mark every PTY recorded as running `lost` (at start: their terminals
+/// belonged to the previous process). Returns how many.
+pub async fn mark_lost(store: &crate::store::Store) -> std::result::Result<usize, StoreError> {
+    let running: Vec<Pty> = store.read_now(|txn| {
+        let t = txn.open_table(tables::PTYS)?;
+        let mut out = vec![];
+        for r in t.iter()? {
+            let (_, v) = r?;
+            let p: Pty = codec::decode(v.value())?;
+            if p.is_running() {
+                out.push(p);
+            }
+        }
+        Ok(out)
+    })?;
+    let n = running.len();
+    if n > 0 {
+        let ts = now().0;
+        store
+            .write(move |txn, _| {
+                for mut p in running {
+                    p.state = "lost".into();
+                    p.updated_at = ts.clone();
+                    put_pty(txn, &p)?;
+                }
+                Ok(())
+            })
+            .await?;
+    }
+    Ok(n)
+}
+
+/// The output of one PTY, shared by its reader task and its viewers.
+pub struct Hub {
+    inner: Mutex<Buf>,
+    /// The total bytes produced so far (and the end), for waiting viewers.
+    pub tick: tokio::sync::watch::Sender<u64>,
+}
+
+struct Buf {
+    /// Absolute offset of `data[0]`.
+    start: u64,
+    data: VecDeque<u8>,
+    ended: bool,
+}
+
+/// What a viewer gets from `Hub::read`.
+pub struct Chunk {
+    /// Bytes before `from` that were no longer retained (`(from, to)`).
+    pub missed: Option<(u64, u64)>,
+    pub from: u64,
+    pub bytes: Vec<u8>,
+    pub ended: bool,
+}
+
+impl Hub {
+    fn new() -> Arc<Self> {
+        let (tick, _) = tokio::sync::watch::channel(0);
+        Arc::new(Self {
+            inner: Mutex::new(Buf {
+                start: 0,
+                data: VecDeque::new(),
+                ended: false,
+            }),
+            tick,
+        })
+    }
+
+    fn push(&self, b: &[u8]) {
+        let total = {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            g.data.extend(b);
+            while g.data.len() > RETAIN {
+                let drop = g.data.len() - RETAIN;
+                g.data.drain(..drop);
+                g.start += drop as u64;
+            }
+            g.start + g.data.len() as u64
+        };
+        self.tick.send_replace(total);
+    }
+
+    fn end(&self) {
+        let total = {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            g.ended = true;
+            g.start + g.data.len() as u64
+        };
+        // A change of value wakes viewers even with no new bytes.
+        self.tick.send_replace(total.wrapping_add(1u64 << 63));
+    }
+
+    /// Up to `max` bytes from `from`.
+    pub fn read(&self, from: u64, max: usize) -> Chunk {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let end = g.start + g.data.len() as u64;
+        let (missed, from) = if from < g.start {
+            (Some((from, g.start)), g.start)
+        } else {
+            (None, from.min(end))
+        };
+        let skip = usize::try_from(from - g.start).unwrap_or(usize::MAX);
+        let bytes: Vec<u8> = g.data.iter().skip(skip).take(max).copied().collect();
+        let ended = g.ended && from + bytes.len() as u64 >= end;
+        Chunk {
+            missed,
+            from,
+            bytes,
+            ended,
+        }
+    }
+}
+
+/// The hubs of the PTYs this process runs.
+#[derive(Default)]
+pub struct Hubs(Mutex<HashMap<String, Arc<Hub>>>);
+
+impl Hubs {
+    pub fn get(&self, pty_ref: &str) -> Option<Arc<Hub>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(pty_ref)
+            .cloned()
+    }
+
+    fn insert(&self, pty_ref: &str, h: Arc<Hub>) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(pty_ref.to_string(), h);
+    }
+
+    fn remove(&self, pty_ref: &str) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(pty_ref);
+    }
+}
+
+fn check_size(rows: u32, cols: u32) -> Result<()> {
+    if (1..=1000).contains(&rows) && (1..=1000).contains(&cols) {
+        Ok(())
+    } else {
+        Err(Error::new(
+            "invalid_pty_size",
+            "rows and cols must be integers in 1..=1000",
+        ))
+    }
+}
+
+impl Broker {
+    fn get_pty(&self, pty_ref: &str) -> Result<Option<Pty>> {
+        Ok(self.inner.store.read_now(|txn| {
+            let t = txn.open_table(tables::PTYS)?;
+            get_json(&t, pty_ref)
+        })?)
+    }
+
+    /// The PTY and its lease, if the principal may see them; otherwise
+    /// exactly what a missing PTY answers.
+    async fn owned_pty(&self, p: &Principal, pty_ref: &str) -> Result<(Pty, Lease)> {
+        let missing = || Error::new("pty_not_found", "no such PTY");
+        if !valid_ref(pty_ref, "pty") {
+            return Err(missing());
+        }
+        let pty = match self.get_pty(pty_ref)? {
+            Some(x) if x.tenant == p.tenant || p.is_admin() => x,
+            _ => return Err(missing()),
+        };
+        let lease = self.get_lease(&pty.lease_ref).await?.ok_or_else(missing)?;
+        Ok((pty, lease))
+    }
+
+    /// Running PTYs of a lease (they count against `max_jobs_per_lease`).
+    pub(crate) fn running_ptys(&self, lease_ref: &str) -> Result<u32> {
+        let ptys = self
+            .inner
+            .store
+            .read_now(|txn| lease_ptys(txn, lease_ref))?;
+        Ok(ptys.iter().filter(|p| p.is_running()).count() as u32)
+    }
+
+    /// `POST /v1/leases/{ref}/ptys` (201).
+    pub async fn create_pty(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        rows: u32,
+        cols: u32,
+        cwd: Option<&str>,
+    ) -> Result<Value> {
+        check_size(rows, cols)?;
+        let cwd = match cwd {
+            Some(c) => self.checked_path(p, ctx, "pty_create", c).await?,
+            None => "/workspace".to_string(),
+        };
+        let ev = self.event(p, "pty_create", ctx);
+        self.authorize(p, "pty:create", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let tenant = p.tenant.clone();
+        let pty_ref = new_ref("pty");
+        let (l, pty) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                "pty_create",
+                |_| {},
+                Some(lock),
+                move |b: Broker, l: Lease, addr| async move {
+                    let busy =
+                        b.running_jobs(&addr, &l.lease_ref).await? + b.running_ptys(&l.lease_ref)?;
+                    if busy >= prof.max_jobs_per_lease {
+                        return Err(Error::new(
+                            "job_quota_exceeded",
+                            format!(
+                                "this lease already runs {busy} jobs or PTYs (the profile allows {})",
+                                prof.max_jobs_per_lease
+                            ),
+                        ));
+                    }
+                    let mut o = StartOptions {
+                        cmd: "/bin/bash".into(),
+                        args: vec!["-i".into(), "-l".into()],
+                        cwd: Some(cwd),
+                        pty: Some(PtySize { rows, cols }),
+                        ..Default::default()
+                    };
+                    o.envs.insert("TERM".into(), "xterm-256color".into());
+                    let stream = b.inner.cube.start(&addr, &o).await.map_err(|e| backend(&e))?;
+                    let (ts, _) = now();
+                    let pty = Pty {
+                        pty_ref,
+                        lease_ref: l.lease_ref.clone(),
+                        tenant,
+                        pid: stream.pid,
+                        state: "running".into(),
+                        exit_code: None,
+                        rows,
+                        cols,
+                        created_at: ts.clone(),
+                        updated_at: ts,
+                    };
+                    let hub = Hub::new();
+                    b.inner.ptys.insert(&pty.pty_ref, hub.clone());
+                    b.pump(pty.pty_ref.clone(), stream, hub);
+                    let p2 = pty.clone();
+                    Ok(Done::new(pty).persist(move |txn| put_pty(txn, &p2)))
+                },
+            )
+            .await?;
+        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+    }
+
+    /// Read a PTY's output into its hub until it ends; then record the end.
+    fn pump(&self, pty_ref: String, mut stream: crate::cube::ProcessStream, hub: Arc<Hub>) {
+        let b = self.clone();
+        self.inner.tracker.spawn(async move {
+            let mut exit = None;
+            loop {
+                match stream.next().await {
+                    Ok(Some(ProcessEvent::Data(d))) => {
+                        for part in [d.pty, d.stdout, d.stderr].into_iter().flatten() {
+                            if let Ok(bytes) = decode_data(&part) {
+                                hub.push(&bytes);
+                            }
+                        }
+                    }
+                    Ok(Some(ProcessEvent::End(e))) => exit = e.code(),
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(pty = %pty_ref, error = %e, "PTY stream ended with an error");
+                        break;
+                    }
+                }
+            }
+            hub.end();
+            // Late viewers can still read the end for a minute.
+            let hubs = b.clone();
+            let r2 = pty_ref.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+                hubs.inner.ptys.remove(&r2);
+            });
+            let r = b.get_pty(&pty_ref);
+            if let Ok(Some(mut p)) = r
+                && p.is_running()
+            {
+                p.state = "exited".into();
+                p.exit_code = exit;
+                p.updated_at = now().0;
+                let _ = b.inner.store.write(move |txn, _| put_pty(txn, &p)).await;
+            }
+        });
+    }
+
+    /// `GET /v1/ptys/{ref}/status`.
+    pub async fn pty_status(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<Value> {
+        let ev = self.event(p, "pty_status", ctx);
+        self.authorize(p, "pty:status", &ev).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+    }
+
+    /// One audited action on a running PTY's process.
+    async fn pty_action<F, Fut>(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        pty_ref: &str,
+        (action, scope): (&str, &str),
+        bytes: Option<u64>,
+        run: F,
+    ) -> Result<(Pty, Lease)>
+    where
+        F: FnOnce(Broker, Pty, crate::cube::SandboxAddr) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<Pty>> + Send + 'static,
+    {
+        let ev = self.event(p, action, ctx);
+        self.authorize(p, scope, &ev).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        let (l, pty) = self
+            .effect_on(
+                p,
+                ctx,
+                l,
+                action,
+                |e| e.bytes = bytes,
+                None,
+                move |b: Broker, _l: Lease, addr| async move {
+                    let before = pty.clone();
+                    let after = run(b, pty, addr).await?;
+                    let mut d = Done::new(after.clone());
+                    if after.state != before.state
+                        || after.rows != before.rows
+                        || after.cols != before.cols
+                    {
+                        d = d.persist(move |txn| put_pty(txn, &after));
+                    }
+                    Ok(d)
+                },
+            )
+            .await?;
+        Ok((pty, l))
+    }
+
+    /// `POST /v1/ptys/{ref}/input`.
+    pub async fn pty_input(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        pty_ref: &str,
+        data: Vec<u8>,
+    ) -> Result<Value> {
+        if data.len() > MAX_INPUT {
+            return Err(Error::new(
+                "value_too_large",
+                format!("input is limited to {MAX_INPUT} bytes"),
+            ));
+        }
+        let n = data.len() as u64;
+        let (pty, l) = self
+            .pty_action(
+                p,
+                ctx,
+                pty_ref,
+                ("pty_input", "pty:input"),
+                Some(n),
+                move |b, pty, addr| async move {
+                    if !pty.is_running() {
+                        return Err(Error::new("invalid_request", "the PTY is not running"));
+                    }
+                    b.inner
+                        .cube
+                        .send_pty_input(&addr, pty.pid, &data)
+                        .await
+                        .map_err(|e| backend(&e))?;
+                    Ok(pty)
+                },
+            )
+            .await?;
+        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+    }
+
+    /// `POST /v1/ptys/{ref}/resize`.
+    pub async fn pty_resize(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        pty_ref: &str,
+        rows: u32,
+        cols: u32,
+    ) -> Result<Value> {
+        check_size(rows, cols)?;
+        let (pty, l) = self
+            .pty_action(
+                p,
+                ctx,
+                pty_ref,
+                ("pty_resize", "pty:resize"),
+                None,
+                move |b, mut pty, addr| async move {
+                    if !pty.is_running() {
+                        return Err(Error::new("invalid_request", "the PTY is not running"));
+                    }
+                    b.inner
+                        .cube
+                        .resize_pty(&addr, pty.pid, PtySize { rows, cols })
+                        .await
+                        .map_err(|e| backend(&e))?;
+                    pty.rows = rows;
+                    pty.cols = cols;
+                    pty.updated_at = now().0;
+                    Ok(pty)
+                },
+            )
+            .await?;
+        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+    }
+
+    /// `POST /v1/ptys/{ref}/kill`.
+    pub async fn pty_kill(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<Value> {
+        let (pty, l) = self
+            .pty_action(
+                p,
+                ctx,
+                pty_ref,
+                ("pty_kill", "pty:kill"),
+                None,
+                move |b, mut pty, addr| async move {
+                    if !pty.is_running() {
+                        return Ok(pty);
+                    }
+                    match b.inner.cube.signal(&addr, pty.pid, true).await {
+                        Ok(()) => {}
+                        Err(e) if e.kind == ErrorKind::NotFound => {}
+                        Err(e) => return Err(backend(&e)),
+                    }
+                    // The pump records `exited` when the stream ends; a kill
+                    // asked for here is `cancelled`.
+                    pty.state = "cancelled".into();
+                    pty.exit_code = Some(137);
+                    pty.updated_at = now().0;
+                    Ok(pty)
+                },
+            )
+            .await?;
+        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+    }
+
+    /// Open a PTY's event stream (audited once): its current record and hub.
+    pub async fn open_pty_events(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        pty_ref: &str,
+    ) -> Result<(Pty, String, Option<Arc<Hub>>)> {
+        let ev = self.event(p, "pty_events", ctx);
+        self.authorize(p, "pty:events", &ev).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        let mut ev = self.lease_event(p, "pty_events", ctx, &l);
+        ev.outcome = "ok".into();
+        self.inner.journal.record(ev).await?;
+        Ok((
+            pty.clone(),
+            l.sandbox_ref,
+            self.inner.ptys.get(&pty.pty_ref),
+        ))
+    }
+
+    /// The current record of a PTY (for event streams).
+    pub fn pty_now(&self, pty_ref: &str) -> Result<Option<Pty>> {
+        self.get_pty(pty_ref)
+    }
+}
