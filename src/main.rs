@@ -69,6 +69,18 @@ enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Job-output throughput: a job's stdout and stderr read to the end by
+    /// per-stream cursors and by SSE.
+    Jobs {
+        /// MiB the job writes to each stream.
+        #[arg(long, default_value_t = 32)]
+        mib: usize,
+        /// Full reads by each method.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// RSS idle and with many live leases, and start-to-ready time, of a
     /// real `serve` process.
     Memory {
@@ -429,6 +441,10 @@ fn main() -> ExitCode {
                     json,
                 } => (
                     rt.block_on(appliance::audit(&writers, events_per_writer)),
+                    json,
+                ),
+                BenchCommand::Jobs { mib, rounds, json } => (
+                    rt.block_on(appliance::job_output(&launcher, mib, rounds)),
                     json,
                 ),
                 BenchCommand::Memory {

@@ -190,17 +190,20 @@ struct EventsQuery {
     stdout_offset: Option<u64>,
     #[serde(default)]
     stderr_offset: Option<u64>,
+    /// `base64`: output events carry only the base64 fields (no text copy).
+    #[serde(default)]
+    encoding: Option<String>,
 }
 
 /// Longest an event stream stays open (seconds).
 const MAX_STREAM_SECONDS: u64 = 3600;
 /// Largest chunk per stream in one `output` event.
-const EVENT_CHUNK: usize = 256 * 1024;
+const EVENT_CHUNK: usize = 1024 * 1024;
 /// Pause between polls once the output is drained.
 const POLL: Duration = Duration::from_millis(500);
 
 /// `GET /v1/jobs/{ref}/events`: `output` events with the new bytes of each
-/// stream (text, base64 and the offsets; the SSE id is `stdout:stderr`
+/// stream (text unless `encoding=base64`, base64 and the offsets; the SSE id is `stdout:stderr`
 /// offsets, so `Last-Event-ID` resumes), a `status` event per poll, and a
 /// final `status` once the job has ended and its output is drained, or
 /// `timeout` at the deadline.
@@ -231,6 +234,11 @@ async fn events(
         cur.stderr_offset = e;
     }
     let secs = q.timeout.unwrap_or(300).clamp(1, MAX_STREAM_SECONDS);
+    let text = match q.encoding.as_deref() {
+        None | Some("text") => true,
+        Some("base64") => false,
+        Some(_) => return Err(err("invalid_request", "encoding must be text or base64")),
+    };
     let opened = st.broker.open_job_events(&p, &c, &job).await?;
     let broker = st.broker.clone();
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
@@ -254,9 +262,7 @@ async fn events(
                     cur.stdout_offset + out.len() as u64,
                     cur.stderr_offset + errb.len() as u64,
                 );
-                let data = json!({
-                    "stdout": String::from_utf8_lossy(&out),
-                    "stderr": String::from_utf8_lossy(&errb),
+                let mut data = json!({
                     "stdout_base64": B64.encode(&out),
                     "stderr_base64": B64.encode(&errb),
                     "stdout_offset": cur.stdout_offset,
@@ -264,6 +270,10 @@ async fn events(
                     "stdout_next_offset": on,
                     "stderr_next_offset": en,
                 });
+                if text && let Some(m) = data.as_object_mut() {
+                    m.insert("stdout".into(), json!(String::from_utf8_lossy(&out)));
+                    m.insert("stderr".into(), json!(String::from_utf8_lossy(&errb)));
+                }
                 let ev = Event::default()
                     .event("output")
                     .id(format!("{on}:{en}"))

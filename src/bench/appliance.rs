@@ -653,3 +653,125 @@ pub async fn memory_and_startup(
     let _ = std::fs::remove_dir_all(&dir);
     Ok(report)
 }
+
+/// `bench jobs`: job-output throughput. A job writes `mib` MiB to stdout
+/// (and as much to stderr), then both streams are read to the end through
+/// the appliance: by per-stream cursors (1 MiB pages) and by SSE. Times are
+/// per round (a page, an SSE chunk); the figures are MB/s end to end.
+pub async fn job_output(launcher: &Path, mib: usize, rounds: usize) -> anyhow::Result<Report> {
+    use base64::Engine;
+    use futures_util::StreamExt;
+    let dir = tmpdir("jobs");
+    let rig = Rig::start(&dir, launcher).await?;
+    let lease = rig.acquire("jobs").await?;
+    let mut report = Report::new("job output");
+    let cmd = format!(
+        "head -c {n} /dev/urandom > /tmp/o; head -c {n} /dev/urandom > /tmp/e; cat /tmp/o; cat /tmp/e >&2",
+        n = mib * 1024 * 1024
+    );
+    let v = rig
+        .post(&format!("/v1/leases/{lease}/jobs"), json!({"command": cmd}))
+        .await?;
+    let job = field(&v, "job_ref")
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    loop {
+        let v = rig
+            .post(&format!("/v1/jobs/{job}/status"), json!({}))
+            .await?;
+        if field(&v, "state") != "running" {
+            anyhow::ensure!(field(&v, "state") == "succeeded", "the job failed: {v}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let total = (2 * mib * 1024 * 1024) as f64;
+    let (mut pages, mut page_secs) = (vec![], vec![]);
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        let (mut o, mut e) = (0u64, 0u64);
+        loop {
+            let t = Instant::now();
+            let v = rig
+                .post(
+                    &format!("/v1/jobs/{job}/output"),
+                    json!({"stdout_offset": o, "stderr_offset": e, "max_bytes": 1048576}),
+                )
+                .await?;
+            pages.push(t.elapsed());
+            o = field(&v, "stdout_next_offset").as_u64().unwrap_or(o);
+            e = field(&v, "stderr_next_offset").as_u64().unwrap_or(e);
+            if field(&v, "eof") == true {
+                break;
+            }
+        }
+        anyhow::ensure!((o + e) as f64 == total, "read {} of {total} bytes", o + e);
+        page_secs.push(t0.elapsed().as_secs_f64());
+    }
+    report
+        .results
+        .push(Summary::of("one page (1 MiB per stream)", &pages));
+    let mut sse_secs = vec![];
+    let mut chunks = vec![];
+    for _ in 0..rounds {
+        let t0 = Instant::now();
+        let r = rig
+            .http
+            .get(format!(
+                "{}/v1/jobs/{job}/events?timeout=600&encoding=base64",
+                rig.url
+            ))
+            .bearer_auth(&rig.admin)
+            .send()
+            .await?;
+        let mut body = r.bytes_stream();
+        let (mut buf, mut got) = (Vec::<u8>::new(), 0usize);
+        let mut t = Instant::now();
+        while let Some(c) = body.next().await {
+            buf.extend_from_slice(&c?);
+            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                let block =
+                    String::from_utf8_lossy(buf.get(..end).unwrap_or_default()).into_owned();
+                buf.drain(..end + 2);
+                if block.contains("event: output")
+                    && let Some(d) = block.lines().find_map(|l| l.strip_prefix("data: "))
+                {
+                    let v: Value = serde_json::from_str(d)?;
+                    let b64 = base64::engine::general_purpose::STANDARD;
+                    for k in ["stdout_base64", "stderr_base64"] {
+                        got += b64.decode(field(&v, k).as_str().unwrap_or_default())?.len();
+                    }
+                    chunks.push(t.elapsed());
+                    t = Instant::now();
+                }
+            }
+        }
+        anyhow::ensure!(got as f64 == total, "SSE carried {got} of {total} bytes");
+        sse_secs.push(t0.elapsed().as_secs_f64());
+    }
+    report.results.push(Summary::of(
+        "one SSE output event (1 MiB per stream)",
+        &chunks,
+    ));
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    report.figures.insert(
+        format!("paging MB/s ({mib} MiB stdout + {mib} MiB stderr, median)"),
+        total / 1e6 / med(&mut page_secs),
+    );
+    report.figures.insert(
+        format!("SSE MB/s ({mib} MiB stdout + {mib} MiB stderr, median)"),
+        total / 1e6 / med(&mut sse_secs),
+    );
+    rig.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
+}
+
+/// A JSON field, or null.
+fn field<'a>(v: &'a Value, k: &str) -> &'a Value {
+    v.get(k).unwrap_or(&Value::Null)
+}

@@ -131,6 +131,7 @@ pub async fn all(
         ("audit", appliance::audit(&[1, 64], 200).await?),
         ("cycle", appliance::cycle(launcher, &[1, 16, 64], 4).await?),
         ("hot", appliance::hot(launcher, 64, 30).await?),
+        ("jobs", appliance::job_output(launcher, 32, 3).await?),
         (
             "memory",
             appliance::memory_and_startup(launcher, 1000, 10).await?,

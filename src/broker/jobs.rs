@@ -78,12 +78,12 @@ fin "$rc"
 /// Reports the job's state and file sizes on one line, then the requested
 /// stdout range on stdout and stderr range on stderr.
 const READER: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || { echo cube-adapter-job gone - 0 0 0 0; exit 0; }
-if [ -e exit-code ]; then k=exit; rc=$(cat exit-code)
+if [ -e exit-code ]; then k=exit; read -r rc < exit-code
 elif kill -0 "$R" 2>/dev/null; then k=running; rc=-
 else k=dead; rc=-; fi
 t=0; [ -e timed-out ] && t=1
 x=0; [ -e cancelled ] && x=1
-echo cube-adapter-job "$k" "$rc" $(wc -c < stdout) $(wc -c < stderr) "$t" "$x"
+echo cube-adapter-job "$k" "$rc" $(stat -c %s stdout stderr) "$t" "$x"
 if [ "$OM" -gt 0 ]; then tail -c +$((OO + 1)) stdout | head -c "$OM"; fi
 if [ "$EM" -gt 0 ]; then tail -c +$((EO + 1)) stderr | head -c "$EM" >&2; fi
 exit 0

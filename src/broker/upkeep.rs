@@ -1,5 +1,5 @@
 //! Keeping leases alive and cleaning them up: profiles, renewal, the
-//! background keepalive for leases with running jobs, idle-lease GC, and
+//! background keepalive for leases with running jobs or PTYs, idle-lease GC, and
 //! lease recovery after a restart.
 
 use std::collections::HashMap;
@@ -272,7 +272,7 @@ impl Broker {
         Ok(json!({"collected": collected, "failed": failed, "request_id": ctx.request_id}))
     }
 
-    /// Renew the sandboxes of leases with running jobs, when their profile
+    /// Renew the sandboxes of leases with running jobs or PTYs, when their profile
     /// has `keepalive_enabled`, every third of the sandbox timeout, within
     /// the keepalive budget. `last` remembers when each was renewed.
     pub async fn keepalive(&self, last: &mut HashMap<String, Instant>) -> Result<usize> {
@@ -307,7 +307,7 @@ impl Broker {
                 .inner
                 .store
                 .read_now(|txn| super::jobs::lease_jobs(txn, &l.lease_ref))?;
-            if !jobs.iter().any(|j| !j.is_terminal()) {
+            if !jobs.iter().any(|j| !j.is_terminal()) && self.running_ptys(&l.lease_ref)? == 0 {
                 continue;
             }
             let secs = prof

@@ -186,6 +186,40 @@ async fn job_start_status_output_and_events() {
     assert_eq!(o, b"out1\nout2\n");
     assert_eq!(e, b"err1\n");
     assert_eq!(last["state"], "failed");
+    // Base64 only, on request; an unknown encoding is refused.
+    let body = s
+        .http
+        .get(format!("{}/v1/jobs/{job}/events?encoding=base64", s.url))
+        .bearer_auth(&s.admin)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let out_ev = body
+        .split("\n\n")
+        .find(|b| b.contains("event: output"))
+        .unwrap();
+    let data: Value = serde_json::from_str(
+        out_ev
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(
+        data.get("stdout").is_none() && data.get("stdout_base64").is_some(),
+        "{data}"
+    );
+    let r = s
+        .http
+        .get(format!("{}/v1/jobs/{job}/events?encoding=utf16", s.url))
+        .bearer_auth(&s.admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
 
     // Missing and malformed refs answer alike.
     for j in ["job_00000000000000000000", "nope"] {
