@@ -197,8 +197,10 @@ struct EventsQuery {
 
 /// Longest an event stream stays open (seconds).
 const MAX_STREAM_SECONDS: u64 = 3600;
-/// Largest chunk per stream in one `output` event.
+/// Largest chunk per stream in one `output` event (`encoding=base64`).
 const EVENT_CHUNK: usize = 1024 * 1024;
+/// The same with text copies (the default).
+const TEXT_CHUNK: usize = 64 * 1024;
 /// Pause between polls once the output is drained.
 const POLL: Duration = Duration::from_millis(500);
 
@@ -220,7 +222,7 @@ async fn events(
     let mut cur = Cursors {
         stdout_offset: q.stdout_offset.unwrap_or(0),
         stderr_offset: q.stderr_offset.unwrap_or(0),
-        max_bytes: EVENT_CHUNK,
+        max_bytes: 0,
     };
     if q.stdout_offset.is_none()
         && q.stderr_offset.is_none()
@@ -239,9 +241,13 @@ async fn events(
         Some("base64") => false,
         Some(_) => return Err(err("invalid_request", "encoding must be text or base64")),
     };
+    // Text copies of binary output can be six times its size: smaller
+    // chunks keep an event (and a slow client's backlog) small.
+    cur.max_bytes = if text { TEXT_CHUNK } else { EVENT_CHUNK };
     let opened = st.broker.open_job_events(&p, &c, &job).await?;
     let broker = st.broker.clone();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+    // Two events in flight: a slow client holds little memory.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     let job_ref = opened.job_ref.clone();
     tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(secs);

@@ -210,7 +210,8 @@ async fn events(
     let secs = q.timeout.unwrap_or(300).clamp(1, 3600);
     let (pty, sandbox_ref, hub) = st.broker.open_pty_events(&p, &c, &pty_ref).await?;
     let broker = st.broker.clone();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(16);
+    // Two events in flight: a slow viewer holds little memory.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {
         if tx.send(status_event(&pty, &sandbox_ref)).await.is_err() {
             return;
@@ -245,9 +246,11 @@ async fn events(
                     return;
                 }
                 cur = next;
-                continue;
+                if tokio::time::Instant::now() < deadline {
+                    continue;
+                }
             }
-            cur = chunk.from;
+            cur = cur.max(chunk.from);
             if chunk.ended {
                 // The pump records the end right after the stream closes.
                 for _ in 0..20 {

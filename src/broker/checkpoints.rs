@@ -186,9 +186,11 @@ impl Broker {
         self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
             .await?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        // Released or collected while we waited for the lock?
+        let l = self.owned_lease(p, &l.lease_ref).await?;
         let ckpt_ref = new_ref("ckpt");
         let name = name.map(str::to_string).unwrap_or_else(|| ckpt_ref.clone());
-        let tenant = p.tenant.clone();
+        let tenant = l.tenant.clone();
         let cr = ckpt_ref.clone();
         let (l, c) = self
             .effect_on(
@@ -238,8 +240,9 @@ impl Broker {
         let l = self.owned_lease(p, lease_ref).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_rollback")
             .await?;
-        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let (l, ()) = self
             .effect_on(
                 p,
@@ -281,8 +284,9 @@ impl Broker {
         let ev = self.event(p, "checkpoint_delete", ctx);
         self.authorize(p, "checkpoint:delete", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let (l, ()) = self
             .effect_on(
                 p,

@@ -32,6 +32,9 @@ pub const JOBS_DIR: &str = "/tmp/cube-adapter-jobs";
 pub const MAX_CHUNK: usize = 1024 * 1024;
 /// Default chunk per stream.
 pub const DEFAULT_CHUNK: usize = 64 * 1024;
+/// Finished jobs a lease keeps (records and files); older ones are removed
+/// when a new job starts.
+pub const KEEP_FINISHED: usize = 64;
 /// The reference's paging reads each stream up to this much.
 const COMPAT_LIMIT: usize = 1024 * 1024;
 
@@ -52,51 +55,78 @@ setsid /bin/bash "$d/run.sh" "$d" "$c" "$m" </dev/null >/dev/null 2>&1 &
 echo "$!"
 "#;
 
-/// The runner: the command in a process group of its own, a watchdog for
-/// the time limit, and the exit code written last (atomically). Whatever the
-/// command left running in its group is ended with it, so no byte is written
-/// after `exit-code` appears.
+/// The runner: the command in a session (process group) of its own and,
+/// where the sandbox allows it, a pid namespace of its own, so that
+/// everything it starts (daemons and `setsid` included) ends with it; a
+/// watchdog for the time limit; the exit code written last (atomically),
+/// once nothing of the job is left to write output.
 const RUNNER: &str = r#"d="$1"; cwd="$2"; max="$3"
 fin() { printf '%s' "$1" > "$d/exit-code.tmp"; mv -f "$d/exit-code.tmp" "$d/exit-code"; }
 if ! cd -- "$cwd" 2>/dev/null; then
   printf 'cube-adapter: cannot enter %s\n' "$cwd" >> "$d/stderr"
+  : > "$d/ended"
   fin 1
   exit 0
 fi
-setsid /bin/bash "$d/command.sh" </dev/null >>"$d/stdout" 2>>"$d/stderr" &
+wrap=
+if unshare --pid --fork --kill-child --mount-proc /bin/true 2>/dev/null; then
+  wrap="unshare --pid --fork --kill-child --mount-proc"
+elif unshare --pid --fork --kill-child /bin/true 2>/dev/null; then
+  wrap="unshare --pid --fork --kill-child"
+fi
+setsid $wrap /bin/bash "$d/command.sh" </dev/null >>"$d/stdout" 2>>"$d/stderr" &
 c=$!
 printf '%s' "$c" > "$d/pgid"
-setsid /bin/bash -c 'sleep "$1" || exit 0; [ -e "$2/exit-code" ] && exit 0; : > "$2/timed-out"; kill -TERM -- "-$3" 2>/dev/null; sleep 5; kill -KILL -- "-$3" 2>/dev/null' cube-adapter-watchdog "$max" "$d" "$c" </dev/null >/dev/null 2>&1 &
+[ -e "$d/cancelled" ] && kill -TERM -- "-$c" 2>/dev/null
+setsid /bin/bash -c 'sleep "$1" || exit 0; [ -e "$2/ended" ] && exit 0; : > "$2/timed-out"; kill -TERM -- "-$3" 2>/dev/null; sleep 5; kill -KILL -- "-$3" 2>/dev/null' cube-adapter-watchdog "$max" "$d" "$c" </dev/null >/dev/null 2>&1 &
 w=$!
 wait "$c"
 rc=$?
+: > "$d/ended"
 kill -KILL -- "-$c" 2>/dev/null
+i=0
+while kill -0 -- "-$c" 2>/dev/null && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
 kill -KILL -- "-$w" 2>/dev/null
 fin "$rc"
 "#;
 
 /// Reports the job's state and file sizes on one line, then the requested
-/// stdout range on stdout and stderr range on stderr.
-const READER: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || { echo cube-adapter-job gone - 0 0 0 0; exit 0; }
-if [ -e exit-code ]; then k=exit; read -r rc < exit-code
-elif kill -0 "$R" 2>/dev/null; then k=running; rc=-
-else k=dead; rc=-; fi
+/// stdout range on stdout and stderr range on stderr. While the runner lives
+/// the job is running, whatever the files say (the command can write them);
+/// once it is gone, `exit-code` is the one it wrote last. Everything the
+/// sandbox can write is checked to be a number before it is printed, and
+/// the reader's own diagnostics go nowhere, so nothing can forge the status
+/// line or leak into the output.
+const READER: &str = r#"exec 3>&2 2>/dev/null
+cd "/tmp/cube-adapter-jobs/$J" || { printf 'cube-adapter-job gone - 0 0 0 0\n'; exit 0; }
+num() { case "$1" in ''|*[!0-9]*) return 1;; esac; return 0; }
+alive() { kill -0 "$R" && grep -q "$J" "/proc/$R/cmdline"; }
+rc=-
+if alive; then k=running
+elif [ -e exit-code ]; then k=exit
+else k=dead; fi
+if [ "$k" = exit ]; then read -r rc < exit-code; num "$rc" || rc=-; fi
+so=$(stat -c %s stdout); num "$so" || so=0
+se=$(stat -c %s stderr); num "$se" || se=0
 t=0; [ -e timed-out ] && t=1
 x=0; [ -e cancelled ] && x=1
-echo cube-adapter-job "$k" "$rc" $(stat -c %s stdout stderr) "$t" "$x"
+printf 'cube-adapter-job %s %s %s %s %s %s\n' "$k" "$rc" "$so" "$se" "$t" "$x"
 if [ "$OM" -gt 0 ]; then tail -c +$((OO + 1)) stdout | head -c "$OM"; fi
-if [ "$EM" -gt 0 ]; then tail -c +$((EO + 1)) stderr | head -c "$EM" >&2; fi
+if [ "$EM" -gt 0 ]; then tail -c +$((EO + 1)) stderr | head -c "$EM" >&3; fi
 exit 0
 "#;
 
-/// Ends the job's process group: TERM, then KILL after two seconds.
+/// Ends the job's process group: TERM, then KILL after two seconds. Exit 0:
+/// signalled; 2: it had already ended; 3: no such job; 4: nothing to
+/// signal yet (the runner sees `cancelled` as it starts the command).
 const CANCEL: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
-[ -e exit-code ] && exit 2
+[ -e ended ] && exit 2
 : > cancelled
 i=0
 while [ ! -e pgid ] && [ "$i" -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
-c=$(cat pgid 2>/dev/null) || exit 0
-kill -TERM -- "-$c" 2>/dev/null || exit 0
+read -r c < pgid 2>/dev/null
+case "$c" in ''|*[!0-9]*|0|1) exit 4;; esac
+kill -TERM -- "-$c" 2>/dev/null || exit 4
 i=0
 while kill -0 -- "-$c" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
 kill -KILL -- "-$c" 2>/dev/null
@@ -152,6 +182,30 @@ fn put_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreErro
         .insert(j.job_ref.as_str(), b.as_slice())?;
     txn.open_table(tables::LEASE_JOBS)?
         .insert(format!("{}\0{}", j.lease_ref, j.job_ref).as_str(), ())?;
+    Ok(())
+}
+
+/// Save what a look at a job found, against the record as it is now: an
+/// ended job never goes back to `running`, a cancel is never forgotten, and
+/// a job whose lease is gone is not re-created.
+fn save_job(txn: &WriteTransaction, seen: &Job) -> std::result::Result<(), StoreError> {
+    let current: Option<Job> = get_json(&txn.open_table(tables::JOBS)?, &seen.job_ref)?;
+    let Some(current) = current else {
+        return Ok(());
+    };
+    let mut j = seen.clone();
+    if current.is_terminal() && !j.is_terminal() {
+        j.state = current.state.clone();
+        j.exit_code = current.exit_code;
+    }
+    j.cancelled |= current.cancelled;
+    put_job(txn, &j)
+}
+
+fn delete_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreError> {
+    txn.open_table(tables::JOBS)?.remove(j.job_ref.as_str())?;
+    txn.open_table(tables::LEASE_JOBS)?
+        .remove(format!("{}\0{}", j.lease_ref, j.job_ref).as_str())?;
     Ok(())
 }
 
@@ -216,14 +270,14 @@ struct Probe {
 }
 
 impl Probe {
-    /// The state this probe shows for `job`.
+    /// The state this probe shows for `job`. The runner's markers decide
+    /// how it ended (the time limit, a cancel), whatever the exit code.
     fn state(&self, job: &Job) -> (String, Option<i32>) {
         match (self.kind.as_str(), self.rc) {
             ("exit", Some(rc)) => {
-                let killed = rc >= 128;
-                let s = if self.timed_out && killed {
+                let s = if self.timed_out {
                     "timed_out"
-                } else if (self.cancelled || job.cancelled) && killed {
+                } else if self.cancelled || job.cancelled {
                     "cancelled"
                 } else if rc == 0 {
                     "succeeded"
@@ -289,14 +343,24 @@ async fn probe(
         .ok_or_else(|| Error::new("execution_failed", "the job reader gave no status line"))?;
     let (head, rest) = r.stdout.split_at(nl);
     let head = String::from_utf8_lossy(head);
-    let t: Vec<&str> = head.split_whitespace().collect();
+    let t: Vec<&str> = head.split(' ').collect();
     let bad = || {
         Error::new(
             "execution_failed",
             "the job reader's status line is malformed",
         )
     };
-    if t.len() != 7 || t.first() != Some(&"cube-adapter-job") {
+    let known = ["exit", "running", "dead", "gone"];
+    if t.len() != 7
+        || t.first() != Some(&"cube-adapter-job")
+        || !t.get(1).is_some_and(|k| known.contains(k))
+        || !t
+            .get(2)
+            .is_some_and(|r| *r == "-" || r.parse::<u32>().is_ok())
+        || !t
+            .get(5..)
+            .is_some_and(|f| f.iter().all(|x| *x == "0" || *x == "1"))
+    {
         return Err(bad());
     }
     let field = |i: usize| t.get(i).copied().unwrap_or_default();
@@ -344,11 +408,13 @@ impl Broker {
         if !valid_ref(job_ref, "job") {
             return Err(missing());
         }
-        let job = match self.get_job(job_ref).await? {
-            Some(j) if j.tenant == p.tenant || p.is_admin() => j,
-            _ => return Err(missing()),
-        };
-        let lease = self.get_lease(&job.lease_ref).await?.ok_or_else(missing)?;
+        // Whose it is follows the lease it runs on.
+        let job = self.get_job(job_ref).await?.ok_or_else(missing)?;
+        let lease = self
+            .get_lease(&job.lease_ref)
+            .await?
+            .filter(|l| l.tenant == p.tenant || p.is_admin())
+            .ok_or_else(missing)?;
         Ok((job, lease))
     }
 
@@ -378,7 +444,7 @@ impl Broker {
                 .store
                 .write(move |txn, _| {
                     for j in &updated {
-                        put_job(txn, j)?;
+                        save_job(txn, j)?;
                     }
                     Ok(())
                 })
@@ -415,11 +481,13 @@ impl Broker {
         // One start at a time per lease: the quota check and the record are
         // under the lease's lock until the outcome is committed.
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        // Released or collected while we waited for the lock?
+        let l = self.owned_lease(p, &l.lease_ref).await?;
         let prof = self.profile(&l.profile).cloned().unwrap_or_default();
         let digest = self.inner.journal.digest("command", command.as_bytes());
         let job_ref = new_ref("job");
         let command = command.to_string();
-        let tenant = p.tenant.clone();
+        let tenant = l.tenant.clone();
         let jr = job_ref.clone();
         let d2 = digest.clone();
         let (l, job) = self
@@ -445,6 +513,28 @@ impl Broker {
                                 prof.max_jobs_per_lease
                             ),
                         ));
+                    }
+                    // Keep the newest finished jobs; remove the others'
+                    // files and records (under this start's intent).
+                    let mut finished: Vec<Job> = b
+                        .inner
+                        .store
+                        .read_now(|txn| lease_jobs(txn, &l.lease_ref))?
+                        .into_iter()
+                        .filter(Job::is_terminal)
+                        .collect();
+                    let drop_n = finished.len().saturating_sub(KEEP_FINISHED - 1);
+                    finished.truncate(drop_n);
+                    if !finished.is_empty() {
+                        let mut o = StartOptions {
+                            cmd: "/bin/rm".into(),
+                            args: vec!["-rf".into(), "--".into()],
+                            timeout: Some(Duration::from_secs(30)),
+                            ..Default::default()
+                        };
+                        o.args
+                            .extend(finished.iter().map(|j| format!("{JOBS_DIR}/{}", j.job_ref)));
+                        b.inner.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
                     }
                     let envs: BTreeMap<String, String> = [
                         ("CUBE_ADAPTER_JOB_REF", job_ref.clone()),
@@ -494,7 +584,12 @@ impl Broker {
                         max_seconds: prof.max_command_seconds,
                     };
                     let j2 = job.clone();
-                    Ok(Done::new(job).persist(move |txn| put_job(txn, &j2)))
+                    Ok(Done::new(job).persist(move |txn| {
+                        for old in &finished {
+                            delete_job(txn, old)?;
+                        }
+                        put_job(txn, &j2)
+                    }))
                 },
             )
             .await?;
@@ -553,7 +648,7 @@ impl Broker {
                         job.exit_code = rc;
                         job.updated_at = now().0;
                         let j2 = job.clone();
-                        done = done.persist(move |txn| put_job(txn, &j2));
+                        done = done.persist(move |txn| save_job(txn, &j2));
                     }
                     let Done { persist, .. } = done;
                     Ok(Done {
@@ -618,6 +713,13 @@ impl Broker {
                 m.insert("eof".into(), json!(end >= bytes.len() && job.is_terminal()));
                 m.insert("data".into(), json!(String::from_utf8_lossy(chunk)));
                 m.insert("encoding".into(), json!("json-fragment"));
+                // As in the reference, the fragment holds the first MiB of
+                // each stream; say so when there is more (use the cursors).
+                let limit = COMPAT_LIMIT as u64;
+                m.insert(
+                    "truncated".into(),
+                    json!(pr.out_size > limit || pr.err_size > limit),
+                );
                 Ok(Value::Object(m))
             }
             OutputRequest::Cursors(c) => {
@@ -661,7 +763,6 @@ impl Broker {
         let ev = self.event(p, "job_cancel", ctx);
         self.authorize(p, "job:cancel", &ev).await?;
         let (job, lease) = self.owned_job(p, job_ref).await?;
-        let lock = self.lock(format!("lease:{}", lease.lease_ref)).await;
         let jr = job.job_ref.clone();
         let (lease, job) = self
             .effect_on(
@@ -670,7 +771,7 @@ impl Broker {
                 lease,
                 "job_cancel",
                 |e| e.job_ref = Some(jr),
-                Some(lock),
+                None,
                 move |b: Broker, _l: Lease, addr| async move {
                     let mut job = job;
                     if !job.is_terminal() {
@@ -683,7 +784,8 @@ impl Broker {
                         };
                         o.envs.insert("J".into(), job.job_ref.clone());
                         match b.inner.cube.run(&addr, &o, 4096).await {
-                            Ok(r) if r.exit_code == 0 => job.cancelled = true,
+                            // Signalled, or to be by the runner as it starts.
+                            Ok(r) if r.exit_code == 0 || r.exit_code == 4 => job.cancelled = true,
                             Ok(_) => {}
                             Err(e) if e.kind == ErrorKind::NotFound => {}
                             Err(e) => return Err(backend(&e)),
@@ -702,7 +804,7 @@ impl Broker {
                         job.updated_at = now().0;
                     }
                     let j2 = job.clone();
-                    Ok(Done::new(job).persist(move |txn| put_job(txn, &j2)))
+                    Ok(Done::new(job).persist(move |txn| save_job(txn, &j2)))
                 },
             )
             .await?;
@@ -765,6 +867,15 @@ impl Broker {
             (c.stderr_offset, c.max_bytes),
         )
         .await?;
+        if c.stdout_offset > pr.out_size || c.stderr_offset > pr.err_size {
+            return Err(Error::new(
+                "invalid_offset",
+                format!(
+                    "the offset is past the end of the output (stdout has {} bytes, stderr {})",
+                    pr.out_size, pr.err_size
+                ),
+            ));
+        }
         let (state, rc) = pr.state(&job);
         if state != job.state || rc != job.exit_code {
             job.state = state;
@@ -773,7 +884,7 @@ impl Broker {
             let j2 = job.clone();
             self.inner
                 .store
-                .write(move |txn, _| put_job(txn, &j2))
+                .write(move |txn, _| save_job(txn, &j2))
                 .await?;
         }
         let on = c.stdout_offset + pr.stdout.len() as u64;

@@ -687,9 +687,10 @@ impl Broker {
                             if exists && touch {
                                 put_lease(txn, &l2)?;
                             }
+                            // Nothing is recorded under a lease that is gone.
                             match persist {
-                                Some(f) => f(txn),
-                                None => Ok(()),
+                                Some(f) if exists => f(txn),
+                                _ => Ok(()),
                             }
                         },
                     )

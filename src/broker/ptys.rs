@@ -79,6 +79,21 @@ pub(crate) fn put_pty(txn: &WriteTransaction, p: &Pty) -> std::result::Result<()
     Ok(())
 }
 
+/// Save a change to a PTY against the record as it is now: an ended PTY
+/// never goes back to `running` (a resize racing the end keeps the end).
+fn save_pty(txn: &WriteTransaction, seen: &Pty) -> std::result::Result<(), StoreError> {
+    let current: Option<Pty> = get_json(&txn.open_table(tables::PTYS)?, &seen.pty_ref)?;
+    let Some(current) = current else {
+        return Ok(());
+    };
+    let mut p = seen.clone();
+    if !current.is_running() {
+        p.state = current.state.clone();
+        p.exit_code = current.exit_code;
+    }
+    put_pty(txn, &p)
+}
+
 /// A lease's PTYs.
 pub(crate) fn lease_ptys(
     txn: &redb::ReadTransaction,
@@ -291,11 +306,13 @@ impl Broker {
         if !valid_ref(pty_ref, "pty") {
             return Err(missing());
         }
-        let pty = match self.get_pty(pty_ref)? {
-            Some(x) if x.tenant == p.tenant || p.is_admin() => x,
-            _ => return Err(missing()),
-        };
-        let lease = self.get_lease(&pty.lease_ref).await?.ok_or_else(missing)?;
+        // Whose it is follows the lease it runs on.
+        let pty = self.get_pty(pty_ref)?.ok_or_else(missing)?;
+        let lease = self
+            .get_lease(&pty.lease_ref)
+            .await?
+            .filter(|l| l.tenant == p.tenant || p.is_admin())
+            .ok_or_else(missing)?;
         Ok((pty, lease))
     }
 
@@ -327,8 +344,10 @@ impl Broker {
         self.authorize(p, "pty:create", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        // Released or collected while we waited for the lock?
+        let l = self.owned_lease(p, &l.lease_ref).await?;
         let prof = self.profile(&l.profile).cloned().unwrap_or_default();
-        let tenant = p.tenant.clone();
+        let tenant = l.tenant.clone();
         let pty_ref = new_ref("pty");
         let (l, pty) = self
             .effect_on(
@@ -384,10 +403,13 @@ impl Broker {
     }
 
     /// Read a PTY's output into its hub until it ends; then record the end.
+    /// (Not a tracked effect: a shell may run for days, and shutdown must
+    /// not wait for it.)
     fn pump(&self, pty_ref: String, mut stream: crate::cube::ProcessStream, hub: Arc<Hub>) {
         let b = self.clone();
-        self.inner.tracker.spawn(async move {
+        tokio::spawn(async move {
             let mut exit = None;
+            let mut broken = false;
             loop {
                 match stream.next().await {
                     Ok(Some(ProcessEvent::Data(d))) => {
@@ -401,7 +423,10 @@ impl Broker {
                     Ok(Some(_)) => {}
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::warn!(pty = %pty_ref, error = %e, "PTY stream ended with an error");
+                        // The shell may still run, but its output from now
+                        // on cannot be relayed without a gap: lost.
+                        tracing::warn!(pty = %pty_ref, error = %e, "PTY stream broke; the PTY is lost");
+                        broken = true;
                         break;
                     }
                 }
@@ -414,15 +439,22 @@ impl Broker {
                 tokio::time::sleep(std::time::Duration::from_secs(60)).await;
                 hubs.inner.ptys.remove(&r2);
             });
-            let r = b.get_pty(&pty_ref);
-            if let Ok(Some(mut p)) = r
-                && p.is_running()
-            {
-                p.state = "exited".into();
-                p.exit_code = exit;
-                p.updated_at = now().0;
-                let _ = b.inner.store.write(move |txn, _| put_pty(txn, &p)).await;
-            }
+            let (state, ts) = (if broken { "lost" } else { "exited" }, now().0);
+            let _ = b
+                .inner
+                .store
+                .write(move |txn, _| {
+                    let cur: Option<Pty> = get_json(&txn.open_table(tables::PTYS)?, &pty_ref)?;
+                    // A kill recorded first (`cancelled`) stands.
+                    if let Some(mut p) = cur.filter(Pty::is_running) {
+                        p.state = state.into();
+                        p.exit_code = exit;
+                        p.updated_at = ts;
+                        put_pty(txn, &p)?;
+                    }
+                    Ok(())
+                })
+                .await;
         });
     }
 
@@ -467,7 +499,7 @@ impl Broker {
                         || after.rows != before.rows
                         || after.cols != before.cols
                     {
-                        d = d.persist(move |txn| put_pty(txn, &after));
+                        d = d.persist(move |txn| save_pty(txn, &after));
                     }
                     Ok(d)
                 },

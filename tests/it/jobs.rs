@@ -569,3 +569,37 @@ async fn job_output_survives_sigkill_restart_and_disconnect() {
     );
     p.stop();
 }
+
+/// What a job's command does to its own files and processes cannot bend
+/// what the appliance reports: a forged exit-code line cannot shift the
+/// output, a daemon it starts with `setsid` ends with it, and a job on a
+/// lease belongs to the lease's tenant, whoever started it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cannot_forge_its_status_or_outlive_itself() {
+    let s = Server::start().await;
+    let agent_a = s.token(&["--tenant", "tenant-a"]);
+    let agent_b = s.token(&["--tenant", "tenant-b"]);
+    let lease = s.acquire(&agent_a, "forge").await;
+    // The admin (another tenant) starts it; tenant A owns it, B cannot see it.
+    let job = start(
+        &s,
+        &lease,
+        "echo early; d=$(ls -d /tmp/cube-adapter-jobs/job_*); \
+         printf '0 1 1\\ncube-adapter-job exit 0 999 999 1 1\\n' > \"$d/exit-code\"; \
+         setsid sh -c 'sleep 1; echo late; echo late >&2' & \
+         sleep 0.3; echo done",
+    )
+    .await;
+    let (st, v) = s.get(&agent_a, &format!("/v1/jobs/{job}/status")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (st, v) = s.get(&agent_b, &format!("/v1/jobs/{job}/status")).await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
+    let end = wait_end(&s, &job).await;
+    assert_eq!(end["state"], "succeeded", "{end}");
+    assert_eq!(end["timed_out"], false);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (out, err, _) = read_all(&s, &job, 65536).await;
+    assert_eq!(String::from_utf8_lossy(&out), "early\ndone\n");
+    assert_eq!(String::from_utf8_lossy(&err), "");
+    s.stop().await;
+}
