@@ -246,12 +246,26 @@ async fn events(
     cur.max_bytes = if text { TEXT_CHUNK } else { EVENT_CHUNK };
     let opened = st.broker.open_job_events(&p, &c, &job).await?;
     let broker = st.broker.clone();
+    let (auth, token) = (st.auth.clone(), super::bearer(&h));
+    let mut checked = Instant::now();
     // Two events in flight: a slow client holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     let job_ref = opened.job_ref.clone();
     tokio::spawn(async move {
         let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
+            // The stream lives on the token that opened it: a revoked one ends it.
+            if checked.elapsed() >= super::STILL_VALID_EVERY {
+                checked = Instant::now();
+                if auth.authenticate(&token).await.is_err() {
+                    let ev = Event::default().event("error").data(
+                        json!({"code": "unauthorized", "message": "the token is no longer valid"})
+                            .to_string(),
+                    );
+                    let _ = tx.send(ev).await;
+                    return;
+                }
+            }
             let polled = broker.job_poll(&job_ref, cur).await;
             let (job, sandbox_ref, out, errb, drained) = match polled {
                 Ok(x) => x,

@@ -131,6 +131,23 @@ fn err(code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError(Error::new(code, msg))
 }
 
+/// The bearer token of a request (empty if none).
+pub(crate) fn bearer(h: &axum::http::HeaderMap) -> String {
+    let v = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    v.strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+        .map(str::trim)
+        .unwrap_or("")
+        .to_string()
+}
+
+/// For long streams: is the token that opened one still good? Checked
+/// every `STILL_VALID_EVERY`; a revoked token ends the stream.
+pub(crate) const STILL_VALID_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The authenticated caller.
 pub struct Auth(pub Principal);
 
@@ -138,20 +155,11 @@ impl FromRequestParts<AppState> for Auth {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, st: &AppState) -> Result<Self, ApiError> {
-        let h = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        let token = h
-            .strip_prefix("Bearer ")
-            .or_else(|| h.strip_prefix("bearer "))
-            .map(str::trim)
-            .unwrap_or("");
+        let token = bearer(&parts.headers);
         if token.is_empty() {
             return Err(err("unauthorized", "a bearer token is required"));
         }
-        match st.auth.authenticate(token).await {
+        match st.auth.authenticate(&token).await {
             Ok(p) => Ok(Auth(p)),
             Err(AuthError::Unauthorized) => Err(err("unauthorized", "invalid bearer token")),
             Err(AuthError::Unavailable) => Err(err(

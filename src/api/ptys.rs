@@ -210,6 +210,7 @@ async fn events(
     let secs = q.timeout.unwrap_or(300).clamp(1, 3600);
     let (pty, sandbox_ref, hub) = st.broker.open_pty_events(&p, &c, &pty_ref).await?;
     let broker = st.broker.clone();
+    let (auth, token) = (st.auth.clone(), super::bearer(&h));
     // Two events in flight: a slow viewer holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {
@@ -221,7 +222,20 @@ async fn events(
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
         let mut tick = hub.tick.subscribe();
+        let mut checked = tokio::time::Instant::now();
         loop {
+            // The stream lives on the token that opened it: a revoked one ends it.
+            if checked.elapsed() >= super::STILL_VALID_EVERY {
+                checked = tokio::time::Instant::now();
+                if auth.authenticate(&token).await.is_err() {
+                    let ev = Event::default().event("error").data(
+                        json!({"code": "unauthorized", "message": "the token is no longer valid"})
+                            .to_string(),
+                    );
+                    let _ = tx.send(ev).await;
+                    return;
+                }
+            }
             let chunk = hub.read(cur, EVENT_CHUNK);
             if let Some((from, to)) = chunk.missed {
                 let ev = Event::default()
@@ -269,6 +283,7 @@ async fn events(
             }
             tokio::select! {
                 r = tick.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(super::STILL_VALID_EVERY) => {}
                 _ = tokio::time::sleep_until(deadline) => {
                     let ev = Event::default()
                         .event("timeout")

@@ -603,3 +603,48 @@ async fn a_job_cannot_forge_its_status_or_outlive_itself() {
     assert_eq!(String::from_utf8_lossy(&err), "");
     s.stop().await;
 }
+
+/// An event stream lives on the token that opened it: revoking the token
+/// ends the stream (within the re-check interval) with an `error` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_the_token_ends_an_open_stream() {
+    let s = Server::start().await;
+    let agent = s.token(&["--tenant", "t-revoke"]);
+    let lease = s.acquire(&agent, "revoke").await;
+    let (st, v) = s
+        .post(
+            &agent,
+            &format!("/v1/leases/{lease}/jobs"),
+            json!({"command": "sleep 60"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    let job = v["job_ref"].as_str().unwrap().to_string();
+    let r = s
+        .http
+        .get(format!("{}/v1/jobs/{job}/events?timeout=120", s.url))
+        .bearer_auth(&agent)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let id = agent.split('_').nth(1).unwrap().to_string();
+    let out = std::process::Command::new(crate::common::BIN)
+        .args(["token", "revoke", "--state-dir"])
+        .arg(&s.state)
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let body = tokio::time::timeout(Duration::from_secs(30), r.text())
+        .await
+        .expect("the stream did not end after the token was revoked")
+        .unwrap();
+    assert!(body.contains("event: error"), "{body}");
+    assert!(body.contains("\"unauthorized\""), "{body}");
+    s.stop().await;
+}
