@@ -1,20 +1,18 @@
 //! Jobs: reference rows 19–23, plus per-stream cursors and `recover`.
 
-use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::sse::Event;
 use axum::routing::{get, post};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiError, AppState, Auth, Strict, ctx, err};
+use super::{ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
 use crate::broker::jobs::{Cursors, DEFAULT_CHUNK, MAX_CHUNK, OutputRequest};
 
 pub fn router() -> Router<AppState> {
@@ -28,14 +26,6 @@ pub fn router() -> Router<AppState> {
         .route("/v1/jobs/{job_ref}/cancel", post(cancel))
         .route("/v1/jobs/{job_ref}/events", get(events))
         .route("/v1/jobs/{job_ref}/recover", get(recover))
-}
-
-type R = Result<Response, ApiError>;
-
-fn header_request_id(h: &HeaderMap) -> Option<String> {
-    h.get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
 }
 
 #[derive(Deserialize)]
@@ -59,14 +49,7 @@ async fn start(
         .broker
         .start_job(&p, &c, &lease, &b.command, b.cwd.as_deref())
         .await?;
-    Ok((axum::http::StatusCode::ACCEPTED, axum::Json(v)).into_response())
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EmptyReq {
-    #[serde(default)]
-    request_id: Option<String>,
+    with_status(axum::http::StatusCode::ACCEPTED, v)
 }
 
 async fn status_get(
@@ -75,8 +58,8 @@ async fn status_get(
     Path(job): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
-    Ok(axum::Json(st.broker.job_status(&p, &c, &job).await?).into_response())
+    let c = header_ctx(&h)?;
+    ok(st.broker.job_status(&p, &c, &job).await?)
 }
 
 async fn status_post(
@@ -86,7 +69,7 @@ async fn status_post(
     Strict(b): Strict<EmptyReq>,
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
-    Ok(axum::Json(st.broker.job_status(&p, &c, &job).await?).into_response())
+    ok(st.broker.job_status(&p, &c, &job).await?)
 }
 
 async fn recover(
@@ -95,8 +78,8 @@ async fn recover(
     Path(job): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
-    Ok(axum::Json(st.broker.recover_job(&p, &c, &job).await?).into_response())
+    let c = header_ctx(&h)?;
+    ok(st.broker.recover_job(&p, &c, &job).await?)
 }
 
 async fn cancel(
@@ -106,7 +89,7 @@ async fn cancel(
     Strict(b): Strict<EmptyReq>,
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
-    Ok(axum::Json(st.broker.cancel_job(&p, &c, &job).await?).into_response())
+    ok(st.broker.cancel_job(&p, &c, &job).await?)
 }
 
 #[derive(Deserialize)]
@@ -178,7 +161,7 @@ async fn output(
             max_bytes,
         }
     };
-    Ok(axum::Json(st.broker.job_output(&p, &c, &job, req).await?).into_response())
+    ok(st.broker.job_output(&p, &c, &job, req).await?)
 }
 
 #[derive(Deserialize)]
@@ -217,7 +200,7 @@ async fn events(
     h: HeaderMap,
 ) -> R {
     let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     // Resume: query offsets, else the last event id a client saw.
     let mut cur = Cursors {
         stdout_offset: q.stdout_offset.unwrap_or(0),
@@ -246,8 +229,7 @@ async fn events(
     cur.max_bytes = if text { TEXT_CHUNK } else { EVENT_CHUNK };
     let opened = st.broker.open_job_events(&p, &c, &job).await?;
     let broker = st.broker.clone();
-    let (auth, token) = (st.auth.clone(), super::bearer(&h));
-    let mut checked = Instant::now();
+    let mut still = super::StreamAuth::new(&st, &h);
     // Two events in flight: a slow client holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     let job_ref = opened.job_ref.clone();
@@ -255,16 +237,8 @@ async fn events(
         let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
             // The stream lives on the token that opened it: a revoked one ends it.
-            if checked.elapsed() >= super::STILL_VALID_EVERY {
-                checked = Instant::now();
-                if auth.authenticate(&token).await.is_err() {
-                    let ev = Event::default().event("error").data(
-                        json!({"code": "unauthorized", "message": "the token is no longer valid"})
-                            .to_string(),
-                    );
-                    let _ = tx.send(ev).await;
-                    return;
-                }
+            if !still.still_valid(&tx).await {
+                return;
             }
             let polled = broker.job_poll(&job_ref, cur).await;
             let (job, sandbox_ref, out, errb, drained) = match polled {
@@ -338,10 +312,5 @@ async fn events(
             }
         }
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
-    });
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(super::sse(rx))
 }

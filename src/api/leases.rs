@@ -3,11 +3,10 @@
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use super::{ApiError, AppState, Auth, Strict, ctx, err};
+use super::{AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
 use crate::broker::leases::FileOp;
 
 pub fn router() -> Router<AppState> {
@@ -47,20 +46,8 @@ pub fn router() -> Router<AppState> {
         .route("/v1/admin/gc", post(admin_gc))
 }
 
-type R = Result<Response, ApiError>;
-
-fn ok(v: serde_json::Value) -> R {
-    Ok(axum::Json(v).into_response())
-}
-
-fn header_request_id(h: &HeaderMap) -> Option<String> {
-    h.get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-}
-
 async fn list(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     ok(st.broker.list_leases(&p, &c).await?)
 }
 
@@ -98,7 +85,7 @@ async fn status_get(
     Path(lease): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     ok(st.broker.lease_status(&p, &c, &lease, false).await?)
 }
 
@@ -404,20 +391,13 @@ async fn recover(
     Path(lease): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     ok(st.broker.recover_lease(&p, &c, &lease).await?)
 }
 
 async fn profiles(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     ok(st.broker.list_profiles(&p, &c).await?)
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EmptyReq {
-    #[serde(default)]
-    request_id: Option<String>,
 }
 
 async fn admin_gc(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<EmptyReq>) -> R {
@@ -431,7 +411,7 @@ async fn checkpoints_list(
     Path(lease): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     ok(st.broker.list_checkpoints(&p, &c, &lease).await?)
 }
 
@@ -455,7 +435,7 @@ async fn checkpoint_create(
         .broker
         .create_checkpoint(&p, &c, &lease, b.name.as_deref())
         .await?;
-    Ok((axum::http::StatusCode::CREATED, axum::Json(v)).into_response())
+    with_status(axum::http::StatusCode::CREATED, v)
 }
 
 #[derive(Deserialize)]

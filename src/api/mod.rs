@@ -131,6 +131,45 @@ fn err(code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError(Error::new(code, msg))
 }
 
+/// A handler's result.
+pub(crate) type R = Result<Response, ApiError>;
+
+/// 200 with a JSON body.
+pub(crate) fn ok(v: serde_json::Value) -> R {
+    Ok(axum::Json(v).into_response())
+}
+
+/// A status code with a JSON body (201, 202).
+pub(crate) fn with_status(status: StatusCode, v: serde_json::Value) -> R {
+    Ok((status, axum::Json(v)).into_response())
+}
+
+/// The context of a body-less request: its `X-Request-Id`, if any.
+pub(crate) fn header_ctx(h: &axum::http::HeaderMap) -> Result<Ctx, ApiError> {
+    ctx(h.get("x-request-id").and_then(|v| v.to_str().ok()))
+}
+
+/// A body that carries nothing but an optional `request_id`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EmptyReq {
+    #[serde(default)]
+    pub request_id: Option<String>,
+}
+
+/// The response for an event stream fed by `rx`.
+pub(crate) fn sse(rx: tokio::sync::mpsc::Receiver<axum::response::sse::Event>) -> Response {
+    use axum::response::sse::{KeepAlive, Sse};
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|ev| (Ok::<_, std::convert::Infallible>(ev), rx))
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
 /// The bearer token of a request (empty if none).
 pub(crate) fn bearer(h: &axum::http::HeaderMap) -> String {
     let v = h
@@ -147,6 +186,43 @@ pub(crate) fn bearer(h: &axum::http::HeaderMap) -> String {
 /// For long streams: is the token that opened one still good? Checked
 /// every `STILL_VALID_EVERY`; a revoked token ends the stream.
 pub(crate) const STILL_VALID_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The token behind an open event stream, re-checked now and then.
+pub(crate) struct StreamAuth {
+    auth: Authenticator,
+    token: String,
+    checked: std::time::Instant,
+}
+
+impl StreamAuth {
+    pub(crate) fn new(st: &AppState, h: &axum::http::HeaderMap) -> Self {
+        Self {
+            auth: st.auth.clone(),
+            token: bearer(h),
+            checked: std::time::Instant::now(),
+        }
+    }
+
+    /// False (after sending an `error` event) once the token is no longer
+    /// valid; checked at most every `STILL_VALID_EVERY`.
+    pub(crate) async fn still_valid(
+        &mut self,
+        tx: &tokio::sync::mpsc::Sender<axum::response::sse::Event>,
+    ) -> bool {
+        if self.checked.elapsed() < STILL_VALID_EVERY {
+            return true;
+        }
+        self.checked = std::time::Instant::now();
+        if self.auth.authenticate(&self.token).await.is_ok() {
+            return true;
+        }
+        let ev = axum::response::sse::Event::default().event("error").data(
+            json!({"code": "unauthorized", "message": "the token is no longer valid"}).to_string(),
+        );
+        let _ = tx.send(ev).await;
+        false
+    }
+}
 
 /// The authenticated caller.
 pub struct Auth(pub Principal);

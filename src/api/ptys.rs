@@ -1,20 +1,18 @@
 //! PTYs: reference rows 24–29, with viewers that resume by offset.
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::sse::Event;
 use axum::routing::{get, post};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiError, AppState, Auth, Strict, ctx, err};
+use super::{ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -24,14 +22,6 @@ pub fn router() -> Router<AppState> {
         .route("/v1/ptys/{pty_ref}/resize", post(resize))
         .route("/v1/ptys/{pty_ref}/kill", post(kill))
         .route("/v1/ptys/{pty_ref}/events", get(events))
-}
-
-type R = Result<Response, ApiError>;
-
-fn header_request_id(h: &HeaderMap) -> Option<String> {
-    h.get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
 }
 
 /// A size in 1..=1000, or 400 `invalid_pty_size`.
@@ -76,7 +66,7 @@ async fn create(
         .broker
         .create_pty(&p, &c, &lease, rows, cols, b.cwd.as_deref())
         .await?;
-    Ok((axum::http::StatusCode::CREATED, axum::Json(v)).into_response())
+    with_status(axum::http::StatusCode::CREATED, v)
 }
 
 async fn status(
@@ -85,8 +75,8 @@ async fn status(
     Path(pty): Path<String>,
     h: HeaderMap,
 ) -> R {
-    let c = ctx(header_request_id(&h).as_deref())?;
-    Ok(axum::Json(st.broker.pty_status(&p, &c, &pty).await?).into_response())
+    let c = header_ctx(&h)?;
+    ok(st.broker.pty_status(&p, &c, &pty).await?)
 }
 
 #[derive(Deserialize)]
@@ -121,7 +111,7 @@ async fn input(
             ));
         }
     };
-    Ok(axum::Json(st.broker.pty_input(&p, &c, &pty, data).await?).into_response())
+    ok(st.broker.pty_input(&p, &c, &pty, data).await?)
 }
 
 #[derive(Deserialize)]
@@ -141,14 +131,7 @@ async fn resize(
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
     let (rows, cols) = (size(Some(&b.rows), 24)?, size(Some(&b.cols), 80)?);
-    Ok(axum::Json(st.broker.pty_resize(&p, &c, &pty, rows, cols).await?).into_response())
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct EmptyReq {
-    #[serde(default)]
-    request_id: Option<String>,
+    ok(st.broker.pty_resize(&p, &c, &pty, rows, cols).await?)
 }
 
 async fn kill(
@@ -158,7 +141,7 @@ async fn kill(
     Strict(b): Strict<EmptyReq>,
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
-    Ok(axum::Json(st.broker.pty_kill(&p, &c, &pty).await?).into_response())
+    ok(st.broker.pty_kill(&p, &c, &pty).await?)
 }
 
 #[derive(Deserialize)]
@@ -197,7 +180,7 @@ async fn events(
     h: HeaderMap,
 ) -> R {
     let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
-    let c = ctx(header_request_id(&h).as_deref())?;
+    let c = header_ctx(&h)?;
     let mut cur = match q.offset {
         Some(o) => o,
         None => match h.get("last-event-id").and_then(|v| v.to_str().ok()) {
@@ -210,7 +193,7 @@ async fn events(
     let secs = q.timeout.unwrap_or(300).clamp(1, 3600);
     let (pty, sandbox_ref, hub) = st.broker.open_pty_events(&p, &c, &pty_ref).await?;
     let broker = st.broker.clone();
-    let (auth, token) = (st.auth.clone(), super::bearer(&h));
+    let mut still = super::StreamAuth::new(&st, &h);
     // Two events in flight: a slow viewer holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {
@@ -222,19 +205,10 @@ async fn events(
         };
         let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
         let mut tick = hub.tick.subscribe();
-        let mut checked = tokio::time::Instant::now();
         loop {
             // The stream lives on the token that opened it: a revoked one ends it.
-            if checked.elapsed() >= super::STILL_VALID_EVERY {
-                checked = tokio::time::Instant::now();
-                if auth.authenticate(&token).await.is_err() {
-                    let ev = Event::default().event("error").data(
-                        json!({"code": "unauthorized", "message": "the token is no longer valid"})
-                            .to_string(),
-                    );
-                    let _ = tx.send(ev).await;
-                    return;
-                }
+            if !still.still_valid(&tx).await {
+                return;
             }
             let chunk = hub.read(cur, EVENT_CHUNK);
             if let Some((from, to)) = chunk.missed {
@@ -295,10 +269,5 @@ async fn events(
             }
         }
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
-    });
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(super::sse(rx))
 }

@@ -2,7 +2,7 @@
 //! sandbox, rolled back to, deleted, and cleaned up with the lease (by
 //! release-kill and by GC, where the reference leaked them).
 
-use redb::{ReadableTable, WriteTransaction};
+use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -11,7 +11,7 @@ use super::{Broker, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::ErrorKind;
-use crate::store::{StoreError, codec, get_json, tables};
+use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
 
 /// Longest checkpoint name (bytes).
 pub const MAX_NAME: usize = 128;
@@ -31,10 +31,6 @@ impl Checkpoint {
     fn summary(&self) -> Value {
         json!({"checkpoint_ref": self.checkpoint_ref, "name": self.name, "created_at": self.created_at})
     }
-}
-
-fn index_key(lease_ref: &str, ckpt: &str) -> String {
-    format!("{lease_ref}\0{ckpt}")
 }
 
 fn put(txn: &WriteTransaction, c: &Checkpoint) -> std::result::Result<(), StoreError> {
@@ -59,18 +55,12 @@ pub(crate) fn lease_checkpoints(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Checkpoint>, StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let idx = txn.open_table(tables::LEASE_CHECKPOINTS)?;
-    let all = txn.open_table(tables::CHECKPOINTS)?;
-    let mut out = vec![];
-    for r in idx.range(from.as_str()..to.as_str())? {
-        let k = r?.0.value().to_string();
-        if let Some((_, c)) = k.split_once('\0')
-            && let Some(c) = get_json::<Checkpoint>(&all, c)?
-        {
-            out.push(c);
-        }
-    }
+    let mut out: Vec<Checkpoint> = owned_items(
+        txn,
+        tables::LEASE_CHECKPOINTS,
+        tables::CHECKPOINTS,
+        lease_ref,
+    )?;
     out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
     Ok(out)
 }
@@ -80,24 +70,12 @@ pub(crate) fn delete_lease_checkpoints(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let keys: Vec<String> = {
-        let t = txn.open_table(tables::LEASE_CHECKPOINTS)?;
-        let mut keys = vec![];
-        for r in t.range(from.as_str()..to.as_str())? {
-            keys.push(r?.0.value().to_string());
-        }
-        keys
-    };
-    let mut idx = txn.open_table(tables::LEASE_CHECKPOINTS)?;
-    let mut all = txn.open_table(tables::CHECKPOINTS)?;
-    for k in keys {
-        idx.remove(k.as_str())?;
-        if let Some((_, c)) = k.split_once('\0') {
-            all.remove(c)?;
-        }
-    }
-    Ok(())
+    delete_owned(
+        txn,
+        tables::LEASE_CHECKPOINTS,
+        tables::CHECKPOINTS,
+        lease_ref,
+    )
 }
 
 impl Broker {
@@ -185,9 +163,7 @@ impl Broker {
         let l = self.owned_lease(p, lease_ref).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
             .await?;
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
-        // Released or collected while we waited for the lock?
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let (l, lock) = self.relock(p, l).await?;
         let ckpt_ref = new_ref("ckpt");
         let name = name.map(str::to_string).unwrap_or_else(|| ckpt_ref.clone());
         let tenant = l.tenant.clone();
@@ -240,8 +216,7 @@ impl Broker {
         let l = self.owned_lease(p, lease_ref).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_rollback")
             .await?;
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let (l, lock) = self.relock(p, l).await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let (l, ()) = self
             .effect_on(
@@ -284,8 +259,7 @@ impl Broker {
         let ev = self.event(p, "checkpoint_delete", ctx);
         self.authorize(p, "checkpoint:delete", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let (l, lock) = self.relock(p, l).await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let (l, ()) = self
             .effect_on(

@@ -15,16 +15,16 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use redb::{ReadableTable, WriteTransaction};
+use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::leases::{Done, Lease, MAX_COMMAND, new_ref, valid_ref};
+use super::leases::{Done, Lease, new_ref, valid_ref};
 use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
-use crate::store::{StoreError, codec, get_json, tables};
+use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
 
 /// Where jobs keep their files inside the sandbox.
 pub const JOBS_DIR: &str = "/tmp/cube-adapter-jobs";
@@ -181,7 +181,7 @@ fn put_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreErro
     txn.open_table(tables::JOBS)?
         .insert(j.job_ref.as_str(), b.as_slice())?;
     txn.open_table(tables::LEASE_JOBS)?
-        .insert(format!("{}\0{}", j.lease_ref, j.job_ref).as_str(), ())?;
+        .insert(index_key(&j.lease_ref, &j.job_ref).as_str(), ())?;
     Ok(())
 }
 
@@ -205,7 +205,7 @@ fn save_job(txn: &WriteTransaction, seen: &Job) -> std::result::Result<(), Store
 fn delete_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreError> {
     txn.open_table(tables::JOBS)?.remove(j.job_ref.as_str())?;
     txn.open_table(tables::LEASE_JOBS)?
-        .remove(format!("{}\0{}", j.lease_ref, j.job_ref).as_str())?;
+        .remove(index_key(&j.lease_ref, &j.job_ref).as_str())?;
     Ok(())
 }
 
@@ -214,24 +214,7 @@ pub(crate) fn delete_lease_jobs(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let keys: Vec<String> = {
-        let t = txn.open_table(tables::LEASE_JOBS)?;
-        let mut keys = vec![];
-        for r in t.range(from.as_str()..to.as_str())? {
-            keys.push(r?.0.value().to_string());
-        }
-        keys
-    };
-    let mut idx = txn.open_table(tables::LEASE_JOBS)?;
-    let mut jobs = txn.open_table(tables::JOBS)?;
-    for k in keys {
-        idx.remove(k.as_str())?;
-        if let Some((_, job)) = k.split_once('\0') {
-            jobs.remove(job)?;
-        }
-    }
-    Ok(())
+    delete_owned(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)
 }
 
 /// A lease's jobs, oldest first.
@@ -239,18 +222,7 @@ pub(crate) fn lease_jobs(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Job>, StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let idx = txn.open_table(tables::LEASE_JOBS)?;
-    let jobs = txn.open_table(tables::JOBS)?;
-    let mut out = vec![];
-    for r in idx.range(from.as_str()..to.as_str())? {
-        let k = r?.0.value().to_string();
-        if let Some((_, job)) = k.split_once('\0')
-            && let Some(j) = get_json::<Job>(&jobs, job)?
-        {
-            out.push(j);
-        }
-    }
+    let mut out: Vec<Job> = owned_items(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)?;
     out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
     Ok(out)
 }
@@ -462,27 +434,15 @@ impl Broker {
         command: &str,
         cwd: Option<&str>,
     ) -> Result<Value> {
-        if command.len() > MAX_COMMAND {
-            return Err(Error::new(
-                "value_too_large",
-                format!("command is longer than {MAX_COMMAND} bytes"),
-            ));
-        }
-        if command.trim().is_empty() {
-            return Err(Error::new("invalid_request", "command must not be empty"));
-        }
-        let cwd = match cwd {
-            Some(c) => self.checked_path(p, ctx, "job_start", c).await?,
-            None => "/workspace".to_string(),
-        };
+        let cwd = self
+            .command_and_cwd(p, ctx, "job_start", command, cwd)
+            .await?;
         let ev = self.event(p, "job_start", ctx);
         self.authorize(p, "job:start", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
         // One start at a time per lease: the quota check and the record are
         // under the lease's lock until the outcome is committed.
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
-        // Released or collected while we waited for the lock?
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let (l, lock) = self.relock(p, l).await?;
         let prof = self.profile(&l.profile).cloned().unwrap_or_default();
         let digest = self.inner.journal.digest("command", command.as_bytes());
         let job_ref = new_ref("job");

@@ -470,6 +470,43 @@ impl Broker {
         }
     }
 
+    /// Take a lease's lock and look the lease up again: it may have been
+    /// released or collected while we waited.
+    pub(crate) async fn relock(
+        &self,
+        p: &Principal,
+        l: Lease,
+    ) -> Result<(Lease, super::LockGuard)> {
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let l = self.owned_lease(p, &l.lease_ref).await?;
+        Ok((l, lock))
+    }
+
+    /// Check a command (size, not blank) and its working directory (path
+    /// policy; default `/workspace`).
+    pub(crate) async fn command_and_cwd(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        action: &str,
+        command: &str,
+        cwd: Option<&str>,
+    ) -> Result<String> {
+        if command.len() > MAX_COMMAND {
+            return Err(Error::new(
+                "value_too_large",
+                format!("command is longer than {MAX_COMMAND} bytes"),
+            ));
+        }
+        if command.trim().is_empty() {
+            return Err(Error::new("invalid_request", "command must not be empty"));
+        }
+        match cwd {
+            Some(c) => self.checked_path(p, ctx, action, c).await,
+            None => Ok("/workspace".to_string()),
+        }
+    }
+
     /// Record a failed effect's outcome.
     pub(crate) async fn fail(&self, intent: Intent, e: &Error) -> Result<()> {
         let outcome = if e.code == "timeout" {
@@ -737,19 +774,7 @@ impl Broker {
         cwd: Option<&str>,
         timeout_ms: Option<u64>,
     ) -> Result<Value> {
-        if command.len() > MAX_COMMAND {
-            return Err(Error::new(
-                "value_too_large",
-                format!("command is longer than {MAX_COMMAND} bytes"),
-            ));
-        }
-        if command.trim().is_empty() {
-            return Err(Error::new("invalid_request", "command must not be empty"));
-        }
-        let cwd = match cwd {
-            Some(c) => self.checked_path(p, ctx, "exec", c).await?,
-            None => "/workspace".to_string(),
-        };
+        let cwd = self.command_and_cwd(p, ctx, "exec", command, cwd).await?;
         if timeout_ms == Some(0) {
             return Err(Error::new(
                 "invalid_timeout",

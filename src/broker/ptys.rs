@@ -21,7 +21,7 @@ use crate::clock::now;
 use crate::cube::envd::decode_data;
 use crate::cube::wire::{ProcessEvent, PtySize};
 use crate::cube::{ErrorKind, StartOptions};
-use crate::store::{StoreError, codec, get_json, tables};
+use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
 
 /// Output kept per PTY for viewers that connect or reconnect later.
 pub const RETAIN: usize = 1024 * 1024;
@@ -75,7 +75,7 @@ pub(crate) fn put_pty(txn: &WriteTransaction, p: &Pty) -> std::result::Result<()
     txn.open_table(tables::PTYS)?
         .insert(p.pty_ref.as_str(), b.as_slice())?;
     txn.open_table(tables::LEASE_PTYS)?
-        .insert(format!("{}\0{}", p.lease_ref, p.pty_ref).as_str(), ())?;
+        .insert(index_key(&p.lease_ref, &p.pty_ref).as_str(), ())?;
     Ok(())
 }
 
@@ -99,19 +99,7 @@ pub(crate) fn lease_ptys(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Pty>, StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let idx = txn.open_table(tables::LEASE_PTYS)?;
-    let all = txn.open_table(tables::PTYS)?;
-    let mut out = vec![];
-    for r in idx.range(from.as_str()..to.as_str())? {
-        let k = r?.0.value().to_string();
-        if let Some((_, p)) = k.split_once('\0')
-            && let Some(p) = get_json::<Pty>(&all, p)?
-        {
-            out.push(p);
-        }
-    }
-    Ok(out)
+    owned_items(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
 }
 
 /// Remove a lease's PTY records.
@@ -119,24 +107,7 @@ pub(crate) fn delete_lease_ptys(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    let (from, to) = (format!("{lease_ref}\0"), format!("{lease_ref}\u{1}"));
-    let keys: Vec<String> = {
-        let t = txn.open_table(tables::LEASE_PTYS)?;
-        let mut keys = vec![];
-        for r in t.range(from.as_str()..to.as_str())? {
-            keys.push(r?.0.value().to_string());
-        }
-        keys
-    };
-    let mut idx = txn.open_table(tables::LEASE_PTYS)?;
-    let mut all = txn.open_table(tables::PTYS)?;
-    for k in keys {
-        idx.remove(k.as_str())?;
-        if let Some((_, p)) = k.split_once('\0') {
-            all.remove(p)?;
-        }
-    }
-    Ok(())
+    delete_owned(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
 }
 
 /// Mark every PTY recorded as running `lost` (at start: their terminals
@@ -343,9 +314,7 @@ impl Broker {
         let ev = self.event(p, "pty_create", ctx);
         self.authorize(p, "pty:create", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
-        // Released or collected while we waited for the lock?
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let (l, lock) = self.relock(p, l).await?;
         let prof = self.profile(&l.profile).cloned().unwrap_or_default();
         let tenant = l.tenant.clone();
         let pty_ref = new_ref("pty");

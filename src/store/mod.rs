@@ -463,6 +463,65 @@ fn fail(inner: &std::sync::Weak<Inner>, e: &StoreError) {
     }
 }
 
+/// An index key: `owner \0 item` (a lease's jobs, PTYs, checkpoints).
+pub fn index_key(owner: &str, item: &str) -> String {
+    format!("{owner}\0{item}")
+}
+
+fn owner_range(owner: &str) -> (String, String) {
+    (format!("{owner}\0"), format!("{owner}\u{1}"))
+}
+
+/// The records an owner has, through an index table (`owner \0 item` →
+/// ()) into their own table (item → JSON).
+pub fn owned_items<T: serde::de::DeserializeOwned>(
+    txn: &ReadTransaction,
+    index: redb::TableDefinition<&str, ()>,
+    items: redb::TableDefinition<&str, &[u8]>,
+    owner: &str,
+) -> Result<Vec<T>, StoreError> {
+    let (from, to) = owner_range(owner);
+    let idx = txn.open_table(index)?;
+    let all = txn.open_table(items)?;
+    let mut out = vec![];
+    for r in idx.range(from.as_str()..to.as_str())? {
+        let k = r?.0.value().to_string();
+        if let Some((_, item)) = k.split_once('\0')
+            && let Some(v) = get_json::<T>(&all, item)?
+        {
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// Remove everything an owner has from an index table and its items.
+pub fn delete_owned(
+    txn: &WriteTransaction,
+    index: redb::TableDefinition<&str, ()>,
+    items: redb::TableDefinition<&str, &[u8]>,
+    owner: &str,
+) -> Result<(), StoreError> {
+    let (from, to) = owner_range(owner);
+    let keys: Vec<String> = {
+        let t = txn.open_table(index)?;
+        let mut keys = vec![];
+        for r in t.range(from.as_str()..to.as_str())? {
+            keys.push(r?.0.value().to_string());
+        }
+        keys
+    };
+    let mut idx = txn.open_table(index)?;
+    let mut all = txn.open_table(items)?;
+    for k in keys {
+        idx.remove(k.as_str())?;
+        if let Some((_, item)) = k.split_once('\0') {
+            all.remove(item)?;
+        }
+    }
+    Ok(())
+}
+
 /// Read a JSON value from a `&str → &[u8]` table.
 pub fn get_json<T: serde::de::DeserializeOwned>(
     table: &impl ReadableTable<&'static str, &'static [u8]>,
