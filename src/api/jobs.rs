@@ -12,7 +12,9 @@ use base64::engine::general_purpose::STANDARD as B64;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
+use super::{
+    ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, int_in, ok, with_status,
+};
 use crate::broker::jobs::{Cursors, DEFAULT_CHUNK, MAX_CHUNK, OutputRequest};
 
 pub fn router() -> Router<AppState> {
@@ -107,31 +109,17 @@ struct OutputReq {
     request_id: Option<String>,
 }
 
-/// A non-negative integer offset, or 400 `invalid_offset`.
+/// A non-negative integer offset (default 0), or 400 `invalid_offset`.
 fn offset(v: Option<&Value>, name: &str) -> Result<u64, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(0),
-        Some(v) => v
-            .as_u64()
-            .ok_or_else(|| err("invalid_offset", format!("{name} must be an integer ≥ 0"))),
-    }
+    let msg = format!("{name} must be an integer ≥ 0");
+    Ok(int_in(v, 0..=u64::MAX, "invalid_offset", &msg)?.unwrap_or(0))
 }
 
 /// A chunk size in 1..=1 MiB (default 64 KiB), or 400 `invalid_limit`.
 fn limit(v: Option<&Value>) -> Result<usize, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(DEFAULT_CHUNK),
-        Some(v) => v
-            .as_u64()
-            .and_then(|n| usize::try_from(n).ok())
-            .filter(|n| (1..=MAX_CHUNK).contains(n))
-            .ok_or_else(|| {
-                err(
-                    "invalid_limit",
-                    format!("max_bytes must be an integer in 1..={MAX_CHUNK}"),
-                )
-            }),
-    }
+    let msg = format!("max_bytes must be an integer in 1..={MAX_CHUNK}");
+    let n = int_in(v, 1..=MAX_CHUNK as u64, "invalid_limit", &msg)?;
+    Ok(n.map_or(DEFAULT_CHUNK, |n| n as usize))
 }
 
 async fn output(

@@ -6,7 +6,7 @@ use axum::http::HeaderMap;
 use axum::routing::{get, post};
 use serde::Deserialize;
 
-use super::{AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
+use super::{AppState, Auth, EmptyReq, R, Strict, ctx, header_ctx, int_in, ok, with_status};
 use crate::broker::leases::FileOp;
 
 pub fn router() -> Router<AppState> {
@@ -121,18 +121,12 @@ async fn exec(
     Strict(b): Strict<ExecReq>,
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
-    let timeout = match &b.timeout_ms {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => Some(n),
-            _ => {
-                return Err(err(
-                    "invalid_timeout",
-                    "timeout_ms must be an integer of at least 1",
-                ));
-            }
-        },
-    };
+    let timeout = int_in(
+        b.timeout_ms.as_ref(),
+        1..=u64::MAX,
+        "invalid_timeout",
+        "timeout_ms must be an integer of at least 1",
+    )?;
     ok(st
         .broker
         .exec(&p, &c, &lease, &b.command, b.cwd.as_deref(), timeout)
@@ -374,14 +368,12 @@ async fn renew(
     Strict(b): Strict<RenewReq>,
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
-    let seconds = match &b.seconds {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v) => Some(
-            v.as_u64()
-                .filter(|n| (1..=86_400).contains(n))
-                .ok_or_else(|| err("invalid_request", "seconds must be an integer in 1..=86400"))?,
-        ),
-    };
+    let seconds = int_in(
+        b.seconds.as_ref(),
+        1..=86_400,
+        "invalid_request",
+        "seconds must be an integer in 1..=86400",
+    )?;
     ok(st.broker.renew(&p, &c, &lease, seconds).await?)
 }
 

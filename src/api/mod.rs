@@ -149,6 +149,24 @@ pub(crate) fn header_ctx(h: &axum::http::HeaderMap) -> Result<Ctx, ApiError> {
     ctx(h.get("x-request-id").and_then(|v| v.to_str().ok()))
 }
 
+/// An optional integer field: absent or null gives `None`; otherwise an
+/// integer in `range`, or 400 with `code` and `message`.
+pub(crate) fn int_in(
+    v: Option<&serde_json::Value>,
+    range: std::ops::RangeInclusive<u64>,
+    code: &'static str,
+    message: &str,
+) -> Result<Option<u64>, ApiError> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| range.contains(n))
+            .map(Some)
+            .ok_or_else(|| err(code, message.to_string())),
+    }
+}
+
 /// A body that carries nothing but an optional `request_id`.
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]

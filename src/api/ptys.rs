@@ -12,7 +12,9 @@ use base64::engine::general_purpose::STANDARD as B64;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, ok, with_status};
+use super::{
+    ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, int_in, ok, with_status,
+};
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -26,19 +28,13 @@ pub fn router() -> Router<AppState> {
 
 /// A size in 1..=1000, or 400 `invalid_pty_size`.
 fn size(v: Option<&Value>, default: u32) -> Result<u32, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v
-            .as_u64()
-            .filter(|n| (1..=1000).contains(n))
-            .map(|n| n as u32)
-            .ok_or_else(|| {
-                err(
-                    "invalid_pty_size",
-                    "rows and cols must be integers in 1..=1000",
-                )
-            }),
-    }
+    let n = int_in(
+        v,
+        1..=1000,
+        "invalid_pty_size",
+        "rows and cols must be integers in 1..=1000",
+    )?;
+    Ok(n.map_or(default, |n| n as u32))
 }
 
 #[derive(Deserialize)]
