@@ -456,18 +456,7 @@ async fn tenants_scopes_and_tokens() {
         )
         .await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
-    let id = b.split('_').nth(1).unwrap().to_string();
-    let out = std::process::Command::new(BIN)
-        .args(["token", "revoke", "--state-dir"])
-        .arg(&s.state)
-        .arg(&id)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    revoke(&s.state, &b);
     let (st, _) = s.get(&b, "/v1/leases").await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
     // token list shows ids and scopes, never secrets.
@@ -905,6 +894,86 @@ async fn router_and_openapi_are_in_step() {
         .unwrap();
     assert_eq!(r.text().await.unwrap(), cube_adapter::api::OPENAPI);
     s.stop().await;
+}
+
+/// A state directory for `serve` processes, and a client for them (made
+/// once the first process has created the CA and the admin token).
+pub struct ProcRig {
+    _reaper: SandboxReaper,
+    pub state: PathBuf,
+    pub config: PathBuf,
+    pub http: reqwest::Client,
+    pub admin: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ProcRig {
+    /// A fresh state directory and a first `serve` process on it.
+    pub fn start() -> (Self, Proc) {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, "").unwrap();
+        let reaper = SandboxReaper(state.join("embedded/sandboxes"));
+        let p = Proc::start(&state, &config, &[]).unwrap();
+        let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+            .build()
+            .unwrap();
+        let admin = std::fs::read_to_string(state.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        let rig = Self {
+            _reaper: reaper,
+            state,
+            config,
+            http,
+            admin,
+            _dir: dir,
+        };
+        (rig, p)
+    }
+
+    /// SIGKILL a process and start another on the same state.
+    pub fn kill_and_restart(&self, mut p: Proc) -> Proc {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p.child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        p.child.wait().unwrap();
+        Proc::start(&self.state, &self.config, &[]).unwrap()
+    }
+
+    /// POST (with a body) or GET (without) as the admin.
+    pub async fn call(&self, url: String, body: Option<Value>) -> (StatusCode, Value) {
+        let r = match body {
+            Some(b) => self.http.post(url).bearer_auth(&self.admin).json(&b),
+            None => self.http.get(url).bearer_auth(&self.admin),
+        };
+        let r = r.send().await.unwrap();
+        let st = r.status();
+        (st, r.json::<Value>().await.unwrap_or(Value::Null))
+    }
+}
+
+/// Revoke a token (by its id) through the CLI.
+pub fn revoke(state: &std::path::Path, token: &str) {
+    let id = token.split('_').nth(1).unwrap().to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["token", "revoke", "--state-dir"])
+        .arg(state)
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A `cube-adapter serve` process on 127.0.0.1:0 and its URL.

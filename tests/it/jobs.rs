@@ -408,37 +408,10 @@ async fn sse_read(
 /// both give exactly the bytes the job wrote, with no overlap and no gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_output_survives_sigkill_restart_and_disconnect() {
-    use crate::appliance::{Proc, SandboxReaper};
-    cube_adapter::tls::install_default_provider();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
-    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
-    let p = Proc::start(&state, &config, &[]).unwrap();
-    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
-    let http = reqwest::Client::builder()
-        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
-        .build()
-        .unwrap();
-    let admin = std::fs::read_to_string(state.join("admin.token"))
-        .unwrap()
-        .trim()
-        .to_string();
-    let post = |url: String, body: Value| {
-        let (http, admin) = (http.clone(), admin.clone());
-        async move {
-            let r = http
-                .post(url)
-                .bearer_auth(admin)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            let st = r.status();
-            (st, r.json::<Value>().await.unwrap())
-        }
-    };
+    use crate::appliance::ProcRig;
+    let (rig, p) = ProcRig::start();
+    let (http, admin) = (rig.http.clone(), rig.admin.clone());
+    let post = |url: String, body: Value| rig.call(url, Some(body));
     let (_, v) = post(
         format!("{}/v1/leases/acquire", p.url),
         json!({"runtime": "mcp", "session_key": "jobs-crash"}),
@@ -476,14 +449,7 @@ async fn job_output_survives_sigkill_restart_and_disconnect() {
         err.extend(B64.decode(v["stderr_base64"].as_str().unwrap()).unwrap());
         assert_eq!(v["eof"], false);
     }
-    let mut p = p;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(p.child.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    p.child.wait().unwrap();
-    let p = Proc::start(&state, &config, &[]).unwrap();
+    let p = rig.kill_and_restart(p);
     url = p.url.clone();
 
     // After the restart: the job is still addressable and (still) running.
@@ -628,18 +594,7 @@ async fn revoking_the_token_ends_an_open_stream() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    let id = agent.split('_').nth(1).unwrap().to_string();
-    let out = std::process::Command::new(crate::common::BIN)
-        .args(["token", "revoke", "--state-dir"])
-        .arg(&s.state)
-        .arg(&id)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::appliance::revoke(&s.state, &agent);
     let body = tokio::time::timeout(Duration::from_secs(30), r.text())
         .await
         .expect("the stream did not end after the token was revoked")

@@ -231,40 +231,8 @@ async fn pty_viewers_resize_reconnect_and_kill() {
 /// restart it is `lost`, and its lease and sandbox are still there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pty_is_lost_after_a_restart() {
-    use crate::appliance::{Proc, SandboxReaper};
-    cube_adapter::tls::install_default_provider();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
-    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
-    let p = Proc::start(&state, &config, &[]).unwrap();
-    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
-    let http = reqwest::Client::builder()
-        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
-        .build()
-        .unwrap();
-    let admin = std::fs::read_to_string(state.join("admin.token"))
-        .unwrap()
-        .trim()
-        .to_string();
-    let call = |url: String, body: Option<Value>| {
-        let (http, admin) = (http.clone(), admin.clone());
-        async move {
-            let r = match body {
-                Some(b) => http
-                    .post(url)
-                    .bearer_auth(admin)
-                    .json(&b)
-                    .send()
-                    .await
-                    .unwrap(),
-                None => http.get(url).bearer_auth(admin).send().await.unwrap(),
-            };
-            let st = r.status();
-            (st, r.json::<Value>().await.unwrap())
-        }
-    };
+    let (rig, p) = crate::appliance::ProcRig::start();
+    let call = |url: String, body: Option<Value>| rig.call(url, body);
     let (_, v) = call(
         format!("{}/v1/leases/acquire", p.url),
         Some(json!({"runtime": "mcp", "session_key": "pty-restart"})),
@@ -274,14 +242,7 @@ async fn pty_is_lost_after_a_restart() {
     let (st, v) = call(format!("{}/v1/leases/{lease}/ptys", p.url), Some(json!({}))).await;
     assert_eq!(st, StatusCode::CREATED, "{v}");
     let pty = v["pty_ref"].as_str().unwrap().to_string();
-    let mut p = p;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(p.child.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    p.child.wait().unwrap();
-    let p = Proc::start(&state, &config, &[]).unwrap();
+    let p = rig.kill_and_restart(p);
     let (st, v) = call(format!("{}/v1/ptys/{pty}/status", p.url), None).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["state"], "lost", "{v}");
