@@ -304,7 +304,11 @@ pub async fn serve(
         auth: authn,
         metrics: Arc::default(),
     };
-    let app = api::router(st);
+    // `/mcp` runs its tools through the same `/v1` router, in-process.
+    let v1 = api::router(st.clone());
+    let mut hosts = names.clone();
+    hosts.extend(["localhost", "127.0.0.1", "::1"].map(String::from));
+    let app = crate::mcp::http::router(st, v1.clone(), hosts).merge(v1);
     let tls = if cfg.insecure_plain_http {
         anyhow::ensure!(
             addr.ip().is_loopback(),

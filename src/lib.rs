@@ -24,6 +24,7 @@ pub mod clock;
 pub mod config;
 pub mod cube;
 pub mod embedded;
+pub mod mcp;
 pub mod server;
 pub mod standalone;
 pub mod store;

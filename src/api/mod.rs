@@ -189,7 +189,7 @@ pub(crate) fn sse(rx: tokio::sync::mpsc::Receiver<axum::response::sse::Event>) -
 }
 
 /// The bearer token of a request (empty if none).
-pub(crate) fn bearer(h: &axum::http::HeaderMap) -> String {
+pub fn bearer(h: &axum::http::HeaderMap) -> String {
     let v = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -382,6 +382,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/metrics"),
+    ("POST", "/mcp"),
+    ("GET", "/mcp"),
+    ("DELETE", "/mcp"),
     ("GET", "/openapi.yaml"),
     ("GET", "/v1/leases"),
     ("POST", "/v1/leases/acquire"),

@@ -14,6 +14,7 @@ mod appliance;
 mod common;
 mod embedded;
 mod jobs;
+mod mcp;
 mod ptys;
 mod sdk;
 mod upkeep;

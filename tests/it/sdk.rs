@@ -7,10 +7,11 @@ use std::process::{Command, Stdio};
 
 use crate::common::BIN;
 
-const SDK: &str = "cubesandbox==0.7.3";
+/// The official SDKs the tests drive, pinned.
+const SDKS: &[&str] = &["cubesandbox==0.7.3", "mcp==2.3.0"];
 
-/// A virtualenv with the SDK (created once, reused by later runs).
-fn sdk_python() -> PathBuf {
+/// A virtualenv with the SDKs (created once, reused by later runs).
+pub fn sdk_python() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let venv = root.join("target/sdk-venv");
     let py = venv.join("bin/python");
@@ -18,7 +19,7 @@ fn sdk_python() -> PathBuf {
         && Command::new(&py)
             .args([
                 "-c",
-                "import importlib.metadata as m; assert m.version('cubesandbox') == '0.7.3'",
+                "import importlib.metadata as m; assert m.version('cubesandbox') == '0.7.3'; assert m.version('mcp') == '2.3.0'",
             ])
             .status()
             .is_ok_and(|s| s.success());
@@ -39,11 +40,11 @@ fn sdk_python() -> PathBuf {
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",
-                SDK,
             ])
+            .args(SDKS)
             .status()
             .unwrap();
-        assert!(st.success(), "pip install {SDK} failed");
+        assert!(st.success(), "pip install {SDKS:?} failed");
     }
     py
 }

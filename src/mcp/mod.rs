@@ -1,0 +1,223 @@
+//! MCP: the agent tool surface, built on `rmcp`.
+//!
+//! Every tool is one `/v1` request (see `tools`), so MCP adds no policy of
+//! its own: on the appliance (`/mcp`) the request goes through the same
+//! router in-process with the caller's own `Authorization` header (same
+//! identity, scopes, audit and errors); from `cube-adapter mcp` it goes to
+//! the appliance over HTTPS. An appliance error comes back as a tool error
+//! carrying its code and message.
+
+pub mod http;
+pub mod tools;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use rmcp::ErrorData as McpError;
+use rmcp::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    ToolAnnotations,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use serde_json::{Value, json};
+
+use self::tools::{Host, Request, TOOLS};
+
+/// Largest `/v1` answer a tool call reads (artifacts are 8 MiB, as base64).
+const MAX_ANSWER: usize = 16 * 1024 * 1024;
+
+/// Where tool calls go.
+#[derive(Clone)]
+pub enum Upstream {
+    /// This appliance's `/v1` router, in-process; the caller's own
+    /// `Authorization` header is taken from each MCP request.
+    Local(axum::Router),
+    /// An appliance over HTTPS (`cube-adapter mcp`), with a fixed identity.
+    Remote {
+        http: reqwest::Client,
+        base: String,
+        token: Option<crate::cube::Secret>,
+    },
+}
+
+/// The MCP server: one per session.
+#[derive(Clone)]
+pub struct McpServer {
+    upstream: Arc<Upstream>,
+    host: Host,
+}
+
+impl McpServer {
+    pub fn new(upstream: Upstream, host: Host) -> Self {
+        Self {
+            upstream: Arc::new(upstream),
+            host,
+        }
+    }
+
+    /// The tools, as MCP lists them.
+    pub fn tools() -> Vec<Tool> {
+        TOOLS
+            .iter()
+            .map(|t| {
+                let schema = match tools::schema(t.name) {
+                    Value::Object(m) => m,
+                    _ => serde_json::Map::new(),
+                };
+                let mut tool = Tool::new(t.name, t.description, Arc::new(schema));
+                tool.title = Some(t.title.to_string());
+                tool.annotations = Some(ToolAnnotations::from_raw(
+                    Some(t.title.to_string()),
+                    Some(t.read_only),
+                    Some(t.destructive),
+                    Some(t.idempotent),
+                    // Only the sandbox it leases: a closed world.
+                    Some(false),
+                ));
+                tool
+            })
+            .collect()
+    }
+
+    /// Send one `/v1` request: its status and JSON answer.
+    async fn send(
+        &self,
+        req: &Request,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<(u16, Value), String> {
+        match self.upstream.as_ref() {
+            Upstream::Local(router) => {
+                use tower::ServiceExt;
+                let auth = ctx
+                    .extensions
+                    .get::<axum::http::request::Parts>()
+                    .and_then(|p| p.headers.get(axum::http::header::AUTHORIZATION).cloned())
+                    .ok_or("the MCP request carried no Authorization header")?;
+                let mut b = axum::http::Request::builder()
+                    .method(req.method)
+                    .uri(&req.path)
+                    .header(axum::http::header::AUTHORIZATION, auth);
+                let body = match &req.body {
+                    Some(v) => {
+                        b = b.header(axum::http::header::CONTENT_TYPE, "application/json");
+                        Body::from(v.to_string())
+                    }
+                    None => Body::empty(),
+                };
+                let r = b.body(body).map_err(|e| e.to_string())?;
+                let resp = router.clone().oneshot(r).await.map_err(|e| e.to_string())?;
+                let status = resp.status().as_u16();
+                let bytes = axum::body::to_bytes(resp.into_body(), MAX_ANSWER)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                Ok((status, v))
+            }
+            Upstream::Remote { http, base, token } => {
+                let url = format!("{}{}", base.trim_end_matches('/'), req.path);
+                let mut b = match req.method {
+                    "GET" => http.get(url),
+                    _ => http.post(url),
+                };
+                if let Some(t) = token {
+                    b = b.bearer_auth(t.expose());
+                }
+                if let Some(v) = &req.body {
+                    b = b.json(v);
+                }
+                let resp = b
+                    .send()
+                    .await
+                    .map_err(|e| format!("the appliance did not answer: {e}"))?;
+                let status = resp.status().as_u16();
+                let bytes = resp
+                    .bytes()
+                    .await
+                    .map_err(|e| format!("the appliance's answer broke off: {e}"))?;
+                let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                Ok((status, v))
+            }
+        }
+    }
+
+    /// The host settings for this call (`/mcp?profile=…` on the appliance).
+    fn host_for(&self, ctx: &RequestContext<RoleServer>) -> Host {
+        let mut host = self.host.clone();
+        if let Some(q) = ctx
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.uri.query())
+        {
+            for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
+                if k == "profile" && !v.is_empty() {
+                    host.profile = Some(v.into_owned());
+                }
+            }
+        }
+        host
+    }
+}
+
+/// A tool error the model can act on: the appliance's code and message.
+fn tool_error(code: &str, message: &str) -> CallToolResult {
+    let mut r = CallToolResult::structured_error(json!({"code": code, "message": message}));
+    r.content = vec![ContentBlock::text(format!("{code}: {message}"))];
+    r
+}
+
+impl ServerHandler for McpServer {
+    #[allow(deprecated)]
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(
+                Implementation::new("cube-adapter", env!("CARGO_PKG_VERSION"))
+                    .with_title("CubeSandbox sandboxes"),
+            )
+            .with_instructions(
+                "Sandboxed Linux machines for running code. Start with cube_acquire \
+                 (runtime mcp and a stable session_key), then use the lease_ref it returns. \
+                 Use cube_exec for short commands and cube_job_start + cube_job_resume for \
+                 long ones. Paths must be under /workspace or /tmp. Release with cube_release \
+                 when done.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        Ok(ListToolsResult::with_all_items(Self::tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let args = request.arguments.clone().unwrap_or_default();
+        let host = self.host_for(&context);
+        let req = match tools::request(request.name.as_ref(), &args, &host) {
+            Ok(r) => r,
+            Err(m) => return Ok(tool_error("invalid_request", &m).into()),
+        };
+        let (status, v) = match self.send(&req, &context).await {
+            Ok(x) => x,
+            Err(m) => return Ok(tool_error("unavailable", &m).into()),
+        };
+        if (200..300).contains(&status) {
+            return Ok(CallToolResult::structured(v).into());
+        }
+        let code = v
+            .pointer("/error/code")
+            .and_then(Value::as_str)
+            .unwrap_or("execution_failed");
+        let message = v
+            .pointer("/error/message")
+            .and_then(Value::as_str)
+            .unwrap_or("the appliance refused the call");
+        Ok(tool_error(code, message).into())
+    }
+}

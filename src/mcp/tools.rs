@@ -1,0 +1,444 @@
+//! The agent tool set: the reference's tools with the same names and
+//! arguments (those whose endpoints exist here), plus ours. Each tool is one
+//! `/v1` request; the profile comes from the host, never from the model.
+
+use serde_json::{Map, Value, json};
+
+/// One tool: what the model sees, and the request it makes.
+pub struct ToolDef {
+    pub name: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    /// Reads only (no effect on the sandbox or the appliance's state).
+    pub read_only: bool,
+    /// May destroy or overwrite something.
+    pub destructive: bool,
+    /// Calling it again with the same arguments has no further effect.
+    pub idempotent: bool,
+}
+
+const fn tool(
+    name: &'static str,
+    title: &'static str,
+    description: &'static str,
+    (read_only, destructive, idempotent): (bool, bool, bool),
+) -> ToolDef {
+    ToolDef {
+        name,
+        title,
+        description,
+        read_only,
+        destructive,
+        idempotent,
+    }
+}
+
+const READ: (bool, bool, bool) = (true, false, true);
+const WRITE: (bool, bool, bool) = (false, false, false);
+const OVERWRITE: (bool, bool, bool) = (false, true, true);
+const DESTROY: (bool, bool, bool) = (false, true, false);
+
+/// Every tool, in the order hosts list them.
+pub const TOOLS: &[ToolDef] = &[
+    tool(
+        "cube_profiles",
+        "List profiles",
+        "List the sandbox profiles this identity may use and their limits (time per command, idle time, jobs per lease, checkpoints, keepalive). The profile itself is chosen by the host, not by you.",
+        READ,
+    ),
+    tool(
+        "cube_acquire",
+        "Acquire a sandbox",
+        "Get a sandbox (a MicroVM) for this session, or the one it already has: the same session_key always returns the same lease_ref until it is released. Use the returned lease_ref with every other tool.",
+        (false, false, true),
+    ),
+    tool(
+        "cube_status",
+        "Lease status",
+        "The lease's state, its jobs and checkpoints, and how long it stays before it is collected for being idle.",
+        READ,
+    ),
+    tool(
+        "cube_exec",
+        "Run a command",
+        "Run a shell command (bash -l -c) in the sandbox and wait for it: exit_code, stdout and stderr (64 KiB each, truncated with a flag). timeout_ms defaults to 120000 and is capped by the profile. For anything longer, use cube_job_start.",
+        WRITE,
+    ),
+    tool(
+        "cube_read_text",
+        "Read a text file",
+        "Read a UTF-8 file under /workspace or /tmp (the first 64 KiB, truncated with a flag).",
+        READ,
+    ),
+    tool(
+        "cube_write_text",
+        "Write a text file",
+        "Create or replace a UTF-8 file under /workspace or /tmp (up to 256 KiB).",
+        OVERWRITE,
+    ),
+    tool(
+        "cube_list_files",
+        "List a directory",
+        "List a directory under /workspace or /tmp (at most 1000 entries).",
+        READ,
+    ),
+    tool(
+        "cube_stat_file",
+        "File metadata",
+        "Type, size, mode and modification time of a path under /workspace or /tmp.",
+        READ,
+    ),
+    tool(
+        "cube_upload_artifact",
+        "Upload a binary file",
+        "Write a binary file (base64, up to 8 MiB decoded) under /workspace or /tmp; returns its sha256.",
+        OVERWRITE,
+    ),
+    tool(
+        "cube_download_artifact",
+        "Download a binary file",
+        "Read a binary file (up to 8 MiB) as base64, with its sha256.",
+        READ,
+    ),
+    tool(
+        "cube_job_start",
+        "Start a background job",
+        "Start a long-running command (builds, tests, training) that outlives this call: returns a job_ref at once. Its output is kept in the sandbox; read it with cube_job_resume (or cube_job_output), check it with cube_job_status, stop it with cube_job_cancel. The profile's time limit ends it (state timed_out).",
+        WRITE,
+    ),
+    tool(
+        "cube_job_status",
+        "Job status",
+        "A job's state: running, succeeded, failed, cancelled, timed_out or lost, and its exit code.",
+        READ,
+    ),
+    tool(
+        "cube_job_output",
+        "Job output (fragment)",
+        "Page a job's output the reference's way: a JSON fragment of both streams sliced by bytes (offset, max_bytes). Prefer cube_job_resume, whose offsets never shift.",
+        READ,
+    ),
+    tool(
+        "cube_job_resume",
+        "Job output (cursors)",
+        "Read a job's output from where you left off: pass the stdout_offset and stderr_offset from the previous call (0 at first). Returns the new bytes of each stream (base64), the next offsets, and eof once the job has ended and everything is read.",
+        READ,
+    ),
+    tool(
+        "cube_job_cancel",
+        "Cancel a job",
+        "Stop a running job and everything it started.",
+        DESTROY,
+    ),
+    tool(
+        "cube_checkpoint",
+        "Create a checkpoint",
+        "Snapshot the sandbox's files so that you can roll back to them (when the profile allows checkpoints).",
+        WRITE,
+    ),
+    tool(
+        "cube_checkpoint_list",
+        "List checkpoints",
+        "The lease's checkpoints, oldest first.",
+        READ,
+    ),
+    tool(
+        "cube_rollback",
+        "Roll back to a checkpoint",
+        "Restore the sandbox's files to a checkpoint. Running commands, jobs and terminals end.",
+        DESTROY,
+    ),
+    tool(
+        "cube_renew",
+        "Keep the sandbox alive",
+        "Extend the sandbox's time while you are not using it (within the profile's keepalive limit after your last use).",
+        (false, false, true),
+    ),
+    tool(
+        "cube_release",
+        "Release the sandbox",
+        "End the lease: kill (the default) deletes the sandbox and its checkpoints; pause keeps it for later.",
+        DESTROY,
+    ),
+];
+
+/// The JSON Schema of a tool's arguments.
+pub fn schema(name: &str) -> Value {
+    let lease = json!({"type": "string", "pattern": "^lease_[a-f0-9]{20}$", "description": "From cube_acquire."});
+    let job = json!({"type": "string", "pattern": "^job_[a-f0-9]{20}$", "description": "From cube_job_start."});
+    let path = json!({"type": "string", "maxLength": 4096, "description": "An absolute path under /workspace or /tmp."});
+    let request_id = json!({"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,80}$", "description": "Optional, echoed back and recorded in the audit journal."});
+    let (props, required): (Value, &[&str]) = match name {
+        "cube_profiles" => (json!({}), &[]),
+        "cube_acquire" => (
+            json!({
+                "runtime": {"type": "string", "enum": ["openclaw", "dsh", "hermes", "mcp"], "description": "Which agent runtime you are (usually mcp)."},
+                "session_key": {"type": "string", "minLength": 1, "maxLength": 512, "description": "A stable key for this conversation or task."},
+                "request_id": request_id,
+            }),
+            &["runtime", "session_key"],
+        ),
+        "cube_status" | "cube_checkpoint_list" => (json!({"lease_ref": lease}), &["lease_ref"]),
+        "cube_exec" => (
+            json!({
+                "lease_ref": lease,
+                "command": {"type": "string", "minLength": 1, "maxLength": 16384},
+                "cwd": path,
+                "timeout_ms": {"type": "integer", "minimum": 1, "default": 120000},
+                "request_id": request_id,
+            }),
+            &["lease_ref", "command"],
+        ),
+        "cube_read_text" | "cube_stat_file" | "cube_download_artifact" => (
+            json!({"lease_ref": lease, "path": path}),
+            &["lease_ref", "path"],
+        ),
+        "cube_list_files" => (json!({"lease_ref": lease, "path": path}), &["lease_ref"]),
+        "cube_write_text" => (
+            json!({"lease_ref": lease, "path": path, "content": {"type": "string", "maxLength": 262144}}),
+            &["lease_ref", "path", "content"],
+        ),
+        "cube_upload_artifact" => (
+            json!({"lease_ref": lease, "path": path, "content_base64": {"type": "string", "contentEncoding": "base64"}}),
+            &["lease_ref", "path", "content_base64"],
+        ),
+        "cube_job_start" => (
+            json!({"lease_ref": lease, "command": {"type": "string", "minLength": 1, "maxLength": 16384}, "cwd": path}),
+            &["lease_ref", "command"],
+        ),
+        "cube_job_status" | "cube_job_cancel" => (json!({"job_ref": job}), &["job_ref"]),
+        "cube_job_output" => (
+            json!({"job_ref": job, "offset": {"type": "integer", "minimum": 0, "default": 0}, "max_bytes": {"type": "integer", "minimum": 1, "maximum": 1048576, "default": 65536}}),
+            &["job_ref"],
+        ),
+        "cube_job_resume" => (
+            json!({
+                "job_ref": job,
+                "stdout_offset": {"type": "integer", "minimum": 0, "default": 0},
+                "stderr_offset": {"type": "integer", "minimum": 0, "default": 0},
+                "max_bytes": {"type": "integer", "minimum": 1, "maximum": 1048576, "default": 65536, "description": "Per stream."},
+            }),
+            &["job_ref"],
+        ),
+        "cube_checkpoint" => (
+            json!({"lease_ref": lease, "name": {"type": "string", "minLength": 1, "maxLength": 128}}),
+            &["lease_ref"],
+        ),
+        "cube_rollback" => (
+            json!({"lease_ref": lease, "checkpoint_ref": {"type": "string", "pattern": "^ckpt_[a-f0-9]{20}$"}}),
+            &["lease_ref", "checkpoint_ref"],
+        ),
+        "cube_renew" => (
+            json!({"lease_ref": lease, "seconds": {"type": "integer", "minimum": 1, "maximum": 86400}}),
+            &["lease_ref"],
+        ),
+        "cube_release" => (
+            json!({"lease_ref": lease, "action": {"type": "string", "enum": ["kill", "pause"], "default": "kill"}}),
+            &["lease_ref"],
+        ),
+        _ => (json!({}), &[]),
+    };
+    json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
+}
+
+/// What the host fixes for every call.
+#[derive(Debug, Clone, Default)]
+pub struct Host {
+    /// The profile `cube_acquire` asks for (default: the appliance's).
+    pub profile: Option<String>,
+}
+
+/// A `/v1` request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    pub method: &'static str,
+    pub path: String,
+    pub body: Option<Value>,
+}
+
+/// The request a tool call makes, or a message for the model.
+pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Request, String> {
+    let s = |k: &str| -> Result<String, String> {
+        match args.get(k) {
+            Some(Value::String(v)) => Ok(v.clone()),
+            Some(_) => Err(format!("{k} must be a string")),
+            None => Err(format!("{k} is required")),
+        }
+    };
+    // A reference that goes into the URL path: only the shape it must have.
+    let r = |k: &str, prefix: &str| -> Result<String, String> {
+        let v = s(k)?;
+        let ok = v
+            .strip_prefix(prefix)
+            .and_then(|h| h.strip_prefix('_'))
+            .is_some_and(|h| h.len() == 20 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+        if ok {
+            Ok(v)
+        } else {
+            Err(format!("{k} is not a {prefix}_… reference"))
+        }
+    };
+    // The body: the given fields except the ones in the path.
+    let body = |skip: &[&str], extra: &[(&str, Value)]| -> Value {
+        let mut m: Map<String, Value> = args
+            .iter()
+            .filter(|(k, _)| !skip.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (k, v) in extra {
+            m.entry(k.to_string()).or_insert_with(|| v.clone());
+        }
+        Value::Object(m)
+    };
+    let post = |path: String, b: Value| Request {
+        method: "POST",
+        path,
+        body: Some(b),
+    };
+    let get = |path: String| Request {
+        method: "GET",
+        path,
+        body: None,
+    };
+    Ok(match name {
+        "cube_profiles" => get("/v1/profiles".into()),
+        "cube_acquire" => {
+            let mut b = body(&["profile"], &[]);
+            if let (Some(p), Some(m)) = (&host.profile, b.as_object_mut()) {
+                m.insert("profile".into(), json!(p));
+            }
+            post("/v1/leases/acquire".into(), b)
+        }
+        "cube_status" => post(
+            format!("/v1/leases/{}/status", r("lease_ref", "lease")?),
+            json!({}),
+        ),
+        "cube_exec" => post(
+            format!("/v1/leases/{}/exec", r("lease_ref", "lease")?),
+            body(
+                &["lease_ref"],
+                &[("cwd", json!("/workspace")), ("timeout_ms", json!(120000))],
+            ),
+        ),
+        "cube_read_text" | "cube_write_text" | "cube_stat_file" => {
+            let op = match name {
+                "cube_read_text" => "read",
+                "cube_write_text" => "write",
+                _ => "stat",
+            };
+            post(
+                format!("/v1/leases/{}/{op}", r("lease_ref", "lease")?),
+                body(&["lease_ref"], &[]),
+            )
+        }
+        "cube_list_files" => post(
+            format!("/v1/leases/{}/list", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[("path", json!("/workspace"))]),
+        ),
+        "cube_upload_artifact" => post(
+            format!("/v1/leases/{}/artifacts/upload", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[]),
+        ),
+        "cube_download_artifact" => post(
+            format!("/v1/leases/{}/artifacts/download", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[]),
+        ),
+        "cube_job_start" => post(
+            format!("/v1/leases/{}/jobs", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[("cwd", json!("/workspace"))]),
+        ),
+        "cube_job_status" => post(
+            format!("/v1/jobs/{}/status", r("job_ref", "job")?),
+            json!({}),
+        ),
+        "cube_job_cancel" => post(
+            format!("/v1/jobs/{}/cancel", r("job_ref", "job")?),
+            json!({}),
+        ),
+        "cube_job_output" => post(
+            format!("/v1/jobs/{}/output", r("job_ref", "job")?),
+            body(
+                &["job_ref"],
+                &[("offset", json!(0)), ("max_bytes", json!(65536))],
+            ),
+        ),
+        "cube_job_resume" => post(
+            format!("/v1/jobs/{}/output", r("job_ref", "job")?),
+            body(
+                &["job_ref"],
+                &[("stdout_offset", json!(0)), ("stderr_offset", json!(0))],
+            ),
+        ),
+        "cube_checkpoint" => post(
+            format!("/v1/leases/{}/checkpoints", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[]),
+        ),
+        "cube_checkpoint_list" => get(format!(
+            "/v1/leases/{}/checkpoints",
+            r("lease_ref", "lease")?
+        )),
+        "cube_rollback" => post(
+            format!(
+                "/v1/leases/{}/checkpoints/{}/rollback",
+                r("lease_ref", "lease")?,
+                r("checkpoint_ref", "ckpt")?
+            ),
+            json!({}),
+        ),
+        "cube_renew" => post(
+            format!("/v1/leases/{}/renew", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[]),
+        ),
+        "cube_release" => post(
+            format!("/v1/leases/{}/release", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[("action", json!("kill"))]),
+        ),
+        other => return Err(format!("no tool named {other}")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tool_has_a_schema_and_a_request() {
+        for t in TOOLS {
+            let s = schema(t.name);
+            assert_eq!(s["type"], "object", "{}", t.name);
+            let mut args = Map::new();
+            for k in s["required"].as_array().unwrap() {
+                let k = k.as_str().unwrap();
+                let v = match k {
+                    "lease_ref" => "lease_0123456789abcdef0123",
+                    "job_ref" => "job_0123456789abcdef0123",
+                    "checkpoint_ref" => "ckpt_0123456789abcdef0123",
+                    "runtime" => "mcp",
+                    _ => "x",
+                };
+                args.insert(k.into(), json!(v));
+            }
+            let r = request(t.name, &args, &Host::default()).unwrap();
+            assert!(r.path.starts_with("/v1/"), "{}", t.name);
+            assert!(!r.path.contains('{'), "{}", t.name);
+        }
+    }
+
+    #[test]
+    fn refs_and_profile_cannot_come_from_the_model() {
+        let mut args = Map::new();
+        args.insert("lease_ref".into(), json!("lease_../../admin/gc/xxxxxxx"));
+        assert!(request("cube_status", &args, &Host::default()).is_err());
+        let mut args = Map::new();
+        args.insert("runtime".into(), json!("mcp"));
+        args.insert("session_key".into(), json!("s"));
+        args.insert("profile".into(), json!("wide-open"));
+        let host = Host {
+            profile: Some("offline-code".into()),
+        };
+        let r = request("cube_acquire", &args, &host).unwrap();
+        assert_eq!(r.body.unwrap()["profile"], "offline-code");
+        let r = request("cube_acquire", &args, &Host::default()).unwrap();
+        assert!(r.body.unwrap().get("profile").is_none());
+    }
+}

@@ -1,0 +1,91 @@
+"""The official MCP Python SDK (mcp==2.3.0, unmodified) against the appliance's
+/mcp endpoint over HTTPS with the generated CA. Prints "mcp-smoke: all ok"."""
+
+import asyncio
+import base64
+import os
+import sys
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+URL = os.environ["MCP_URL"]
+TOKEN = os.environ["MCP_TOKEN"]
+CA = os.environ["MCP_CA"]
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAILED: {what}", file=sys.stderr)
+        sys.exit(1)
+
+
+async def call(c, name, args):
+    r = await c.call_tool(name, args)
+    return r
+
+
+async def main():
+    # No token: refused before any MCP processing.
+    async with httpx2.AsyncClient(verify=CA) as raw:
+        r = await raw.post(URL, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        check(r.status_code == 401, f"no token gives 401, got {r.status_code}")
+        check(r.json()["error"]["code"] == "unauthorized", "the 401 carries the code")
+
+    http = httpx2.AsyncClient(
+        verify=CA, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(120)
+    )
+    async with Client(streamable_http_client(URL, http_client=http)) as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        for name in ["cube_acquire", "cube_exec", "cube_job_start", "cube_job_resume", "cube_release",
+                     "cube_profiles", "cube_renew", "cube_checkpoint_list"]:
+            check(name in tools, f"tool {name} is listed")
+        check(tools["cube_read_text"].annotations.read_only_hint is True, "read is read-only")
+        check(tools["cube_release"].annotations.destructive_hint is True, "release is destructive")
+        check("profile" not in tools["cube_acquire"].input_schema["properties"], "no profile argument")
+
+        r = await call(c, "cube_acquire", {"runtime": "mcp", "session_key": "mcp-smoke"})
+        check(not r.is_error, f"acquire: {r.content}")
+        lease = r.structured_content["lease_ref"]
+
+        r = await call(c, "cube_exec", {"lease_ref": lease, "command": "echo hi; echo there >&2"})
+        check(not r.is_error and r.structured_content["stdout"] == "hi\n", f"exec: {r.structured_content}")
+        check(r.structured_content["stderr"] == "there\n", "exec stderr")
+
+        r = await call(c, "cube_write_text", {"lease_ref": lease, "path": "/workspace/a.txt", "content": "héllo"})
+        check(not r.is_error, f"write: {r.content}")
+        r = await call(c, "cube_read_text", {"lease_ref": lease, "path": "/workspace/a.txt"})
+        check(r.structured_content["content"] == "héllo", f"read: {r.structured_content}")
+
+        r = await call(c, "cube_job_start", {"lease_ref": lease, "command": "printf abc; sleep 0.3; printf err >&2"})
+        check(not r.is_error, f"job start: {r.content}")
+        job = r.structured_content["job_ref"]
+        out, err = b"", b""
+        for _ in range(200):
+            r = await call(c, "cube_job_resume",
+                           {"job_ref": job, "stdout_offset": len(out), "stderr_offset": len(err)})
+            check(not r.is_error, f"job resume: {r.content}")
+            s = r.structured_content
+            out += base64.b64decode(s["stdout_base64"])
+            err += base64.b64decode(s["stderr_base64"])
+            if s["eof"]:
+                break
+            await asyncio.sleep(0.1)
+        check((out, err) == (b"abc", b"err"), f"job output by cursor: {out!r} {err!r}")
+
+        # A denied action is a tool error carrying the appliance's code.
+        r = await call(c, "cube_read_text", {"lease_ref": lease, "path": "/etc/passwd"})
+        check(r.is_error, "reading /etc/passwd is refused")
+        check(r.structured_content["code"] == "path_denied", f"code: {r.structured_content}")
+        check("path_denied" in r.content[0].text, "the text names the code")
+
+        r = await call(c, "cube_release", {"lease_ref": lease})
+        check(not r.is_error and r.structured_content["action"] == "kill", f"release: {r.content}")
+        r = await call(c, "cube_status", {"lease_ref": lease})
+        check(r.is_error and r.structured_content["code"] == "lease_not_found", "released lease is gone")
+    await http.aclose()
+    print("mcp-smoke: all ok")
+
+
+asyncio.run(main())
