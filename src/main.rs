@@ -232,6 +232,18 @@ enum Command {
     /// Measure performance (prints p50/p90/p99/max; never a pass/fail test).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The agent tools over MCP on stdin/stdout, as a client of an appliance.
+    ///
+    /// For hosts that start MCP servers as commands (Codex, Claude Code,
+    /// OpenCode, …). Configured by the environment: CUBE_ADAPTER_URL
+    /// (default https://127.0.0.1:18080), CUBE_ADAPTER_TOKEN or
+    /// CUBE_ADAPTER_TOKEN_FILE, CUBE_ADAPTER_CA_FILE (the appliance's CA),
+    /// CUBE_ADAPTER_CLIENT_CERT_FILE + CUBE_ADAPTER_CLIENT_KEY_FILE,
+    /// CUBE_ADAPTER_PROFILE (the profile leases are acquired with) and
+    /// CUBE_ADAPTER_RUNTIME (the runtime when the model gives none). Plain
+    /// HTTP only to loopback; a client certificate only over HTTPS. Exit 2
+    /// when the settings are refused (before any connection is tried).
+    Mcp,
     /// Run the embedded CubeSandbox-compatible backend on its own.
     ///
     /// Speaks CubeAPI and (by Host, like CubeProxy) envd on one port. Sandboxes
@@ -470,6 +482,33 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("error: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Mcp => {
+            let settings =
+                match cube_adapter::mcp::stdio::Settings::from_env(|k| std::env::var(k).ok()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("cube-adapter mcp: {e}");
+                        return ExitCode::from(2);
+                    }
+                };
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cube-adapter mcp: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(cube_adapter::mcp::stdio::run(settings)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cube-adapter mcp: {e}");
                     ExitCode::FAILURE
                 }
             }

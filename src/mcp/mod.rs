@@ -8,6 +8,7 @@
 //! carrying its code and message.
 
 pub mod http;
+pub mod stdio;
 pub mod tools;
 
 use std::sync::Arc;

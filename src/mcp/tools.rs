@@ -246,6 +246,8 @@ pub fn schema(name: &str) -> Value {
 pub struct Host {
     /// The profile `cube_acquire` asks for (default: the appliance's).
     pub profile: Option<String>,
+    /// The runtime `cube_acquire` uses when the model gives none.
+    pub runtime: Option<String>,
 }
 
 /// A `/v1` request.
@@ -303,7 +305,8 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
     Ok(match name {
         "cube_profiles" => get("/v1/profiles".into()),
         "cube_acquire" => {
-            let mut b = body(&["profile"], &[]);
+            let runtime = host.runtime.as_ref().map(|r| ("runtime", json!(r)));
+            let mut b = body(&["profile"], runtime.as_slice());
             if let (Some(p), Some(m)) = (&host.profile, b.as_object_mut()) {
                 m.insert("profile".into(), json!(p));
             }
@@ -435,6 +438,7 @@ mod tests {
         args.insert("profile".into(), json!("wide-open"));
         let host = Host {
             profile: Some("offline-code".into()),
+            runtime: None,
         };
         let r = request("cube_acquire", &args, &host).unwrap();
         assert_eq!(r.body.unwrap()["profile"], "offline-code");

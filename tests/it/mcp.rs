@@ -6,28 +6,79 @@ use serde_json::{Value, json};
 
 use crate::appliance::Server;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn official_mcp_sdk_over_https() {
-    let s = Server::start().await;
-    let token = s.token(&["--tenant", "mcp-tenant"]);
+/// Run the SDK script in one mode against a running appliance.
+async fn sdk(s: &Server, mode: &str, url: &str, token: &str) {
     let py = crate::sdk::sdk_python();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mcp_smoke.py");
-    let (url, ca) = (format!("{}/mcp", s.url), s.state.join("tls/ca.pem"));
     let out = tokio::process::Command::new(&py)
         .arg(&script)
-        .env("MCP_URL", &url)
-        .env("MCP_TOKEN", &token)
-        .env("MCP_CA", &ca)
+        .env("MCP_MODE", mode)
+        .env("MCP_URL", url)
+        .env("MCP_TOKEN", token)
+        .env("MCP_CA", s.state.join("tls/ca.pem"))
+        .env("MCP_BIN", crate::common::BIN)
         .output()
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && stdout.contains("mcp-smoke: all ok"),
+        out.status.success() && stdout.contains(&format!("mcp-smoke ({mode}): all ok")),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The official `mcp` SDK, unmodified: over HTTPS to `/mcp`, and over stdio
+/// through `cube-adapter mcp` (which reaches `/v1` over HTTPS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_mcp_sdk_over_https_and_stdio() {
+    let s = Server::start().await;
+    let token = s.token(&["--tenant", "mcp-tenant"]);
+    sdk(&s, "http", &format!("{}/mcp", s.url), &token).await;
+    sdk(&s, "stdio", &s.url, &token).await;
     s.stop().await;
+}
+
+/// `cube-adapter mcp` refuses bad transport settings with a clear message
+/// and exit 2, before any connection is tried (the host is under
+/// `.invalid`: nothing could be reached anyway).
+#[test]
+fn mcp_stdio_refuses_unsafe_transports() {
+    for (env, want) in [
+        (
+            vec![
+                ("CUBE_ADAPTER_URL", "http://cube.invalid:18080"),
+                ("CUBE_ADAPTER_TOKEN", "t"),
+            ],
+            "refusing plain HTTP",
+        ),
+        (
+            vec![("CUBE_ADAPTER_URL", "https://cube.invalid")],
+            "no identity",
+        ),
+        (
+            vec![
+                ("CUBE_ADAPTER_URL", "http://127.0.0.1:9"),
+                ("CUBE_ADAPTER_CLIENT_CERT_FILE", "/nonexistent.pem"),
+                ("CUBE_ADAPTER_CLIENT_KEY_FILE", "/nonexistent.key"),
+            ],
+            "only sent over https",
+        ),
+    ] {
+        let mut cmd = std::process::Command::new(crate::common::BIN);
+        cmd.arg("mcp").env_clear().env("PATH", "/usr/bin:/bin");
+        for (k, v) in &env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{env:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{env:?}: {err}");
+        assert!(
+            out.stdout.is_empty(),
+            "nothing on stdout (it is the MCP channel)"
+        );
+    }
 }
 
 /// A session belongs to the identity that opened it; unknown methods are

@@ -1,5 +1,7 @@
-"""The official MCP Python SDK (mcp==2.3.0, unmodified) against the appliance's
-/mcp endpoint over HTTPS with the generated CA. Prints "mcp-smoke: all ok"."""
+"""The official MCP Python SDK (mcp==2.3.0, unmodified) against the appliance:
+MCP_MODE=http connects to its /mcp endpoint over HTTPS with the generated CA;
+MCP_MODE=stdio spawns `cube-adapter mcp` (MCP_BIN), which reaches the
+appliance's /v1 over HTTPS. Prints "mcp-smoke: all ok"."""
 
 import asyncio
 import base64
@@ -7,9 +9,10 @@ import os
 import sys
 
 import httpx2
-from mcp import Client
+from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+MODE = os.environ.get("MCP_MODE", "http")
 URL = os.environ["MCP_URL"]
 TOKEN = os.environ["MCP_TOKEN"]
 CA = os.environ["MCP_CA"]
@@ -27,16 +30,30 @@ async def call(c, name, args):
 
 
 async def main():
-    # No token: refused before any MCP processing.
-    async with httpx2.AsyncClient(verify=CA) as raw:
-        r = await raw.post(URL, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
-        check(r.status_code == 401, f"no token gives 401, got {r.status_code}")
-        check(r.json()["error"]["code"] == "unauthorized", "the 401 carries the code")
-
-    http = httpx2.AsyncClient(
-        verify=CA, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(120)
-    )
-    async with Client(streamable_http_client(URL, http_client=http)) as c:
+    http = None
+    if MODE == "http":
+        # No token: refused before any MCP processing.
+        async with httpx2.AsyncClient(verify=CA) as raw:
+            r = await raw.post(URL, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+            check(r.status_code == 401, f"no token gives 401, got {r.status_code}")
+            check(r.json()["error"]["code"] == "unauthorized", "the 401 carries the code")
+        http = httpx2.AsyncClient(
+            verify=CA, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(120)
+        )
+        target = streamable_http_client(URL, http_client=http)
+    else:
+        target = StdioServerParameters(
+            command=os.environ["MCP_BIN"],
+            args=["mcp"],
+            env={
+                "CUBE_ADAPTER_URL": URL,
+                "CUBE_ADAPTER_TOKEN": TOKEN,
+                "CUBE_ADAPTER_CA_FILE": CA,
+                "CUBE_ADAPTER_PROFILE": "offline-code",
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            },
+        )
+    async with Client(target) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
         for name in ["cube_acquire", "cube_exec", "cube_job_start", "cube_job_resume", "cube_release",
                      "cube_profiles", "cube_renew", "cube_checkpoint_list"]:
@@ -84,8 +101,9 @@ async def main():
         check(not r.is_error and r.structured_content["action"] == "kill", f"release: {r.content}")
         r = await call(c, "cube_status", {"lease_ref": lease})
         check(r.is_error and r.structured_content["code"] == "lease_not_found", "released lease is gone")
-    await http.aclose()
-    print("mcp-smoke: all ok")
+    if http is not None:
+        await http.aclose()
+    print(f"mcp-smoke ({MODE}): all ok")
 
 
 asyncio.run(main())
