@@ -428,6 +428,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/ptys/{pty_ref}/resize"),
     ("POST", "/v1/ptys/{pty_ref}/kill"),
     ("GET", "/v1/ptys/{pty_ref}/events"),
+    ("POST", "/v1/ptys/{pty_ref}/output"),
 ];
 
 pub fn router(st: AppState) -> Router {

@@ -24,6 +24,7 @@ pub fn router() -> Router<AppState> {
         .route("/v1/ptys/{pty_ref}/resize", post(resize))
         .route("/v1/ptys/{pty_ref}/kill", post(kill))
         .route("/v1/ptys/{pty_ref}/events", get(events))
+        .route("/v1/ptys/{pty_ref}/output", post(output))
 }
 
 /// A size in 1..=1000, or 400 `invalid_pty_size`.
@@ -138,6 +139,57 @@ async fn kill(
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
     ok(st.broker.pty_kill(&p, &c, &pty).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputReq {
+    #[serde(default)]
+    offset: Option<Value>,
+    #[serde(default)]
+    max_bytes: Option<Value>,
+    #[serde(default)]
+    wait_ms: Option<Value>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn output(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(pty): Path<String>,
+    Strict(b): Strict<OutputReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let offset = int_in(
+        b.offset.as_ref(),
+        0..=u64::MAX,
+        "invalid_offset",
+        "offset must be an integer ≥ 0",
+    )?;
+    let max = int_in(
+        b.max_bytes.as_ref(),
+        1..=1024 * 1024,
+        "invalid_limit",
+        "max_bytes must be an integer in 1..=1048576",
+    )?;
+    let wait = int_in(
+        b.wait_ms.as_ref(),
+        0..=30_000,
+        "invalid_request",
+        "wait_ms must be an integer in 0..=30000",
+    )?;
+    ok(st
+        .broker
+        .pty_output(
+            &p,
+            &c,
+            &pty,
+            offset.unwrap_or(0),
+            max.map_or(64 * 1024, |n| n as usize),
+            std::time::Duration::from_millis(wait.unwrap_or(0)),
+        )
+        .await?)
 }
 
 #[derive(Deserialize)]

@@ -314,6 +314,17 @@ impl Broker {
         let ev = self.event(p, "pty_create", ctx);
         self.authorize(p, "pty:create", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
+        if !self.profile(&l.profile).is_some_and(|pr| pr.ptys_enabled) {
+            return Err(self
+                .reject(
+                    self.lease_event(p, "pty_create", ctx, &l),
+                    Error::new(
+                        "action_denied",
+                        format!("PTYs are not enabled for profile {}", l.profile),
+                    ),
+                )
+                .await);
+        }
         let (l, lock) = self.relock(p, l).await?;
         let prof = self.profile(&l.profile).cloned().unwrap_or_default();
         let tenant = l.tenant.clone();
@@ -599,6 +610,65 @@ impl Broker {
             l.sandbox_ref,
             self.inner.ptys.get(&pty.pty_ref),
         ))
+    }
+
+    /// `POST /v1/ptys/{ref}/output`: up to `max` bytes of output from
+    /// `offset`, waiting up to `wait` for some when there is none yet (for
+    /// clients that cannot hold an event stream, such as MCP tools).
+    pub async fn pty_output(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        pty_ref: &str,
+        offset: u64,
+        max: usize,
+        wait: std::time::Duration,
+    ) -> Result<Value> {
+        let ev = self.event(p, "pty_output", ctx);
+        self.authorize(p, "pty:events", &ev).await?;
+        let (_, l) = self.owned_pty(p, pty_ref).await?;
+        let mut ev = self.lease_event(p, "pty_output", ctx, &l);
+        ev.outcome = "ok".into();
+        self.inner.journal.record(ev).await?;
+        let hub = self.inner.ptys.get(pty_ref);
+        let chunk = match &hub {
+            Some(h) => {
+                let mut tick = h.tick.subscribe();
+                let mut c = h.read(offset, max);
+                if c.bytes.is_empty() && !c.ended && !wait.is_zero() {
+                    let _ = tokio::time::timeout(wait, tick.changed()).await;
+                    c = h.read(offset, max);
+                }
+                Some(c)
+            }
+            None => None,
+        };
+        // The record after the read: an end seen in the output is in it.
+        let pty = self
+            .get_pty(pty_ref)?
+            .ok_or_else(|| Error::new("pty_not_found", "no such PTY"))?;
+        let mut m = pty.fields(&l.sandbox_ref, ctx);
+        let (from, bytes, missed, eof) = match chunk {
+            Some(c) => (c.from, c.bytes, c.missed, c.ended),
+            // Not running in this process: nothing more will come.
+            None => (offset, vec![], None, true),
+        };
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        for (k, v) in [
+            ("offset", json!(from)),
+            ("next_offset", json!(from + bytes.len() as u64)),
+            ("content_base64", json!(b64)),
+            ("encoding", json!("base64")),
+            (
+                "missed",
+                json!(missed.map(|(a, b)| json!({"from": a, "to": b}))),
+            ),
+            ("eof", json!(eof)),
+        ] {
+            m.insert(k.into(), v);
+        }
+        Ok(Value::Object(m))
     }
 
     /// The current record of a PTY (for event streams).

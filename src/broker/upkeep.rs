@@ -75,6 +75,7 @@ impl Broker {
                     "allow_internet_access": pr.allow_internet_access,
                     "checkpoints_enabled": pr.checkpoints_enabled,
                     "keepalive_enabled": pr.keepalive_enabled,
+                    "ptys_enabled": pr.ptys_enabled,
                     "max_keepalive_seconds": pr.max_keepalive_seconds,
                 })
             })

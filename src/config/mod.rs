@@ -121,6 +121,8 @@ pub struct Profile {
     pub lifecycle: Lifecycle,
     /// Keep the sandbox alive while jobs or PTYs run.
     pub keepalive_enabled: bool,
+    /// Interactive terminals (PTYs) may be opened on leases of this profile.
+    pub ptys_enabled: bool,
     pub max_keepalive_seconds: u64,
 }
 
@@ -142,6 +144,7 @@ impl Default for Profile {
                 auto_resume: true,
             },
             keepalive_enabled: false,
+            ptys_enabled: true,
             max_keepalive_seconds: 3600,
         }
     }

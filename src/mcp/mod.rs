@@ -26,6 +26,9 @@ use serde_json::{Value, json};
 
 use self::tools::{Host, Request, TOOLS};
 
+/// The profile `/v1/leases/acquire` uses when none is given.
+const DEFAULT_PROFILE: &str = "offline-code";
+
 /// Largest `/v1` answer a tool call reads (artifacts are 8 MiB, as base64).
 const MAX_ANSWER: usize = 16 * 1024 * 1024;
 
@@ -143,6 +146,29 @@ impl McpServer {
         }
     }
 
+    /// Whether the profile leases are acquired with allows PTYs (asked of
+    /// the appliance; no answer means no).
+    async fn ptys_allowed(&self, ctx: &RequestContext<RoleServer>) -> bool {
+        let want = self
+            .host_for(ctx)
+            .profile
+            .unwrap_or_else(|| DEFAULT_PROFILE.to_string());
+        let req = Request {
+            method: "GET",
+            path: "/v1/profiles".into(),
+            body: None,
+        };
+        match self.send(&req, ctx).await {
+            Ok((200, v)) => v
+                .get("profiles")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .any(|p| p["name"] == want.as_str() && p["ptys_enabled"] == true),
+            _ => false,
+        }
+    }
+
     /// The host settings for this call (`/mcp?profile=…` on the appliance).
     fn host_for(&self, ctx: &RequestContext<RoleServer>) -> Host {
         let mut host = self.host.clone();
@@ -188,9 +214,15 @@ impl ServerHandler for McpServer {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        Ok(ListToolsResult::with_all_items(Self::tools()))
+        // Terminal tools only when the host's profile allows terminals.
+        let ptys = self.ptys_allowed(&context).await;
+        let tools = Self::tools()
+            .into_iter()
+            .filter(|t| ptys || !t.name.starts_with("cube_pty_"))
+            .collect();
+        Ok(ListToolsResult::with_all_items(tools))
     }
 
     async fn call_tool(

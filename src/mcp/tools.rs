@@ -155,6 +155,42 @@ pub const TOOLS: &[ToolDef] = &[
         (false, false, true),
     ),
     tool(
+        "cube_pty_create",
+        "Open a terminal",
+        "Open an interactive login shell on a terminal in the sandbox (when the profile allows terminals). Type into it with cube_pty_input, read what it prints with cube_pty_read. Prefer cube_exec and jobs unless you need interaction.",
+        WRITE,
+    ),
+    tool(
+        "cube_pty_input",
+        "Type into a terminal",
+        "Send text to a terminal (include a newline to press Enter; the character U+0003 is Ctrl-C).",
+        WRITE,
+    ),
+    tool(
+        "cube_pty_read",
+        "Read a terminal",
+        "Read what a terminal printed from an offset (0 at first, then next_offset), waiting up to wait_ms for something new. Output is base64.",
+        READ,
+    ),
+    tool(
+        "cube_pty_resize",
+        "Resize a terminal",
+        "Change a terminal's rows and columns.",
+        (false, false, true),
+    ),
+    tool(
+        "cube_pty_status",
+        "Terminal status",
+        "A terminal's state (running, exited, cancelled, lost) and exit code.",
+        READ,
+    ),
+    tool(
+        "cube_pty_kill",
+        "Close a terminal",
+        "Kill a terminal's shell and everything running in it.",
+        DESTROY,
+    ),
+    tool(
         "cube_release",
         "Release the sandbox",
         "End the lease: kill (the default) deletes the sandbox and its checkpoints; pause keeps it for later.",
@@ -166,6 +202,8 @@ pub const TOOLS: &[ToolDef] = &[
 pub fn schema(name: &str) -> Value {
     let lease = json!({"type": "string", "pattern": "^lease_[a-f0-9]{20}$", "description": "From cube_acquire."});
     let job = json!({"type": "string", "pattern": "^job_[a-f0-9]{20}$", "description": "From cube_job_start."});
+    let pty = json!({"type": "string", "pattern": "^pty_[a-f0-9]{20}$", "description": "From cube_pty_create."});
+    let size = json!({"type": "integer", "minimum": 1, "maximum": 1000});
     let path = json!({"type": "string", "maxLength": 4096, "description": "An absolute path under /workspace or /tmp."});
     let request_id = json!({"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,80}$", "description": "Optional, echoed back and recorded in the audit journal."});
     let (props, required): (Value, &[&str]) = match name {
@@ -236,6 +274,28 @@ pub fn schema(name: &str) -> Value {
             json!({"lease_ref": lease, "action": {"type": "string", "enum": ["kill", "pause"], "default": "kill"}}),
             &["lease_ref"],
         ),
+        "cube_pty_create" => (
+            json!({"lease_ref": lease, "rows": size, "cols": size, "cwd": path}),
+            &["lease_ref"],
+        ),
+        "cube_pty_input" => (
+            json!({"pty_ref": pty, "data": {"type": "string", "maxLength": 262144}}),
+            &["pty_ref", "data"],
+        ),
+        "cube_pty_read" => (
+            json!({
+                "pty_ref": pty,
+                "offset": {"type": "integer", "minimum": 0, "default": 0},
+                "max_bytes": {"type": "integer", "minimum": 1, "maximum": 1048576, "default": 65536},
+                "wait_ms": {"type": "integer", "minimum": 0, "maximum": 30000, "default": 2000},
+            }),
+            &["pty_ref"],
+        ),
+        "cube_pty_resize" => (
+            json!({"pty_ref": pty, "rows": size, "cols": size}),
+            &["pty_ref", "rows", "cols"],
+        ),
+        "cube_pty_status" | "cube_pty_kill" => (json!({"pty_ref": pty}), &["pty_ref"]),
         _ => (json!({}), &[]),
     };
     json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
@@ -396,6 +456,24 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
             format!("/v1/leases/{}/release", r("lease_ref", "lease")?),
             body(&["lease_ref"], &[("action", json!("kill"))]),
         ),
+        "cube_pty_create" => post(
+            format!("/v1/leases/{}/ptys", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[]),
+        ),
+        "cube_pty_input" => post(
+            format!("/v1/ptys/{}/input", r("pty_ref", "pty")?),
+            body(&["pty_ref"], &[]),
+        ),
+        "cube_pty_read" => post(
+            format!("/v1/ptys/{}/output", r("pty_ref", "pty")?),
+            body(&["pty_ref"], &[("wait_ms", json!(2000))]),
+        ),
+        "cube_pty_resize" => post(
+            format!("/v1/ptys/{}/resize", r("pty_ref", "pty")?),
+            body(&["pty_ref"], &[]),
+        ),
+        "cube_pty_status" => get(format!("/v1/ptys/{}/status", r("pty_ref", "pty")?)),
+        "cube_pty_kill" => post(format!("/v1/ptys/{}/kill", r("pty_ref", "pty")?), json!({})),
         other => return Err(format!("no tool named {other}")),
     })
 }
@@ -416,6 +494,7 @@ mod tests {
                     "lease_ref" => "lease_0123456789abcdef0123",
                     "job_ref" => "job_0123456789abcdef0123",
                     "checkpoint_ref" => "ckpt_0123456789abcdef0123",
+                    "pty_ref" => "pty_0123456789abcdef0123",
                     "runtime" => "mcp",
                     _ => "x",
                 };

@@ -138,3 +138,67 @@ async fn mcp_sessions_are_per_identity() {
     assert!(body.contains("cube_acquire"), "{body}");
     s.stop().await;
 }
+
+/// Terminal tools are listed only when the host's profile allows PTYs, and
+/// the appliance refuses a PTY on such a profile whatever the client lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pty_tools_follow_the_profile() {
+    let s = Server::start_with(|c| {
+        c.profiles.get_mut("offline-code").unwrap().ptys_enabled = false;
+    })
+    .await;
+    let list = |profile: &'static str| {
+        let (http, url, admin) = (
+            s.http.clone(),
+            format!("{}/mcp?profile={profile}", s.url),
+            s.admin.clone(),
+        );
+        async move {
+            let rpc = |token: &str, sid: Option<&str>, body: Value| {
+                let mut r = http
+                    .post(&url)
+                    .bearer_auth(token)
+                    .header("accept", "application/json, text/event-stream")
+                    .json(&body);
+                if let Some(sid) = sid {
+                    r = r.header("mcp-session-id", sid);
+                }
+                r.send()
+            };
+            let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "test", "version": "1"}}});
+            let r = rpc(&admin, None, init).await.unwrap();
+            let sid = r.headers()["mcp-session-id"].to_str().unwrap().to_string();
+            let _ = r.text().await;
+            let _ = rpc(
+                &admin,
+                Some(&sid),
+                json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            )
+            .await;
+            let r = rpc(
+                &admin,
+                Some(&sid),
+                json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}),
+            )
+            .await
+            .unwrap();
+            r.text().await.unwrap()
+        }
+    };
+    let plain = list("offline-code").await;
+    assert!(
+        plain.contains("cube_exec") && !plain.contains("cube_pty_create"),
+        "{plain}"
+    );
+    let with = list("persistent-code").await;
+    assert!(with.contains("cube_pty_create"), "{with}");
+    let lease = s.acquire(&s.admin, "no-pty").await;
+    let (st, v) = s
+        .post(&s.admin, &format!("/v1/leases/{lease}/ptys"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    assert_eq!(v["error"]["code"], "action_denied");
+    s.stop().await;
+}

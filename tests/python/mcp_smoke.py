@@ -91,6 +91,25 @@ async def main():
             await asyncio.sleep(0.1)
         check((out, err) == (b"abc", b"err"), f"job output by cursor: {out!r} {err!r}")
 
+        # A terminal: type, read what it printed (the profile allows PTYs).
+        check("cube_pty_create" in tools, "terminal tools are listed")
+        r = await call(c, "cube_pty_create", {"lease_ref": lease, "rows": 30, "cols": 100})
+        check(not r.is_error, f"pty create: {r.content}")
+        pty = r.structured_content["pty_ref"]
+        r = await call(c, "cube_pty_input", {"pty_ref": pty, "data": "stty size; echo pty-$((6*7))\n"})
+        check(not r.is_error, f"pty input: {r.content}")
+        seen, offset = b"", 0
+        for _ in range(20):
+            r = await call(c, "cube_pty_read", {"pty_ref": pty, "offset": offset, "wait_ms": 1000})
+            check(not r.is_error, f"pty read: {r.content}")
+            seen += base64.b64decode(r.structured_content["content_base64"])
+            offset = r.structured_content["next_offset"]
+            if b"pty-42" in seen:
+                break
+        check(b"pty-42" in seen and b"30 100" in seen, f"terminal output: {seen!r}")
+        r = await call(c, "cube_pty_kill", {"pty_ref": pty})
+        check(r.structured_content["state"] == "cancelled", f"pty kill: {r.structured_content}")
+
         # A denied action is a tool error carrying the appliance's code.
         r = await call(c, "cube_read_text", {"lease_ref": lease, "path": "/etc/passwd"})
         check(r.is_error, "reading /etc/passwd is refused")
