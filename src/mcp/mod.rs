@@ -77,8 +77,9 @@ impl McpServer {
                     Some(t.read_only),
                     Some(t.destructive),
                     Some(t.idempotent),
-                    // Only the sandbox it leases: a closed world.
-                    Some(false),
+                    // Commands reach what the profile allows; the rest
+                    // touch only the leased sandbox.
+                    Some(tools::runs_commands(t.name)),
                 ));
                 tool
             })

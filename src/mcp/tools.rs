@@ -36,7 +36,20 @@ const fn tool(
 const READ: (bool, bool, bool) = (true, false, true);
 const WRITE: (bool, bool, bool) = (false, false, false);
 const OVERWRITE: (bool, bool, bool) = (false, true, true);
-const DESTROY: (bool, bool, bool) = (false, true, false);
+/// Ends or replaces something; doing it again changes nothing more.
+const DESTROY: (bool, bool, bool) = (false, true, true);
+/// Runs a command the model wrote: it may change or delete anything the
+/// sandbox holds.
+const RUN: (bool, bool, bool) = (false, true, false);
+
+/// Tools that run commands the model wrote: they reach whatever the
+/// sandbox's profile lets them reach (the network too, where allowed).
+pub fn runs_commands(name: &str) -> bool {
+    matches!(
+        name,
+        "cube_exec" | "cube_job_start" | "cube_pty_create" | "cube_pty_input"
+    )
+}
 
 /// Every tool, in the order hosts list them.
 pub const TOOLS: &[ToolDef] = &[
@@ -62,7 +75,7 @@ pub const TOOLS: &[ToolDef] = &[
         "cube_exec",
         "Run a command",
         "Run a shell command (bash -l -c) in the sandbox and wait for it: exit_code, stdout and stderr (64 KiB each, truncated with a flag). timeout_ms defaults to 120000 and is capped by the profile. For anything longer, use cube_job_start.",
-        WRITE,
+        RUN,
     ),
     tool(
         "cube_read_text",
@@ -104,7 +117,7 @@ pub const TOOLS: &[ToolDef] = &[
         "cube_job_start",
         "Start a background job",
         "Start a long-running command (builds, tests, training) that outlives this call: returns a job_ref at once. Its output is kept in the sandbox; read it with cube_job_resume (or cube_job_output), check it with cube_job_status, stop it with cube_job_cancel. The profile's time limit ends it (state timed_out).",
-        WRITE,
+        RUN,
     ),
     tool(
         "cube_job_status",
@@ -164,7 +177,7 @@ pub const TOOLS: &[ToolDef] = &[
         "cube_pty_input",
         "Type into a terminal",
         "Send text to a terminal (include a newline to press Enter; the character U+0003 is Ctrl-C).",
-        WRITE,
+        RUN,
     ),
     tool(
         "cube_pty_read",
