@@ -85,7 +85,9 @@ pub fn status_of(code: &str) -> StatusCode {
             StatusCode::PAYLOAD_TOO_LARGE
         }
         "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        "lease_quota_exceeded" | "job_quota_exceeded" => StatusCode::TOO_MANY_REQUESTS,
+        "lease_quota_exceeded" | "job_quota_exceeded" | "session_quota_exceeded" => {
+            StatusCode::TOO_MANY_REQUESTS
+        }
         "execution_failed" | "checkpoint_cleanup_failed" | "invalid_artifact" => {
             StatusCode::BAD_GATEWAY
         }
@@ -450,7 +452,7 @@ pub fn router(st: AppState) -> Router {
         .with_state(st)
 }
 
-fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+pub(crate) fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
     tracing::error!("a request handler panicked");
     err("internal_error", "internal error").into_response()
 }

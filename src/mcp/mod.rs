@@ -137,10 +137,21 @@ impl McpServer {
                     .await
                     .map_err(|e| format!("the appliance did not answer: {e}"))?;
                 let status = resp.status().as_u16();
-                let bytes = resp
-                    .bytes()
+                if resp.content_length().is_some_and(|n| n > MAX_ANSWER as u64) {
+                    return Err("the appliance's answer is too large".into());
+                }
+                let mut resp = resp;
+                let mut bytes = Vec::new();
+                while let Some(c) = resp
+                    .chunk()
                     .await
-                    .map_err(|e| format!("the appliance's answer broke off: {e}"))?;
+                    .map_err(|e| format!("the appliance's answer broke off: {e}"))?
+                {
+                    if bytes.len() + c.len() > MAX_ANSWER {
+                        return Err("the appliance's answer is too large".into());
+                    }
+                    bytes.extend_from_slice(&c);
+                }
                 let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
                 Ok((status, v))
             }
@@ -242,7 +253,13 @@ impl ServerHandler for McpServer {
             Err(m) => return Ok(tool_error("unavailable", &m).into()),
         };
         if (200..300).contains(&status) {
-            return Ok(CallToolResult::structured(v).into());
+            // Structured content must be an object; anything else is text.
+            return Ok(if v.is_object() {
+                CallToolResult::structured(v)
+            } else {
+                CallToolResult::success(vec![ContentBlock::text(v.to_string())])
+            }
+            .into());
         }
         let code = v
             .pointer("/error/code")

@@ -67,6 +67,12 @@ impl Settings {
                 "CUBE_ADAPTER_URL must not carry credentials; use CUBE_ADAPTER_TOKEN".into(),
             );
         }
+        if url.query().is_some() || url.fragment().is_some() {
+            return Err(
+                "CUBE_ADAPTER_URL takes no query or fragment (the profile is CUBE_ADAPTER_PROFILE)"
+                    .into(),
+            );
+        }
         let token = match (get("CUBE_ADAPTER_TOKEN"), get("CUBE_ADAPTER_TOKEN_FILE")) {
             (Some(_), Some(_)) => {
                 return Err("set CUBE_ADAPTER_TOKEN or CUBE_ADAPTER_TOKEN_FILE, not both".into());
@@ -83,6 +89,11 @@ impl Settings {
             }
             (None, None) => None,
         };
+        if let Some(t) = &token
+            && reqwest::header::HeaderValue::from_str(&format!("Bearer {}", t.expose())).is_err()
+        {
+            return Err("the token holds characters no HTTP header may carry".into());
+        }
         let client_cert = match (
             get("CUBE_ADAPTER_CLIENT_CERT_FILE"),
             get("CUBE_ADAPTER_CLIENT_KEY_FILE"),
@@ -133,9 +144,27 @@ impl Settings {
     pub fn client(&self) -> Result<reqwest::Client, String> {
         let read =
             |p: &PathBuf| std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+        // Straight to the appliance: no proxy from the environment (it
+        // would see the token, and plain HTTP is allowed only because the
+        // appliance is on loopback), no redirects; `localhost` is pinned to
+        // the loopback addresses, whatever the resolver says.
         let mut b = reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(310))
-            .connect_timeout(std::time::Duration::from_secs(10));
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none());
+        if let (Some(url::Host::Domain(d)), Some(port)) =
+            (self.url.host(), self.url.port_or_known_default())
+            && d.eq_ignore_ascii_case("localhost")
+        {
+            b = b.resolve_to_addrs(
+                d,
+                &[
+                    std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                    std::net::SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)),
+                ],
+            );
+        }
         if self.url.scheme() == "https" {
             let ca = self.ca_file.as_ref().map(read).transpose()?;
             let id = match &self.client_cert {
@@ -155,6 +184,12 @@ impl Settings {
 
 /// Serve the tools on stdin/stdout until the host closes them.
 pub async fn run(s: Settings) -> Result<(), String> {
+    if s.token.is_none() {
+        eprintln!(
+            "cube-adapter mcp: no token: the appliance identifies callers by bearer token, so a \
+             client certificate alone only works through an mTLS proxy that adds one"
+        );
+    }
     let http = s.client()?;
     let server = McpServer::new(
         Upstream::Remote {
@@ -255,6 +290,14 @@ mod tests {
                 ],
                 "RUNTIME",
             ),
+            (
+                vec![
+                    ("CUBE_ADAPTER_URL", "https://x.invalid/?profile=wide"),
+                    ("CUBE_ADAPTER_TOKEN", "t"),
+                ],
+                "no query",
+            ),
+            (vec![("CUBE_ADAPTER_TOKEN", "bad\ntoken")], "characters"),
         ] {
             let e = ok(&p).unwrap_err();
             assert!(e.contains(want), "{p:?}: {e}");

@@ -133,9 +133,45 @@ async fn mcp_sessions_are_per_identity() {
     .await;
     let body = r.text().await.unwrap();
     assert!(body.contains("-32601"), "{body}");
-    let r = post(a.clone(), Some(sid), call).await;
+    let r = post(a.clone(), Some(sid.clone()), call).await;
     let body = r.text().await.unwrap();
     assert!(body.contains("cube_acquire"), "{body}");
+
+    // 401 carries the bearer challenge; a bad token never reaches MCP.
+    let r = post("cat_000000000000_nope".into(), None, json!({})).await;
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    assert_eq!(r.headers()["cache-control"], "no-store");
+
+    // Sessions per identity are capped; closing one frees a place, and
+    // another identity is not affected.
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "test", "version": "1"}}});
+    let cap = cube_adapter::mcp::http::MAX_SESSIONS_PER_IDENTITY;
+    for _ in 1..cap {
+        let r = post(a.clone(), None, init.clone()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let _ = r.text().await;
+    }
+    let r = post(a.clone(), None, init.clone()).await;
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "session_quota_exceeded");
+    let r = post(b.clone(), None, init.clone()).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let _ = r.text().await;
+    let r = s
+        .http
+        .delete(format!("{}/mcp", s.url))
+        .bearer_auth(&a)
+        .header("mcp-session-id", &sid)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let r = post(a.clone(), None, init).await;
+    assert_eq!(r.status(), StatusCode::OK);
     s.stop().await;
 }
 
