@@ -162,6 +162,7 @@ fn print_started(s: &crate::app::Started) {
     };
     let _ = writeln!(o, "  backend:         {}", s.backend);
     let _ = o.flush();
+    crate::systemd::ready(&format!("listening on {}", s.url));
 }
 
 async fn shutdown_signal() {
@@ -173,6 +174,9 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
+    crate::systemd::notify(
+        "STOPPING=1\nSTATUS=stopping: letting effects in flight record their outcome",
+    );
 }
 
 pub fn config_check(config: Option<&Path>, flags: &Flags) -> i32 {

@@ -28,5 +28,6 @@ pub mod mcp;
 pub mod server;
 pub mod standalone;
 pub mod store;
+pub mod systemd;
 pub mod telemetry;
 pub mod tls;

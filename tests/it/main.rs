@@ -17,4 +17,5 @@ mod jobs;
 mod mcp;
 mod ptys;
 mod sdk;
+mod service;
 mod upkeep;

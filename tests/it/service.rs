@@ -1,0 +1,54 @@
+//! Running under systemd: the notification protocol of `Type=notify`.
+
+use std::os::unix::net::UnixDatagram;
+use std::time::Duration;
+
+use crate::appliance::{Proc, SandboxReaper};
+
+/// `serve` says READY=1 once it listens, feeds the watchdog, and says
+/// STOPPING=1 when asked to stop.
+#[test]
+fn serve_notifies_systemd() {
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
+    let sock_path = dir.path().join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let p = Proc::start(
+        &state,
+        &config,
+        &[
+            ("NOTIFY_SOCKET", sock_path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "200000"),
+        ],
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let recv = |buf: &mut [u8]| {
+        let n = sock.recv(buf).unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let first = recv(&mut buf);
+    assert!(
+        first.starts_with("READY=1\nSTATUS=listening on https://127.0.0.1:"),
+        "{first}"
+    );
+    let second = recv(&mut buf);
+    assert_eq!(second, "WATCHDOG=1");
+    p.stop();
+    let mut saw_stopping = false;
+    for _ in 0..20 {
+        let m = recv(&mut buf);
+        if m.starts_with("STOPPING=1") {
+            saw_stopping = true;
+            break;
+        }
+        assert_eq!(m, "WATCHDOG=1");
+    }
+    assert!(saw_stopping);
+}
