@@ -52,3 +52,43 @@ fn serve_notifies_systemd() {
     }
     assert!(saw_stopping);
 }
+
+/// The shipped unit and the embedded drop-in pass `systemd-analyze verify`
+/// without a warning (where systemd's tools exist).
+#[test]
+fn systemd_units_verify() {
+    let Ok(which) = std::process::Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+    else {
+        eprintln!("systemd-analyze is not installed: skipped");
+        return;
+    };
+    assert!(which.status.success());
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd");
+    let unit = std::fs::read_to_string(root.join("cube-adapter.service"))
+        .unwrap()
+        .replace("/usr/bin/cube-adapter", crate::common::BIN);
+    let dropin = std::fs::read_to_string(root.join("embedded.conf")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("cube-adapter.service");
+    std::fs::write(&plain, &unit).unwrap();
+    // The unit with the drop-in's settings applied after its own.
+    let embedded = dir.path().join("cube-adapter-embedded.service");
+    std::fs::write(&embedded, format!("{unit}\n{dropin}")).unwrap();
+    for f in [&plain, &embedded] {
+        let out = std::process::Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(f)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && err.trim().is_empty(),
+            "{}: {err}",
+            f.display()
+        );
+    }
+    let sysusers = std::fs::read_to_string(root.join("cube-adapter.sysusers")).unwrap();
+    assert!(sysusers.lines().any(|l| l.starts_with("u cube-adapter ")));
+}
