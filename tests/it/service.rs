@@ -92,3 +92,47 @@ fn systemd_units_verify() {
     let sysusers = std::fs::read_to_string(root.join("cube-adapter.sysusers")).unwrap();
     assert!(sysusers.lines().any(|l| l.starts_with("u cube-adapter ")));
 }
+
+/// The shipped default configuration (and its commented profile example)
+/// passes `config check`.
+#[test]
+fn shipped_config_checks() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/config.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // As shipped, and with the example profile uncommented.
+    let example: String = text
+        .lines()
+        .map(|l| match l.strip_prefix("# ") {
+            Some(rest)
+                if rest.starts_with("[profiles")
+                    || (rest.contains(" = ")
+                        && !rest.contains("_file")
+                        && !rest.starts_with("proxy_url")) =>
+            {
+                rest.to_string()
+            }
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(example.contains("\n[profiles.offline-code]\n"));
+    for (name, body) in [
+        ("shipped.toml", text.as_str()),
+        ("example.toml", example.as_str()),
+    ] {
+        let f = dir.path().join(name);
+        std::fs::write(&f, body).unwrap();
+        let out = std::process::Command::new(crate::common::BIN)
+            .args(["config", "check", "--config"])
+            .arg(&f)
+            .env_remove("CUBE_ADAPTER_CONFIG")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
