@@ -290,7 +290,7 @@ async fn events(
             if chunk.ended {
                 // The pump records the end right after the stream closes.
                 for _ in 0..20 {
-                    match broker.pty_now(&pty_ref) {
+                    match broker.get_pty(&pty_ref) {
                         Ok(Some(p)) if p.is_running() => {
                             tokio::time::sleep(Duration::from_millis(50)).await;
                         }

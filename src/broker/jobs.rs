@@ -264,6 +264,20 @@ impl Probe {
     }
 }
 
+impl Probe {
+    /// Bring `job` up to what this probe saw; true if anything changed.
+    fn apply(&self, job: &mut Job) -> bool {
+        let (state, rc) = self.state(job);
+        if state == job.state && rc == job.exit_code {
+            return false;
+        }
+        job.state = state;
+        job.exit_code = rc;
+        job.updated_at = now().0;
+        true
+    }
+}
+
 /// One read of a job: state, sizes and the asked ranges
 /// (`(offset, max)` per stream; max 0 reads nothing).
 async fn probe(
@@ -336,7 +350,7 @@ async fn probe(
         return Err(bad());
     }
     let field = |i: usize| t.get(i).copied().unwrap_or_default();
-    Ok(Probe {
+    let pr = Probe {
         kind: field(1).to_string(),
         rc: field(2).parse().ok(),
         out_size: field(3).parse().map_err(|_| bad())?,
@@ -345,7 +359,18 @@ async fn probe(
         cancelled: field(6) == "1",
         stdout: rest.get(1..).unwrap_or_default().to_vec(),
         stderr: r.stderr,
-    })
+    };
+    // A cursor past the end of its stream was never handed out.
+    if out.0 > pr.out_size || err.0 > pr.err_size {
+        return Err(Error::new(
+            "invalid_offset",
+            format!(
+                "the offset is past the end of the output (stdout has {} bytes, stderr {})",
+                pr.out_size, pr.err_size
+            ),
+        ));
+    }
+    Ok(pr)
 }
 
 /// Output read by per-stream cursors.
@@ -401,14 +426,10 @@ impl Broker {
         let mut updated = vec![];
         for mut j in jobs.into_iter().filter(|j| !j.is_terminal()) {
             let pr = probe(self, addr, &j, (0, 0), (0, 0)).await?;
-            let (state, rc) = pr.state(&j);
-            if state == "running" {
-                running += 1;
-            } else {
-                j.state = state;
-                j.exit_code = rc;
-                j.updated_at = now().0;
+            if pr.apply(&mut j) {
                 updated.push(j);
+            } else {
+                running += 1;
             }
         }
         if !updated.is_empty() {
@@ -590,23 +611,9 @@ impl Broker {
                 move |b: Broker, _l: Lease, addr| async move {
                     let mut job = job;
                     let pr = probe(&b, &addr, &job, out, err).await?;
-                    if out.0 > pr.out_size || err.0 > pr.err_size {
-                        return Err(Error::new(
-                            "invalid_offset",
-                            format!(
-                                "the offset is past the end of the output (stdout has {} bytes, stderr {})",
-                                pr.out_size, pr.err_size
-                            ),
-                        ));
-                    }
                     let bytes = (pr.stdout.len() + pr.stderr.len()) as u64;
-                    let (state, rc) = pr.state(&job);
-                    let changed = state != job.state || rc != job.exit_code;
                     let mut done = Done::new(());
-                    if changed {
-                        job.state = state;
-                        job.exit_code = rc;
-                        job.updated_at = now().0;
+                    if pr.apply(&mut job) {
                         let j2 = job.clone();
                         done = done.persist(move |txn| save_job(txn, &j2));
                     }
@@ -753,9 +760,7 @@ impl Broker {
                         // Wait (briefly) for the runner to record the end.
                         for _ in 0..30 {
                             let pr = probe(&b, &addr, &job, (0, 0), (0, 0)).await?;
-                            let (state, rc) = pr.state(&job);
-                            job.state = state;
-                            job.exit_code = rc;
+                            pr.apply(&mut job);
                             if job.is_terminal() {
                                 break;
                             }
@@ -827,20 +832,7 @@ impl Broker {
             (c.stderr_offset, c.max_bytes),
         )
         .await?;
-        if c.stdout_offset > pr.out_size || c.stderr_offset > pr.err_size {
-            return Err(Error::new(
-                "invalid_offset",
-                format!(
-                    "the offset is past the end of the output (stdout has {} bytes, stderr {})",
-                    pr.out_size, pr.err_size
-                ),
-            ));
-        }
-        let (state, rc) = pr.state(&job);
-        if state != job.state || rc != job.exit_code {
-            job.state = state;
-            job.exit_code = rc;
-            job.updated_at = now().0;
+        if pr.apply(&mut job) {
             let j2 = job.clone();
             self.inner
                 .store

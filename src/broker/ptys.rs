@@ -263,7 +263,8 @@ fn check_size(rows: u32, cols: u32) -> Result<()> {
 }
 
 impl Broker {
-    fn get_pty(&self, pty_ref: &str) -> Result<Option<Pty>> {
+    /// The PTY as recorded (event streams read it for the final status).
+    pub(crate) fn get_pty(&self, pty_ref: &str) -> Result<Option<Pty>> {
         Ok(self.inner.store.read_now(|txn| {
             let t = txn.open_table(tables::PTYS)?;
             get_json(&t, pty_ref)
@@ -669,10 +670,5 @@ impl Broker {
             m.insert(k.into(), v);
         }
         Ok(Value::Object(m))
-    }
-
-    /// The current record of a PTY (for event streams).
-    pub fn pty_now(&self, pty_ref: &str) -> Result<Option<Pty>> {
-        self.get_pty(pty_ref)
     }
 }

@@ -277,7 +277,15 @@ impl Broker {
     /// has `keepalive_enabled`, every third of the sandbox timeout, within
     /// the keepalive budget. `last` remembers when each was renewed.
     pub async fn keepalive(&self, last: &mut HashMap<String, Instant>) -> Result<usize> {
-        if self.inner.journal.check().is_err() {
+        // Nothing to do (and no scan of every lease each second) unless
+        // some profile keeps sandboxes alive.
+        let any = self
+            .inner
+            .cfg
+            .profiles
+            .values()
+            .any(|p| p.keepalive_enabled);
+        if !any || self.inner.journal.check().is_err() {
             return Ok(0);
         }
         let leases = self.inner.store.read(all_leases).await?;
