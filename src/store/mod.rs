@@ -117,7 +117,6 @@ struct Inner {
 struct Stats {
     commits: AtomicU64,
     writes: AtomicU64,
-    commit_nanos: AtomicU64,
     /// The last `RECENT` commit durations (oldest first).
     recent: std::sync::Mutex<std::collections::VecDeque<Duration>>,
 }
@@ -135,8 +134,6 @@ pub struct CommitStats {
     pub commits: u64,
     /// Writes carried by them (group commit puts several in one).
     pub writes: u64,
-    /// Time spent in `commit` (writing pages and the fsync).
-    pub commit_time: Duration,
 }
 
 /// Cheap to clone.
@@ -211,13 +208,13 @@ impl Store {
         &self.inner.path
     }
 
-    /// Commits, writes and time spent committing since the store opened.
+    /// Commits and writes since the store opened (the durations of recent
+    /// commits: `recent_commits`).
     pub fn commit_stats(&self) -> CommitStats {
         let s = &self.inner.stats;
         CommitStats {
             commits: s.commits.load(Ordering::Relaxed),
             writes: s.writes.load(Ordering::Relaxed),
-            commit_time: Duration::from_nanos(s.commit_nanos.load(Ordering::Relaxed)),
         }
     }
 
@@ -421,10 +418,6 @@ fn writer(
         let t = Instant::now();
         let committed = txn.commit();
         let took = t.elapsed();
-        stats.commit_nanos.fetch_add(
-            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
         {
             let mut r = stats.recent.lock().unwrap_or_else(|p| p.into_inner());
             if r.len() == RECENT {
