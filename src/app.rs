@@ -63,6 +63,7 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
     if let Some(f) = &cfg.tokens_file {
         v.push(f.clone());
     }
+    v.extend(cfg.receipts.hmac_key_file.iter().cloned());
     if let Some(b) = &cfg.backend {
         v.extend(b.api_key_file.iter().cloned());
         v.extend(b.client_key_file.iter().cloned());
@@ -170,6 +171,8 @@ pub async fn serve(
             runtimes: None,
             profiles: None,
             actions: vec!["*".into()],
+            task_templates: vec!["*".into()],
+            task: None,
         };
         let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()))
             .map_err(|e| anyhow::anyhow!(e))?;
@@ -196,6 +199,8 @@ pub async fn serve(
                 runtimes: None,
                 profiles: None,
                 actions: vec!["*".into()],
+                task_templates: vec!["*".into()],
+                task: None,
             },
         ));
     }
@@ -298,7 +303,13 @@ pub async fn serve(
             .await
             .context("admin socket")?,
     );
-    let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key);
+    let hs_key = match &cfg.receipts.hmac_key_file {
+        Some(f) => crate::broker::receipts::read_hs_key(f).map_err(|e| anyhow::anyhow!(e))?,
+        None => crate::broker::receipts::derived_hs_key(&key),
+    };
+    let signer = crate::broker::receipts::Signer::load_or_create(&state, &store.sealer, hs_key)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key, signer);
     let st = AppState {
         broker: broker.clone(),
         auth: authn,

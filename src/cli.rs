@@ -201,6 +201,7 @@ pub struct TokenCreate {
     pub actions: Vec<String>,
     pub no_actions: bool,
     pub roles: Vec<String>,
+    pub task_templates: Vec<String>,
     pub description: Option<String>,
 }
 
@@ -248,6 +249,12 @@ pub fn token_create(config: Option<&Path>, state: Option<&Path>, req: TokenCreat
         } else {
             req.actions
         },
+        task_templates: if req.task_templates.is_empty() {
+            vec!["*".into()]
+        } else {
+            req.task_templates
+        },
+        task: None,
     };
     let state = match state_dir(config, state) {
         Ok(s) => s,

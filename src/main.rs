@@ -154,6 +154,9 @@ enum TokenCommand {
         /// Role: agent, approver, auditor or admin (repeatable; default agent).
         #[arg(long = "role")]
         roles: Vec<String>,
+        /// Task template this token may plan (repeatable; default: *).
+        #[arg(long = "task-template")]
+        task_templates: Vec<String>,
         /// Free text kept with the token.
         #[arg(long)]
         description: Option<String>,
@@ -207,6 +210,31 @@ enum AuditCommand {
 }
 
 #[derive(Subcommand)]
+enum ReceiptCommand {
+    /// Check a trusted task's signed receipt offline.
+    ///
+    /// FILE is a receipt, or a response that holds one (…/result,
+    /// …/receipt). The Ed25519 signature is checked with --public-key (the
+    /// appliance's STATE/receipt-ed25519.pub, or the JSON of GET
+    /// /v1/receipts/public-key); the reference-compatible HS256 signature
+    /// with --hmac-key-file. --state-dir takes both keys from an
+    /// appliance's state directory (and its config). Prints the verdict as
+    /// JSON. Exit 0: every signature checked holds; 1: one does not; 2:
+    /// nothing could be checked.
+    Verify {
+        file: PathBuf,
+        #[arg(long)]
+        public_key: Option<PathBuf>,
+        #[arg(long)]
+        hmac_key_file: Option<PathBuf>,
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long, env = "CUBE_ADAPTER_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Run the appliance: the /v1 API over HTTPS, the audit journal and,
     /// with no backend configured, the embedded backend.
@@ -229,6 +257,9 @@ enum Command {
     /// The audit journal.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// Signed receipts of trusted tasks.
+    #[command(subcommand)]
+    Receipt(ReceiptCommand),
     /// Measure performance (prints p50/p90/p99/max; never a pass/fail test).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -338,6 +369,7 @@ fn main() -> ExitCode {
                 actions,
                 no_actions,
                 roles,
+                task_templates,
                 description,
             } => {
                 let req = cube_adapter::cli::TokenCreate {
@@ -348,6 +380,7 @@ fn main() -> ExitCode {
                     actions,
                     no_actions,
                     roles,
+                    task_templates,
                     description,
                 };
                 cube_adapter::cli::token_create(
@@ -388,6 +421,19 @@ fn main() -> ExitCode {
                 &note,
             ),
         }),
+        Command::Receipt(ReceiptCommand::Verify {
+            file,
+            public_key,
+            hmac_key_file,
+            state_dir,
+            config,
+        }) => exit(cube_adapter::broker::receipts::verify_command(
+            &file,
+            public_key.as_deref(),
+            state_dir.as_deref(),
+            config.as_deref(),
+            hmac_key_file.as_deref(),
+        )),
         Command::Bench(b) => {
             let launcher = match std::env::current_exe() {
                 Ok(p) => p,

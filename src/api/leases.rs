@@ -43,6 +43,10 @@ pub fn router() -> Router<AppState> {
             "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/delete",
             post(checkpoint_delete),
         )
+        .route(
+            "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/fork",
+            post(checkpoint_fork),
+        )
         .route("/v1/admin/gc", post(admin_gc))
 }
 
@@ -459,4 +463,27 @@ async fn checkpoint_delete(
 ) -> R {
     let c = ctx(b.request_id.as_deref())?;
     ok(st.broker.delete_checkpoint(&p, &c, &lease, &ckpt).await?)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkReq {
+    #[serde(default)]
+    branch: Option<String>,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+async fn checkpoint_fork(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path((lease, ckpt)): Path<(String, String)>,
+    Strict(b): Strict<ForkReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    let v = st
+        .broker
+        .fork_checkpoint(&p, &c, &lease, &ckpt, b.branch.as_deref())
+        .await?;
+    with_status(axum::http::StatusCode::CREATED, v)
 }

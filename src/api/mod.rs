@@ -8,6 +8,7 @@
 pub mod jobs;
 pub mod leases;
 pub mod ptys;
+pub mod tasks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -417,6 +418,10 @@ pub const ROUTES: &[(&str, &str)] = &[
         "POST",
         "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/delete",
     ),
+    (
+        "POST",
+        "/v1/leases/{lease_ref}/checkpoints/{checkpoint_ref}/fork",
+    ),
     ("POST", "/v1/leases/{lease_ref}/jobs"),
     ("GET", "/v1/jobs/{job_ref}/status"),
     ("POST", "/v1/jobs/{job_ref}/status"),
@@ -431,6 +436,18 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/ptys/{pty_ref}/kill"),
     ("GET", "/v1/ptys/{pty_ref}/events"),
     ("POST", "/v1/ptys/{pty_ref}/output"),
+    ("GET", "/v1/task-templates"),
+    ("POST", "/v1/tasks/plan"),
+    ("GET", "/v1/task-plans/{plan_ref}"),
+    ("POST", "/v1/task-plans/{plan_ref}/approve"),
+    ("POST", "/v1/task-plans/{plan_ref}/submit"),
+    ("GET", "/v1/tasks/{task_ref}/status"),
+    ("POST", "/v1/tasks/{task_ref}/status"),
+    ("POST", "/v1/tasks/{task_ref}/result"),
+    ("POST", "/v1/tasks/{task_ref}/cancel"),
+    ("GET", "/v1/tasks/{task_ref}/receipt"),
+    ("POST", "/v1/tasks/{task_ref}/receipt"),
+    ("GET", "/v1/receipts/public-key"),
 ];
 
 pub fn router(st: AppState) -> Router {
@@ -442,6 +459,7 @@ pub fn router(st: AppState) -> Router {
         .merge(leases::router())
         .merge(jobs::router())
         .merge(ptys::router())
+        .merge(tasks::router())
         .fallback(|| async { err("not_found", "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         // Innermost: a panic in a handler becomes a logged 500 envelope.

@@ -66,6 +66,26 @@ pub struct Event {
     pub error_code: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_lease_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_template: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parameters_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approver_digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_state: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cleanup: Option<String>,
     pub prev_hash: String,
     pub hash: String,
 }

@@ -55,6 +55,19 @@ pub struct Principal {
     pub profiles: Option<Vec<String>>,
     /// Action scopes (`exec:run`, `file:*`, `*`); an empty list denies all.
     pub actions: Vec<String>,
+    /// Task templates this identity may plan (`*` or names); an empty list
+    /// denies all.
+    #[serde(default = "all")]
+    pub task_templates: Vec<String>,
+    /// Set only inside the appliance, for the calls a trusted task makes on
+    /// its own lease: such a lease is visible to nothing else. Never stored,
+    /// never read from a token.
+    #[serde(skip)]
+    pub task: Option<String>,
+}
+
+fn all() -> Vec<String> {
+    vec!["*".into()]
 }
 
 impl Principal {
@@ -71,6 +84,29 @@ impl Principal {
                     || a.strip_suffix(":*")
                         .is_some_and(|fam| action.split(':').next() == Some(fam))
             })
+    }
+
+    /// Admins, `*`, or the template's name.
+    pub fn allows_task_template(&self, name: &str) -> bool {
+        self.is_admin() || self.task_templates.iter().any(|t| t == "*" || t == name)
+    }
+
+    /// Approvers and admins may decide on plans (never their own, see
+    /// `broker::tasks`).
+    pub fn may_approve(&self) -> bool {
+        self.roles.contains(&Role::Approver) || self.is_admin()
+    }
+
+    /// The same identity, acting for a trusted task on the task's own lease:
+    /// every action scope (the task was approved as a whole), but the
+    /// identity's runtimes and profiles still apply, and no admin power.
+    pub fn for_task(&self, task_ref: &str) -> Principal {
+        Principal {
+            roles: vec![Role::Agent],
+            actions: all(),
+            task: Some(task_ref.to_string()),
+            ..self.clone()
+        }
     }
 
     pub fn allows_runtime(&self, r: &str) -> bool {
@@ -290,7 +326,6 @@ pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> 
             .unwrap_or_else(|| vec![Role::Agent]);
         // The reference's empty profile/runtime lists mean "all".
         let nonempty = |l: Option<ListOrString>| l.map(|l| l.items()).filter(|v| !v.is_empty());
-        let _templates = e.allowed_task_templates.map(|l| l.items());
         out.push((
             token,
             Principal {
@@ -303,6 +338,11 @@ pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> 
                     .allowed_actions
                     .map(|l| l.items())
                     .unwrap_or_else(|| vec!["*".into()]),
+                task_templates: e
+                    .allowed_task_templates
+                    .map(|l| l.items())
+                    .unwrap_or_else(all),
+                task: None,
             },
         ));
     }
@@ -482,6 +522,8 @@ mod tests {
             runtimes: None,
             profiles: Some(vec![]),
             actions: actions.iter().map(|s| s.to_string()).collect(),
+            task_templates: vec!["train".into()],
+            task: None,
         }
     }
 
@@ -501,6 +543,15 @@ mod tests {
             "explicit empty profiles denies all"
         );
         assert!(p(&["*"]).allows_runtime("mcp"));
+        assert!(p(&[]).allows_task_template("train"));
+        assert!(!p(&[]).allows_task_template("other"));
+        assert!(!p(&[]).may_approve());
+        let t = p(&[]).for_task("task_0123456789abcdef0123");
+        assert!(t.allows_action("exec:run") && !t.is_admin());
+        assert!(
+            !t.allows_profile("offline-code"),
+            "the identity's profiles still apply"
+        );
     }
 
     #[test]

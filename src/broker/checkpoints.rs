@@ -6,7 +6,7 @@ use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::leases::{Done, Lease, new_ref, valid_ref};
+use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
@@ -106,7 +106,8 @@ impl Broker {
 
     fn owned_checkpoint(&self, l: &Lease, checkpoint_ref: &str) -> Result<Checkpoint> {
         let missing = || Error::new("checkpoint_not_found", "no such checkpoint");
-        if !valid_ref(checkpoint_ref, "ckpt") {
+        // `ckpt_…`: made before schema 3.
+        if !valid_ref(checkpoint_ref, "checkpoint") && !valid_ref(checkpoint_ref, "ckpt") {
             return Err(missing());
         }
         let c: Option<Checkpoint> = self.inner.store.read_now(|txn| {
@@ -164,7 +165,7 @@ impl Broker {
         self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
             .await?;
         let (l, lock) = self.relock(p, l).await?;
-        let ckpt_ref = new_ref("ckpt");
+        let ckpt_ref = new_ref("checkpoint");
         let name = name.map(str::to_string).unwrap_or_else(|| ckpt_ref.clone());
         let tenant = l.tenant.clone();
         let cr = ckpt_ref.clone();
@@ -283,6 +284,75 @@ impl Broker {
         m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
         m.insert("deleted".into(), json!(true));
         Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/fork` (201): a new lease
+    /// whose sandbox starts from the checkpoint, for the same tenant,
+    /// runtime and profile. Idempotent per source session and branch: the
+    /// same branch gives the same fork (`reused`) while it lives.
+    pub async fn fork_checkpoint(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        checkpoint_ref: &str,
+        branch: Option<&str>,
+    ) -> Result<Value> {
+        if let Some(b) = branch
+            && (b.trim().is_empty() || b.len() > MAX_NAME || b.contains('\0'))
+        {
+            return Err(Error::new(
+                "invalid_branch",
+                format!("branch must be 1..={MAX_NAME} bytes, not blank"),
+            ));
+        }
+        let ev = self.event(p, "checkpoint_fork", ctx);
+        self.authorize(p, "checkpoint:fork", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        self.checkpoint_gate(p, ctx, &l, "checkpoint_fork").await?;
+        let c = self.owned_checkpoint(&l, checkpoint_ref)?;
+        let mut ev = self.lease_event(p, "checkpoint_fork", ctx, &l);
+        ev.checkpoint_ref = Some(c.checkpoint_ref.clone());
+        // The profile as it is configured now, and still the caller's.
+        let prof = match self.profile(&l.profile) {
+            Some(pr) if p.allows_profile(&l.profile) && p.allows_runtime(&l.runtime) => pr.clone(),
+            _ => {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            "profile_denied",
+                            format!("profile {} is not available to this identity", l.profile),
+                        ),
+                    )
+                    .await);
+            }
+        };
+        let branch = branch
+            .map(str::to_string)
+            .unwrap_or_else(|| new_ref("branch"));
+        let hash: String = self
+            .hmac_hex(&[l.session_hash.as_bytes(), b"fork", branch.as_bytes()])
+            .chars()
+            .take(24)
+            .collect();
+        let want = Want {
+            tenant: l.tenant.clone(),
+            runtime: l.runtime.clone(),
+            hash,
+            profile: l.profile.clone(),
+            prof,
+            snapshot: Some((c.snapshot_id.clone(), c.checkpoint_ref.clone())),
+            task_ref: None,
+        };
+        let (fork, reused) = self.lease_for_session(p, ctx, ev, want).await?;
+        let mut v = self.lease_answer(&fork, reused, ctx);
+        if let Some(m) = v.as_object_mut() {
+            m.insert("checkpoint_ref".into(), json!(c.checkpoint_ref));
+            m.insert("source_lease_ref".into(), json!(l.lease_ref));
+            m.insert("branch".into(), json!(branch));
+        }
+        Ok(v)
     }
 
     /// Delete every snapshot of a lease at the backend (before the lease's

@@ -410,7 +410,7 @@ impl Broker {
         let lease = self
             .get_lease(&job.lease_ref)
             .await?
-            .filter(|l| l.tenant == p.tenant || p.is_admin())
+            .filter(|l| l.visible_to(p))
             .ok_or_else(missing)?;
         Ok((job, lease))
     }

@@ -45,6 +45,31 @@ pub struct Lease {
     pub created_at: String,
     pub last_used_at: String,
     pub last_used_unix: i64,
+    /// The trusted task this lease runs (schema 3): visible to that task's
+    /// calls only, never to agents directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_ref: Option<String>,
+}
+
+impl Lease {
+    /// Whether `p` may see and use this lease: its tenant (or an admin), and
+    /// a trusted task's lease only for that task's own calls.
+    pub fn visible_to(&self, p: &Principal) -> bool {
+        (self.tenant == p.tenant || p.is_admin()) && self.task_ref == p.task
+    }
+}
+
+/// What a session's lease is made of when it must be created.
+pub(crate) struct Want {
+    /// Whose lease it is (a fork belongs to its source's tenant).
+    pub tenant: String,
+    pub runtime: String,
+    pub hash: String,
+    pub profile: String,
+    pub prof: crate::config::Profile,
+    /// Fork: the snapshot to clone and the checkpoint it belongs to.
+    pub snapshot: Option<(String, String)>,
+    pub task_ref: Option<String>,
 }
 
 use crate::clock::now;
@@ -145,7 +170,7 @@ impl Broker {
             return Err(missing());
         }
         match self.get_lease(lease_ref).await? {
-            Some(l) if l.tenant == p.tenant || p.is_admin() => Ok(l),
+            Some(l) if l.visible_to(p) => Ok(l),
             _ => Err(missing()),
         }
     }
@@ -192,10 +217,28 @@ impl Broker {
         session: &str,
         profile: Option<&str>,
     ) -> Result<Value> {
+        let (l, reused) = self
+            .acquire_lease(p, ctx, runtime, session, profile, None)
+            .await?;
+        Ok(self.lease_answer(&l, reused, ctx))
+    }
+
+    /// Acquire with every check of `POST /v1/leases/acquire`; `task_ref`
+    /// marks a lease that belongs to a trusted task.
+    pub(crate) async fn acquire_lease(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        runtime: &str,
+        session: &str,
+        profile: Option<&str>,
+        task_ref: Option<&str>,
+    ) -> Result<(Lease, bool)> {
         let profile_name = profile.unwrap_or("offline-code").to_string();
         let mut ev = self.event(p, "acquire", ctx);
         ev.runtime = Some(runtime.to_string());
         ev.profile = Some(profile_name.clone());
+        ev.task_ref = task_ref.map(str::to_string);
         self.authorize(p, "lease:acquire", &ev).await?;
         if !RUNTIMES.contains(&runtime) {
             return Err(self
@@ -248,8 +291,38 @@ impl Broker {
             .chars()
             .take(24)
             .collect();
+        let want = Want {
+            tenant: p.tenant.clone(),
+            runtime: runtime.to_string(),
+            hash,
+            profile: profile_name,
+            prof,
+            snapshot: None,
+            task_ref: task_ref.map(str::to_string),
+        };
+        self.lease_for_session(p, ctx, ev, want).await
+    }
+
+    /// The session's lease, or a new one (quota permitting) created under
+    /// an audit intent and recorded with the session index in its outcome.
+    pub(crate) async fn lease_for_session(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        mut ev: Event,
+        want: Want,
+    ) -> Result<(Lease, bool)> {
+        let Want {
+            tenant,
+            runtime,
+            hash,
+            profile: profile_name,
+            prof,
+            snapshot,
+            task_ref,
+        } = want;
         ev.session_digest = Some(hash.clone());
-        let skey = session_key(&p.tenant, runtime, &hash);
+        let skey = session_key(&tenant, &runtime, &hash);
         let _session_lock = self.lock(format!("session:{skey}")).await;
 
         // Reuse.
@@ -267,6 +340,17 @@ impl Broker {
             })
             .await?;
         if let Some(mut l) = existing {
+            if l.task_ref != task_ref {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            "profile_conflict",
+                            "this session key belongs to a trusted task's sandbox; use another",
+                        ),
+                    )
+                    .await);
+            }
             if l.profile != profile_name {
                 return Err(self
                     .reject(
@@ -281,25 +365,28 @@ impl Broker {
             let (ts, unix) = now();
             l.last_used_at = ts;
             l.last_used_unix = unix;
-            let mut ev = self.lease_event(p, "acquire", ctx, &l);
-            ev.outcome = "ok".into();
-            ev.reused = Some(true);
-            ev.phase = "event".into();
+            let action = ev.action.clone();
+            let mut ev2 = self.lease_event(p, &action, ctx, &l);
+            ev2.outcome = "ok".into();
+            ev2.reused = Some(true);
+            ev2.phase = "event".into();
+            ev2.checkpoint_ref = ev.checkpoint_ref.clone();
+            ev2.task_ref = ev.task_ref.clone();
             let l2 = l.clone();
             self.inner
                 .store
                 .write(move |txn, chain| {
                     put_lease(txn, &l2)?;
-                    chain.append(txn, ev)?;
+                    chain.append(txn, ev2)?;
                     Ok(())
                 })
                 .await?;
-            return Ok(self.lease_answer(&l, true, ctx));
+            return Ok((l, true));
         }
 
         // Quota, across the tenant's leases.
-        let _tenant_lock = self.lock(format!("tenant:{}", p.tenant)).await;
-        let tenant = p.tenant.clone();
+        let _tenant_lock = self.lock(format!("tenant:{tenant}")).await;
+        let t2 = tenant.clone();
         let active = self
             .inner
             .store
@@ -309,7 +396,7 @@ impl Broker {
                 for item in t.iter()? {
                     let (_, v) = item?;
                     let l: Lease = codec::decode(v.value())?;
-                    if l.tenant == tenant {
+                    if l.tenant == t2 {
                         n += 1;
                     }
                 }
@@ -335,11 +422,28 @@ impl Broker {
         // From here the effect runs to its recorded outcome even if the
         // client goes away (the task is drained at shutdown).
         let b = self.clone();
-        let tenant = p.tenant.clone();
-        let runtime = runtime.to_string();
         let task = self.inner.tracker.spawn(async move {
             let this = &b;
             let p_tenant = tenant;
+            let purpose = if snapshot.is_some() {
+                "agent-adapter-fork"
+            } else {
+                "agent-adapter"
+            };
+            let mut metadata: std::collections::BTreeMap<String, String> = [
+                ("runtime".to_string(), runtime.to_string()),
+                ("purpose".to_string(), purpose.to_string()),
+                (
+                    "tenant".to_string(),
+                    this.inner.journal.digest("tenant", p_tenant.as_bytes()),
+                ),
+                ("session".to_string(), hash.clone()),
+                ("policy".to_string(), profile_name.clone()),
+            ]
+            .into();
+            if let Some((_, ckpt)) = &snapshot {
+                metadata.insert("checkpoint".into(), ckpt.clone());
+            }
             let req = CreateSandbox {
                 template_id: prof.template.clone(),
                 timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
@@ -352,23 +456,22 @@ impl Broker {
                     allow_public_traffic: Some(false),
                     ..Default::default()
                 }),
-                metadata: [
-                    ("runtime".to_string(), runtime.to_string()),
-                    ("purpose".to_string(), "agent-adapter".to_string()),
-                    (
-                        "tenant".to_string(),
-                        this.inner.journal.digest("tenant", p_tenant.as_bytes()),
-                    ),
-                    ("session".to_string(), hash.clone()),
-                    ("policy".to_string(), profile_name.clone()),
-                ]
-                .into(),
+                metadata: metadata.into_iter().collect(),
                 ..Default::default()
             };
-            let created = match this.inner.cube.create(&req).await {
+            let created = match &snapshot {
+                None => this.inner.cube.create(&req).await,
+                Some((snap, _)) => this.inner.cube.create_from_snapshot(snap, req).await,
+            };
+            let created = match created {
                 Ok(s) => s,
                 Err(e) => {
-                    let err = backend(&e);
+                    let err = match e.kind {
+                        ErrorKind::NotFound if snapshot.is_some() => {
+                            Error::new("checkpoint_not_found", "the checkpoint's snapshot is gone")
+                        }
+                        _ => backend(&e),
+                    };
                     this.fail(intent, &err).await?;
                     return Err(err);
                 }
@@ -403,10 +506,12 @@ impl Broker {
                 created_at: ts.clone(),
                 last_used_at: ts,
                 last_used_unix: unix,
+                task_ref,
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
             let sref = lease.sandbox_ref.clone();
+            let forked = snapshot.is_some();
             let stored = this
                 .inner
                 .journal
@@ -414,8 +519,13 @@ impl Broker {
                     intent,
                     "ok",
                     |e| {
-                        e.lease_ref = Some(lref);
-                        e.sandbox_ref = Some(sref);
+                        // A fork's event keeps its source lease.
+                        if forked {
+                            e.fork_lease_ref = Some(lref);
+                        } else {
+                            e.lease_ref = Some(lref);
+                            e.sandbox_ref = Some(sref);
+                        }
                         e.reused = Some(false);
                     },
                     move |txn| {
@@ -436,10 +546,10 @@ impl Broker {
         let lease = task
             .await
             .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
-        Ok(self.lease_answer(&lease, false, ctx))
+        Ok((lease, false))
     }
 
-    fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> Value {
+    pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> Value {
         json!({
             "executor": EXECUTOR,
             "lease_ref": l.lease_ref,
@@ -542,7 +652,8 @@ impl Broker {
                 for item in t.iter()? {
                     let (_, val) = item?;
                     let l: Lease = codec::decode(val.value())?;
-                    if admin || l.tenant == tenant {
+                    // A trusted task's lease is the task's, not the agent's.
+                    if admin || (l.tenant == tenant && l.task_ref.is_none()) {
                         v.push(l);
                     }
                 }

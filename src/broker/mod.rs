@@ -9,6 +9,8 @@ pub mod jobs;
 pub mod leases;
 pub mod paths;
 pub mod ptys;
+pub mod receipts;
+pub mod tasks;
 pub mod upkeep;
 
 use std::collections::HashMap;
@@ -44,6 +46,8 @@ pub(crate) struct Inner {
     pub tracker: tokio_util::task::TaskTracker,
     /// The output of the PTYs this process runs.
     pub ptys: ptys::Hubs,
+    /// Signs trusted tasks' receipts.
+    pub receipts: receipts::Signer,
 }
 
 /// Per-request context from the transport.
@@ -59,6 +63,7 @@ impl Broker {
         journal: Journal,
         cube: CubeClient,
         key: Vec<u8>,
+        receipts: receipts::Signer,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -70,6 +75,7 @@ impl Broker {
                 locks: Mutex::default(),
                 tracker: tokio_util::task::TaskTracker::new(),
                 ptys: ptys::Hubs::default(),
+                receipts,
             }),
         }
     }

@@ -283,7 +283,7 @@ impl Broker {
         let lease = self
             .get_lease(&pty.lease_ref)
             .await?
-            .filter(|l| l.tenant == p.tenant || p.is_admin())
+            .filter(|l| l.visible_to(p))
             .ok_or_else(missing)?;
         Ok((pty, lease))
     }

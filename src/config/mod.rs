@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub mod tasks;
+
+pub use self::tasks::TaskTemplate;
 use crate::audit::AuditMode;
 use crate::embedded::{Isolation, TemplateConfig};
 
@@ -40,6 +43,21 @@ pub struct Config {
     pub hashing_slots: usize,
     /// How often idle leases are collected (0: only by `POST /v1/admin/gc`).
     pub gc_interval_seconds: u64,
+    /// Task templates by name (trusted tasks with approval).
+    pub tasks: BTreeMap<String, TaskTemplate>,
+    pub receipts: ReceiptsSection,
+}
+
+/// Signed execution receipts.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReceiptsSection {
+    /// A key (at least 32 bytes) for the reference-compatible HS256
+    /// signature, to share with verifiers that use the reference's tool.
+    /// Without it the key is derived from the appliance's own secret.
+    /// Receipts are always signed with Ed25519 too (the public key is
+    /// `STATE/receipt-ed25519.pub`).
+    pub hmac_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -123,6 +141,9 @@ pub struct Profile {
     pub keepalive_enabled: bool,
     /// Interactive terminals (PTYs) may be opened on leases of this profile.
     pub ptys_enabled: bool,
+    /// An admin may approve a task plan they requested themselves, for task
+    /// templates of this profile (off: nobody approves their own plan).
+    pub admin_self_approval: bool,
     pub max_keepalive_seconds: u64,
 }
 
@@ -145,6 +166,7 @@ impl Default for Profile {
             },
             keepalive_enabled: false,
             ptys_enabled: true,
+            admin_self_approval: false,
             max_keepalive_seconds: 3600,
         }
     }
@@ -186,6 +208,8 @@ impl Default for Config {
             profiles: BTreeMap::new(),
             hashing_slots: 2,
             gc_interval_seconds: 30,
+            tasks: BTreeMap::new(),
+            receipts: ReceiptsSection::default(),
         }
     }
 }
@@ -311,6 +335,10 @@ impl Config {
                     "profile {name}: timeouts must be at least 1 second"
                 ));
             }
+        }
+        let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
+        for (name, t) in &self.tasks {
+            t.validate(name, &profiles)?;
         }
         if let Some(b) = &self.backend
             && b.client_cert_file.is_some() != b.client_key_file.is_some()

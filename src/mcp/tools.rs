@@ -1,6 +1,7 @@
-//! The agent tool set: the reference's tools with the same names and
-//! arguments (those whose endpoints exist here), plus ours. Each tool is one
-//! `/v1` request; the profile comes from the host, never from the model.
+//! The agent tool set: the reference's 23 tools with the same names and
+//! arguments, plus ours. Each tool is one `/v1` request; the profile comes
+//! from the host, never from the model. No tool approves anything: approval
+//! belongs to people, on `/v1/task-plans/{ref}/approve` or the console.
 
 use serde_json::{Map, Value, json};
 
@@ -162,6 +163,12 @@ pub const TOOLS: &[ToolDef] = &[
         DESTROY,
     ),
     tool(
+        "cube_fork",
+        "Fork from a checkpoint",
+        "Start a second, independent sandbox from a checkpoint of this lease (same profile), to try something without disturbing the first. Returns the new lease_ref. The same branch name returns the same fork while it lives; leave branch out for a new one each time. Counts against the tenant's lease quota.",
+        (false, false, true),
+    ),
+    tool(
         "cube_renew",
         "Keep the sandbox alive",
         "Extend the sandbox's time while you are not using it (within the profile's keepalive limit after your last use).",
@@ -204,6 +211,48 @@ pub const TOOLS: &[ToolDef] = &[
         DESTROY,
     ),
     tool(
+        "cube_task_templates",
+        "List trusted tasks",
+        "The operator's trusted task templates you may ask for: what each does, the JSON Schema of its parameters, whether it needs a person's approval, and the outputs it returns.",
+        READ,
+    ),
+    tool(
+        "cube_task_plan",
+        "Plan a trusted task",
+        "Ask for a trusted task: an operator-defined command run with your parameters in a sandbox of its own, usually after a person approves it. Checks the parameters against the template's schema and returns a plan_ref; nothing runs yet. Then wait for approval and call cube_task_submit with the plan_ref.",
+        WRITE,
+    ),
+    tool(
+        "cube_task_submit",
+        "Run an approved task",
+        "Run a plan once it is approved (or needs no approval): returns a task_ref at once. Fails with plan_not_approved while a person has not approved it yet. Calling it again returns the same task.",
+        (false, false, true),
+    ),
+    tool(
+        "cube_task_status",
+        "Trusted task status",
+        "A trusted task's state (starting, running, succeeded, failed, cancelled, timed_out, setup_failed, orphaned, cleanup_pending, output_validation_failed) and whether its result and receipt are ready.",
+        READ,
+    ),
+    tool(
+        "cube_task_result",
+        "Trusted task result",
+        "Once the task's command has ended: validate its declared outputs, end its sandbox, and return the outputs it exposes with a signed receipt of what ran. Fails with task_running while it runs. Calling it again returns the same result.",
+        DESTROY,
+    ),
+    tool(
+        "cube_task_cancel",
+        "Cancel a trusted task",
+        "Stop a trusted task's command, end its sandbox and return its (cancelled) result and receipt.",
+        DESTROY,
+    ),
+    tool(
+        "cube_task_receipt",
+        "Trusted task receipt",
+        "The signed receipt of a finished trusted task: digests of the template, parameters, command and outputs, who approved it, and how it ended.",
+        READ,
+    ),
+    tool(
         "cube_release",
         "Release the sandbox",
         "End the lease: kill (the default) deletes the sandbox and its checkpoints; pause keeps it for later.",
@@ -216,6 +265,8 @@ pub fn schema(name: &str) -> Value {
     let lease = json!({"type": "string", "pattern": "^lease_[a-f0-9]{20}$", "description": "From cube_acquire."});
     let job = json!({"type": "string", "pattern": "^job_[a-f0-9]{20}$", "description": "From cube_job_start."});
     let pty = json!({"type": "string", "pattern": "^pty_[a-f0-9]{20}$", "description": "From cube_pty_create."});
+    let checkpoint = json!({"type": "string", "pattern": "^(checkpoint|ckpt)_[a-f0-9]{20}$", "description": "From cube_checkpoint or cube_checkpoint_list."});
+    let task = json!({"type": "string", "pattern": "^task_[a-f0-9]{20}$", "description": "From cube_task_submit."});
     let size = json!({"type": "integer", "minimum": 1, "maximum": 1000});
     let path = json!({"type": "string", "maxLength": 4096, "description": "An absolute path under /workspace or /tmp."});
     let request_id = json!({"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,80}$", "description": "Optional, echoed back and recorded in the audit journal."});
@@ -276,9 +327,29 @@ pub fn schema(name: &str) -> Value {
             &["lease_ref"],
         ),
         "cube_rollback" => (
-            json!({"lease_ref": lease, "checkpoint_ref": {"type": "string", "pattern": "^ckpt_[a-f0-9]{20}$"}}),
+            json!({"lease_ref": lease, "checkpoint_ref": checkpoint}),
             &["lease_ref", "checkpoint_ref"],
         ),
+        "cube_fork" => (
+            json!({"lease_ref": lease, "checkpoint_ref": checkpoint, "branch": {"type": "string", "minLength": 1, "maxLength": 128, "description": "A name for this line of work; the same name returns the same fork."}}),
+            &["lease_ref", "checkpoint_ref"],
+        ),
+        "cube_task_templates" => (json!({}), &[]),
+        "cube_task_plan" => (
+            json!({
+                "template": {"type": "string", "pattern": "^[a-z][a-z0-9-]{0,62}$", "description": "A name from cube_task_templates."},
+                "parameters": {"type": "object", "description": "Values for the template's parameters, matching its schema."},
+                "request_id": request_id,
+            }),
+            &["template", "parameters"],
+        ),
+        "cube_task_submit" => (
+            json!({"plan_ref": {"type": "string", "pattern": "^plan_[a-f0-9]{20}$", "description": "From cube_task_plan."}}),
+            &["plan_ref"],
+        ),
+        "cube_task_status" | "cube_task_result" | "cube_task_cancel" | "cube_task_receipt" => {
+            (json!({"task_ref": task}), &["task_ref"])
+        }
         "cube_renew" => (
             json!({"lease_ref": lease, "seconds": {"type": "integer", "minimum": 1, "maximum": 86400}}),
             &["lease_ref"],
@@ -457,8 +528,38 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
             format!(
                 "/v1/leases/{}/checkpoints/{}/rollback",
                 r("lease_ref", "lease")?,
-                r("checkpoint_ref", "ckpt")?
+                r("checkpoint_ref", "checkpoint").or_else(|_| r("checkpoint_ref", "ckpt"))?
             ),
+            json!({}),
+        ),
+        "cube_fork" => post(
+            format!(
+                "/v1/leases/{}/checkpoints/{}/fork",
+                r("lease_ref", "lease")?,
+                r("checkpoint_ref", "checkpoint").or_else(|_| r("checkpoint_ref", "ckpt"))?
+            ),
+            body(&["lease_ref", "checkpoint_ref"], &[]),
+        ),
+        "cube_task_templates" => get("/v1/task-templates".into()),
+        "cube_task_plan" => post("/v1/tasks/plan".into(), body(&[], &[])),
+        "cube_task_submit" => post(
+            format!("/v1/task-plans/{}/submit", r("plan_ref", "plan")?),
+            json!({}),
+        ),
+        "cube_task_status" => post(
+            format!("/v1/tasks/{}/status", r("task_ref", "task")?),
+            json!({}),
+        ),
+        "cube_task_result" => post(
+            format!("/v1/tasks/{}/result", r("task_ref", "task")?),
+            json!({}),
+        ),
+        "cube_task_cancel" => post(
+            format!("/v1/tasks/{}/cancel", r("task_ref", "task")?),
+            json!({}),
+        ),
+        "cube_task_receipt" => post(
+            format!("/v1/tasks/{}/receipt", r("task_ref", "task")?),
             json!({}),
         ),
         "cube_renew" => post(
@@ -506,7 +607,9 @@ mod tests {
                 let v = match k {
                     "lease_ref" => "lease_0123456789abcdef0123",
                     "job_ref" => "job_0123456789abcdef0123",
-                    "checkpoint_ref" => "ckpt_0123456789abcdef0123",
+                    "checkpoint_ref" => "checkpoint_0123456789abcdef0123",
+                    "plan_ref" => "plan_0123456789abcdef0123",
+                    "task_ref" => "task_0123456789abcdef0123",
                     "pty_ref" => "pty_0123456789abcdef0123",
                     "runtime" => "mcp",
                     _ => "x",
@@ -517,6 +620,43 @@ mod tests {
             assert!(r.path.starts_with("/v1/"), "{}", t.name);
             assert!(!r.path.contains('{'), "{}", t.name);
         }
+    }
+
+    #[test]
+    fn the_reference_tools_are_all_here() {
+        let reference = [
+            "cube_acquire",
+            "cube_status",
+            "cube_exec",
+            "cube_read_text",
+            "cube_write_text",
+            "cube_list_files",
+            "cube_stat_file",
+            "cube_upload_artifact",
+            "cube_download_artifact",
+            "cube_job_start",
+            "cube_job_status",
+            "cube_job_output",
+            "cube_job_cancel",
+            "cube_task_plan",
+            "cube_task_submit",
+            "cube_task_status",
+            "cube_task_result",
+            "cube_task_cancel",
+            "cube_task_receipt",
+            "cube_checkpoint",
+            "cube_rollback",
+            "cube_fork",
+            "cube_release",
+        ];
+        assert_eq!(reference.len(), 23);
+        for n in reference {
+            assert!(TOOLS.iter().any(|t| t.name == n), "{n} is missing");
+        }
+        assert!(
+            !TOOLS.iter().any(|t| t.name.contains("approve")),
+            "no tool approves"
+        );
     }
 
     #[test]

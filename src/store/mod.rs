@@ -340,7 +340,9 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
             meta.insert("instance_id", codec::encode(&instance)?.as_slice())?;
         }
     }
-    // Versions 1 and 2 only create tables: opening them is the whole step.
+    // Versions 1 to 3 only create tables: opening them is the whole step.
+    txn.open_table(tables::PLANS)?;
+    txn.open_table(tables::TASKS)?;
     txn.open_table(tables::JOBS)?;
     txn.open_table(tables::LEASE_JOBS)?;
     txn.open_table(tables::CHECKPOINTS)?;

@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 2;
+pub const SCHEMA_VERSION: u64 = 3;
 
 /// `schema_version`, `instance_id`, audit chain head.
 pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
@@ -31,3 +31,7 @@ pub const LEASE_CHECKPOINTS: TableDefinition<&str, ()> =
 pub const PTYS: TableDefinition<&str, &[u8]> = TableDefinition::new("ptys_v1");
 /// `lease_ref \0 pty_ref` → () : a lease's PTYs (schema 2).
 pub const LEASE_PTYS: TableDefinition<&str, ()> = TableDefinition::new("lease_ptys_v1");
+/// plan_ref → task plan (schema 3).
+pub const PLANS: TableDefinition<&str, &[u8]> = TableDefinition::new("plans_v1");
+/// task_ref → trusted task, with its result and receipt (schema 3).
+pub const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks_v1");

@@ -18,4 +18,5 @@ mod mcp;
 mod ptys;
 mod sdk;
 mod service;
+mod tasks;
 mod upkeep;

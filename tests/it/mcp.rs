@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use crate::appliance::Server;
 
 /// Run the SDK script in one mode against a running appliance.
-async fn sdk(s: &Server, mode: &str, url: &str, token: &str) {
+async fn sdk(s: &Server, mode: &str, url: &str, token: &str, approver: &str) {
     let py = crate::sdk::sdk_python();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mcp_smoke.py");
     let out = tokio::process::Command::new(&py)
@@ -17,6 +17,8 @@ async fn sdk(s: &Server, mode: &str, url: &str, token: &str) {
         .env("MCP_TOKEN", token)
         .env("MCP_CA", s.state.join("tls/ca.pem"))
         .env("MCP_BIN", crate::common::BIN)
+        .env("MCP_API", &s.url)
+        .env("MCP_APPROVER", approver)
         .output()
         .await
         .unwrap();
@@ -32,10 +34,27 @@ async fn sdk(s: &Server, mode: &str, url: &str, token: &str) {
 /// through `cube-adapter mcp` (which reaches `/v1` over HTTPS).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn official_mcp_sdk_over_https_and_stdio() {
-    let s = Server::start().await;
+    let s = Server::start_with(|c| {
+        crate::tasks::configure(c);
+        c.profiles
+            .get_mut("offline-code")
+            .unwrap()
+            .checkpoints_enabled = true;
+    })
+    .await;
     let token = s.token(&["--tenant", "mcp-tenant"]);
-    sdk(&s, "http", &format!("{}/mcp", s.url), &token).await;
-    sdk(&s, "stdio", &s.url, &token).await;
+    let approver = s.token(&[
+        "--tenant",
+        "mcp-tenant",
+        "--subject",
+        "a-person",
+        "--role",
+        "approver",
+        "--action",
+        "task:approve",
+    ]);
+    sdk(&s, "http", &format!("{}/mcp", s.url), &token, &approver).await;
+    sdk(&s, "stdio", &s.url, &token, &approver).await;
     s.stop().await;
 }
 

@@ -254,7 +254,7 @@ async fn checkpoints_roll_back_and_go_with_their_lease() {
     assert_eq!(st, StatusCode::CREATED, "{c1}");
     assert_eq!(c1["name"], "before two");
     let c1 = c1["checkpoint_ref"].as_str().unwrap().to_string();
-    assert!(c1.starts_with("ckpt_"));
+    assert!(c1.starts_with("checkpoint_"));
     write("two").await;
     let (st, v) = s
         .post(

@@ -16,6 +16,10 @@ MODE = os.environ.get("MCP_MODE", "http")
 URL = os.environ["MCP_URL"]
 TOKEN = os.environ["MCP_TOKEN"]
 CA = os.environ["MCP_CA"]
+# The appliance's base URL and an approver's token (approval is a person's
+# act on /v1: no tool approves).
+API = os.environ["MCP_API"]
+APPROVER = os.environ["MCP_APPROVER"]
 
 
 def check(cond, what):
@@ -55,9 +59,16 @@ async def main():
         )
     async with Client(target) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
-        for name in ["cube_acquire", "cube_exec", "cube_job_start", "cube_job_resume", "cube_release",
-                     "cube_profiles", "cube_renew", "cube_checkpoint_list"]:
+        reference = ["cube_acquire", "cube_status", "cube_exec", "cube_read_text", "cube_write_text",
+                     "cube_list_files", "cube_stat_file", "cube_upload_artifact", "cube_download_artifact",
+                     "cube_job_start", "cube_job_status", "cube_job_output", "cube_job_cancel",
+                     "cube_task_plan", "cube_task_submit", "cube_task_status", "cube_task_result",
+                     "cube_task_cancel", "cube_task_receipt", "cube_checkpoint", "cube_rollback",
+                     "cube_fork", "cube_release"]
+        for name in reference + ["cube_job_resume", "cube_profiles", "cube_renew", "cube_checkpoint_list",
+                                 "cube_task_templates"]:
             check(name in tools, f"tool {name} is listed")
+        check(not any("approve" in n for n in tools), "no tool approves")
         check(tools["cube_read_text"].annotations.read_only_hint is True, "read is read-only")
         check(tools["cube_release"].annotations.destructive_hint is True, "release is destructive")
         check("profile" not in tools["cube_acquire"].input_schema["properties"], "no profile argument")
@@ -115,6 +126,51 @@ async def main():
         check(r.is_error, "reading /etc/passwd is refused")
         check(r.structured_content["code"] == "path_denied", f"code: {r.structured_content}")
         check("path_denied" in r.content[0].text, "the text names the code")
+
+        # A checkpoint, and a fork of it that starts from its files.
+        r = await call(c, "cube_write_text", {"lease_ref": lease, "path": "/workspace/f.txt", "content": "v1"})
+        check(not r.is_error, f"write: {r.content}")
+        r = await call(c, "cube_checkpoint", {"lease_ref": lease, "name": "v1"})
+        check(not r.is_error, f"checkpoint: {r.content}")
+        ckpt = r.structured_content["checkpoint_ref"]
+        await call(c, "cube_write_text", {"lease_ref": lease, "path": "/workspace/f.txt", "content": "v2"})
+        r = await call(c, "cube_fork", {"lease_ref": lease, "checkpoint_ref": ckpt, "branch": f"b-{MODE}"})
+        check(not r.is_error, f"fork: {r.content}")
+        fork = r.structured_content["lease_ref"]
+        check(fork != lease and r.structured_content["reused"] is False, f"fork: {r.structured_content}")
+        r = await call(c, "cube_read_text", {"lease_ref": fork, "path": "/workspace/f.txt"})
+        check(r.structured_content["content"] == "v1", f"the fork has the checkpoint's files: {r.structured_content}")
+        r = await call(c, "cube_release", {"lease_ref": fork})
+        check(not r.is_error, f"release fork: {r.content}")
+
+        # A trusted task: the agent plans, a person approves, the agent runs it
+        # and gets its result and signed receipt.
+        r = await call(c, "cube_task_templates", {})
+        check(not r.is_error and any(t["name"] == "word-count" for t in r.structured_content["task_templates"]),
+              f"templates: {r.content}")
+        r = await call(c, "cube_task_plan", {"template": "word-count", "parameters": {"text": "one two three", "repeat": 1}})
+        check(not r.is_error and r.structured_content["state"] == "pending_approval", f"plan: {r.content}")
+        plan = r.structured_content["plan_ref"]
+        r = await call(c, "cube_task_submit", {"plan_ref": plan})
+        check(r.is_error and r.structured_content["code"] == "plan_not_approved", f"submit before approval: {r.content}")
+        async with httpx2.AsyncClient(verify=CA, headers={"Authorization": f"Bearer {APPROVER}"}) as people:
+            a = await people.post(f"{API}/v1/task-plans/{plan}/approve", json={"reason": "looks fine"})
+            check(a.status_code == 200 and a.json()["state"] == "approved", f"approve: {a.text}")
+        r = await call(c, "cube_task_submit", {"plan_ref": plan})
+        check(not r.is_error, f"submit: {r.content}")
+        task = r.structured_content["task_ref"]
+        for _ in range(300):
+            r = await call(c, "cube_task_status", {"task_ref": task})
+            check(not r.is_error, f"task status: {r.content}")
+            if r.structured_content["result_ready"]:
+                break
+            await asyncio.sleep(0.1)
+        r = await call(c, "cube_task_result", {"task_ref": task})
+        check(not r.is_error and r.structured_content["state"] == "succeeded", f"result: {r.content}")
+        check(r.structured_content["result"]["outputs"]["summary"]["words"] == 3, f"outputs: {r.structured_content}")
+        r = await call(c, "cube_task_receipt", {"task_ref": task})
+        check(not r.is_error and r.structured_content["receipt"]["signature"]["alg"] == "HS256", f"receipt: {r.content}")
+        check(r.structured_content["receipt"]["signatures"][0]["alg"] == "EdDSA", "and Ed25519")
 
         r = await call(c, "cube_release", {"lease_ref": lease})
         check(not r.is_error and r.structured_content["action"] == "kill", f"release: {r.content}")

@@ -1,0 +1,355 @@
+//! Signed execution receipts.
+//!
+//! A receipt is `{payload, signature, signatures}`:
+//! - `signature` is the reference adapter's HS256 envelope
+//!   (`{alg: "HS256", kid: "hmac-" + sha256(key)[:12], value}`, the value
+//!   being base64url(HMAC-SHA256(key, canonical JSON of the payload))), so
+//!   its verifier works unchanged with a shared key;
+//! - `signatures` adds an Ed25519 signature over the same bytes, which anyone
+//!   holding the appliance's public key (`STATE/receipt-ed25519.pub`, or
+//!   `GET /v1/receipts/public-key`) can check offline:
+//!   `cube-adapter receipt verify`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64URL;
+use hmac::{Hmac, Mac};
+use ring::signature::{ED25519, Ed25519KeyPair, KeyPair, UnparsedPublicKey};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+use crate::config::tasks::canonical;
+use crate::store::Sealer;
+
+/// The sealed private key, under the state directory.
+pub const KEY_FILE: &str = "receipt-ed25519.key";
+/// The public key (base64url of the raw 32 bytes), for verifiers.
+pub const PUBLIC_FILE: &str = "receipt-ed25519.pub";
+
+#[derive(Clone)]
+pub struct Signer {
+    hs_key: Arc<[u8]>,
+    ed: Arc<Ed25519KeyPair>,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Signer(***)")
+    }
+}
+
+fn hs_kid(key: &[u8]) -> String {
+    format!("hmac-{}", &hex::encode(sha2::Sha256::digest(key))[..12])
+}
+
+fn ed_kid(public: &[u8]) -> String {
+    format!(
+        "ed25519-{}",
+        &hex::encode(sha2::Sha256::digest(public))[..12]
+    )
+}
+
+fn hs256(key: &[u8], msg: &[u8]) -> Option<String> {
+    let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key).ok()?;
+    m.update(msg);
+    Some(B64URL.encode(m.finalize().into_bytes()))
+}
+
+/// The HS256 key derived from the appliance's secret (when no key file is
+/// configured).
+pub fn derived_hs_key(appliance_key: &[u8]) -> Vec<u8> {
+    let mut m = match <Hmac<sha2::Sha256> as Mac>::new_from_slice(appliance_key) {
+        Ok(m) => m,
+        Err(_) => return vec![],
+    };
+    m.update(b"cube-adapter receipt hs256 v1");
+    m.finalize().into_bytes().to_vec()
+}
+
+/// A configured HS256 key file: at least 32 bytes (surrounding whitespace
+/// ignored).
+pub fn read_hs_key(path: &Path) -> Result<Vec<u8>, String> {
+    let raw = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+    let key = raw.trim_ascii().to_vec();
+    if key.len() < 32 {
+        return Err(format!(
+            "{}: a receipt HMAC key must be at least 32 bytes",
+            path.display()
+        ));
+    }
+    Ok(key)
+}
+
+impl Signer {
+    /// Load the Ed25519 key from `state` (sealed under the store key),
+    /// creating it on first use, and write the public key beside it.
+    pub fn load_or_create(state: &Path, sealer: &Sealer, hs_key: Vec<u8>) -> Result<Self, String> {
+        let path = state.join(KEY_FILE);
+        let pkcs8 = match std::fs::read_to_string(&path) {
+            Ok(sealed) => sealer
+                .open(sealed.trim())
+                .map_err(|e| format!("{}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let doc = Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new())
+                    .map_err(|_| "could not generate the receipt signing key".to_string())?;
+                let sealed = sealer
+                    .seal(doc.as_ref())
+                    .map_err(|e| format!("seal the receipt key: {e}"))?;
+                crate::tls::write_private(&path, format!("{sealed}\n").as_bytes(), 0o600)
+                    .map_err(|e| e.to_string())?;
+                doc.as_ref().to_vec()
+            }
+            Err(e) => return Err(format!("read {}: {e}", path.display())),
+        };
+        let ed = Ed25519KeyPair::from_pkcs8(&pkcs8)
+            .map_err(|_| format!("{}: not an Ed25519 key", path.display()))?;
+        let public = format!("{}\n", B64URL.encode(ed.public_key().as_ref()));
+        let pub_path = state.join(PUBLIC_FILE);
+        if std::fs::read_to_string(&pub_path).ok().as_deref() != Some(public.as_str()) {
+            crate::tls::write_private(&pub_path, public.as_bytes(), 0o644)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(Self {
+            hs_key: hs_key.into(),
+            ed: Arc::new(ed),
+        })
+    }
+
+    /// `{alg, kid, public_key}` of the Ed25519 key.
+    pub fn public_key(&self) -> Value {
+        let public = self.ed.public_key().as_ref();
+        json!({"alg": "EdDSA", "crv": "Ed25519", "kid": ed_kid(public), "public_key": B64URL.encode(public)})
+    }
+
+    /// The signed envelope of `payload`.
+    pub fn sign(&self, payload: Value) -> Value {
+        let msg = canonical(&payload);
+        let public = self.ed.public_key().as_ref();
+        let ed_sig = B64URL.encode(self.ed.sign(msg.as_bytes()).as_ref());
+        json!({
+            "payload": payload,
+            "signature": {
+                "alg": "HS256",
+                "kid": hs_kid(&self.hs_key),
+                "value": hs256(&self.hs_key, msg.as_bytes()).unwrap_or_default(),
+            },
+            "signatures": [{
+                "alg": "EdDSA",
+                "crv": "Ed25519",
+                "kid": ed_kid(public),
+                "value": ed_sig,
+            }],
+        })
+    }
+}
+
+/// What `receipt verify` found.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Verdict {
+    /// Every signature checked holds, and at least one was checked.
+    pub valid: bool,
+    /// `true`/`false` when checked, `None` when no key was given for it.
+    pub ed25519: Option<bool>,
+    pub hs256: Option<bool>,
+    pub task_ref: Option<String>,
+    pub state: Option<String>,
+    pub template_sha256: Option<String>,
+}
+
+/// Check a receipt (bare, or inside an appliance response) against the
+/// keys given: `public_key` is the raw Ed25519 key, `hs_key` the HMAC key.
+pub fn verify(
+    doc: &Value,
+    public_key: Option<&[u8]>,
+    hs_key: Option<&[u8]>,
+) -> Result<Verdict, String> {
+    let r = match doc.get("receipt") {
+        Some(r) if r.is_object() => r,
+        _ => doc,
+    };
+    let payload = r
+        .get("payload")
+        .filter(|p| p.is_object())
+        .ok_or("not a receipt: no payload object")?;
+    let msg = canonical(payload);
+    let ed25519 = public_key.map(|pk| {
+        let want = ed_kid(pk);
+        r.get("signatures")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|s| s.get("alg") == Some(&json!("EdDSA")) && s.get("kid") == Some(&json!(want)))
+            .filter_map(|s| s.get("value").and_then(Value::as_str))
+            .filter_map(|v| B64URL.decode(v).ok())
+            .any(|sig| {
+                UnparsedPublicKey::new(&ED25519, pk)
+                    .verify(msg.as_bytes(), &sig)
+                    .is_ok()
+            })
+    });
+    let hs = hs_key.map(|k| {
+        let got = r
+            .get("signature")
+            .filter(|s| s.get("alg") == Some(&json!("HS256")))
+            .and_then(|s| s.get("value"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let want = hs256(k, msg.as_bytes()).unwrap_or_default();
+        !want.is_empty() && subtle::ConstantTimeEq::ct_eq(got.as_bytes(), want.as_bytes()).into()
+    });
+    let checked: Vec<bool> = [ed25519, hs].into_iter().flatten().collect();
+    let text = |k: &str| payload.get(k).and_then(Value::as_str).map(str::to_string);
+    Ok(Verdict {
+        valid: !checked.is_empty() && checked.iter().all(|ok| *ok),
+        ed25519,
+        hs256: hs,
+        task_ref: text("task_ref"),
+        state: text("state"),
+        template_sha256: text("template_sha256"),
+    })
+}
+
+/// The raw public key from a `receipt-ed25519.pub` file (base64url, or the
+/// `public_key` field of `GET /v1/receipts/public-key`'s JSON).
+pub fn read_public_key(path: &Path) -> Result<Vec<u8>, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+    let t = text.trim();
+    let b64 = match serde_json::from_str::<Value>(t) {
+        Ok(v) => v
+            .get("public_key")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| format!("{}: no public_key field", path.display()))?,
+        Err(_) => t.to_string(),
+    };
+    let k = B64URL
+        .decode(b64.trim_end_matches('='))
+        .map_err(|_| format!("{}: not a base64url Ed25519 public key", path.display()))?;
+    if k.len() != 32 {
+        return Err(format!(
+            "{}: an Ed25519 public key is 32 bytes",
+            path.display()
+        ));
+    }
+    Ok(k)
+}
+
+/// Where a state directory keeps the receipt public key.
+pub fn public_key_path(state: &Path) -> PathBuf {
+    state.join(PUBLIC_FILE)
+}
+
+/// `cube-adapter receipt verify`: exit 0 when every signature checked
+/// holds, 1 when one does not, 2 when nothing could be checked (no key, an
+/// unreadable file). Prints the verdict as JSON on stdout.
+pub fn verify_command(
+    file: &Path,
+    public_key: Option<&Path>,
+    state_dir: Option<&Path>,
+    config: Option<&Path>,
+    hmac_key_file: Option<&Path>,
+) -> i32 {
+    let usage = |m: String| {
+        eprintln!("error: {m}");
+        2
+    };
+    let doc: Value = match std::fs::read(file)
+        .map_err(|e| format!("read {}: {e}", file.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", file.display()))
+        }) {
+        Ok(v) => v,
+        Err(m) => return usage(m),
+    };
+    let mut pk = None;
+    let mut hs = None;
+    if let Some(f) = public_key {
+        match read_public_key(f) {
+            Ok(k) => pk = Some(k),
+            Err(m) => return usage(m),
+        }
+    }
+    if let Some(f) = hmac_key_file {
+        match read_hs_key(f) {
+            Ok(k) => hs = Some(k),
+            Err(m) => return usage(m),
+        }
+    }
+    if let Some(d) = state_dir {
+        if pk.is_none() {
+            match read_public_key(&public_key_path(d)) {
+                Ok(k) => pk = Some(k),
+                Err(m) => return usage(m),
+            }
+        }
+        if hs.is_none() {
+            // The key the appliance signs with: its configured file, or the
+            // one derived from its secret.
+            let configured = crate::config::Config::load(config, &[], &Default::default())
+                .ok()
+                .and_then(|(c, _)| c.receipts.hmac_key_file);
+            hs = match configured {
+                Some(f) => read_hs_key(&f).ok(),
+                None => std::fs::read(d.join("hmac.key"))
+                    .ok()
+                    .filter(|k| k.len() == 32)
+                    .map(|k| derived_hs_key(&k)),
+            };
+            if hs.is_none() {
+                eprintln!("note: the HS256 key is not readable here; checking Ed25519 only");
+            }
+        }
+    }
+    if pk.is_none() && hs.is_none() {
+        return usage(
+            "give --public-key (the appliance's receipt-ed25519.pub), --state-dir or --hmac-key-file"
+                .into(),
+        );
+    }
+    match verify(&doc, pk.as_deref(), hs.as_deref()) {
+        Ok(v) => {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            if v.valid { 0 } else { 1 }
+        }
+        Err(m) => usage(m),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_and_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let sealer = Sealer::load_or_create(&dir.path().join("secret.key")).unwrap();
+        let s = Signer::load_or_create(dir.path(), &sealer, vec![7; 32]).unwrap();
+        let r = s.sign(json!({"task_ref": "task_x", "state": "succeeded", "n": 1, "é": "ü"}));
+        let pk = read_public_key(&public_key_path(dir.path())).unwrap();
+        let v = verify(&r, Some(&pk), Some(&[7; 32])).unwrap();
+        assert!(v.valid && v.ed25519 == Some(true) && v.hs256 == Some(true));
+        assert_eq!(v.task_ref.as_deref(), Some("task_x"));
+        // Wrapped in a response, too.
+        assert!(
+            verify(&json!({"receipt": r}), Some(&pk), None)
+                .unwrap()
+                .valid
+        );
+        // The same key after a reload.
+        let s2 = Signer::load_or_create(dir.path(), &sealer, vec![7; 32]).unwrap();
+        assert_eq!(s.public_key(), s2.public_key());
+        // Any change breaks both signatures.
+        let mut bad = r.clone();
+        bad["payload"]["state"] = json!("failed");
+        let v = verify(&bad, Some(&pk), Some(&[7; 32])).unwrap();
+        assert!(!v.valid && v.ed25519 == Some(false) && v.hs256 == Some(false));
+        assert!(!verify(&r, None, Some(&[8; 32])).unwrap().valid);
+        assert!(
+            !verify(&r, None, None).unwrap().valid,
+            "nothing checked is not valid"
+        );
+    }
+}

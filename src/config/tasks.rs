@@ -1,0 +1,437 @@
+//! Task templates: operator-owned commands that agents may ask to run with
+//! parameters, behind independent human approval (reference §3.10).
+//!
+//! A template fixes the command (`argv`, with `${name}` placeholders that
+//! stand for whole arguments), the profile it runs under, the JSON Schema its
+//! parameters must satisfy (a closed object, Draft 2020-12, no external
+//! references) and the outputs it must leave behind. Everything is checked
+//! when the configuration loads: a template that cannot be used safely stops
+//! the appliance from starting, with the reason.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+/// Largest output a template may declare (bytes).
+pub const MAX_OUTPUT_BYTES: u64 = 8 * 1024 * 1024;
+/// Longest description (bytes).
+pub const MAX_DESCRIPTION: usize = 1024;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TaskCommand {
+    /// The program and its arguments; `${name}` (a whole element) is
+    /// replaced by the parameter `name`.
+    pub argv: Vec<String>,
+    #[serde(default = "default_cwd")]
+    pub cwd: String,
+}
+
+fn default_cwd() -> String {
+    "/workspace".into()
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OutputFormat {
+    #[default]
+    Json,
+    Text,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Expose {
+    /// The content is returned in the task's result.
+    #[default]
+    Content,
+    /// Only its digest is.
+    Digest,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TaskOutput {
+    pub name: String,
+    /// Under /workspace or /tmp.
+    pub path: String,
+    #[serde(default)]
+    pub format: OutputFormat,
+    #[serde(default)]
+    pub expose: Expose,
+    #[serde(default = "default_max_bytes")]
+    pub max_bytes: u64,
+    #[serde(default = "yes")]
+    pub required: bool,
+    /// A JSON Schema the (JSON) output must satisfy.
+    #[serde(default)]
+    pub schema: Option<Value>,
+}
+
+fn default_max_bytes() -> u64 {
+    64 * 1024
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_ttl() -> u64 {
+    900
+}
+
+/// `[tasks.<name>]` in the configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TaskTemplate {
+    pub description: String,
+    /// The profile the task's sandbox is leased with.
+    pub profile: String,
+    /// JSON Schema of the parameters: `type = "object"` and
+    /// `additionalProperties = false`.
+    pub parameters: Value,
+    pub command: TaskCommand,
+    #[serde(default = "yes")]
+    pub approval_required: bool,
+    /// How long a plan stays valid for approval and submission.
+    #[serde(default = "default_ttl")]
+    pub plan_ttl_seconds: u64,
+    #[serde(default)]
+    pub outputs: Vec<TaskOutput>,
+}
+
+/// A placeholder element: `${name}` gives `name`.
+fn placeholder(arg: &str) -> Option<&str> {
+    arg.strip_prefix("${").and_then(|r| r.strip_suffix('}'))
+}
+
+/// Reject references that leave the schema document.
+fn local_refs_only(v: &Value, at: &str) -> Result<(), String> {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                match (k.as_str(), x) {
+                    ("$ref", Value::String(r)) if !r.starts_with('#') => {
+                        return Err(format!(
+                            "{at}: $ref '{r}' leaves the schema (only #… references are allowed)"
+                        ));
+                    }
+                    ("$dynamicRef" | "$recursiveRef", Value::String(_)) => {
+                        return Err(format!("{at}: {k} is not allowed"));
+                    }
+                    _ => local_refs_only(x, at)?,
+                }
+            }
+            Ok(())
+        }
+        Value::Array(a) => a.iter().try_for_each(|x| local_refs_only(x, at)),
+        _ => Ok(()),
+    }
+}
+
+/// A valid Draft 2020-12 schema that compiles here (no external references).
+pub fn check_schema(schema: &Value, at: &str) -> Result<jsonschema::Validator, String> {
+    local_refs_only(schema, at)?;
+    jsonschema::draft202012::meta::validate(schema)
+        .map_err(|e| format!("{at}: not a valid JSON Schema (Draft 2020-12): {e}"))?;
+    jsonschema::draft202012::new(schema).map_err(|e| format!("{at}: {e}"))
+}
+
+impl TaskTemplate {
+    /// Everything that must hold before the template may be used.
+    pub fn validate(&self, name: &str, profiles: &[&str]) -> Result<(), String> {
+        let at = format!("task {name}");
+        if !super::valid_profile_name(name) {
+            return Err(format!(
+                "task template name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
+            ));
+        }
+        if self.description.trim().is_empty() || self.description.len() > MAX_DESCRIPTION {
+            return Err(format!(
+                "{at}: description is required (at most {MAX_DESCRIPTION} bytes)"
+            ));
+        }
+        if !profiles.contains(&self.profile.as_str()) {
+            return Err(format!("{at}: profile '{}' is not defined", self.profile));
+        }
+        if self.parameters.get("type") != Some(&json!("object"))
+            || self.parameters.get("additionalProperties") != Some(&json!(false))
+        {
+            return Err(format!(
+                "{at}: parameters must be a closed object schema (type = \"object\", additionalProperties = false)"
+            ));
+        }
+        check_schema(&self.parameters, &format!("{at}: parameters"))?;
+        let declared: Vec<&str> = self
+            .parameters
+            .get("properties")
+            .and_then(Value::as_object)
+            .map(|m| m.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        if self.command.argv.is_empty() {
+            return Err(format!("{at}: command.argv must not be empty"));
+        }
+        for a in &self.command.argv {
+            if a.is_empty() {
+                return Err(format!("{at}: command.argv has an empty element"));
+            }
+            match placeholder(a) {
+                Some(p) if declared.contains(&p) => {}
+                Some(p) => {
+                    return Err(format!(
+                        "{at}: command.argv uses ${{{p}}}, which parameters do not declare"
+                    ));
+                }
+                None if a.contains("${") => {
+                    return Err(format!(
+                        "{at}: command.argv element '{a}': a placeholder must be a whole element (\"${{name}}\")"
+                    ));
+                }
+                None => {}
+            }
+        }
+        crate::broker::paths::check(&self.command.cwd)
+            .map_err(|e| format!("{at}: command.cwd: {}", e.message))?;
+        if self.plan_ttl_seconds == 0 {
+            return Err(format!("{at}: plan_ttl_seconds must be at least 1"));
+        }
+        let mut names = vec![];
+        for o in &self.outputs {
+            let oat = format!("{at}: output {}", o.name);
+            if !super::valid_profile_name(&o.name) {
+                return Err(format!(
+                    "{at}: output name '{}' must match ^[a-z][a-z0-9-]{{0,62}}$",
+                    o.name
+                ));
+            }
+            if names.contains(&o.name.as_str()) {
+                return Err(format!("{oat}: the name is used twice"));
+            }
+            names.push(o.name.as_str());
+            crate::broker::paths::check(&o.path).map_err(|e| format!("{oat}: {}", e.message))?;
+            if o.max_bytes == 0 || o.max_bytes > MAX_OUTPUT_BYTES {
+                return Err(format!("{oat}: max_bytes must be 1..={MAX_OUTPUT_BYTES}"));
+            }
+            if let Some(s) = &o.schema {
+                if o.format != OutputFormat::Json {
+                    return Err(format!("{oat}: a schema needs format = \"json\""));
+                }
+                check_schema(s, &format!("{oat}: schema"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// SHA-256 of what the template makes run (the description aside): a
+    /// plan made under one digest is never approved, submitted or finalized
+    /// under another.
+    pub fn digest(&self, name: &str) -> String {
+        let v = json!({
+            "name": name,
+            "profile": self.profile,
+            "parameters": self.parameters,
+            "argv": self.command.argv,
+            "cwd": self.command.cwd,
+            "approval_required": self.approval_required,
+            "plan_ttl_seconds": self.plan_ttl_seconds,
+            "outputs": self.outputs,
+        });
+        hex::encode(sha2::Sha256::digest(canonical(&v).as_bytes()))
+    }
+
+    /// What agents and approvers see: no output paths, no sizes.
+    pub fn contract(&self, name: &str) -> Value {
+        json!({
+            "name": name,
+            "description": self.description,
+            "profile": self.profile,
+            "parameters": self.parameters,
+            "approval_required": self.approval_required,
+            "plan_ttl_seconds": self.plan_ttl_seconds,
+            "outputs": self.outputs.iter().map(|o| json!({
+                "name": o.name, "format": o.format, "expose": o.expose, "required": o.required,
+            })).collect::<Vec<_>>(),
+            "template_sha256": self.digest(name),
+        })
+    }
+
+    /// The shell command for `params` (already validated against the
+    /// schema): each placeholder becomes the parameter's value, and every
+    /// element is shell-quoted. Null, arrays and objects cannot stand for an
+    /// argument.
+    pub fn render(&self, params: &Value) -> Result<String, String> {
+        let mut out = Vec::with_capacity(self.command.argv.len());
+        for a in &self.command.argv {
+            let s = match placeholder(a) {
+                Some(p) => match params.get(p) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Bool(b)) => b.to_string(),
+                    Some(Value::Number(n)) => n.to_string(),
+                    Some(_) => return Err(format!("{p}: must be a string, number or boolean")),
+                    None => return Err(format!("{p}: is required by the command")),
+                },
+                None => a.clone(),
+            };
+            out.push(shell_quote(&s));
+        }
+        Ok(out.join(" "))
+    }
+}
+
+/// Python's `shlex.quote`, so that rendered commands (and their digests)
+/// match the reference's.
+pub fn shell_quote(s: &str) -> String {
+    if s.is_empty() {
+        return "''".into();
+    }
+    let safe = s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"@%+=:,./-_".contains(&b));
+    if safe {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\"'\"'"))
+    }
+}
+
+/// Canonical JSON: keys sorted at every level, no spaces, non-ASCII as is
+/// (Python's `json.dumps(sort_keys=True, separators=(",", ":"),
+/// ensure_ascii=False)` for the values used here).
+pub fn canonical(v: &Value) -> String {
+    fn walk(v: &Value, out: &mut String) {
+        match v {
+            Value::Object(m) => {
+                let sorted: BTreeMap<&String, &Value> = m.iter().collect();
+                out.push('{');
+                for (i, (k, x)) in sorted.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&Value::String(k.clone()).to_string());
+                    out.push(':');
+                    walk(x, out);
+                }
+                out.push('}');
+            }
+            Value::Array(a) => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    walk(x, out);
+                }
+                out.push(']');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    let mut s = String::new();
+    walk(v, &mut s);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template() -> TaskTemplate {
+        TaskTemplate {
+            description: "train".into(),
+            profile: "offline-code".into(),
+            parameters: json!({
+                "type": "object", "additionalProperties": false,
+                "required": ["epochs"],
+                "properties": {"epochs": {"type": "integer", "minimum": 1}, "name": {"type": "string"}},
+            }),
+            command: TaskCommand {
+                argv: vec![
+                    "train".into(),
+                    "--epochs".into(),
+                    "${epochs}".into(),
+                    "${name}".into(),
+                ],
+                cwd: "/workspace".into(),
+            },
+            approval_required: true,
+            plan_ttl_seconds: 900,
+            outputs: vec![],
+        }
+    }
+
+    #[test]
+    fn validation() {
+        let p = ["offline-code"];
+        assert_eq!(template().validate("train", &p), Ok(()));
+        let mut t = template();
+        t.command.argv[2] = "--e=${epochs}".into();
+        assert!(
+            t.validate("train", &p)
+                .unwrap_err()
+                .contains("whole element")
+        );
+        let mut t = template();
+        t.command.argv[2] = "${nope}".into();
+        assert!(
+            t.validate("train", &p)
+                .unwrap_err()
+                .contains("do not declare")
+        );
+        let mut t = template();
+        t.parameters["additionalProperties"] = json!(true);
+        assert!(
+            t.validate("train", &p)
+                .unwrap_err()
+                .contains("closed object")
+        );
+        let mut t = template();
+        t.parameters["properties"]["x"] = json!({"$ref": "https://example.invalid/s.json"});
+        assert!(
+            t.validate("train", &p)
+                .unwrap_err()
+                .contains("leaves the schema")
+        );
+        let mut t = template();
+        t.parameters["properties"]["x"] = json!({"type": "strong"});
+        assert!(t.validate("train", &p).unwrap_err().contains("JSON Schema"));
+        let mut t = template();
+        t.profile = "nope".into();
+        assert!(t.validate("train", &p).is_err());
+        let mut t = template();
+        t.command.cwd = "/etc".into();
+        assert!(t.validate("train", &p).is_err());
+        assert!(template().validate("Bad_Name", &p).is_err());
+    }
+
+    #[test]
+    fn rendering_quotes_like_shlex() {
+        let t = template();
+        let c = t.render(&json!({"epochs": 3, "name": "a b'c"})).unwrap();
+        assert_eq!(c, "train --epochs 3 'a b'\"'\"'c'");
+        assert!(t.render(&json!({"epochs": [1], "name": "x"})).is_err());
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("a/b.c:d=e"), "a/b.c:d=e");
+        assert_eq!(shell_quote("$(id)"), "'$(id)'");
+    }
+
+    #[test]
+    fn canonical_json_and_digest() {
+        assert_eq!(
+            canonical(&json!({"b": 1, "a": {"d": [1, "é"], "c": null}})),
+            r#"{"a":{"c":null,"d":[1,"é"]},"b":1}"#
+        );
+        let t = template();
+        let mut t2 = template();
+        t2.description = "other words".into();
+        assert_eq!(
+            t.digest("train"),
+            t2.digest("train"),
+            "the description is not covered"
+        );
+        t2.command.argv.push("--more".into());
+        assert_ne!(t.digest("train"), t2.digest("train"));
+        assert!(t.contract("train").get("outputs").is_some());
+    }
+}

@@ -1,0 +1,984 @@
+//! Trusted tasks (plan → approve → submit → status → result → receipt) and
+//! checkpoint forks, against the real server with real sandboxes.
+
+use std::time::Duration;
+
+use cube_adapter::config::{Config, TaskTemplate};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sha2::Digest;
+
+use crate::appliance::{Server, code};
+use crate::common::BIN;
+
+/// The task templates the tests use, in the configuration's shape.
+pub fn templates() -> Value {
+    json!({
+        // Counts the words of `text`; writes a JSON summary (exposed) and the
+        // text itself (digest only); an optional output it never writes.
+        "word-count": {
+            "description": "Count the words of a text.",
+            "profile": "trusted",
+            "parameters": {
+                "type": "object", "additionalProperties": false,
+                "required": ["text", "repeat"],
+                "properties": {
+                    "text": {"type": "string", "maxLength": 200},
+                    "repeat": {"type": "integer", "minimum": 1, "maximum": 5},
+                },
+            },
+            "command": {"argv": [
+                "/bin/sh", "-c",
+                "printf '%s\\n' \"$1\" > echo.txt; printf '{\"words\": %s, \"repeat\": %s}' \"$(printf '%s' \"$1\" | wc -w)\" \"$2\" > /workspace/summary.json",
+                "task", "${text}", "${repeat}",
+            ], "cwd": "/workspace"},
+            "outputs": [
+                {"name": "summary", "path": "/workspace/summary.json", "format": "json",
+                 "schema": {"type": "object", "required": ["words"], "properties": {"words": {"type": "integer"}}}},
+                {"name": "echo", "path": "/workspace/echo.txt", "format": "text", "expose": "digest"},
+                {"name": "extra", "path": "/workspace/never.txt", "format": "text", "required": false},
+            ],
+        },
+        // Runs for a while; no approval needed.
+        "sleeper": {
+            "description": "Sleep.",
+            "profile": "trusted",
+            "approval_required": false,
+            "parameters": {"type": "object", "additionalProperties": false,
+                           "properties": {"secs": {"type": "integer", "minimum": 1, "maximum": 60}}},
+            "command": {"argv": ["sleep", "${secs}"]},
+        },
+        // Writes an output that does not match its schema.
+        "bad-output": {
+            "description": "Writes a wrong summary.",
+            "profile": "trusted",
+            "approval_required": false,
+            "parameters": {"type": "object", "additionalProperties": false, "properties": {}},
+            "command": {"argv": ["/bin/sh", "-c", "echo '{\"words\": \"many\"}' > /workspace/summary.json"]},
+            "outputs": [{"name": "summary", "path": "/workspace/summary.json",
+                         "schema": {"type": "object", "properties": {"words": {"type": "integer"}}}}],
+        },
+        // Expires fast.
+        "short-lived": {
+            "description": "A plan that expires in a second.",
+            "profile": "trusted",
+            "plan_ttl_seconds": 1,
+            "parameters": {"type": "object", "additionalProperties": false, "properties": {}},
+            "command": {"argv": ["true"]},
+        },
+    })
+}
+
+pub fn configure(c: &mut Config) {
+    let trusted = cube_adapter::config::Profile {
+        allowed_runtimes: vec!["mcp".into()],
+        max_active_leases_per_tenant: 4,
+        ..Default::default()
+    };
+    c.profiles.insert("trusted".into(), trusted);
+    c.tasks =
+        serde_json::from_value::<std::collections::BTreeMap<String, TaskTemplate>>(templates())
+            .unwrap();
+    c.validate().unwrap();
+}
+
+async fn wait_ended(s: &Server, token: &str, task: &str) -> Value {
+    for _ in 0..300 {
+        let (st, v) = s.get(token, &format!("/v1/tasks/{task}/status")).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        if v["result_ready"] == true {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("task {task} did not end");
+}
+
+fn audit_export(s: &Server) -> String {
+    let out = std::process::Command::new(BIN)
+        .args(["audit", "export", "--state-dir"])
+        .arg(&s.state)
+        .arg("--config")
+        .arg(s.empty_config())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn verify_receipt(args: &[&str], receipt: &Value, dir: &std::path::Path) -> (i32, Value) {
+    let f = dir.join("receipt.json");
+    std::fs::write(&f, receipt.to_string()).unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["receipt", "verify"])
+        .arg(&f)
+        .args(args)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.code().unwrap_or(-1), v)
+}
+
+/// The whole flow with separate identities: an agent plans, an approver of
+/// its tenant approves (nobody approves their own plan, admins included),
+/// the agent submits and finalizes; outputs are validated, the sandbox is
+/// gone, and the receipt verifies offline with the public key and fails
+/// once changed. The agent never reaches the task's sandbox, and no raw
+/// parameter reaches the receipt or the audit journal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_task_from_plan_to_verified_receipt() {
+    let s = Server::start_with(configure).await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+        "--action",
+        "lease:*",
+        "--action",
+        "exec:run",
+    ]);
+    let carol = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "carol",
+        "--action",
+        "task:*",
+    ]);
+    let bob = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "bob",
+        "--role",
+        "approver",
+        "--action",
+        "task:approve",
+        "--action",
+        "task:status",
+        "--action",
+        "task:receipt",
+    ]);
+    let dave = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "dave",
+        "--role",
+        "agent",
+        "--role",
+        "approver",
+        "--action",
+        "task:*",
+    ]);
+    let eve = s.token(&[
+        "--tenant",
+        "other",
+        "--subject",
+        "eve",
+        "--role",
+        "approver",
+        "--action",
+        "task:*",
+    ]);
+    let narrow = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "nina",
+        "--action",
+        "task:*",
+        "--task-template",
+        "sleeper",
+    ]);
+
+    // The contract: no output paths or sizes.
+    let (st, v) = s.get(&alice, "/v1/task-templates").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let wc = v["task_templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "word-count")
+        .unwrap()
+        .clone();
+    assert!(wc["template_sha256"].as_str().unwrap().len() == 64);
+    assert!(wc["outputs"][0].get("path").is_none() && wc["outputs"][0].get("max_bytes").is_none());
+    let (_, v) = s.get(&narrow, "/v1/task-templates").await;
+    assert_eq!(v["task_templates"].as_array().unwrap().len(), 1, "{v}");
+    let (st, v) = s
+        .post(
+            &narrow,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": {}}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "task_template_denied")
+    );
+
+    // Parameters are checked; an error names where, never the value.
+    let secret = "SECRET-TEXT-4711 the quick brown fox";
+    for (params, at) in [
+        (json!({"text": secret, "repeat": 9}), "repeat"),
+        (json!({"text": secret, "repeat": 1, "more": 1}), "$"),
+        (json!({"repeat": 1}), "$"),
+    ] {
+        let (st, v) = s
+            .post(
+                &alice,
+                "/v1/tasks/plan",
+                json!({"template": "word-count", "parameters": params}),
+            )
+            .await;
+        assert_eq!(
+            (st, code(&v)),
+            (StatusCode::BAD_REQUEST, "invalid_parameters"),
+            "{v}"
+        );
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(
+            m.ends_with(&format!("at {at}")) && !m.contains("SECRET"),
+            "{m}"
+        );
+    }
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "no-such", "parameters": {}}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "task_template_denied")
+    );
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": [1]}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_parameters")
+    );
+
+    let params = json!({"text": secret, "repeat": 2});
+    let (st, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": params}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    assert_eq!(plan["state"], "pending_approval");
+    assert!(
+        plan.get("parameters").is_none(),
+        "parameters are not echoed"
+    );
+    assert_eq!(plan["template_sha256"], wc["template_sha256"]);
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    let expect_cmd = format!(
+        "/bin/sh -c '{}' task '{secret}' 2",
+        wc_script().replace('\'', "'\"'\"'")
+    );
+    assert_eq!(
+        plan["command_sha256"],
+        hex::encode(sha2::Sha256::digest(expect_cmd.as_bytes())),
+        "the command is rendered with shell quoting, as the reference does"
+    );
+
+    // Not yet approved; agents cannot approve; other tenants see nothing.
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "plan_not_approved"));
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/approve"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "approver_required"));
+    let (st, v) = s
+        .post(&eve, &format!("/v1/task-plans/{pr}/approve"), json!({}))
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::NOT_FOUND, "task_plan_not_found")
+    );
+    let (st, v) = s
+        .post(
+            &bob,
+            &format!("/v1/task-plans/{pr}/approve"),
+            json!({"decision": "maybe"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_decision")
+    );
+
+    // Review: approvers see the parameters, the requester does not, others nothing.
+    let (st, v) = s.get(&bob, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["parameters"], params);
+    assert_eq!(v["contract"]["name"], "word-count");
+    let (st, v) = s.get(&alice, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(v.get("parameters").is_none());
+    let (st, _) = s.get(&carol, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+
+    // Nobody approves their own plan: an approver who plans, nor an admin.
+    for who in [&dave, &s.admin] {
+        let (st, own) = s
+            .post(
+                who,
+                "/v1/tasks/plan",
+                json!({"template": "word-count", "parameters": {"text": "x", "repeat": 1}}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::CREATED, "{own}");
+        let own = own["plan_ref"].as_str().unwrap();
+        let (st, v) = s
+            .post(who, &format!("/v1/task-plans/{own}/approve"), json!({}))
+            .await;
+        assert_eq!(
+            (st, code(&v)),
+            (StatusCode::FORBIDDEN, "self_approval_denied"),
+            "{v}"
+        );
+    }
+
+    // Bob approves; a second decision is refused.
+    let (st, v) = s
+        .post(
+            &bob,
+            &format!("/v1/task-plans/{pr}/approve"),
+            json!({"reason": "ticket OPS-1"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "approved");
+    let (st, v) = s
+        .post(
+            &bob,
+            &format!("/v1/task-plans/{pr}/approve"),
+            json!({"decision": "deny"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "plan_not_pending"));
+
+    // Only the requester submits; submitting again gives the same task.
+    let (st, _) = s
+        .post(&carol, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, task) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{task}");
+    let tr = task["task_ref"].as_str().unwrap().to_string();
+    let (st, again) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED);
+    assert_eq!(again["task_ref"], tr.as_str());
+
+    // The task's sandbox is nobody's to touch: not listed for the agent,
+    // not reachable by the agent or an admin through /v1.
+    let (_, v) = s.get(&alice, "/v1/leases").await;
+    assert_eq!(v["leases"].as_array().unwrap().len(), 0, "{v}");
+    let (_, v) = s.get(&s.admin, "/v1/leases").await;
+    let task_lease = v["leases"][0]["lease_ref"].as_str().unwrap().to_string();
+    for who in [&alice, &s.admin] {
+        let (st, v) = s
+            .post(
+                who,
+                &format!("/v1/leases/{task_lease}/exec"),
+                json!({"command": "echo tamper > /workspace/summary.json"}),
+            )
+            .await;
+        assert_eq!((st, code(&v)), (StatusCode::NOT_FOUND, "lease_not_found"));
+    }
+    let (st, v) = s.post(&alice, "/v1/leases/acquire", json!({"runtime": "mcp", "session_key": format!("trusted-task:{tr}"), "profile": "trusted"})).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "profile_conflict"),
+        "the task's session cannot be taken over: {v}"
+    );
+
+    let ended = wait_ended(&s, &alice, &tr).await;
+    assert_eq!(ended["state"], "succeeded", "{ended}");
+    // Approvers of the tenant may follow it; others may not.
+    let (st, _) = s.get(&bob, &format!("/v1/tasks/{tr}/status")).await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, _) = s.get(&carol, &format!("/v1/tasks/{tr}/status")).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, v) = s.get(&alice, &format!("/v1/tasks/{tr}/receipt")).await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "receipt_not_ready"));
+
+    let (st, res) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{res}");
+    let r = &res["result"];
+    assert_eq!(res["state"], "succeeded", "{res}");
+    assert_eq!(r["output_validation"], "ok");
+    assert_eq!(r["cleanup"], "verified");
+    assert_eq!(r["outputs"]["summary"]["words"], 5, "{r}");
+    assert_eq!(r["outputs"]["summary"]["repeat"], 2);
+    assert!(
+        r["outputs"].get("echo").is_none(),
+        "digest-only outputs are not returned"
+    );
+    let ev: Vec<&Value> = r["output_evidence"].as_array().unwrap().iter().collect();
+    let echo = ev.iter().find(|e| e["name"] == "echo").unwrap();
+    assert_eq!(
+        echo["sha256"],
+        hex::encode(sha2::Sha256::digest(format!("{secret}\n").as_bytes()))
+    );
+    assert_eq!(echo["exposed"], false);
+    let extra = ev.iter().find(|e| e["name"] == "extra").unwrap();
+    assert_eq!(
+        (extra["present"].clone(), extra["required"].clone()),
+        (json!(false), json!(false))
+    );
+    let (_, v) = s.get(&s.admin, "/v1/leases").await;
+    assert_eq!(
+        v["leases"].as_array().unwrap().len(),
+        0,
+        "the task's sandbox is gone: {v}"
+    );
+
+    // Idempotent; the receipt endpoint gives the same receipt, to the
+    // approver too.
+    let (_, res2) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!(res2["receipt"], res["receipt"]);
+    let (st, rc) = s.get(&bob, &format!("/v1/tasks/{tr}/receipt")).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(rc["receipt"], res["receipt"]);
+    let receipt = res["receipt"].clone();
+    let p = &receipt["payload"];
+    assert_eq!(p["task_ref"], tr.as_str());
+    assert_eq!(p["state"], "succeeded");
+    assert_eq!(p["template_sha256"], wc["template_sha256"]);
+    assert!(p["approver_hash"].is_string() && p["approver_hash"] != p["requester_hash"]);
+    assert_eq!(receipt["signature"]["alg"], "HS256");
+    let text = receipt.to_string();
+    assert!(
+        !text.contains("SECRET") && !text.contains("summary.json"),
+        "{text}"
+    );
+
+    // Offline verification: with the state directory (both signatures), and
+    // with only the public key as served by the appliance.
+    let empty = s.empty_config();
+    let (rc, v) = verify_receipt(
+        &[
+            "--state-dir",
+            s.state.to_str().unwrap(),
+            "--config",
+            empty.to_str().unwrap(),
+        ],
+        &res,
+        s.dir.path(),
+    );
+    assert_eq!(rc, 0, "{v}");
+    assert_eq!(
+        (v["valid"].clone(), v["ed25519"].clone(), v["hs256"].clone()),
+        (json!(true), json!(true), json!(true))
+    );
+    let (_, pk) = s.get(&bob, "/v1/receipts/public-key").await;
+    let pk_file = s.dir.path().join("pk.json");
+    std::fs::write(&pk_file, pk.to_string()).unwrap();
+    let (rc, v) = verify_receipt(
+        &["--public-key", pk_file.to_str().unwrap()],
+        &receipt,
+        s.dir.path(),
+    );
+    assert_eq!(
+        (rc, v["valid"].clone(), v["hs256"].clone()),
+        (0, json!(true), Value::Null),
+        "{v}"
+    );
+    let mut forged = receipt.clone();
+    forged["payload"]["outputs"][0]["sha256"] = json!("00");
+    let (rc, v) = verify_receipt(
+        &["--public-key", pk_file.to_str().unwrap()],
+        &forged,
+        s.dir.path(),
+    );
+    assert_eq!((rc, v["valid"].clone()), (1, json!(false)), "{v}");
+    let (rc, _) = verify_receipt(&[], &receipt, s.dir.path());
+    assert_eq!(rc, 2, "a verification needs a key");
+
+    // The journal has the decisions and nothing of the parameters.
+    let audit = audit_export(&s);
+    for action in ["task_plan", "task_approve", "task_submit", "task_finalize"] {
+        assert!(
+            audit.contains(&format!("\"action\":\"{action}\"")),
+            "{action}"
+        );
+    }
+    assert!(
+        !audit.contains("SECRET") && !audit.contains("quick brown"),
+        "parameters stay out of the journal"
+    );
+    s.stop().await;
+}
+
+fn wc_script() -> String {
+    templates()["word-count"]["command"]["argv"][2]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Cancel, deny, expiry, a failed output validation, and a plan that needs
+/// no approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_task_cancel_deny_expire_and_bad_outputs() {
+    let s = Server::start_with(configure).await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+    ]);
+    let bob = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "bob",
+        "--role",
+        "approver",
+        "--action",
+        "task:approve",
+    ]);
+
+    // No approval needed: ready at once; cancel ends it and signs.
+    let (st, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "sleeper", "parameters": {"secs": 60}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    assert_eq!(plan["state"], "ready");
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (st, task) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{task}");
+    let tr = task["task_ref"].as_str().unwrap();
+    assert_eq!(task["state"], "running");
+    let (st, v) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "task_running"));
+    let (st, v) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/cancel"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "cancelled", "{v}");
+    assert_eq!(v["cleanup"], "verified");
+    assert_eq!(v["receipt"]["payload"]["state"], "cancelled");
+    assert!(v["receipt"]["payload"]["approver_hash"].is_null());
+
+    // Denied: never runs.
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": {"text": "a", "repeat": 1}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &bob,
+            &format!("/v1/task-plans/{pr}/approve"),
+            json!({"decision": "deny", "reason": "not today"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "denied");
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "plan_not_approved"));
+
+    // Expired.
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "short-lived", "parameters": {}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (st, v) = s
+        .post(&bob, &format!("/v1/task-plans/{pr}/approve"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "plan_expired"));
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "plan_expired"),
+        "{v}"
+    );
+
+    // An output that does not match its schema: the task fails validation,
+    // still with a receipt saying so.
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "bad-output", "parameters": {}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (_, task) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    let tr = task["task_ref"].as_str().unwrap();
+    wait_ended(&s, &alice, tr).await;
+    let (st, v) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "output_validation_failed", "{v}");
+    assert_eq!(v["result"]["execution_state"], "succeeded");
+    assert_eq!(
+        v["result"]["output_evidence"][0]["error"],
+        "schema_mismatch"
+    );
+    assert!(v["result"]["outputs"].as_object().unwrap().is_empty());
+    assert_eq!(v["receipt"]["payload"]["state"], "output_validation_failed");
+    s.stop().await;
+}
+
+/// A template that changes after a plan was made: the plan is refused, and
+/// the change is seen across a restart of a real `serve` process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_template_invalidates_its_plans() {
+    let (rig, p) = crate::appliance::ProcRig::start();
+    let write_config = |argv: &str| {
+        std::fs::write(
+            &rig.config,
+            format!(
+                "[profiles.trusted]\nallowed_runtimes = [\"mcp\"]\n\n[tasks.hello]\ndescription = \"Say hello\"\nprofile = \"trusted\"\n[tasks.hello.parameters]\ntype = \"object\"\nadditionalProperties = false\n[tasks.hello.command]\nargv = {argv}\n"
+            ),
+        )
+        .unwrap();
+    };
+    write_config(r#"["echo", "hello"]"#);
+    let p = rig.kill_and_restart(p);
+    let alice = token(
+        &rig,
+        &[
+            "--tenant",
+            "acme",
+            "--subject",
+            "alice",
+            "--action",
+            "task:*",
+        ],
+    );
+    let bob = token(
+        &rig,
+        &[
+            "--tenant",
+            "acme",
+            "--subject",
+            "bob",
+            "--role",
+            "approver",
+            "--action",
+            "task:approve",
+        ],
+    );
+    let (st, plan) = call(
+        &rig,
+        &p,
+        &alice,
+        "/v1/tasks/plan",
+        json!({"template": "hello", "parameters": {}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    write_config(r#"["echo", "goodbye"]"#);
+    let p = rig.kill_and_restart(p);
+    let (st, v) = call(
+        &rig,
+        &p,
+        &bob,
+        &format!("/v1/task-plans/{pr}/approve"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "task_template_changed"),
+        "{v}"
+    );
+    // The description is not part of the digest.
+    let (_, plan) = call(
+        &rig,
+        &p,
+        &alice,
+        "/v1/tasks/plan",
+        json!({"template": "hello", "parameters": {}}),
+    )
+    .await;
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    let text = std::fs::read_to_string(&rig.config)
+        .unwrap()
+        .replace("Say hello", "Say goodbye");
+    std::fs::write(&rig.config, text).unwrap();
+    let p = rig.kill_and_restart(p);
+    let (st, v) = call(
+        &rig,
+        &p,
+        &bob,
+        &format!("/v1/task-plans/{pr}/approve"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    // A template that cannot be used safely stops the start, with the reason.
+    write_config(r#"["echo", "--name=${name}"]"#);
+    let mut p = p;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    p.child.wait().unwrap();
+    let e = crate::appliance::Proc::start(&rig.state, &rig.config, &[])
+        .err()
+        .unwrap();
+    assert!(e.contains("whole element"), "{e}");
+}
+
+fn token(rig: &crate::appliance::ProcRig, args: &[&str]) -> String {
+    let out = std::process::Command::new(BIN)
+        .args(["token", "create", "--state-dir"])
+        .arg(&rig.state)
+        .arg("--config")
+        .arg(&rig.config)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+async fn call(
+    rig: &crate::appliance::ProcRig,
+    p: &crate::appliance::Proc,
+    token: &str,
+    path: &str,
+    body: Value,
+) -> (StatusCode, Value) {
+    let r = rig
+        .http
+        .post(format!("{}{path}", p.url))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let st = r.status();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Fork (row 32): a new lease from a checkpoint, independent of its source,
+/// idempotent per branch, gated by the profile, counted in the quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forks_start_from_a_checkpoint_and_are_idempotent_per_branch() {
+    let s = Server::start_with(|c| {
+        c.profiles
+            .get_mut("checkpoint-code")
+            .unwrap()
+            .max_active_leases_per_tenant = 4;
+    })
+    .await;
+    let t = s.token(&["--tenant", "forks"]);
+    let (_, v) = s
+        .post(
+            &t,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "src", "profile": "checkpoint-code"}),
+        )
+        .await;
+    let src = v["lease_ref"].as_str().unwrap().to_string();
+    let write = |lease: String, content: &'static str| {
+        let (s, t) = (&s, t.clone());
+        async move {
+            let (st, v) = s
+                .post(
+                    &t,
+                    &format!("/v1/leases/{lease}/write"),
+                    json!({"path": "/workspace/f.txt", "content": content}),
+                )
+                .await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+        }
+    };
+    let read = |lease: String| {
+        let (s, t) = (&s, t.clone());
+        async move {
+            let (_, v) = s
+                .post(
+                    &t,
+                    &format!("/v1/leases/{lease}/read"),
+                    json!({"path": "/workspace/f.txt"}),
+                )
+                .await;
+            v["content"].as_str().unwrap_or("").to_string()
+        }
+    };
+    write(src.clone(), "at checkpoint").await;
+    let (st, c) = s
+        .post(&t, &format!("/v1/leases/{src}/checkpoints"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{c}");
+    let ckpt = c["checkpoint_ref"].as_str().unwrap().to_string();
+    assert!(
+        ckpt.starts_with("checkpoint_"),
+        "the reference's prefix: {ckpt}"
+    );
+    write(src.clone(), "after").await;
+
+    let fork_path = format!("/v1/leases/{src}/checkpoints/{ckpt}/fork");
+    let (st, f) = s.post(&t, &fork_path, json!({"branch": "try-a"})).await;
+    assert_eq!(st, StatusCode::CREATED, "{f}");
+    assert_eq!(
+        (f["reused"].clone(), f["checkpoint_ref"].clone()),
+        (json!(false), json!(ckpt))
+    );
+    assert_eq!(f["profile"], "checkpoint-code");
+    let fork = f["lease_ref"].as_str().unwrap().to_string();
+    assert_ne!(fork, src);
+    assert_eq!(read(fork.clone()).await, "at checkpoint");
+    write(fork.clone(), "fork's own").await;
+    assert_eq!(read(src.clone()).await, "after", "the source is untouched");
+
+    let (st, again) = s.post(&t, &fork_path, json!({"branch": "try-a"})).await;
+    assert_eq!(st, StatusCode::CREATED);
+    assert_eq!(
+        (again["lease_ref"].clone(), again["reused"].clone()),
+        (json!(fork), json!(true))
+    );
+    let (_, other) = s.post(&t, &fork_path, json!({})).await;
+    assert_ne!(other["lease_ref"], json!(fork), "no branch: a new fork");
+    // Quota: 3 leases now, limit 4.
+    let (st, _) = s.post(&t, &fork_path, json!({"branch": "try-c"})).await;
+    assert_eq!(st, StatusCode::CREATED);
+    let (st, v) = s.post(&t, &fork_path, json!({"branch": "try-d"})).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::TOO_MANY_REQUESTS, "lease_quota_exceeded")
+    );
+
+    let (st, v) = s
+        .post(&t, &fork_path, json!({"branch": "x".repeat(129)}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "invalid_branch"));
+    let other_tenant = s.token(&["--tenant", "elsewhere"]);
+    let (st, _) = s.post(&other_tenant, &fork_path, json!({})).await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    // Releasing the fork leaves the source and its checkpoint.
+    let (st, _) = s
+        .post(
+            &t,
+            &format!("/v1/leases/{fork}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(read(src.clone()).await, "after");
+    let (_, v) = s.get(&t, &format!("/v1/leases/{src}/checkpoints")).await;
+    assert_eq!(v["checkpoints"].as_array().unwrap().len(), 1);
+    // A profile without checkpoints forks nothing.
+    let (_, v) = s
+        .post(
+            &t,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "plain", "profile": "offline-code"}),
+        )
+        .await;
+    let plain = v["lease_ref"].as_str().unwrap().to_string();
+    let (st, v) = s
+        .post(
+            &t,
+            &format!("/v1/leases/{plain}/checkpoints/{ckpt}/fork"),
+            json!({}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "checkpoint_denied"));
+    s.stop().await;
+}
+
+/// The template in `docs/tasks.md` is a valid configuration, and the
+/// mistake the page warns about is refused with the reason it gives.
+#[test]
+fn the_documented_template_checks() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/tasks.md"),
+    )
+    .unwrap();
+    let example = doc
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|r| r.split("```").next())
+        .unwrap()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let check = |text: &str| {
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, text).unwrap();
+        std::process::Command::new(BIN)
+            .args(["config", "check", "--config"])
+            .arg(&f)
+            .env_remove("CUBE_ADAPTER_CONFIG")
+            .output()
+            .unwrap()
+    };
+    let out = check(&example);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("train-model"));
+    let bad = example.replace(r#""--epochs", "${epochs}""#, r#""--epochs=${epochs}""#);
+    assert_ne!(bad, example);
+    let out = check(&bad);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("whole element"));
+}
