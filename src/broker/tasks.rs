@@ -1042,6 +1042,21 @@ impl Broker {
                 m
             }
         };
+        // Kept before the sandbox goes: a crash after the kill must not
+        // leave a result that can no longer be computed.
+        if task.result_sealed.is_none() {
+            task.result_sealed = Some(
+                self.inner
+                    .store
+                    .sealer
+                    .seal(Value::Object(result.clone()).to_string().as_bytes())?,
+            );
+            let t2 = task.clone();
+            self.inner
+                .store
+                .write(move |txn, _| put_task(txn, &t2))
+                .await?;
+        }
         let validated = result.get("output_validation") == Some(&json!("ok"));
         let execution = result
             .get("execution_state")
@@ -1179,6 +1194,15 @@ impl Broker {
                         ev.insert("error".into(), json!("missing"));
                         all_ok = false;
                     }
+                    evidence.push(Value::Object(ev));
+                    continue;
+                }
+                // The sandbox went away before its outputs were read.
+                Err(e) if e.code == "lease_not_found" => {
+                    ev.insert("present".into(), json!(false));
+                    ev.insert("exposed".into(), json!(false));
+                    ev.insert("error".into(), json!("sandbox_gone"));
+                    all_ok = false;
                     evidence.push(Value::Object(ev));
                     continue;
                 }
