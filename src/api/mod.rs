@@ -81,14 +81,16 @@ pub fn status_of(code: &str) -> StatusCode {
         | "task_template_changed"
         | "task_not_ready"
         | "task_running"
-        | "receipt_not_ready" => StatusCode::CONFLICT,
+        | "receipt_not_ready"
+        | "fork_conflict" => StatusCode::CONFLICT,
         "body_too_large" | "value_too_large" | "artifact_too_large" => {
             StatusCode::PAYLOAD_TOO_LARGE
         }
         "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        "lease_quota_exceeded" | "job_quota_exceeded" | "session_quota_exceeded" => {
-            StatusCode::TOO_MANY_REQUESTS
-        }
+        "lease_quota_exceeded"
+        | "job_quota_exceeded"
+        | "session_quota_exceeded"
+        | "plan_quota_exceeded" => StatusCode::TOO_MANY_REQUESTS,
         "execution_failed" | "checkpoint_cleanup_failed" | "invalid_artifact" => {
             StatusCode::BAD_GATEWAY
         }

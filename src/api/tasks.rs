@@ -38,7 +38,9 @@ async fn templates(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R
 #[serde(deny_unknown_fields)]
 struct PlanReq {
     template: String,
-    parameters: serde_json::Value,
+    /// Missing: 400 `invalid_parameters`, as in the reference.
+    #[serde(default)]
+    parameters: Option<serde_json::Value>,
     #[serde(default)]
     request_id: Option<String>,
 }
@@ -47,7 +49,7 @@ async fn plan(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<PlanR
     let c = ctx(b.request_id.as_deref())?;
     let v = st
         .broker
-        .plan_task(&p, &c, &b.template, &b.parameters)
+        .plan_task(&p, &c, &b.template, b.parameters.as_ref())
         .await?;
     with_status(StatusCode::CREATED, v)
 }

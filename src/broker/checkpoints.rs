@@ -315,7 +315,13 @@ impl Broker {
         ev.checkpoint_ref = Some(c.checkpoint_ref.clone());
         // The profile as it is configured now, and still the caller's.
         let prof = match self.profile(&l.profile) {
-            Some(pr) if p.allows_profile(&l.profile) && p.allows_runtime(&l.runtime) => pr.clone(),
+            Some(pr)
+                if p.allows_profile(&l.profile)
+                    && p.allows_runtime(&l.runtime)
+                    && pr.allowed_runtimes.contains(&l.runtime) =>
+            {
+                pr.clone()
+            }
             _ => {
                 return Err(self
                     .reject(

@@ -49,6 +49,9 @@ pub struct Lease {
     /// calls only, never to agents directly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_ref: Option<String>,
+    /// The checkpoint a fork started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<String>,
 }
 
 impl Lease {
@@ -340,6 +343,19 @@ impl Broker {
             })
             .await?;
         if let Some(mut l) = existing {
+            if let Some((_, ckpt)) = &snapshot
+                && l.forked_from.as_ref() != Some(ckpt)
+            {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            "fork_conflict",
+                            "this branch is a fork of another checkpoint; name another branch",
+                        ),
+                    )
+                    .await);
+            }
             if l.task_ref != task_ref {
                 return Err(self
                     .reject(
@@ -507,6 +523,7 @@ impl Broker {
                 last_used_at: ts,
                 last_used_unix: unix,
                 task_ref,
+                forked_from: snapshot.as_ref().map(|(_, c)| c.clone()),
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
@@ -1126,11 +1143,32 @@ impl Broker {
         let ev = self.event(p, "release", ctx);
         self.authorize(p, "lease:release", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let _lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        // Looked up again under the lock: a concurrent release may have won.
+        let l = self.owned_lease(p, &l.lease_ref).await?;
         let mut ev = self.lease_event(p, "release", ctx, &l);
         ev.release_action = Some(action.to_string());
         let intent = self.inner.journal.intent(ev).await?;
-        let r = if action == "pause" {
+        // From here the release runs to its recorded outcome even if the
+        // client goes away (drained at shutdown).
+        let b = self.clone();
+        let kill = action == "kill";
+        let l2 = l.clone();
+        let task = self.inner.tracker.spawn(async move {
+            let _lock = lock;
+            b.release_effect(intent, l2, kill).await
+        });
+        task.await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+        let mut m = self.base(&l, ctx);
+        m.insert("action".into(), json!(action));
+        Ok(Value::Object(m))
+    }
+
+    /// The effect of a release, after its intent: pause or kill, the
+    /// checkpoints' snapshots, and the outcome with the lease's new state.
+    async fn release_effect(&self, intent: Intent, l: Lease, kill: bool) -> Result<()> {
+        let r = if !kill {
             match self.inner.cube.pause(&l.sandbox_id).await {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind == ErrorKind::Conflict => Ok(()), // already paused
@@ -1146,7 +1184,7 @@ impl Broker {
         // Killed: its checkpoints go too. If one cannot be deleted, the lease
         // stays (as `released`) so that the release can be retried.
         let r = match r {
-            Ok(()) if action == "kill" => match self.delete_lease_snapshots(&l.lease_ref).await {
+            Ok(()) if kill => match self.delete_lease_snapshots(&l.lease_ref).await {
                 Err(e) => {
                     let mut l2 = l.clone();
                     l2.state = "released".into();
@@ -1170,7 +1208,6 @@ impl Broker {
             return Err(e);
         }
         let mut l2 = l.clone();
-        let kill = action == "kill";
         self.inner
             .journal
             .outcome(
@@ -1188,9 +1225,7 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("action".into(), json!(action));
-        Ok(Value::Object(m))
+        Ok(())
     }
 }
 

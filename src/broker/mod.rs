@@ -48,6 +48,8 @@ pub(crate) struct Inner {
     pub ptys: ptys::Hubs,
     /// Signs trusted tasks' receipts.
     pub receipts: receipts::Signer,
+    /// Task templates' schemas, compiled once.
+    pub schemas: HashMap<String, Arc<crate::config::tasks::Compiled>>,
 }
 
 /// Per-request context from the transport.
@@ -65,6 +67,18 @@ impl Broker {
         key: Vec<u8>,
         receipts: receipts::Signer,
     ) -> Self {
+        let mut schemas = HashMap::new();
+        for (name, t) in &cfg.tasks {
+            match t.compile() {
+                Ok(c) => {
+                    schemas.insert(name.clone(), Arc::new(c));
+                }
+                // Checked when the configuration loaded; plans of it fail.
+                Err(e) => {
+                    tracing::error!(task = %name, error = %e, "a task template's schema does not compile")
+                }
+            }
+        }
         Self {
             inner: Arc::new(Inner {
                 cfg,
@@ -76,6 +90,7 @@ impl Broker {
                 tracker: tokio_util::task::TaskTracker::new(),
                 ptys: ptys::Hubs::default(),
                 receipts,
+                schemas,
             }),
         }
     }

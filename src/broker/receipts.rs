@@ -145,6 +145,71 @@ impl Signer {
     }
 }
 
+/// JSON with every key once: a receipt with a key twice could be read one
+/// way by the verifier and another way by whoever trusts it.
+pub fn parse_strict(bytes: &[u8]) -> Result<Value, String> {
+    use serde::de::{self, Deserialize, MapAccess, SeqAccess, Visitor};
+
+    struct Strict(Value);
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("JSON")
+        }
+        fn visit_bool<E>(self, b: bool) -> Result<Value, E> {
+            Ok(Value::Bool(b))
+        }
+        fn visit_i64<E>(self, n: i64) -> Result<Value, E> {
+            Ok(json!(n))
+        }
+        fn visit_u64<E>(self, n: u64) -> Result<Value, E> {
+            Ok(json!(n))
+        }
+        fn visit_f64<E>(self, n: f64) -> Result<Value, E> {
+            Ok(json!(n))
+        }
+        fn visit_str<E>(self, s: &str) -> Result<Value, E> {
+            Ok(Value::String(s.to_string()))
+        }
+        fn visit_string<E>(self, s: String) -> Result<Value, E> {
+            Ok(Value::String(s))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_none<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut v = vec![];
+            while let Some(Strict(x)) = seq.next_element()? {
+                v.push(x);
+            }
+            Ok(Value::Array(v))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut m = serde_json::Map::new();
+            while let Some(k) = map.next_key::<String>()? {
+                if m.contains_key(&k) {
+                    return Err(de::Error::custom(format!("the key {k:?} appears twice")));
+                }
+                let Strict(v) = map.next_value()?;
+                m.insert(k, v);
+            }
+            Ok(Value::Object(m))
+        }
+    }
+    impl<'de> Deserialize<'de> for Strict {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(V).map(Strict)
+        }
+    }
+    serde_json::from_slice::<Strict>(bytes)
+        .map(|s| s.0)
+        .map_err(|e| e.to_string())
+}
+
 /// What `receipt verify` found.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Verdict {
@@ -166,6 +231,9 @@ pub fn verify(
     hs_key: Option<&[u8]>,
 ) -> Result<Verdict, String> {
     let r = match doc.get("receipt") {
+        Some(_) if doc.get("payload").is_some() => {
+            return Err("ambiguous: both a receipt and a payload at the top level".into());
+        }
         Some(r) if r.is_object() => r,
         _ => doc,
     };
@@ -258,9 +326,8 @@ pub fn verify_command(
     };
     let doc: Value = match std::fs::read(file)
         .map_err(|e| format!("read {}: {e}", file.display()))
-        .and_then(|b| {
-            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", file.display()))
-        }) {
+        .and_then(|b| parse_strict(&b).map_err(|e| format!("{}: {e}", file.display())))
+    {
         Ok(v) => v,
         Err(m) => return usage(m),
     };
@@ -351,5 +418,12 @@ mod tests {
             !verify(&r, None, None).unwrap().valid,
             "nothing checked is not valid"
         );
+        // A key twice is refused, however it would be read.
+        let text = r.to_string();
+        let dup = text.replacen("{\"payload\":{", "{\"payload\":{\"state\":\"failed\",", 1);
+        assert_ne!(dup, text);
+        assert!(parse_strict(dup.as_bytes()).unwrap_err().contains("twice"));
+        assert_eq!(parse_strict(text.as_bytes()).unwrap(), r);
+        assert!(verify(&json!({"receipt": r, "payload": {}}), Some(&pk), None).is_err());
     }
 }

@@ -27,7 +27,7 @@ use crate::audit::event::Event;
 use crate::auth::Principal;
 use crate::clock::{format_unix, now};
 use crate::config::TaskTemplate;
-use crate::config::tasks::{Expose, OutputFormat, canonical, check_schema};
+use crate::config::tasks::{Expose, OutputFormat, canonical};
 use crate::store::{StoreError, codec, get_json, tables};
 
 /// Largest parameters object (canonical JSON, bytes).
@@ -36,6 +36,11 @@ pub const MAX_PARAMETERS: usize = 256 * 1024;
 pub const MAX_REASON: usize = 1024;
 /// The runtime trusted tasks' sandboxes are leased with.
 pub const TASK_RUNTIME: &str = "mcp";
+/// Plans one identity may have open (pending, ready or approved) at once.
+pub const MAX_OPEN_PLANS: usize = 64;
+/// Content a result may expose in all (bytes); beyond it, outputs are
+/// digest only.
+pub const MAX_EXPOSED: usize = 8 * 1024 * 1024;
 
 /// A plan as stored.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,9 +49,17 @@ pub struct Plan {
     pub tenant: String,
     /// Identity digest of who asked for it.
     pub requester: String,
+    /// Digest of the requester's subject alone (an admin of another tenant
+    /// with the same subject is the same person).
+    #[serde(default)]
+    pub requester_subject: String,
     pub template: String,
     pub template_digest: String,
     pub profile: String,
+    /// Digest of the profile's settings when the plan was made: a changed
+    /// profile changes what runs, as a changed template does.
+    #[serde(default)]
+    pub profile_digest: String,
     /// The parameters, sealed under the store key.
     pub parameters_sealed: String,
     pub parameters_sha256: String,
@@ -118,6 +131,12 @@ impl Task {
     }
 }
 
+/// A reference from a request, if it has the shape of one (only such
+/// values reach the audit journal).
+fn shaped(r: &str, prefix: &str) -> Option<String> {
+    valid_ref(r, prefix).then(|| r.to_string())
+}
+
 fn put_plan(txn: &WriteTransaction, p: &Plan) -> std::result::Result<(), StoreError> {
     let b = codec::encode(p)?;
     txn.open_table(tables::PLANS)?
@@ -162,6 +181,18 @@ impl Broker {
         )
     }
 
+    fn subject_digest(&self, p: &Principal) -> String {
+        self.inner.journal.digest("subject", p.subject.as_bytes())
+    }
+
+    fn profile_digest(&self, name: &str) -> String {
+        let v = self
+            .profile(name)
+            .and_then(|pr| serde_json::to_value(pr).ok())
+            .unwrap_or(Value::Null);
+        sha256_hex(canonical(&v).as_bytes())
+    }
+
     fn task_event(&self, p: &Principal, action: &str, ctx: &Ctx) -> Event {
         let mut ev = self.event(p, action, ctx);
         ev.runtime = Some(TASK_RUNTIME.into());
@@ -172,9 +203,25 @@ impl Broker {
         self.inner.cfg.tasks.get(name)
     }
 
-    /// The template a plan or task was made under, if it has not changed.
+    /// The template a task was made under, if it has not changed.
     fn same_template(&self, name: &str, digest: &str) -> Option<&TaskTemplate> {
         self.template(name).filter(|t| t.digest(name) == digest)
+    }
+
+    /// A plan's template, if neither it nor its profile has changed.
+    fn plan_template(&self, plan: &Plan) -> Option<&TaskTemplate> {
+        self.same_template(&plan.template, &plan.template_digest)
+            .filter(|_| {
+                plan.profile_digest.is_empty()
+                    || plan.profile_digest == self.profile_digest(&plan.profile)
+            })
+    }
+
+    fn changed() -> Error {
+        Error::new(
+            "task_template_changed",
+            "the task template or its profile changed after this plan was made; plan again",
+        )
     }
 
     /// The principal a task's own calls run as: the task's tenant, every
@@ -224,6 +271,11 @@ impl Broker {
             .ok_or_else(missing)
     }
 
+    /// May `p` act on (submit, finalize, cancel) what `requester` asked for?
+    fn is_requester(&self, p: &Principal, tenant: &str, requester: &str) -> bool {
+        p.is_admin() || (p.tenant == tenant && self.identity(p) == requester)
+    }
+
     /// A task the caller may follow (`act`: false) or act on (true): its
     /// requester and admins; approvers of its tenant may follow it.
     fn visible_task(&self, p: &Principal, task_ref: &str, act: bool) -> Result<Task> {
@@ -231,34 +283,57 @@ impl Broker {
         if !valid_ref(task_ref, "task") {
             return Err(missing());
         }
-        let me = self.identity(p);
         self.get_task(task_ref)?
             .filter(|t| {
-                p.is_admin()
-                    || (t.tenant == p.tenant && (t.requester == me || (!act && p.may_approve())))
+                self.is_requester(p, &t.tenant, &t.requester)
+                    || (!act && t.tenant == p.tenant && p.may_approve())
             })
             .ok_or_else(missing)
     }
 
+    /// Save a plan (re-read in the transaction: only a plan still in the
+    /// state it was read in is changed) with its event.
+    async fn save_plan(&self, plan: &Plan, was: &str, ev: Event) -> Result<()> {
+        let p2 = plan.clone();
+        let was = was.to_string();
+        let saved = self
+            .inner
+            .store
+            .write(move |txn, chain| {
+                let now: Option<Plan> = get_json(&txn.open_table(tables::PLANS)?, &p2.plan_ref)?;
+                if now.is_some_and(|n| n.state != was) {
+                    return Ok(false);
+                }
+                put_plan(txn, &p2)?;
+                chain.append(txn, ev)?;
+                Ok(true)
+            })
+            .await?;
+        if saved {
+            Ok(())
+        } else {
+            Err(Error::new(
+                "plan_not_pending",
+                "the plan changed meanwhile; look at it again",
+            ))
+        }
+    }
+
     /// Mark a plan expired if its time is up (saved with an event).
     async fn expire(&self, p: &Principal, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
+        if plan.state == "expired" {
+            return Ok(true);
+        }
         if !live(&plan.state) || now().1 < plan.expires_unix {
             return Ok(false);
         }
+        let was = plan.state.clone();
         plan.state = "expired".into();
         let mut ev = self.task_event(p, "task_plan_expired", ctx);
         ev.outcome = "ok".into();
         ev.plan_ref = Some(plan.plan_ref.clone());
         ev.task_template = Some(plan.template.clone());
-        let p2 = plan.clone();
-        self.inner
-            .store
-            .write(move |txn, chain| {
-                put_plan(txn, &p2)?;
-                chain.append(txn, ev)?;
-                Ok(())
-            })
-            .await?;
+        self.save_plan(plan, &was, ev).await?;
         Ok(true)
     }
 
@@ -285,6 +360,8 @@ impl Broker {
         m
     }
 
+    /// A task's fields; its result and receipt once they exist, when
+    /// `with_result` (callers who may act on it).
     fn task_answer(&self, t: &Task, ctx: &Ctx, with_result: bool) -> Result<Value> {
         let mut m = Map::new();
         for (k, v) in [
@@ -300,13 +377,14 @@ impl Broker {
             ("updated_at", json!(t.updated_at)),
             ("completed_at", json!(t.completed_at)),
             ("cleanup", json!(t.cleanup)),
-            ("result_ready", json!(t.execution_ended())),
+            ("execution_ended", json!(t.execution_ended())),
+            ("result_ready", json!(t.result_sealed.is_some())),
             ("receipt_ready", json!(t.receipt.is_some())),
             ("request_id", json!(ctx.request_id)),
         ] {
             m.insert(k.into(), v);
         }
-        if with_result {
+        if with_result && t.result_sealed.is_some() {
             m.insert("result".into(), self.task_result_value(t)?);
             m.insert("receipt".into(), t.receipt.clone().unwrap_or(Value::Null));
         }
@@ -346,10 +424,9 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         template: &str,
-        parameters: &Value,
+        parameters: Option<&Value>,
     ) -> Result<Value> {
         let mut ev = self.task_event(p, "task_plan", ctx);
-        ev.task_template = Some(template.to_string());
         self.authorize(p, "task:plan", &ev).await?;
         if !crate::config::valid_profile_name(template) {
             return Err(Error::new(
@@ -357,6 +434,7 @@ impl Broker {
                 "template must match ^[a-z][a-z0-9-]{0,62}$",
             ));
         }
+        ev.task_template = Some(template.to_string());
         let denied = || {
             Error::new(
                 "task_template_denied",
@@ -395,14 +473,14 @@ impl Broker {
                 )
                 .await);
         }
-        if !parameters.is_object() {
+        let Some(parameters) = parameters.filter(|v| v.is_object()) else {
             return Err(self
                 .reject(
                     ev,
                     Error::new("invalid_parameters", "parameters must be a JSON object ($)"),
                 )
                 .await);
-        }
+        };
         let canon = canonical(parameters);
         if canon.len() > MAX_PARAMETERS {
             return Err(Error::new(
@@ -410,13 +488,13 @@ impl Broker {
                 format!("parameters are larger than {MAX_PARAMETERS} bytes"),
             ));
         }
-        let validator = check_schema(&t.parameters, "parameters").map_err(|_| {
-            Error::new(
+        let Some(compiled) = self.inner.schemas.get(template) else {
+            return Err(Error::new(
                 "execution_failed",
                 "the task template's schema does not compile",
-            )
-        })?;
-        if let Err(e) = validator.validate(parameters) {
+            ));
+        };
+        if let Err(e) = compiled.parameters.validate(parameters) {
             // Only where: the value itself may be sensitive.
             let at = dotted(e.instance_path().as_str());
             return Err(self
@@ -442,16 +520,49 @@ impl Broker {
             ));
         }
         self.inner.journal.check()?;
+        // One requester's open plans are bounded (each holds up to 256 KiB).
+        let me = self.identity(p);
+        let _quota = self.lock(format!("plans:{me}")).await;
+        let (m2, t_now) = (me.clone(), now().1);
+        let open = self
+            .inner
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::PLANS)?;
+                let mut n = 0usize;
+                for item in t.iter()? {
+                    let (_, v) = item?;
+                    let pl: Plan = codec::decode(v.value())?;
+                    if pl.requester == m2 && live(&pl.state) && pl.expires_unix > t_now {
+                        n += 1;
+                    }
+                }
+                Ok(n)
+            })
+            .await?;
+        if open >= MAX_OPEN_PLANS {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        "plan_quota_exceeded",
+                        format!("this identity already has {open} open plans (at most {MAX_OPEN_PLANS}); submit or let some expire"),
+                    ),
+                )
+                .await);
+        }
         let (ts, unix) = now();
         let ttl = i64::try_from(t.plan_ttl_seconds).unwrap_or(i64::MAX);
         let expires_unix = unix.saturating_add(ttl);
         let plan = Plan {
             plan_ref: new_ref("plan"),
             tenant: p.tenant.clone(),
-            requester: self.identity(p),
+            requester: me,
+            requester_subject: self.subject_digest(p),
             template: template.to_string(),
             template_digest: t.digest(template),
             profile: t.profile.clone(),
+            profile_digest: self.profile_digest(&t.profile),
             parameters_sealed: self.inner.store.sealer.seal(canon.as_bytes())?,
             parameters_sha256: sha256_hex(canon.as_bytes()),
             command_sha256: sha256_hex(command.as_bytes()),
@@ -491,32 +602,29 @@ impl Broker {
     /// for approvers the parameters.
     pub async fn review_plan(&self, p: &Principal, ctx: &Ctx, plan_ref: &str) -> Result<Value> {
         let mut ev = self.task_event(p, "task_plan_review", ctx);
-        ev.plan_ref = Some(plan_ref.to_string());
+        ev.plan_ref = shaped(plan_ref, "plan");
         let scope = if p.may_approve() {
             "task:approve"
         } else {
             "task:status"
         };
         self.authorize(p, scope, &ev).await?;
+        let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
         let mut plan = self.tenant_plan(p, plan_ref)?;
-        if plan.requester != self.identity(p) && !p.may_approve() {
+        if !self.is_requester(p, &plan.tenant, &plan.requester) && !p.may_approve() {
             return Err(Error::new("task_plan_not_found", "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
-        if plan.state == "expired" || self.expire(p, ctx, &mut plan).await? {
+        if self.expire(p, ctx, &mut plan).await? {
             return Err(self
                 .reject(ev, Error::new("plan_expired", "the plan has expired"))
                 .await);
         }
+        let Some(t) = self.plan_template(&plan) else {
+            return Err(self.reject(ev, Self::changed()).await);
+        };
         let mut m = self.plan_answer(&plan, ctx);
-        let current = self.same_template(&plan.template, &plan.template_digest);
-        m.insert(
-            "contract".into(),
-            current
-                .map(|t| t.contract(&plan.template))
-                .unwrap_or(Value::Null),
-        );
-        m.insert("template_changed".into(), json!(current.is_none()));
+        m.insert("contract".into(), t.contract(&plan.template));
         if p.may_approve() {
             let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
             let v: Value = serde_json::from_slice(&raw)
@@ -555,7 +663,7 @@ impl Broker {
             ));
         }
         let mut ev = self.task_event(p, if approve { "task_approve" } else { "task_deny" }, ctx);
-        ev.plan_ref = Some(plan_ref.to_string());
+        ev.plan_ref = shaped(plan_ref, "plan");
         ev.decision = Some(if approve { "approve" } else { "deny" }.into());
         self.authorize(p, "task:approve", &ev).await?;
         if !p.may_approve() {
@@ -570,7 +678,7 @@ impl Broker {
         let mut plan = self.tenant_plan(p, plan_ref)?;
         ev.task_template = Some(plan.template.clone());
         ev.profile = Some(plan.profile.clone());
-        if plan.state == "expired" || self.expire(p, ctx, &mut plan).await? {
+        if self.expire(p, ctx, &mut plan).await? {
             return Err(self
                 .reject(ev, Error::new("plan_expired", "the plan has expired"))
                 .await);
@@ -586,21 +694,10 @@ impl Broker {
                 )
                 .await);
         }
-        if self
-            .same_template(&plan.template, &plan.template_digest)
-            .is_none()
-        {
-            return Err(self
-                .reject(
-                    ev,
-                    Error::new(
-                        "task_template_changed",
-                        "the task template changed after this plan was made; plan again",
-                    ),
-                )
-                .await);
+        if self.plan_template(&plan).is_none() {
+            return Err(self.reject(ev, Self::changed()).await);
         }
-        if !p.allows_task_template(&plan.template) {
+        if !p.allows_task_template(&plan.template) || !p.allows_profile(&plan.profile) {
             return Err(self
                 .reject(
                     ev,
@@ -614,12 +711,16 @@ impl Broker {
                 )
                 .await);
         }
+        // Independence: not the requester, nor the same subject in another
+        // tenant (an admin elsewhere), unless the profile lets admins.
         let me = self.identity(p);
+        let same_person = me == plan.requester
+            || (p.is_admin() && plan.requester_subject == self.subject_digest(p));
         let admin_may = p.is_admin()
             && self
                 .profile(&plan.profile)
                 .is_some_and(|pr| pr.admin_self_approval);
-        if me == plan.requester && !admin_may {
+        if same_person && !admin_may {
             return Err(self
                 .reject(
                     ev,
@@ -644,15 +745,7 @@ impl Broker {
         ev.outcome = "ok".into();
         ev.approver_digest = Some(me);
         ev.reason_digest = reason.map(|r| self.inner.journal.digest("reason", r.as_bytes()));
-        let p2 = plan.clone();
-        self.inner
-            .store
-            .write(move |txn, chain| {
-                put_plan(txn, &p2)?;
-                chain.append(txn, ev)?;
-                Ok(())
-            })
-            .await?;
+        self.save_plan(&plan, "pending_approval", ev).await?;
         Ok(Value::Object(self.plan_answer(&plan, ctx)))
     }
 
@@ -660,21 +753,26 @@ impl Broker {
     /// ready) plan. Idempotent: a submitted plan answers with its task.
     pub async fn submit_plan(&self, p: &Principal, ctx: &Ctx, plan_ref: &str) -> Result<Value> {
         let mut ev = self.task_event(p, "task_submit", ctx);
-        ev.plan_ref = Some(plan_ref.to_string());
+        ev.plan_ref = shaped(plan_ref, "plan");
         self.authorize(p, "task:submit", &ev).await?;
         let plan_lock = self.lock(format!("task-plan:{plan_ref}")).await;
         let mut plan = self.tenant_plan(p, plan_ref)?;
-        if plan.requester != self.identity(p) && !p.is_admin() {
+        if !self.is_requester(p, &plan.tenant, &plan.requester) {
             return Err(Error::new("task_plan_not_found", "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
         ev.profile = Some(plan.profile.clone());
+        self.inner.journal.check()?;
         if let Some(tr) = &plan.task_ref
             && let Some(t) = self.get_task(tr)?
         {
-            return self.task_answer(&t, ctx, false);
+            ev.outcome = "ok".into();
+            ev.task_ref = Some(t.task_ref.clone());
+            ev.reused = Some(true);
+            self.inner.journal.record(ev).await?;
+            return self.task_answer(&t, ctx, true);
         }
-        if plan.state == "expired" || self.expire(p, ctx, &mut plan).await? {
+        if self.expire(p, ctx, &mut plan).await? {
             return Err(self
                 .reject(ev, Error::new("plan_expired", "the plan has expired"))
                 .await);
@@ -695,17 +793,25 @@ impl Broker {
                 )
                 .await);
         }
-        let changed = || {
-            Error::new(
-                "task_template_changed",
-                "the task template changed after this plan was made; plan again",
-            )
-        };
-        let Some(t) = self
-            .same_template(&plan.template, &plan.template_digest)
-            .cloned()
-        else {
-            return Err(self.reject(ev, changed()).await);
+        // The submitter may still use what was planned.
+        if !p.is_admin()
+            && (!p.allows_task_template(&plan.template) || !p.allows_profile(&plan.profile))
+        {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        "task_template_denied",
+                        format!(
+                            "task template {} is no longer available to this identity",
+                            plan.template
+                        ),
+                    ),
+                )
+                .await);
+        }
+        let Some(t) = self.plan_template(&plan).cloned() else {
+            return Err(self.reject(ev, Self::changed()).await);
         };
         let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
         let params: Value = serde_json::from_slice(&raw)
@@ -714,9 +820,8 @@ impl Broker {
             .render(&params)
             .map_err(|m| Error::new("invalid_parameters", m))?;
         if sha256_hex(command.as_bytes()) != plan.command_sha256 {
-            return Err(self.reject(ev, changed()).await);
+            return Err(self.reject(ev, Self::changed()).await);
         }
-        self.inner.journal.check()?;
         let (ts, _) = now();
         let task = Task {
             task_ref: new_ref("task"),
@@ -742,30 +847,102 @@ impl Broker {
             completed_at: None,
             cleanup: None,
         };
+        let was = plan.state.clone();
         plan.state = "submitted".into();
         plan.task_ref = Some(task.task_ref.clone());
         ev.outcome = "ok".into();
         ev.task_ref = Some(task.task_ref.clone());
         ev.approver_digest = task.approver.clone();
         ev.command_digest = Some(self.inner.journal.digest("command", command.as_bytes()));
-        let (p2, t2) = (plan.clone(), task.clone());
-        // The lock of the task before the plan's is let go: status and
+        // The task's lock is taken before the plan's is let go: status and
         // result wait for the setup.
         let task_lock = self.lock(format!("task:{}", task.task_ref)).await;
+        let t2 = task.clone();
+        let p2 = plan.clone();
+        let saved = self
+            .inner
+            .store
+            .write(move |txn, chain| {
+                let now: Option<Plan> = get_json(&txn.open_table(tables::PLANS)?, &p2.plan_ref)?;
+                if now.is_some_and(|n| n.state != was) {
+                    return Ok(false);
+                }
+                put_plan(txn, &p2)?;
+                put_task(txn, &t2)?;
+                chain.append(txn, ev)?;
+                Ok(true)
+            })
+            .await?;
+        if !saved {
+            return Err(Error::new(
+                "plan_not_approved",
+                "the plan changed meanwhile; look at it again",
+            ));
+        }
+        drop(plan_lock);
+        // The setup runs to its end (and records it) even if the client
+        // goes away; it holds the task's lock until then.
+        let b = self.clone();
+        let (p2, ctx2) = (p.clone(), ctx.clone());
+        let job = self.inner.tracker.spawn(async move {
+            let _lock = task_lock;
+            b.start_task(&p2, &ctx2, task, &t, &command).await
+        });
+        let task = job
+            .await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+        self.task_answer(&task, ctx, true)
+    }
+
+    fn save_task_event(&self, task: &Task, action: &str, ctx: &Ctx, outcome: &str) -> Event {
+        let j = &self.inner.journal;
+        let mut ev = j.event(action);
+        ev.identity_digest = Some(task.requester.clone());
+        ev.tenant_digest = Some(j.digest("tenant", task.tenant.as_bytes()));
+        ev.runtime = Some(TASK_RUNTIME.into());
+        if !ctx.request_id.is_empty() {
+            ev.request_id = Some(ctx.request_id.clone());
+        }
+        ev.phase = "event".into();
+        ev.outcome = outcome.into();
+        ev.plan_ref = Some(task.plan_ref.clone());
+        ev.task_ref = Some(task.task_ref.clone());
+        ev.task_template = Some(task.template.clone());
+        ev.profile = Some(task.profile.clone());
+        ev.lease_ref = task.lease_ref.clone();
+        ev.sandbox_ref = task.sandbox_ref.clone();
+        ev.job_ref = task.job_ref.clone();
+        ev.task_state = Some(task.state.clone());
+        ev.cleanup = task.cleanup.clone();
+        ev.exit_code = task.exit_code;
+        ev
+    }
+
+    /// Save a task with an event in the same transaction.
+    async fn save_task(&self, task: &Task, ev: Event) -> Result<()> {
+        let t2 = task.clone();
         self.inner
             .store
             .write(move |txn, chain| {
-                put_plan(txn, &p2)?;
                 put_task(txn, &t2)?;
                 chain.append(txn, ev)?;
                 Ok(())
             })
             .await?;
-        drop(plan_lock);
-        let task = self.start_task(p, ctx, task, &t, &command).await;
-        drop(task_lock);
-        let task = task?;
-        self.task_answer(&task, ctx, false)
+        Ok(())
+    }
+
+    /// The session hash of a task's lease: in a domain of its own (a tenant
+    /// name has no space), so no session key given to acquire can take it.
+    fn task_session(&self, task: &Task) -> String {
+        self.hmac_hex(&[
+            b"trusted task",
+            task.tenant.as_bytes(),
+            task.task_ref.as_bytes(),
+        ])
+        .chars()
+        .take(24)
+        .collect()
     }
 
     /// Lease the task's sandbox and start its job; on failure, kill what
@@ -779,70 +956,62 @@ impl Broker {
         command: &str,
     ) -> Result<Task> {
         let tp = self.task_principal(&task.tenant, Some(p), &task.task_ref);
-        let session = format!("trusted-task:{}", task.task_ref);
-        let setup = async {
-            let (lease, _) = self
-                .acquire_lease(
-                    &tp,
-                    ctx,
-                    TASK_RUNTIME,
-                    &session,
-                    Some(&task.profile),
-                    Some(&task.task_ref),
-                )
-                .await?;
-            task.lease_ref = Some(lease.lease_ref.clone());
-            task.sandbox_ref = Some(lease.sandbox_ref.clone());
-            let v = self
-                .start_job(&tp, ctx, &lease.lease_ref, command, Some(&t.command.cwd))
-                .await?;
-            let job = v
-                .get("job_ref")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .ok_or_else(|| Error::new("execution_failed", "the task's job did not start"))?;
-            Ok::<String, Error>(job)
-        };
-        let r = setup.await;
-        task.updated_at = now().0;
-        match r {
-            Ok(job) => {
-                task.job_ref = Some(job);
-                task.state = "running".into();
+        let lease = self
+            .acquire_lease(
+                &tp,
+                ctx,
+                TASK_RUNTIME,
+                &self.task_session(&task),
+                Some(&task.profile),
+                Some(&task.task_ref),
+            )
+            .await;
+        let r = match lease {
+            Ok((lease, _)) => {
+                // Known from here on, so a restart finds and ends it.
+                task.lease_ref = Some(lease.lease_ref.clone());
+                task.sandbox_ref = Some(lease.sandbox_ref.clone());
+                task.updated_at = now().0;
                 let t2 = task.clone();
                 self.inner
                     .store
                     .write(move |txn, _| put_task(txn, &t2))
                     .await?;
+                self.start_job(&tp, ctx, &lease.lease_ref, command, Some(&t.command.cwd))
+                    .await
+                    .and_then(|v| {
+                        v.get("job_ref")
+                            .and_then(Value::as_str)
+                            .map(str::to_string)
+                            .ok_or_else(|| {
+                                Error::new("execution_failed", "the task's job did not start")
+                            })
+                    })
+            }
+            Err(e) => Err(e),
+        };
+        task.updated_at = now().0;
+        match r {
+            Ok(job) => {
+                task.job_ref = Some(job);
+                task.state = "running".into();
+                let ev = self.save_task_event(&task, "task_started", ctx, "ok");
+                self.save_task(&task, ev).await?;
                 Ok(task)
             }
             Err(e) => {
                 task.state = "setup_failed".into();
                 task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
-                let mut ev = self.task_event(p, "task_setup", ctx);
-                ev.outcome = "error".into();
+                let mut ev = self.save_task_event(&task, "task_setup", ctx, "error");
                 ev.error_code = Some(e.code.to_string());
-                ev.plan_ref = Some(task.plan_ref.clone());
-                ev.task_ref = Some(task.task_ref.clone());
-                ev.task_template = Some(task.template.clone());
-                ev.task_state = Some(task.state.clone());
-                ev.cleanup = task.cleanup.clone();
-                let t2 = task.clone();
-                self.inner
-                    .store
-                    .write(move |txn, chain| {
-                        put_task(txn, &t2)?;
-                        chain.append(txn, ev)?;
-                        Ok(())
-                    })
-                    .await?;
+                self.save_task(&task, ev).await?;
                 Err(e)
             }
         }
     }
 
     /// The task's lease, wherever its record says it is (or, after an
-    /// interrupted setup, wherever the session index has it).
+    /// interrupted setup, wherever a lease marked with it is).
     fn task_lease(&self, task: &Task) -> Result<Option<Lease>> {
         let tr = task.task_ref.clone();
         let known = task.lease_ref.clone();
@@ -884,42 +1053,59 @@ impl Broker {
     async fn refresh_task(&self, ctx: &Ctx, mut task: Task) -> Result<Task> {
         let tp = self.task_principal(&task.tenant, None, &task.task_ref);
         let before = task.state.clone();
-        match task.state.as_str() {
-            // Its setup holds the lock while it runs: this one was
-            // interrupted (a restart).
-            "starting" => {
-                task.state = "setup_failed".into();
-                task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
-            }
-            "running" => {
-                let job = task.job_ref.clone().unwrap_or_default();
-                match self.job_status(&tp, ctx, &job).await {
-                    Ok(v) => {
-                        let state = v.get("state").and_then(Value::as_str).unwrap_or("running");
-                        task.state = match state {
-                            "lost" => "orphaned".into(),
-                            s => s.to_string(),
-                        };
-                        task.exit_code = v
-                            .get("exit_code")
-                            .and_then(Value::as_i64)
-                            .and_then(|c| i32::try_from(c).ok());
-                    }
-                    Err(e) if matches!(e.code, "job_not_found" | "lease_not_found") => {
-                        task.state = "orphaned".into();
-                    }
-                    Err(e) => return Err(e),
+        if task.state == "starting" {
+            // Its setup holds the lock while it runs: this one was cut
+            // short (a restart). A job it started is adopted, never re-run;
+            // a sandbox without one is ended.
+            let lease = self.task_lease(&task)?;
+            let job = match &lease {
+                Some(l) => {
+                    let lr = l.lease_ref.clone();
+                    self.inner
+                        .store
+                        .read_now(move |txn| super::jobs::lease_jobs(txn, &lr))?
+                        .into_iter()
+                        .next()
+                }
+                None => None,
+            };
+            match (lease, job) {
+                (Some(l), Some(j)) => {
+                    task.lease_ref = Some(l.lease_ref);
+                    task.sandbox_ref = Some(l.sandbox_ref);
+                    task.job_ref = Some(j.job_ref);
+                    task.state = "running".into();
+                }
+                _ => {
+                    task.state = "setup_failed".into();
+                    task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
                 }
             }
-            _ => {}
+        }
+        if task.state == "running" {
+            let job = task.job_ref.clone().unwrap_or_default();
+            match self.job_status(&tp, ctx, &job).await {
+                Ok(v) => {
+                    let state = v.get("state").and_then(Value::as_str).unwrap_or("running");
+                    task.state = match state {
+                        "lost" => "orphaned".into(),
+                        s => s.to_string(),
+                    };
+                    task.exit_code = v
+                        .get("exit_code")
+                        .and_then(Value::as_i64)
+                        .and_then(|c| i32::try_from(c).ok());
+                }
+                Err(e) if matches!(e.code, "job_not_found" | "lease_not_found") => {
+                    task.state = "orphaned".into();
+                }
+                Err(e) => return Err(e),
+            }
         }
         if task.state != before {
             task.updated_at = now().0;
-            let t2 = task.clone();
-            self.inner
-                .store
-                .write(move |txn, _| put_task(txn, &t2))
-                .await?;
+            let ev = self.save_task_event(&task, "task_state", ctx, "ok");
+            self.save_task(&task, ev).await?;
         }
         Ok(task)
     }
@@ -927,16 +1113,27 @@ impl Broker {
     /// `GET|POST /v1/tasks/{ref}/status`.
     pub async fn task_status(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
         let mut ev = self.task_event(p, "task_status", ctx);
-        ev.task_ref = Some(task_ref.to_string());
+        ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:status", &ev).await?;
         self.visible_task(p, task_ref, false)?;
-        let _lock = self.lock(format!("task:{task_ref}")).await;
+        let lock = self.lock(format!("task:{task_ref}")).await;
         let task = self.visible_task(p, task_ref, false)?;
-        let task = self.refresh_task(ctx, task).await?;
+        let b = self.clone();
+        let c2 = ctx.clone();
+        let task = self
+            .inner
+            .tracker
+            .spawn(async move {
+                let _lock = lock;
+                b.refresh_task(&c2, task).await
+            })
+            .await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
         ev.outcome = "ok".into();
         ev.task_state = Some(task.state.clone());
         self.inner.journal.record(ev).await?;
-        self.task_answer(&task, ctx, false)
+        let act = self.is_requester(p, &task.tenant, &task.requester);
+        self.task_answer(&task, ctx, act)
     }
 
     /// `POST /v1/tasks/{ref}/result`: validate outputs, kill the sandbox,
@@ -963,10 +1160,10 @@ impl Broker {
             ("task_finalize", "task:result")
         };
         let mut ev = self.task_event(p, action, ctx);
-        ev.task_ref = Some(task_ref.to_string());
+        ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, scope, &ev).await?;
         self.visible_task(p, task_ref, true)?;
-        let _lock = self.lock(format!("task:{task_ref}")).await;
+        let lock = self.lock(format!("task:{task_ref}")).await;
         let task = self.visible_task(p, task_ref, true)?;
         ev.plan_ref = Some(task.plan_ref.clone());
         ev.task_template = Some(task.template.clone());
@@ -988,21 +1185,45 @@ impl Broker {
                 )
                 .await);
         }
+        self.inner.journal.check()?;
+        // Runs to its recorded end even if the client goes away.
+        let b = self.clone();
+        let c2 = ctx.clone();
+        let task = self
+            .inner
+            .tracker
+            .spawn(async move {
+                let _lock = lock;
+                b.finalize_locked(&c2, task, template, cancel, ev).await
+            })
+            .await
+            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+        self.task_answer(&task, ctx, true)
+    }
+
+    async fn finalize_locked(
+        &self,
+        ctx: &Ctx,
+        task: Task,
+        template: Option<TaskTemplate>,
+        cancel: bool,
+        mut ev: Event,
+    ) -> Result<Task> {
         let mut task = self.refresh_task(ctx, task).await?;
         let tp = self.task_principal(&task.tenant, None, &task.task_ref);
         if cancel && task.state == "running" {
             let job = task.job_ref.clone().unwrap_or_default();
             match self.cancel_job(&tp, ctx, &job).await {
                 Ok(v) => {
-                    task.state = v
-                        .get("state")
-                        .and_then(Value::as_str)
-                        .unwrap_or("cancelled")
-                        .to_string();
                     task.exit_code = v
                         .get("exit_code")
                         .and_then(Value::as_i64)
                         .and_then(|c| i32::try_from(c).ok());
+                    // Asked to cancel: whatever is left ends with the sandbox.
+                    task.state = match v.get("state").and_then(Value::as_str) {
+                        Some("running") | None => "cancelled".into(),
+                        Some(s) => s.to_string(),
+                    };
                 }
                 Err(e) if matches!(e.code, "job_not_found" | "lease_not_found") => {
                     task.state = "orphaned".into();
@@ -1015,19 +1236,16 @@ impl Broker {
                 .reject(ev, Error::new("task_running", "the task is still running"))
                 .await);
         }
-        if task.job_ref.is_none() && task.state == "starting" {
-            return Err(self
-                .reject(ev, Error::new("task_not_ready", "the task has not started"))
-                .await);
-        }
         // The result is computed once; a retry after a failed cleanup
         // reuses it.
         let mut result = match self.task_result_value(&task)? {
             Value::Object(m) => m,
             _ => {
-                let (outputs, evidence, ok) = match (&template, task.state.as_str()) {
+                let (outputs, evidence, validation) = match (&template, task.state.as_str()) {
                     (Some(t), "succeeded") => self.collect_outputs(&tp, ctx, &task, t).await?,
-                    _ => (Map::new(), vec![], true),
+                    // Its outputs can no longer be checked as declared.
+                    (None, "succeeded") => (Map::new(), vec![], "skipped"),
+                    _ => (Map::new(), vec![], "ok"),
                 };
                 let mut m = Map::new();
                 m.insert("execution_state".into(), json!(task.state));
@@ -1035,28 +1253,20 @@ impl Broker {
                 m.insert("sandbox_ref".into(), json!(task.sandbox_ref));
                 m.insert("outputs".into(), Value::Object(outputs));
                 m.insert("output_evidence".into(), json!(evidence));
-                m.insert(
-                    "output_validation".into(),
-                    json!(if ok { "ok" } else { "failed" }),
+                m.insert("output_validation".into(), json!(validation));
+                // Kept before the sandbox goes: a crash after the kill must
+                // not leave a result that can no longer be computed.
+                task.result_sealed = Some(
+                    self.inner
+                        .store
+                        .sealer
+                        .seal(Value::Object(m.clone()).to_string().as_bytes())?,
                 );
+                let ev2 = self.save_task_event(&task, "task_result", ctx, "ok");
+                self.save_task(&task, ev2).await?;
                 m
             }
         };
-        // Kept before the sandbox goes: a crash after the kill must not
-        // leave a result that can no longer be computed.
-        if task.result_sealed.is_none() {
-            task.result_sealed = Some(
-                self.inner
-                    .store
-                    .sealer
-                    .seal(Value::Object(result.clone()).to_string().as_bytes())?,
-            );
-            let t2 = task.clone();
-            self.inner
-                .store
-                .write(move |txn, _| put_task(txn, &t2))
-                .await?;
-        }
         let validated = result.get("output_validation") == Some(&json!("ok"));
         let execution = result
             .get("execution_state")
@@ -1083,34 +1293,18 @@ impl Broker {
         ev.task_state = Some(final_state.clone());
         ev.cleanup = Some(cleanup.into());
         ev.exit_code = task.exit_code;
+        ev.lease_ref = task.lease_ref.clone();
+        ev.sandbox_ref = task.sandbox_ref.clone();
         if cleanup == "pending" {
             // No receipt until the sandbox is known to be gone.
             task.state = "cleanup_pending".into();
             ev.outcome = "error".into();
             ev.error_code = Some("cleanup_pending".into());
-            let t2 = task.clone();
-            self.inner
-                .store
-                .write(move |txn, chain| {
-                    put_task(txn, &t2)?;
-                    chain.append(txn, ev)?;
-                    Ok(())
-                })
-                .await?;
-            return self.task_answer(&task, ctx, true);
+            self.save_task(&task, ev).await?;
+            return Ok(task);
         }
         task.state = final_state;
         task.completed_at = Some(ts);
-        let head = self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::AUDIT)?;
-            Ok(match t.last()? {
-                Some((k, v)) => {
-                    let e: Event = codec::decode(v.value())?;
-                    Some((k.value(), e.hash))
-                }
-                None => None,
-            })
-        })?;
         let evidence = result.get("output_evidence").cloned().unwrap_or(json!([]));
         let payload = json!({
             "version": "1",
@@ -1134,39 +1328,51 @@ impl Broker {
             "cleanup": cleanup,
             "created_at": task.created_at,
             "completed_at": task.completed_at,
-            "audit": head.map(|(seq, hash)| json!({"seq": seq, "chain_hash": hash})),
         });
-        task.receipt = Some(self.inner.receipts.sign(payload));
         ev.outcome = "ok".into();
-        let t2 = task.clone();
-        self.inner
+        // Signed in the transaction that records the finalize event: the
+        // receipt names the journal's head just before it.
+        let signer = self.inner.receipts.clone();
+        let mut t2 = task.clone();
+        let signed = self
+            .inner
             .store
             .write(move |txn, chain| {
+                let mut payload = payload;
+                if let Some(m) = payload.as_object_mut() {
+                    m.insert(
+                        "audit".into(),
+                        json!({"seq": chain.next_seq.saturating_sub(1), "chain_hash": chain.last_hash}),
+                    );
+                }
+                t2.receipt = Some(signer.sign(payload));
                 put_task(txn, &t2)?;
                 chain.append(txn, ev)?;
-                Ok(())
+                Ok(t2)
             })
             .await?;
-        self.task_answer(&task, ctx, true)
+        Ok(signed)
     }
 
     /// Check each declared output: present, within its size, UTF-8, JSON
     /// where declared so, matching its schema. Returns the exposed
-    /// contents, the evidence (digests, never content) and whether all
-    /// passed.
+    /// contents, the evidence (digests, never content) and `ok` or
+    /// `failed`.
     async fn collect_outputs(
         &self,
         tp: &Principal,
         ctx: &Ctx,
         task: &Task,
         t: &TaskTemplate,
-    ) -> Result<(Map<String, Value>, Vec<Value>, bool)> {
+    ) -> Result<(Map<String, Value>, Vec<Value>, &'static str)> {
         use base64::Engine;
         let lease = task.lease_ref.clone().unwrap_or_default();
+        let compiled = self.inner.schemas.get(&task.template).cloned();
         let mut outputs = Map::new();
         let mut evidence = vec![];
         let mut all_ok = true;
-        for o in &t.outputs {
+        let mut exposed_total = 0usize;
+        for (i, o) in t.outputs.iter().enumerate() {
             let mut ev = Map::new();
             ev.insert("name".into(), json!(o.name));
             ev.insert("path_sha256".into(), json!(sha256_hex(o.path.as_bytes())));
@@ -1181,6 +1387,13 @@ impl Broker {
                     },
                 )
                 .await;
+            let missing = |ev: &mut Map<String, Value>, error: Option<&str>| {
+                ev.insert("present".into(), json!(false));
+                ev.insert("exposed".into(), json!(false));
+                if let Some(e) = error {
+                    ev.insert("error".into(), json!(e));
+                }
+            };
             let data = match got {
                 Ok(v) => v
                     .get("content_base64")
@@ -1188,20 +1401,14 @@ impl Broker {
                     .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
                     .ok_or_else(|| Error::new("invalid_artifact", "an output could not be read"))?,
                 Err(e) if matches!(e.code, "artifact_not_found" | "invalid_path") => {
-                    ev.insert("present".into(), json!(false));
-                    ev.insert("exposed".into(), json!(false));
-                    if o.required {
-                        ev.insert("error".into(), json!("missing"));
-                        all_ok = false;
-                    }
+                    missing(&mut ev, o.required.then_some("missing"));
+                    all_ok &= !o.required;
                     evidence.push(Value::Object(ev));
                     continue;
                 }
                 // The sandbox went away before its outputs were read.
                 Err(e) if e.code == "lease_not_found" => {
-                    ev.insert("present".into(), json!(false));
-                    ev.insert("exposed".into(), json!(false));
-                    ev.insert("error".into(), json!("sandbox_gone"));
+                    missing(&mut ev, Some("sandbox_gone"));
                     all_ok = false;
                     evidence.push(Value::Object(ev));
                     continue;
@@ -1219,6 +1426,10 @@ impl Broker {
             ev.insert("present".into(), json!(true));
             ev.insert("bytes".into(), json!(data.len()));
             ev.insert("sha256".into(), json!(sha256_hex(&data)));
+            let schema = compiled
+                .as_ref()
+                .and_then(|c| c.outputs.get(i))
+                .and_then(Option::as_ref);
             let checked: std::result::Result<Value, &str> = (|| {
                 if data.len() as u64 > o.max_bytes {
                     return Err("too_large");
@@ -1228,22 +1439,26 @@ impl Broker {
                     OutputFormat::Text => Ok(Value::String(text.to_string())),
                     OutputFormat::Json => {
                         let v: Value = serde_json::from_str(text).map_err(|_| "invalid_json")?;
-                        if let Some(s) = &o.schema {
-                            let val = check_schema(s, "output").map_err(|_| "schema")?;
-                            if !val.is_valid(&v) {
-                                return Err("schema_mismatch");
-                            }
+                        match (o.schema.is_some(), schema) {
+                            (true, None) => Err("schema"),
+                            (_, Some(s)) if !s.is_valid(&v) => Err("schema_mismatch"),
+                            _ => Ok(v),
                         }
-                        Ok(v)
                     }
                 }
             })();
             match checked {
                 Ok(v) => {
-                    let exposed = o.expose == Expose::Content;
                     ev.insert("valid".into(), json!(true));
+                    let fits = exposed_total + data.len() <= MAX_EXPOSED;
+                    let exposed = o.expose == Expose::Content && fits;
+                    if o.expose == Expose::Content && !fits {
+                        ev.insert("error".into(), json!("exposed_limit"));
+                        all_ok = false;
+                    }
                     ev.insert("exposed".into(), json!(exposed));
                     if exposed {
+                        exposed_total += data.len();
                         outputs.insert(o.name.clone(), v);
                     }
                 }
@@ -1256,13 +1471,13 @@ impl Broker {
             }
             evidence.push(Value::Object(ev));
         }
-        Ok((outputs, evidence, all_ok))
+        Ok((outputs, evidence, if all_ok { "ok" } else { "failed" }))
     }
 
     /// `GET|POST /v1/tasks/{ref}/receipt`.
     pub async fn task_receipt(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
         let mut ev = self.task_event(p, "task_receipt", ctx);
-        ev.task_ref = Some(task_ref.to_string());
+        ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:receipt", &ev).await?;
         let task = self.visible_task(p, task_ref, false)?;
         let Some(r) = task.receipt.clone() else {

@@ -188,6 +188,20 @@ impl Broker {
         ev
     }
 
+    /// How long a lease may stay unused before GC collects it: its
+    /// profile's `lease_idle_ttl_seconds`; a trusted task's lease gets its
+    /// command's whole time limit on top (nobody touches it while the task
+    /// runs), so that its outputs are still there when the result is asked
+    /// for.
+    pub(crate) fn idle_ttl(&self, l: &super::leases::Lease) -> i64 {
+        let p = self.profile(&l.profile).cloned().unwrap_or_default();
+        let mut ttl = p.lease_idle_ttl_seconds;
+        if l.task_ref.is_some() {
+            ttl = ttl.saturating_add(p.max_command_seconds);
+        }
+        i64::try_from(ttl).unwrap_or(i64::MAX)
+    }
+
     /// Kill one idle lease under an audit intent, with its jobs' records.
     /// `Ok(false)`: it was used meanwhile (or is gone), nothing done.
     async fn collect(&self, lease_ref: &str) -> Result<bool> {
@@ -195,11 +209,7 @@ impl Broker {
         let Some(l) = self.get_lease(lease_ref).await? else {
             return Ok(false);
         };
-        let ttl = self
-            .profile(&l.profile)
-            .map(|p| p.lease_idle_ttl_seconds)
-            .unwrap_or(3600);
-        if now().1 - l.last_used_unix < i64::try_from(ttl).unwrap_or(i64::MAX) {
+        if now().1 - l.last_used_unix < self.idle_ttl(&l) {
             return Ok(false);
         }
         let intent = self
@@ -235,11 +245,7 @@ impl Broker {
         let t = now().1;
         let (mut collected, mut failed) = (0, 0);
         for l in leases {
-            let ttl = self
-                .profile(&l.profile)
-                .map(|p| p.lease_idle_ttl_seconds)
-                .unwrap_or(3600);
-            if t - l.last_used_unix < i64::try_from(ttl).unwrap_or(i64::MAX) {
+            if t - l.last_used_unix < self.idle_ttl(&l) {
                 continue;
             }
             match self.collect(&l.lease_ref).await {

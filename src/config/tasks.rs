@@ -18,6 +18,8 @@ use sha2::Digest;
 pub const MAX_OUTPUT_BYTES: u64 = 8 * 1024 * 1024;
 /// Longest description (bytes).
 pub const MAX_DESCRIPTION: usize = 1024;
+/// Longest plan lifetime (30 days).
+pub const MAX_PLAN_TTL: u64 = 30 * 24 * 3600;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -136,10 +138,39 @@ pub fn check_schema(schema: &Value, at: &str) -> Result<jsonschema::Validator, S
     local_refs_only(schema, at)?;
     jsonschema::draft202012::meta::validate(schema)
         .map_err(|e| format!("{at}: not a valid JSON Schema (Draft 2020-12): {e}"))?;
-    jsonschema::draft202012::new(schema).map_err(|e| format!("{at}: {e}"))
+    // Offline: nothing outside the schema is ever fetched, whatever the
+    // crate's features.
+    jsonschema::options()
+        .with_draft(jsonschema::Draft::Draft202012)
+        .offline()
+        .build(schema)
+        .map_err(|e| format!("{at}: {e}"))
+}
+
+/// A template's schemas, compiled once (at start).
+pub struct Compiled {
+    pub parameters: jsonschema::Validator,
+    /// One per output, in order (`None`: no schema).
+    pub outputs: Vec<Option<jsonschema::Validator>>,
 }
 
 impl TaskTemplate {
+    pub fn compile(&self) -> Result<Compiled, String> {
+        Ok(Compiled {
+            parameters: check_schema(&self.parameters, "parameters")?,
+            outputs: self
+                .outputs
+                .iter()
+                .map(|o| {
+                    o.schema
+                        .as_ref()
+                        .map(|s| check_schema(s, "output"))
+                        .transpose()
+                })
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
     /// Everything that must hold before the template may be used.
     pub fn validate(&self, name: &str, profiles: &[&str]) -> Result<(), String> {
         let at = format!("task {name}");
@@ -194,8 +225,8 @@ impl TaskTemplate {
         }
         crate::broker::paths::check(&self.command.cwd)
             .map_err(|e| format!("{at}: command.cwd: {}", e.message))?;
-        if self.plan_ttl_seconds == 0 {
-            return Err(format!("{at}: plan_ttl_seconds must be at least 1"));
+        if self.plan_ttl_seconds == 0 || self.plan_ttl_seconds > MAX_PLAN_TTL {
+            return Err(format!("{at}: plan_ttl_seconds must be 1..={MAX_PLAN_TTL}"));
         }
         let mut names = vec![];
         for o in &self.outputs {
@@ -266,6 +297,9 @@ impl TaskTemplate {
         for a in &self.command.argv {
             let s = match placeholder(a) {
                 Some(p) => match params.get(p) {
+                    Some(Value::String(s)) if s.contains('\0') => {
+                        return Err(format!("{p}: must not contain NUL"));
+                    }
                     Some(Value::String(s)) => s.clone(),
                     Some(Value::Bool(b)) => b.to_string(),
                     Some(Value::Number(n)) => n.to_string(),

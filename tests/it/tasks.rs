@@ -58,6 +58,13 @@ pub fn templates() -> Value {
             "outputs": [{"name": "summary", "path": "/workspace/summary.json",
                          "schema": {"type": "object", "properties": {"words": {"type": "integer"}}}}],
         },
+        // Its profile lets an admin approve their own plan.
+        "admin-ok": {
+            "description": "An admin's own chore.",
+            "profile": "trusted-self",
+            "parameters": {"type": "object", "additionalProperties": false, "properties": {}},
+            "command": {"argv": ["true"]},
+        },
         // Expires fast.
         "short-lived": {
             "description": "A plan that expires in a second.",
@@ -75,7 +82,12 @@ pub fn configure(c: &mut Config) {
         max_active_leases_per_tenant: 4,
         ..Default::default()
     };
+    let trusted_self = cube_adapter::config::Profile {
+        admin_self_approval: true,
+        ..trusted.clone()
+    };
     c.profiles.insert("trusted".into(), trusted);
+    c.profiles.insert("trusted-self".into(), trusted_self);
     c.tasks =
         serde_json::from_value::<std::collections::BTreeMap<String, TaskTemplate>>(templates())
             .unwrap();
@@ -86,7 +98,7 @@ async fn wait_ended(s: &Server, token: &str, task: &str) -> Value {
     for _ in 0..300 {
         let (st, v) = s.get(token, &format!("/v1/tasks/{task}/status")).await;
         assert_eq!(st, StatusCode::OK, "{v}");
-        if v["result_ready"] == true {
+        if v["execution_ended"] == true {
             return v;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -358,6 +370,42 @@ async fn trusted_task_from_plan_to_verified_receipt() {
             "{v}"
         );
     }
+    // Unless the template's profile lets admins (and only admins).
+    let (_, own) = s
+        .post(
+            &s.admin,
+            "/v1/tasks/plan",
+            json!({"template": "admin-ok", "parameters": {}}),
+        )
+        .await;
+    let own_ref = own["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/task-plans/{own_ref}/approve"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (_, own) = s
+        .post(
+            &dave,
+            "/v1/tasks/plan",
+            json!({"template": "admin-ok", "parameters": {}}),
+        )
+        .await;
+    let own_ref = own["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &dave,
+            &format!("/v1/task-plans/{own_ref}/approve"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "self_approval_denied")
+    );
 
     // Bob approves; a second decision is refused.
     let (st, v) = s
@@ -410,12 +458,20 @@ async fn trusted_task_from_plan_to_verified_receipt() {
             .await;
         assert_eq!((st, code(&v)), (StatusCode::NOT_FOUND, "lease_not_found"));
     }
+    // Its session is in a domain of its own: the reference's session key
+    // gives the agent a lease of its own, never the task's.
     let (st, v) = s.post(&alice, "/v1/leases/acquire", json!({"runtime": "mcp", "session_key": format!("trusted-task:{tr}"), "profile": "trusted"})).await;
-    assert_eq!(
-        (st, code(&v)),
-        (StatusCode::CONFLICT, "profile_conflict"),
-        "the task's session cannot be taken over: {v}"
-    );
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let own = v["lease_ref"].as_str().unwrap().to_string();
+    assert_ne!(own, task_lease, "the task's session cannot be taken over");
+    let (st, _) = s
+        .post(
+            &alice,
+            &format!("/v1/leases/{own}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
 
     let ended = wait_ended(&s, &alice, &tr).await;
     assert_eq!(ended["state"], "succeeded", "{ended}");
@@ -470,6 +526,35 @@ async fn trusted_task_from_plan_to_verified_receipt() {
     assert_eq!(st, StatusCode::OK);
     assert_eq!(rc["receipt"], res["receipt"]);
     let receipt = res["receipt"].clone();
+    // The HS256 value is what the reference's Python computes (json.dumps
+    // with sorted keys and no spaces, HMAC-SHA256, unpadded base64url).
+    let key = cube_adapter::broker::receipts::derived_hs_key(
+        &std::fs::read(s.state.join("hmac.key")).unwrap(),
+    );
+    let rf = s.dir.path().join("golden.json");
+    std::fs::write(&rf, receipt.to_string()).unwrap();
+    let py = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import json,hmac,hashlib,base64,sys\n\
+             d=json.load(open(sys.argv[1]))\n\
+             m=json.dumps(d['payload'],sort_keys=True,separators=(',',':'),ensure_ascii=False).encode()\n\
+             k=bytes.fromhex(sys.argv[2])\n\
+             print(base64.urlsafe_b64encode(hmac.new(k,m,hashlib.sha256).digest()).rstrip(b'=').decode())",
+        ])
+        .arg(&rf)
+        .arg(hex::encode(&key))
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&py.stdout).trim(),
+        receipt["signature"]["value"].as_str().unwrap()
+    );
     let p = &receipt["payload"];
     assert_eq!(p["task_ref"], tr.as_str());
     assert_eq!(p["state"], "succeeded");
@@ -765,6 +850,89 @@ async fn a_changed_template_invalidates_its_plans() {
     )
     .await;
     assert_eq!(st, StatusCode::OK, "{v}");
+    // Run it; change the template once it has ended: its result is refused,
+    // and a cancel ends it without claiming its outputs were checked.
+    let (st, task) = call(
+        &rig,
+        &p,
+        &alice,
+        &format!("/v1/task-plans/{pr}/submit"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{task}");
+    let tr = task["task_ref"].as_str().unwrap().to_string();
+    for _ in 0..300 {
+        let (_, v) = call(
+            &rig,
+            &p,
+            &alice,
+            &format!("/v1/tasks/{tr}/status"),
+            json!({}),
+        )
+        .await;
+        if v["execution_ended"] == true {
+            assert_eq!(v["state"], "succeeded", "{v}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    write_config(r#"["echo", "changed"]"#);
+    let p = rig.kill_and_restart(p);
+    let (st, v) = call(
+        &rig,
+        &p,
+        &alice,
+        &format!("/v1/tasks/{tr}/result"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "task_template_changed"),
+        "{v}"
+    );
+    let (st, v) = call(
+        &rig,
+        &p,
+        &alice,
+        &format!("/v1/tasks/{tr}/cancel"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "output_validation_failed", "{v}");
+    assert_eq!(v["result"]["output_validation"], "skipped");
+    assert_eq!(v["result"]["cleanup"], "verified");
+    // A changed profile changes what runs: its plans are refused too.
+    let (_, plan) = call(
+        &rig,
+        &p,
+        &alice,
+        "/v1/tasks/plan",
+        json!({"template": "hello", "parameters": {}}),
+    )
+    .await;
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    let text = std::fs::read_to_string(&rig.config).unwrap().replace(
+        "allowed_runtimes = [\"mcp\"]\n",
+        "allowed_runtimes = [\"mcp\"]\nmax_command_seconds = 77\n",
+    );
+    std::fs::write(&rig.config, text).unwrap();
+    let p = rig.kill_and_restart(p);
+    let (st, v) = call(
+        &rig,
+        &p,
+        &bob,
+        &format!("/v1/task-plans/{pr}/approve"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "task_template_changed"),
+        "{v}"
+    );
     // A template that cannot be used safely stops the start, with the reason.
     write_config(r#"["echo", "--name=${name}"]"#);
     let mut p = p;
@@ -896,6 +1064,19 @@ async fn forks_start_from_a_checkpoint_and_are_idempotent_per_branch() {
     );
     let (_, other) = s.post(&t, &fork_path, json!({})).await;
     assert_ne!(other["lease_ref"], json!(fork), "no branch: a new fork");
+    // A branch belongs to the checkpoint it forked.
+    let (_, c2) = s
+        .post(&t, &format!("/v1/leases/{src}/checkpoints"), json!({}))
+        .await;
+    let ckpt2 = c2["checkpoint_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &t,
+            &format!("/v1/leases/{src}/checkpoints/{ckpt2}/fork"),
+            json!({"branch": "try-a"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "fork_conflict"));
     // Quota: 3 leases now, limit 4.
     let (st, _) = s.post(&t, &fork_path, json!({"branch": "try-c"})).await;
     assert_eq!(st, StatusCode::CREATED);
@@ -923,7 +1104,7 @@ async fn forks_start_from_a_checkpoint_and_are_idempotent_per_branch() {
     assert_eq!(st, StatusCode::OK);
     assert_eq!(read(src.clone()).await, "after");
     let (_, v) = s.get(&t, &format!("/v1/leases/{src}/checkpoints")).await;
-    assert_eq!(v["checkpoints"].as_array().unwrap().len(), 1);
+    assert_eq!(v["checkpoints"].as_array().unwrap().len(), 2);
     // A profile without checkpoints forks nothing.
     let (_, v) = s
         .post(
@@ -981,4 +1162,96 @@ fn the_documented_template_checks() {
     let out = check(&bad);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("whole element"));
+}
+
+/// GC leaves a trusted task's sandbox alone while its command may still
+/// run (and a while after, for its result), where an ordinary lease of the
+/// same profile, idle as long, is collected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_waits_for_a_trusted_task() {
+    let s = Server::start_with(|c| {
+        configure(c);
+        c.gc_interval_seconds = 0;
+        let p = c.profiles.get_mut("trusted").unwrap();
+        p.lease_idle_ttl_seconds = 1;
+        p.max_command_seconds = 60;
+    })
+    .await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+    ]);
+    let plain = s.token(&["--tenant", "acme", "--subject", "plain"]);
+    let (st, v) = s
+        .post(
+            &plain,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "idle", "profile": "trusted"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "sleeper", "parameters": {"secs": 3}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (st, task) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{task}");
+    let tr = task["task_ref"].as_str().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["collected"], 1, "only the ordinary lease: {v}");
+    let ended = wait_ended(&s, &alice, tr).await;
+    assert_eq!(ended["state"], "succeeded", "{ended}");
+    let (st, v) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["result"]["cleanup"], "verified");
+    s.stop().await;
+}
+
+/// One identity's open plans are bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_plans_are_bounded_per_identity() {
+    let s = Server::start_with(configure).await;
+    let a = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "planner",
+        "--action",
+        "task:*",
+    ]);
+    let b = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "other",
+        "--action",
+        "task:*",
+    ]);
+    let body = json!({"template": "sleeper", "parameters": {"secs": 1}});
+    for _ in 0..cube_adapter::broker::tasks::MAX_OPEN_PLANS {
+        let (st, v) = s.post(&a, "/v1/tasks/plan", body.clone()).await;
+        assert_eq!(st, StatusCode::CREATED, "{v}");
+    }
+    let (st, v) = s.post(&a, "/v1/tasks/plan", body.clone()).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::TOO_MANY_REQUESTS, "plan_quota_exceeded")
+    );
+    let (st, _) = s.post(&b, "/v1/tasks/plan", body).await;
+    assert_eq!(st, StatusCode::CREATED, "another identity is not affected");
+    s.stop().await;
 }

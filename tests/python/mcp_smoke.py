@@ -162,7 +162,7 @@ async def main():
         for _ in range(300):
             r = await call(c, "cube_task_status", {"task_ref": task})
             check(not r.is_error, f"task status: {r.content}")
-            if r.structured_content["result_ready"]:
+            if r.structured_content["execution_ended"]:
                 break
             await asyncio.sleep(0.1)
         r = await call(c, "cube_task_result", {"task_ref": task})
