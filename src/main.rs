@@ -11,11 +11,57 @@ use cube_adapter::embedded::{Isolation, Limits, TemplateConfig};
 #[command(
     name = "cube-adapter",
     version,
-    about = "An appliance between AI coding agents and CubeSandbox sandboxes"
+    about = "An appliance between AI coding agents and CubeSandbox sandboxes",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The exit codes every operator command keeps (scripts may rely on them).
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 the check or operation failed (a broken audit \
+chain, a service that is not ready, a certificate about to expire, a token that does not exist); \
+2 bad usage or configuration, or a refusal (a file init or backup would overwrite); 3 the service \
+state does not allow it (running when it must be stopped, not running, not initialised); \
+4 store or I/O error. Operator commands need the state directory (root or the cube-adapter \
+user); while the service runs they reach it through STATE/admin.sock.";
+
+#[derive(Subcommand)]
+enum CertCommand {
+    /// The CA and the server certificate: names, validity, fingerprints.
+    ///
+    /// Reads the public files in STATE/tls (running or not). Exit 1 when
+    /// the server certificate has --warn-days or fewer left, so that a
+    /// timer can alert.
+    #[command(after_help = EXIT_CODES)]
+    Show {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Exit 1 at this many days left or fewer.
+        #[arg(long, default_value_t = 30)]
+        warn_days: i64,
+    },
+    /// Issue a new server certificate from the local CA.
+    ///
+    /// With the service running, it issues the certificate and serves it
+    /// at once (open connections keep the old one); stopped, the next start
+    /// serves it. The names are the host's names and addresses plus
+    /// `server_names` from the configuration. The CA (ten years) is kept:
+    /// agents keep trusting the appliance. The service also reissues the
+    /// certificate by itself at start and on reload (SIGHUP) when it no
+    /// longer covers the names or has 30 days or fewer left.
+    #[command(after_help = EXIT_CODES)]
+    Renew {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -287,6 +333,61 @@ enum Command {
         #[arg(long, default_value_t = 1.0)]
         cpus: f64,
     },
+    /// First run without starting the service: state directory, keys, CA,
+    /// server certificate, the first admin token.
+    ///
+    /// Idempotent: what exists is kept (keys, CA, store, tokens) and never
+    /// overwritten; a second run changes nothing. The bootstrap admin token
+    /// is issued only while the store has no token, into STATE/admin.token
+    /// or --admin-token-file (refused with exit 2 if that file exists).
+    /// Run as root on a state directory owned by the service user, the
+    /// files it creates are given to that user. Refused (exit 3) while the
+    /// service runs: it initialised itself.
+    #[command(after_help = EXIT_CODES)]
+    Init {
+        #[command(flatten)]
+        common: Common,
+        /// Where to write the bootstrap admin token (default STATE/admin.token).
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
+    },
+    /// Health, backend, audit journal, leases, tokens, certificate, last reload.
+    ///
+    /// Asks the running service (STATE/admin.sock); when it is stopped,
+    /// reads the store instead. Exit 0 when running and ready, 1 when
+    /// running but not ready (audit blocked or unavailable, backend
+    /// unreachable or a template not ready), 3 when not running.
+    #[command(after_help = EXIT_CODES)]
+    Status {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON (the same document in both cases; `running` tells which).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The server certificate.
+    #[command(subcommand)]
+    Cert(CertCommand),
+    /// Write a consistent backup of the state to FILE (a tar archive, 0600).
+    ///
+    /// While the service runs, it copies its store between two commits
+    /// (writes wait for the copy), reopens the copy on its own and verifies
+    /// its audit chain; stopped, this command does the same. The archive
+    /// holds MANIFEST.json, state.redb, secret.key, hmac.key and tls/: it
+    /// is as secret as the state directory. Sandboxes (STATE/embedded) are
+    /// not in it. Restore: stop the service, extract into an empty state
+    /// directory (`tar -xf FILE -C /var/lib/cube-adapter`), give it to the
+    /// service user, start (see docs/operations.md).
+    #[command(after_help = EXIT_CODES)]
+    Backup {
+        #[command(flatten)]
+        common: Common,
+        /// The archive to write.
+        file: PathBuf,
+        /// Replace FILE if it exists.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -305,6 +406,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cube_adapter::telemetry::init();
     match cli.command {
+        c @ (Command::Init { .. }
+        | Command::Status { .. }
+        | Command::Cert(_)
+        | Command::Backup { .. }) => ops_command(c),
         Command::Serve {
             common,
             listen,
@@ -611,6 +716,48 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The commands of `ops` (packaging and operations, #7).
+fn ops_command(command: Command) -> ExitCode {
+    use cube_adapter::ops::cli as ops;
+    exit(match command {
+        Command::Init {
+            common,
+            admin_token_file,
+        } => ops::init(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            admin_token_file.as_deref(),
+        ),
+        Command::Status { common, json } => {
+            ops::status(common.config.as_deref(), common.state_dir.as_deref(), json)
+        }
+        Command::Cert(CertCommand::Show {
+            common,
+            json,
+            warn_days,
+        }) => ops::cert_show(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            json,
+            warn_days,
+        ),
+        Command::Cert(CertCommand::Renew { common, json }) => {
+            ops::cert_renew(common.config.as_deref(), common.state_dir.as_deref(), json)
+        }
+        Command::Backup {
+            common,
+            file,
+            force,
+        } => ops::backup(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            &file,
+            force,
+        ),
+        _ => 2,
+    })
 }
 
 fn exit(code: i32) -> ExitCode {
