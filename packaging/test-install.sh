@@ -53,7 +53,7 @@ want() { # path mode user group
     [[ $got == "$2 $3 $4" ]] || fail "$1: $got, want $2 $3 $4"
     ok
 }
-lacks() { ! grep -q -- "$1" <<<"$2"; }
+lacks() { ! grep -qE -- "$1" <<<"$2"; }
 json() { python3 -c "import json,sys; v=json.load(sys.stdin); print($1)"; }
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -287,9 +287,7 @@ for f in "-rwxr-xr-x root root /usr/bin/cube-adapter" \
     "-rw-r--r-- root root /usr/lib/systemd/system/cube-adapter.service" \
     "-rw-r--r-- root root /usr/lib/sysusers.d/cube-adapter.conf" \
     "-rw-r--r-- root root /usr/share/cube-adapter/embedded.conf" \
-    "drwxr-x--- root cube-adapter /etc/cube-adapter" \
-    "-rw-r----- root cube-adapter /etc/cube-adapter/config.toml" \
-    "drwx------ cube-adapter cube-adapter /var/lib/cube-adapter"; do
+    "-rw-r----- root cube-adapter /etc/cube-adapter/config.toml"; do
     check "rpm holds: $f" grep -qxF -- "$f" <<<"$files"
 done
 check "rpm: nothing under /etc/systemd" lacks ' /etc/systemd' "$files"
@@ -297,10 +295,12 @@ check "rpm: the config is noreplace" sh -c "rpm -qp --qf '[%{FILEFLAGS:fflags} %
 scripts=$(rpm -qp --scripts "$RPM" 2>/dev/null)
 for s in "preinstall scriptlet" "postinstall scriptlet" "preuninstall scriptlet" "postuninstall scriptlet" \
     "systemd-sysusers --replace=/usr/lib/sysusers.d/cube-adapter.conf" "useradd --system" \
-    "systemctl try-restart cube-adapter.service"; do
+    "systemctl try-restart cube-adapter.service" "chmod 0750 /etc/cube-adapter" \
+    "chmod 0700 /var/lib/cube-adapter"; do
     check "rpm scripts: $s" grep -qF -- "$s" <<<"$scripts"
 done
-check "rpm never enables the service" lacks 'systemctl enable' "$scripts"
+check "rpm never enables or starts the service" lacks '^[[:space:]]*systemctl (enable|start|restart)' "$scripts"
+check "neither does the deb" lacks '^[[:space:]]*systemctl (enable|start|restart)' "$(cat packaging/debian/*)"
 check "rpm requires shadow-utils" sh -c "rpm -qpR '$RPM' 2>/dev/null | grep -q '^shadow-utils'"
 
 echo

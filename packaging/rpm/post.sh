@@ -1,5 +1,15 @@
 # cube-adapter %post ($1: 1 install, 2 upgrade). Never enables or starts
 # the service: it needs its backend filled in first.
+# The config directory is readable by the service's group only; the state
+# directory is the service user's alone (systemd's StateDirectory= would
+# create it too; here so that `cube-adapter init` can run first).
+chown root:cube-adapter /etc/cube-adapter
+chmod 0750 /etc/cube-adapter
+if [ ! -d /var/lib/cube-adapter ]; then
+    mkdir -p /var/lib/cube-adapter
+    chown cube-adapter:cube-adapter /var/lib/cube-adapter
+fi
+chmod 0700 /var/lib/cube-adapter
 if [ -d /run/systemd/system ]; then
     systemctl daemon-reload || :
 fi
