@@ -165,6 +165,11 @@ struct Common {
 #[derive(Subcommand)]
 enum ConfigCommand {
     /// Load the configuration with every override, validate it, print it.
+    ///
+    /// Precedence: defaults < the file < CUBE_ADAPTER_* environment <
+    /// flags. Unknown keys and non-boolean booleans are errors. Exit 0 and
+    /// the effective configuration; 2 and the reason when it is invalid.
+    #[command(after_help = EXIT_CODES)]
     Check {
         #[command(flatten)]
         common: Common,
@@ -176,6 +181,11 @@ enum ConfigCommand {
 #[derive(Subcommand)]
 enum TokenCommand {
     /// Issue a bearer token; prints the token alone on stdout.
+    ///
+    /// The token is shown once (only its argon2 hash is kept). Works while
+    /// the service runs (through its admin socket) and while it is
+    /// stopped. Exit 2 for an invalid tenant, role or runtime.
+    #[command(after_help = EXIT_CODES)]
     Create {
         #[command(flatten)]
         common: Common,
@@ -205,6 +215,7 @@ enum TokenCommand {
         description: Option<String>,
     },
     /// List tokens (ids and scopes, never secrets).
+    #[command(after_help = EXIT_CODES)]
     List {
         #[command(flatten)]
         common: Common,
@@ -213,6 +224,10 @@ enum TokenCommand {
         json: bool,
     },
     /// Revoke a token by id (or by the token itself).
+    ///
+    /// Takes effect at once on a running service. Exit 1 when no token has
+    /// that id.
+    #[command(after_help = EXIT_CODES)]
     Revoke {
         #[command(flatten)]
         common: Common,
@@ -223,11 +238,19 @@ enum TokenCommand {
 #[derive(Subcommand)]
 enum AuditCommand {
     /// Check the hash chain of the journal. Exit 0 when intact, 1 when not.
+    ///
+    /// Prints the number of events, the last sequence number, the head hash
+    /// and the pending intents. Works while the service runs.
+    #[command(after_help = EXIT_CODES)]
     Verify {
         #[command(flatten)]
         common: Common,
     },
     /// Print events as JSON lines.
+    ///
+    /// Digests, never commands, paths or secrets in clear. Works while the
+    /// service runs.
+    #[command(after_help = EXIT_CODES)]
     Export {
         #[command(flatten)]
         common: Common,
@@ -239,7 +262,9 @@ enum AuditCommand {
     ///
     /// Records a `reconciled` outcome for each pending intent, with a digest
     /// of your note (a ticket number, what you checked). It never claims the
-    /// operation succeeded and never re-runs it.
+    /// operation succeeded and never re-runs it. Exit 3 while the service
+    /// runs, 2 without a note.
+    #[command(after_help = EXIT_CODES)]
     Reconcile {
         #[command(flatten)]
         common: Common,
@@ -256,6 +281,14 @@ enum AuditCommand {
 enum Command {
     /// Run the appliance: the /v1 API over HTTPS, the audit journal and,
     /// with no backend configured, the embedded backend.
+    ///
+    /// Under systemd (Type=notify) it says READY=1 once the store is open
+    /// and the listener bound, feeds the watchdog and says STOPPING=1 on
+    /// SIGTERM, after which effects in flight get 30 s to record their
+    /// outcome. SIGHUP reloads the certificate and `server_names`; other
+    /// changed keys need a restart (see `status`). Exit 2 for an invalid
+    /// configuration, 3 when another process holds the store, 4 otherwise.
+    #[command(after_help = EXIT_CODES)]
     Serve {
         #[command(flatten)]
         common: Common,
