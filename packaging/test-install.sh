@@ -208,6 +208,9 @@ start_service() {
     check "the service runs as cube-adapter" test "$(stat -c %U /proc/$SERVE_PID)" = cube-adapter
     check "without capabilities" grep -q '^CapEff:[[:space:]]*0000000000000000$' /proc/$SERVE_PID/status
     check "with no_new_privs" grep -q '^NoNewPrivs:[[:space:]]*1$' /proc/$SERVE_PID/status
+    # Not dumpable: /proc/PID/{environ,mem,…} belong to root, no core dumps.
+    check "not dumpable" test "$(stat -c %U /proc/$SERVE_PID/environ)" = root
+    check "no warning about loose files" lacks 'others can read it' "$(cat "$LOG")"
 }
 stop_service() {
     kill -TERM "$SERVE_PID"

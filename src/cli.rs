@@ -98,6 +98,18 @@ pub fn serve(config: Option<&Path>, flags: &Flags) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
+    let config_file = config.unwrap_or(Path::new(crate::config::DEFAULT_CONFIG));
+    match crate::ops::preflight(config_file, &cfg) {
+        Ok(warnings) => {
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    }
     let launcher = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {

@@ -572,6 +572,62 @@ pub fn check_copy(path: &Path) -> Result<Manifest, String> {
     })
 }
 
+/// Files whose mode lets others than their owner (and for the config,
+/// its group) read them: warnings `serve` logs at start.
+pub fn loose_files(config_file: &Path, cfg: &Config) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut warn = vec![];
+    let mut check = |p: &Path, mask: u32, what: &str| {
+        if let Ok(m) = std::fs::metadata(p)
+            && m.permissions().mode() & mask != 0
+        {
+            warn.push(format!(
+                "{} ({what}) has mode {:o}: others can read it",
+                p.display(),
+                m.permissions().mode() & 0o777
+            ));
+        }
+    };
+    check(config_file, 0o004, "configuration");
+    let state = &cfg.state_dir;
+    for k in ["secret.key", "hmac.key", "admin.token", "state.redb"] {
+        check(&state.join(k), 0o044, "secret");
+    }
+    if let Ok(rd) = std::fs::read_dir(state.join("tls")) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().ends_with(".key") {
+                check(&e.path(), 0o044, "private key");
+            }
+        }
+    }
+    let mut secrets: Vec<&PathBuf> = cfg.tokens_file.iter().collect();
+    if let Some(b) = &cfg.backend {
+        secrets.extend(b.api_key_file.iter().chain(b.client_key_file.iter()));
+    }
+    for f in secrets {
+        check(f, 0o004, "credential");
+    }
+    warn
+}
+
+/// Before `serve` starts: refuse a set-uid or set-gid start, keep the
+/// process out of core dumps and same-user ptrace (its memory holds the
+/// keys), and name files others can read.
+pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String> {
+    use nix::unistd::{getegid, geteuid, getgid, getuid};
+    if getuid() != geteuid() || getgid() != getegid() {
+        return Err(format!(
+            "refusing to run with real uid/gid {}/{} and effective {}/{} (set-uid or set-gid): run it as the service user",
+            getuid(),
+            getgid(),
+            geteuid(),
+            getegid()
+        ));
+    }
+    nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    Ok(loose_files(config_file, cfg))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
