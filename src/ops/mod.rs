@@ -647,4 +647,32 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn loose_files_are_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            state_dir: dir.path().to_path_buf(),
+            ..Config::default()
+        };
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let conf = dir.path().join("config.toml");
+        let key = dir.path().join("secret.key");
+        std::fs::write(&conf, "").unwrap();
+        std::fs::write(&key, "k").unwrap();
+        mode(&conf, 0o640);
+        mode(&key, 0o600);
+        assert!(loose_files(&conf, &cfg).is_empty());
+        mode(&conf, 0o644);
+        mode(&key, 0o640);
+        let w = loose_files(&conf, &cfg);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w.iter()
+                .any(|x| x.contains("secret.key") && x.contains("640"))
+        );
+    }
 }
