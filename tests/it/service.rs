@@ -477,3 +477,62 @@ fn rpm_scriptlet_matches_sysusers() {
     let unit = std::fs::read_to_string(root.join("systemd/cube-adapter.service")).unwrap();
     assert!(unit.contains("\nExecReload=/bin/kill -HUP $MAINPID\n"));
 }
+
+/// `status` exits 1 while the journal is blocked by a pending intent (a
+/// crash between intent and outcome) and says why, running or stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_a_blocked_journal() {
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let _reaper = crate::appliance::SandboxReaper(state.join("embedded/sandboxes"));
+    let mut p = crate::appliance::Proc::start(
+        &state,
+        &config,
+        &[("CUBE_ADAPTER_FAILPOINT", "after_intent")],
+    )
+    .unwrap();
+    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+    let token = std::fs::read_to_string(state.join("admin.token")).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+        .build()
+        .unwrap();
+    let r: serde_json::Value = http
+        .post(format!("{}/v1/leases/acquire", p.url))
+        .bearer_auth(token.trim())
+        .json(&serde_json::json!({"runtime": "mcp", "session_key": "blocked"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let lease = r["lease_ref"].as_str().unwrap().to_string();
+    let died = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(token.trim())
+        .json(&serde_json::json!({"command": "true"}))
+        .send()
+        .await;
+    assert!(died.is_err());
+    p.child.wait().unwrap();
+
+    let out = run(&["status", "--json"], &state, &config);
+    assert_eq!(out.status.code(), Some(3), "stopped: {out:?}");
+    let v = json_of(&out);
+    assert_eq!(v["audit"]["state"], "reconciliation_required");
+    assert_eq!(v["store"]["pending_intents"], 1);
+
+    let p = crate::appliance::Proc::start(&state, &config, &[]).unwrap();
+    let out = run(&["status", "--json"], &state, &config);
+    assert_eq!(out.status.code(), Some(1), "running, not ready: {out:?}");
+    let v = json_of(&out);
+    assert_eq!(v["running"], true);
+    assert_eq!(v["ready"], false);
+    assert_eq!(v["audit"]["state"], "reconciliation_required");
+    assert_eq!(v["store"]["active_leases"], 1);
+    p.stop();
+}
