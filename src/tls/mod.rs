@@ -241,6 +241,9 @@ impl LocalCa {
     }
 
     /// Issue (or reuse) `<name>.pem` / `<name>.key` in the CA's directory.
+    /// A certificate with `RENEW_DAYS` or fewer left (or unreadable) is
+    /// issued anew: the internal leaves (the embedded backend's server and
+    /// the broker's client) renew themselves at every start.
     pub fn leaf_files(
         &self,
         name: &str,
@@ -248,7 +251,13 @@ impl LocalCa {
     ) -> Result<(PathBuf, PathBuf), TlsError> {
         let cert = self.dir.join(format!("{name}.pem"));
         let key = self.dir.join(format!("{name}.key"));
-        if !(cert.exists() && key.exists()) {
+        let expiring = || {
+            std::fs::read(&cert)
+                .ok()
+                .and_then(|pem| cert_info(&pem).ok())
+                .is_none_or(|i| i.days_left(crate::clock::now().1) <= RENEW_DAYS)
+        };
+        if !(cert.exists() && key.exists()) || expiring() {
             let (c, k) = match server_names {
                 Some(n) => self.issue_server(n)?,
                 None => self.issue_client(name)?,
@@ -503,5 +512,48 @@ impl LocalCa {
         let (cert, key) = self.reissue_server(name, names)?;
         let pem = std::fs::read(&cert).map_err(io(format!("read {}", cert.display())))?;
         Ok((pem, self.read_key(&key)?, true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A leaf with `RENEW_DAYS` or fewer left is reissued by `leaf_files`;
+    /// a fresh one is kept; `server_leaf` also reissues for new names.
+    #[test]
+    fn leaves_renew_themselves() {
+        install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = LocalCa::load_or_create(dir.path()).unwrap();
+        let (cert, _) = ca.leaf_files("client", None).unwrap();
+        let first = std::fs::read(&cert).unwrap();
+        ca.leaf_files("client", None).unwrap();
+        assert_eq!(std::fs::read(&cert).unwrap(), first, "fresh: kept");
+        // An expiring one in its place.
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(RENEW_DAYS - 1);
+        let key = KeyPair::generate().unwrap();
+        let old = p
+            .signed_by(&key, &Issuer::from_params(&ca.params, &ca.key))
+            .unwrap();
+        write_private(&cert, old.pem().as_bytes(), 0o644).unwrap();
+        ca.leaf_files("client", None).unwrap();
+        let renewed = cert_info(&std::fs::read(&cert).unwrap()).unwrap();
+        assert!(
+            renewed.days_left(crate::clock::now().1) > 390,
+            "{renewed:?}"
+        );
+
+        let names = vec!["localhost".to_string()];
+        let now = crate::clock::now().1;
+        let (a, _, _) = ca.server_leaf("server", &names, now).unwrap();
+        let (b, _, reissued) = ca.server_leaf("server", &names, now).unwrap();
+        assert!(!reissued);
+        assert_eq!(a, b);
+        let more = vec!["localhost".to_string(), "cube.example".to_string()];
+        let (c, _, reissued) = ca.server_leaf("server", &more, now).unwrap();
+        assert!(reissued);
+        assert!(cert_info(&c).unwrap().covers(&more));
     }
 }
