@@ -252,6 +252,9 @@ check "the backup holds the store and its keys" sh -c "tar -tf '$PKG/backup.tar'
 stop_service
 EVENTS=$(audit_events)
 check "the journal has the cycle's events ($EVENTS)" test "${EVENTS:-0}" -ge 6
+check "the backup restores (checked against its manifest)" \
+    /usr/bin/cube-adapter restore "$PKG/backup.tar" --state-dir "$PKG/restored" --config /dev/null
+check "the restored journal verifies" test "$(audit_events /usr/bin/cube-adapter --state-dir "$PKG/restored" --config /dev/null)" -ge 6
 
 # --- upgrade in place -----------------------------------------------------
 log "upgrade to $(dpkg-deb -f "$DEB2" Version)"

@@ -22,9 +22,9 @@ struct Cli {
 /// The exit codes every operator command keeps (scripts may rely on them).
 const EXIT_CODES: &str = "Exit codes: 0 success; 1 the check or operation failed (a broken audit \
 chain, a service that is not ready, a certificate about to expire, a token that does not exist); \
-2 bad usage or configuration, or a refusal (a file init or backup would overwrite); 3 the service \
-state does not allow it (running when it must be stopped, not running, not initialised); \
-4 store or I/O error. Operator commands need the state directory (root or the cube-adapter \
+2 bad usage or configuration, or a refusal (a file init or backup would overwrite, a state \
+directory restore would overwrite); 3 the service state does not allow it (running when it \
+must be stopped, not running, not initialised); 4 store or I/O error. Operator commands need the state directory (root or the cube-adapter \
 user); while the service runs they reach it through STATE/admin.sock.";
 
 #[derive(Subcommand)]
@@ -408,9 +408,7 @@ enum Command {
     /// its audit chain; stopped, this command does the same. The archive
     /// holds MANIFEST.json, state.redb, secret.key, hmac.key and tls/: it
     /// is as secret as the state directory. Sandboxes (STATE/embedded) are
-    /// not in it. Restore: stop the service, extract into an empty state
-    /// directory (`tar -xf FILE -C /var/lib/cube-adapter`), give it to the
-    /// service user, start (see docs/operations.md).
+    /// not in it. Restore it with `cube-adapter restore FILE`.
     #[command(after_help = EXIT_CODES)]
     Backup {
         #[command(flatten)]
@@ -420,6 +418,23 @@ enum Command {
         /// Replace FILE if it exists.
         #[arg(long)]
         force: bool,
+    },
+    /// Restore a backup into an empty or absent state directory.
+    ///
+    /// The service must be stopped (exit 3). A state directory with
+    /// anything in it is refused (exit 2): move it aside first. The archive
+    /// is extracted next to it and checked before it takes its place: the
+    /// store's SHA-256 against MANIFEST.json, the keys present, the store
+    /// opened on its own and its audit chain verified against the events
+    /// and head the manifest records (exit 1 and nothing restored when any
+    /// check fails). An existing empty directory's owner (the service user)
+    /// is given to what is restored.
+    #[command(after_help = EXIT_CODES)]
+    Restore {
+        #[command(flatten)]
+        common: Common,
+        /// The archive `backup` wrote.
+        file: PathBuf,
     },
 }
 
@@ -442,7 +457,8 @@ fn main() -> ExitCode {
         c @ (Command::Init { .. }
         | Command::Status { .. }
         | Command::Cert(_)
-        | Command::Backup { .. }) => ops_command(c),
+        | Command::Backup { .. }
+        | Command::Restore { .. }) => ops_command(c),
         Command::Serve {
             common,
             listen,
@@ -778,6 +794,9 @@ fn ops_command(command: Command) -> ExitCode {
         ),
         Command::Cert(CertCommand::Renew { common, json }) => {
             ops::cert_renew(common.config.as_deref(), common.state_dir.as_deref(), json)
+        }
+        Command::Restore { common, file } => {
+            ops::restore(common.config.as_deref(), common.state_dir.as_deref(), &file)
         }
         Command::Backup {
             common,

@@ -683,3 +683,158 @@ pub fn backup(config_path: Option<&Path>, state: Option<&Path>, file: &Path, for
     println!("  it holds the store's keys: keep it as secret as the state directory");
     0
 }
+
+// ------------------------------------------------------------- restore
+
+/// Extract an archive of `backup` into `stage`; its manifest.
+fn extract(file: &Path, stage: &Path) -> Result<Manifest, String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    let f = std::fs::File::open(file).map_err(|e| format!("open {}: {e}", file.display()))?;
+    let mut r = super::tar::TarReader::new(std::io::BufReader::new(f));
+    let mut manifest = None;
+    while let Some(e) = r
+        .next_entry()
+        .map_err(|e| format!("{}: {e}", file.display()))?
+    {
+        match e {
+            super::tar::Entry::Dir { name, mode } => {
+                let p = stage.join(&name);
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&p)
+                    .map_err(|e| format!("create {}: {e}", p.display()))?;
+                let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode));
+            }
+            super::tar::Entry::File { name, mode, .. } if name == "MANIFEST.json" => {
+                let _ = mode;
+                let mut b = vec![];
+                r.copy_to(&mut b).map_err(|e| e.to_string())?;
+                manifest = Some(
+                    serde_json::from_slice::<Manifest>(&b)
+                        .map_err(|e| format!("MANIFEST.json: {e}"))?,
+                );
+            }
+            super::tar::Entry::File { name, mode, .. } => {
+                let p = stage.join(&name);
+                let mut out = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(mode & 0o700)
+                    .open(&p)
+                    .map_err(|e| format!("create {}: {e}", p.display()))?;
+                r.copy_to(&mut out)
+                    .map_err(|e| format!("{}: {e}", file.display()))?;
+                out.sync_all().map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    manifest.ok_or_else(|| format!("{} has no MANIFEST.json: not a backup", file.display()))
+}
+
+/// Restore a backup into an empty (or absent) state directory, after
+/// checking it: the store's digest, its audit chain against the manifest.
+pub fn restore(config_path: Option<&Path>, state: Option<&Path>, file: &Path) -> i32 {
+    let cfg = match config(config_path, state) {
+        Ok(c) => c,
+        Err(c) => return c,
+    };
+    let state = cfg.state_dir.clone();
+    if let Reach::Running(_) = reach(&state) {
+        eprintln!(
+            "error: the service is running on {}: stop it first",
+            state.display()
+        );
+        return EXIT_STATE;
+    }
+    let owner = match std::fs::read_dir(&state) {
+        Ok(mut rd) => {
+            if rd.next().is_some() {
+                eprintln!(
+                    "error: {} is not empty: restore never overwrites a state directory (move it aside first)",
+                    state.display()
+                );
+                return EXIT_USAGE;
+            }
+            std::fs::metadata(&state).ok()
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            eprintln!("error: {}: {e}", state.display());
+            return EXIT_STORE;
+        }
+    };
+    let Some(parent) = state.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        eprintln!("error: {} has no parent directory", state.display());
+        return EXIT_USAGE;
+    };
+    let stage = parent.join(format!(
+        ".{}.restore-{:08x}",
+        state
+            .file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        rand::random::<u32>()
+    ));
+    let checked = (|| {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&stage)
+            .map_err(|e| format!("create {}: {e}", stage.display()))?;
+        let m = extract(file, &stage)?;
+        let db = stage.join("state.redb");
+        let digest = super::sha256_file(&db).map_err(|e| format!("read {}: {e}", db.display()))?;
+        if digest != m.state_redb_sha256 {
+            return Err("state.redb does not match the manifest's digest".to_string());
+        }
+        for k in KEY_FILES {
+            if !stage.join(k).exists() {
+                return Err(format!("the archive has no {k}"));
+            }
+        }
+        let found = super::check_copy(&db)?;
+        if (found.audit_events, &found.audit_head) != (m.audit_events, &m.audit_head) {
+            return Err(format!(
+                "the journal has {} events (head {}), the manifest says {} ({})",
+                found.audit_events, found.audit_head, m.audit_events, m.audit_head
+            ));
+        }
+        Ok(m)
+    })();
+    let m = match checked {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&stage);
+            eprintln!("error: {e}; nothing was restored");
+            return EXIT_FAIL;
+        }
+    };
+    // The empty directory gives way to the checked one (same filesystem).
+    if owner.is_some() && std::fs::remove_dir(&state).is_err() {
+        let _ = std::fs::remove_dir_all(&stage);
+        eprintln!("error: cannot replace {}", state.display());
+        return EXIT_STORE;
+    }
+    if let Err(e) = std::fs::rename(&stage, &state) {
+        let _ = std::fs::remove_dir_all(&stage);
+        eprintln!("error: move into {}: {e}", state.display());
+        return EXIT_STORE;
+    }
+    if let Some(o) = owner {
+        use std::os::unix::fs::MetadataExt;
+        let _ = std::os::unix::fs::lchown(&state, Some(o.uid()), Some(o.gid()));
+        adopt_owner(&state);
+    }
+    println!(
+        "restored {} into {}: {} audit events (head {}), {} active leases, schema {}, taken {}",
+        file.display(),
+        state.display(),
+        m.audit_events,
+        m.audit_head.chars().take(16).collect::<String>(),
+        m.summary.active_leases,
+        m.summary.schema_version,
+        m.created_at
+    );
+    0
+}

@@ -1,7 +1,7 @@
 //! Operations on a running or stopped appliance: reload (SIGHUP and the
 //! admin socket), status, certificate renewal and consistent backups. The
-//! operator commands behind them (`init`, `status`, `cert …`, `backup`)
-//! are in `ops::cli`.
+//! operator commands behind them (`init`, `status`, `cert …`, `backup`,
+//! `restore`) are in `ops::cli`.
 
 pub mod cli;
 pub mod tar;
@@ -495,7 +495,7 @@ fn copy_synced(from: &Path, to: &Path) -> std::io::Result<u64> {
     Ok(n)
 }
 
-fn sha256_file(p: &Path) -> std::io::Result<String> {
+pub(crate) fn sha256_file(p: &Path) -> std::io::Result<String> {
     use sha2::Digest;
     let mut f = std::fs::File::open(p)?;
     let mut h = sha2::Sha256::new();

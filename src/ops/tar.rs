@@ -1,6 +1,7 @@
-//! A minimal POSIX ustar writer for backups: regular files and
+//! A minimal POSIX ustar writer and reader for backups: regular files and
 //! directories, names up to 100 bytes, sizes below 8 GiB. Any `tar`
-//! extracts the result (`tar -xf FILE`).
+//! extracts what it writes (`tar -xf FILE`); the reader refuses anything
+//! but files and directories with relative names.
 
 use std::io::{self, Read, Write};
 
@@ -119,6 +120,111 @@ impl<W: Write> TarWriter<W> {
     }
 }
 
+fn parse_octal(field: &[u8]) -> io::Result<u64> {
+    let t: Vec<u8> = field
+        .iter()
+        .copied()
+        .take_while(|b| *b != 0 && *b != b' ')
+        .skip_while(|b| *b == b' ')
+        .collect();
+    if t.is_empty() {
+        return Ok(0);
+    }
+    let s = std::str::from_utf8(&t).map_err(|_| invalid("bad octal field".into()))?;
+    u64::from_str_radix(s, 8).map_err(|_| invalid(format!("bad octal field '{s}'")))
+}
+
+/// One entry of an archive being read.
+pub enum Entry {
+    Dir { name: String, mode: u32 },
+    File { name: String, mode: u32, size: u64 },
+}
+
+/// Reads what `TarWriter` writes (ustar, regular files and directories);
+/// refuses anything else: links, devices, absolute names, `..`.
+pub struct TarReader<R: Read> {
+    r: R,
+    /// Bytes of the current file not read yet, then its padding.
+    left: u64,
+    pad: u64,
+}
+
+impl<R: Read> TarReader<R> {
+    pub fn new(r: R) -> Self {
+        Self { r, left: 0, pad: 0 }
+    }
+
+    /// The next entry, or None at the end of the archive. A file's data
+    /// must be read with `copy_to` before the next call.
+    pub fn next_entry(&mut self) -> io::Result<Option<Entry>> {
+        if self.left > 0 {
+            return Err(invalid("the previous file was not read".into()));
+        }
+        io::copy(&mut (&mut self.r).take(self.pad), &mut io::sink())?;
+        self.pad = 0;
+        let mut h = [0u8; BLOCK];
+        self.r.read_exact(&mut h)?;
+        if h.iter().all(|b| *b == 0) {
+            return Ok(None);
+        }
+        let field = |from: usize, len: usize| h.get(from..from + len).unwrap_or(&[]);
+        let stored = parse_octal(field(148, 8))?;
+        let mut sum: u64 = h.iter().map(|b| u64::from(*b)).sum();
+        sum -= field(148, 8).iter().map(|b| u64::from(*b)).sum::<u64>();
+        sum += 8 * u64::from(b' ');
+        if sum != stored {
+            return Err(invalid("tar header checksum mismatch".into()));
+        }
+        if field(257, 6) != b"ustar\0" {
+            return Err(invalid("not a ustar archive".into()));
+        }
+        let name: Vec<u8> = field(0, 100)
+            .iter()
+            .copied()
+            .take_while(|b| *b != 0)
+            .collect();
+        let name =
+            String::from_utf8(name).map_err(|_| invalid("tar entry name is not UTF-8".into()))?;
+        if name.is_empty()
+            || name.starts_with('/')
+            || name.split('/').any(|c| c == "..")
+            || field(345, 155).first().is_some_and(|b| *b != 0)
+        {
+            return Err(invalid(format!("tar entry name '{name}' is not allowed")));
+        }
+        let mode = u32::try_from(parse_octal(field(100, 8))? & 0o777).unwrap_or(0o600);
+        let size = parse_octal(field(124, 12))?;
+        match field(156, 1).first().copied().unwrap_or(0) {
+            b'0' | 0 => {
+                self.left = size;
+                self.pad = (BLOCK as u64 - size % BLOCK as u64) % BLOCK as u64;
+                Ok(Some(Entry::File { name, mode, size }))
+            }
+            b'5' => Ok(Some(Entry::Dir {
+                name: name.trim_end_matches('/').to_string(),
+                mode,
+            })),
+            k => Err(invalid(format!(
+                "tar entry '{name}' of type '{}' is not allowed (files and directories only)",
+                char::from(k)
+            ))),
+        }
+    }
+
+    /// The current file's data.
+    pub fn copy_to(&mut self, w: &mut impl Write) -> io::Result<u64> {
+        let n = io::copy(&mut (&mut self.r).take(self.left), w)?;
+        if n != self.left {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the archive ends inside a file",
+            ));
+        }
+        self.left = 0;
+        Ok(n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +252,27 @@ mod tests {
             t.finish().unwrap();
         }
         assert!(header("../x", 0o600, 0, 0, b'0').is_err());
+        // Our reader reads it back.
+        let mut r = TarReader::new(std::fs::File::open(&path).unwrap());
+        let mut seen = vec![];
+        while let Some(e) = r.next_entry().unwrap() {
+            match e {
+                Entry::Dir { name, mode } => seen.push(format!("{name}/ {mode:o}")),
+                Entry::File { name, mode, size } => {
+                    let mut data = vec![];
+                    assert_eq!(r.copy_to(&mut data).unwrap(), size);
+                    if name == "tls/a.pem" {
+                        assert_eq!(data, body);
+                    }
+                    seen.push(format!("{name} {mode:o} {size}"));
+                }
+            }
+        }
+        assert_eq!(seen, ["tls/ 700", "tls/a.pem 644 1300", "empty 600 0"]);
+        // A corrupted header is refused.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[10] ^= 1;
+        assert!(TarReader::new(bytes.as_slice()).next_entry().is_err());
         let Ok(out) = std::process::Command::new("tar")
             .arg("-xf")
             .arg(&path)

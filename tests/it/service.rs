@@ -402,20 +402,41 @@ async fn init_then_backup_and_restore() {
     let stopped = json_of(&run(&["status", "--json"], &state, &config));
     let events_after_stop = stopped["store"]["audit_last_seq"].as_u64().unwrap();
 
-    // Restore into an empty directory: the journal verifies, the tokens
-    // and the sealed keys work (an offline `cert renew` unseals the CA key).
+    // Restore into an absent directory: checked, then the journal
+    // verifies, the tokens and the sealed keys work (an offline `cert
+    // renew` unseals the CA key).
     let restored = dir.path().join("restored");
-    std::fs::create_dir(&restored).unwrap();
+    let out = run(&["restore", archive.to_str().unwrap()], &restored, &config);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let out = run(&["restore", archive.to_str().unwrap()], &restored, &config);
+    assert_eq!(out.status.code(), Some(2), "not empty: {out:?}");
+    // A damaged archive restores nothing.
+    let mut bytes = std::fs::read(&archive).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0xff;
+    let damaged = dir.path().join("damaged.tar");
+    std::fs::write(&damaged, &bytes).unwrap();
+    let elsewhere = dir.path().join("elsewhere");
+    let out = run(&["restore", damaged.to_str().unwrap()], &elsewhere, &config);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(!elsewhere.exists());
+    assert!(
+        !std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().contains(".restore-")),
+        "no staging directory left"
+    );
+    // The manifest as the archive has it (GNU tar reads our archives).
     let out = std::process::Command::new("tar")
-        .arg("-xf")
+        .arg("-xOf")
         .arg(&archive)
-        .arg("-C")
-        .arg(&restored)
+        .arg("MANIFEST.json")
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(restored.join("MANIFEST.json")).unwrap()).unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(!restored.join("MANIFEST.json").exists());
     let out = run(&["audit", "verify"], &restored, &config);
     assert_eq!(out.status.code(), Some(0), "{out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
