@@ -86,6 +86,8 @@ cleanup() {
         pid=$(json 'v.get("pid","")' <"$f" 2>/dev/null || true)
         [[ -n $pid ]] && kill -KILL "$pid" 2>/dev/null || true
     done
+    # The backup and its restored copy hold the test's keys.
+    rm -rf "$PKG/restored" "$PKG/backup.tar"
     if [[ -e $MARKER ]]; then
         dpkg -P cube-adapter >/dev/null 2>&1 || true
         rm -rf "$STATE" /etc/cube-adapter "$DROPIN_DIR"
