@@ -54,6 +54,7 @@ pub async fn serve(
     path: &Path,
     store: Store,
     authn: Authenticator,
+    ops: std::sync::Arc<crate::ops::Service>,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let _ = std::fs::remove_file(path);
     let l = tokio::net::UnixListener::bind(path)?;
@@ -70,6 +71,7 @@ pub async fn serve(
             };
             let store = store.clone();
             let authn = authn.clone();
+            let ops = ops.clone();
             tokio::spawn(async move {
                 let (r, mut w) = s.into_split();
                 let mut line = String::new();
@@ -78,9 +80,15 @@ pub async fn serve(
                 }
                 let out = match serde_json::from_str::<Request>(&line) {
                     Ok(req) => handle(req, &store, &authn).await,
-                    Err(e) => {
-                        vec![serde_json::json!({"ok": false, "error": format!("bad request: {e}")})]
-                    }
+                    // Requests about the service itself (status, reload, …).
+                    Err(e) => match serde_json::from_str::<crate::ops::Request>(&line) {
+                        Ok(req) => ops.handle(req).await,
+                        Err(_) => {
+                            vec![
+                                serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
+                            ]
+                        }
+                    },
                 };
                 for v in out {
                     let mut b = serde_json::to_vec(&v).unwrap_or_default();
@@ -154,7 +162,7 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
 }
 
 /// Send one request to a running service.
-pub fn call(path: &Path, req: &Request) -> Result<Vec<serde_json::Value>, String> {
+pub fn call(path: &Path, req: &impl Serialize) -> Result<Vec<serde_json::Value>, String> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)
         .map_err(|e| format!("cannot reach the service at {}: {e}", path.display()))?;

@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::cube::{BackendConfig, CubeClient, Secret};
 use crate::embedded::{Backend, Limits, Settings};
 use crate::store::Store;
-use crate::tls::LocalCa;
+use crate::tls::{LocalCa, SwappableCert};
 
 /// What `serve` prints once it listens.
 #[derive(Debug, Clone)]
@@ -37,7 +37,7 @@ pub struct EnvSecrets {
     pub shared_token: Option<Secret>,
 }
 
-fn random_key(path: &Path) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn random_key(path: &Path) -> anyhow::Result<Vec<u8>> {
     match std::fs::read(path) {
         Ok(k) if k.len() == 32 => Ok(k),
         Ok(_) => anyhow::bail!("{} is not a 32-byte key", path.display()),
@@ -83,42 +83,10 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
-/// Run the appliance on `listener` until `shutdown`.
-pub async fn serve(
-    cfg: Config,
-    secrets: EnvSecrets,
-    listener: tokio::net::TcpListener,
-    launcher: PathBuf,
-    on_started: impl FnOnce(&Started),
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let cfg = Arc::new(cfg);
-    std::fs::create_dir_all(&cfg.state_dir)
-        .with_context(|| format!("create {}", cfg.state_dir.display()))?;
-    // Absolute from here on: sandboxes mask it by path.
-    let state = std::fs::canonicalize(&cfg.state_dir)
-        .with_context(|| format!("resolve {}", cfg.state_dir.display()))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700));
-    }
-    let store = Store::open(&state).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let key = random_key(&state.join("hmac.key"))?;
-    let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let lost = crate::broker::ptys::mark_lost(&store)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    if lost > 0 {
-        tracing::warn!(
-            count = lost,
-            "PTYs of the previous run are lost (their terminals ended with it)"
-        );
-    }
-
-    // TLS: the appliance's own CA, keys sealed under the store key.
-    let ca = LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;
-    let addr = listener.local_addr()?;
+/// The names the server certificate carries: localhost, the loopback
+/// addresses, the host's name and addresses, the listen address and the
+/// configured `server_names`.
+pub fn server_names(cfg: &Config, addr: SocketAddr) -> Vec<String> {
     let mut names = vec![
         "localhost".to_string(),
         "127.0.0.1".to_string(),
@@ -149,39 +117,121 @@ pub async fn serve(
     names.extend(cfg.server_names.iter().cloned());
     names.sort();
     names.dedup();
-    let (scert, skey) = ca.leaf_files("server", Some(&names))?;
-    let server_tls = crate::tls::server_config(
-        &std::fs::read(&scert)?,
-        ca.read_key(&skey)?.as_bytes(),
-        None,
-    )?;
+    names
+}
 
-    // First start: a bootstrap admin token, written once.
-    let admin_file = state.join("admin.token");
-    let mut admin_token_file = None;
-    if auth::list_tokens(&store)
+/// How a running service is reloaded.
+#[derive(Debug, Clone)]
+pub enum Reload {
+    /// No SIGHUP handler (in-process servers: tests, benchmarks). The admin
+    /// socket's `reload` still re-reads the certificate.
+    Off,
+    /// SIGHUP re-reads the certificate and the configuration from here.
+    Signal(crate::ops::ConfigSource),
+}
+
+/// Run the appliance on `listener` until `shutdown`.
+pub async fn serve(
+    cfg: Config,
+    secrets: EnvSecrets,
+    listener: tokio::net::TcpListener,
+    launcher: PathBuf,
+    on_started: impl FnOnce(&Started),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    serve_with(
+        cfg,
+        secrets,
+        listener,
+        launcher,
+        on_started,
+        shutdown,
+        Reload::Off,
+    )
+    .await
+}
+
+/// The first start's admin token: issued and written to `file` (0600) when
+/// the store has no token and `file` does not exist; `None` otherwise.
+pub(crate) async fn bootstrap_admin(store: &Store, file: &Path) -> anyhow::Result<Option<PathBuf>> {
+    if !auth::list_tokens(store)
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .is_empty()
-        && !admin_file.exists()
+        || file.exists()
     {
-        let principal = Principal {
-            tenant: "admin".into(),
-            subject: "bootstrap-admin".into(),
-            roles: vec![Role::Admin],
-            runtimes: None,
-            profiles: None,
-            actions: vec!["*".into()],
-            task_templates: vec!["*".into()],
-            task: None,
-        };
-        let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()))
-            .map_err(|e| anyhow::anyhow!(e))?;
-        auth::store_token(&store, rec)
-            .await
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        crate::tls::write_private(&admin_file, format!("{token}\n").as_bytes(), 0o600)?;
-        admin_token_file = Some(admin_file.clone());
+        return Ok(None);
     }
+    let principal = Principal {
+        tenant: "admin".into(),
+        subject: "bootstrap-admin".into(),
+        roles: vec![Role::Admin],
+        runtimes: None,
+        profiles: None,
+        actions: vec!["*".into()],
+        task_templates: vec!["*".into()],
+        task: None,
+    };
+    let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    auth::store_token(store, rec)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    crate::tls::write_private(file, format!("{token}\n").as_bytes(), 0o600)?;
+    Ok(Some(file.to_path_buf()))
+}
+
+/// As `serve`, reloaded on SIGHUP as `reload` says.
+pub async fn serve_with(
+    cfg: Config,
+    secrets: EnvSecrets,
+    listener: tokio::net::TcpListener,
+    launcher: PathBuf,
+    on_started: impl FnOnce(&Started),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    reload: Reload,
+) -> anyhow::Result<()> {
+    let cfg = Arc::new(cfg);
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("create {}", cfg.state_dir.display()))?;
+    // Absolute from here on: sandboxes mask it by path.
+    let state = std::fs::canonicalize(&cfg.state_dir)
+        .with_context(|| format!("resolve {}", cfg.state_dir.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700));
+    }
+    let store = Store::open(&state).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let key = random_key(&state.join("hmac.key"))?;
+    let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let lost = crate::broker::ptys::mark_lost(&store)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if lost > 0 {
+        tracing::warn!(
+            count = lost,
+            "PTYs of the previous run are lost (their terminals ended with it)"
+        );
+    }
+
+    // TLS: the appliance's own CA, keys sealed under the store key.
+    let ca = Arc::new(LocalCa::load_or_create_sealed(
+        &state.join("tls"),
+        Some(store.sealer.clone()),
+    )?);
+    let addr = listener.local_addr()?;
+    let names = server_names(&cfg, addr);
+    // Reissued when it no longer covers the names or expires soon; swapped
+    // in place on reload.
+    let (spem, skey, _) = ca.server_leaf("server", &names, crate::clock::now().1)?;
+    let served = Arc::new(SwappableCert::new(crate::tls::certified_key(
+        &spem,
+        skey.as_bytes(),
+    )?));
+    let server_tls = crate::tls::server_config_swappable(served.clone())?;
+
+    // First start: a bootstrap admin token, written once.
+    let admin_token_file = bootstrap_admin(&store, &state.join("admin.token")).await?;
 
     // Fixed principals: the shared token and the reference principals file.
     let mut fixed = vec![];
@@ -298,11 +348,6 @@ pub async fn serve(
         }
     };
 
-    background.push(
-        crate::admin::serve(&state.join("admin.sock"), store.clone(), authn.clone())
-            .await
-            .context("admin socket")?,
-    );
     let hs_key = match &cfg.receipts.hmac_key_file {
         Some(f) => crate::broker::receipts::read_hs_key(f).map_err(|e| anyhow::anyhow!(e))?,
         None => crate::broker::receipts::derived_hs_key(&key),
@@ -310,6 +355,7 @@ pub async fn serve(
     let signer = crate::broker::receipts::Signer::load_or_create(&state, &store.sealer, hs_key)
         .map_err(|e| anyhow::anyhow!(e))?;
     let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key, signer);
+    let admin_authn = authn.clone();
     let st = AppState {
         broker: broker.clone(),
         auth: authn,
@@ -330,6 +376,34 @@ pub async fn serve(
         Some(Arc::new(server_tls))
     };
     let scheme = if tls.is_some() { "https" } else { "http" };
+    // Operator commands reach the running service here; SIGHUP reloads.
+    let reloader = Arc::new(crate::ops::Reloader::new(
+        match &reload {
+            Reload::Off => None,
+            Reload::Signal(source) => Some(source.clone()),
+        },
+        (*cfg).clone(),
+        ca.clone(),
+        addr,
+        served,
+    ));
+    let ops = Arc::new(crate::ops::Service {
+        store: store.clone(),
+        broker: broker.clone(),
+        reloader: reloader.clone(),
+        state: state.clone(),
+        url: format!("{scheme}://{addr}"),
+        backend: backend_desc.clone(),
+        started_at: crate::clock::now().0,
+    });
+    background.push(
+        crate::admin::serve(&state.join("admin.sock"), store.clone(), admin_authn, ops)
+            .await
+            .context("admin socket")?,
+    );
+    if let Reload::Signal(_) = reload {
+        background.push(crate::ops::spawn_sighup(reloader).context("SIGHUP handler")?);
+    }
     on_started(&Started {
         url: format!("{scheme}://{addr}"),
         ca_file: ca.dir.join("ca.pem"),

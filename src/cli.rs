@@ -14,11 +14,11 @@ pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_STATE: i32 = 3;
 pub const EXIT_STORE: i32 = 4;
 
-fn env_vars() -> Vec<(String, String)> {
+pub(crate) fn env_vars() -> Vec<(String, String)> {
     std::env::vars().collect()
 }
 
-fn load(config: Option<&Path>, flags: &Flags) -> Result<Config, i32> {
+pub(crate) fn load(config: Option<&Path>, flags: &Flags) -> Result<Config, i32> {
     match Config::load(config, &env_vars(), flags) {
         Ok((c, warnings)) => {
             for w in warnings {
@@ -33,7 +33,7 @@ fn load(config: Option<&Path>, flags: &Flags) -> Result<Config, i32> {
     }
 }
 
-fn state_dir(config: Option<&Path>, state: Option<&Path>) -> Result<PathBuf, i32> {
+pub(crate) fn state_dir(config: Option<&Path>, state: Option<&Path>) -> Result<PathBuf, i32> {
     let flags = Flags {
         state_dir: state.map(Path::to_path_buf),
         ..Flags::default()
@@ -41,7 +41,7 @@ fn state_dir(config: Option<&Path>, state: Option<&Path>) -> Result<PathBuf, i32
     Ok(load(config, &flags)?.state_dir)
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, i32> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime, i32> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -98,6 +98,18 @@ pub fn serve(config: Option<&Path>, flags: &Flags) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
+    let config_file = config.unwrap_or(Path::new(crate::config::DEFAULT_CONFIG));
+    match crate::ops::preflight(config_file, &cfg) {
+        Ok(warnings) => {
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_USAGE;
+        }
+    }
     let launcher = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
@@ -115,17 +127,24 @@ pub fn serve(config: Option<&Path>, flags: &Flags) -> i32 {
         Ok(r) => r,
         Err(c) => return c,
     };
+    // SIGHUP re-reads the same file with the same environment and flags.
+    let reload = crate::app::Reload::Signal(crate::ops::ConfigSource {
+        path: config.map(Path::to_path_buf),
+        env: env_vars(),
+        flags: flags.clone(),
+    });
     let result = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| anyhow::anyhow!("bind {}: {e}", cfg.listen))?;
-        crate::app::serve(
+        crate::app::serve_with(
             cfg,
             secrets,
             listener,
             launcher,
             print_started,
             shutdown_signal(),
+            reload,
         )
         .await
     });

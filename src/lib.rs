@@ -25,6 +25,7 @@ pub mod config;
 pub mod cube;
 pub mod embedded;
 pub mod mcp;
+pub mod ops;
 pub mod server;
 pub mod standalone;
 pub mod store;

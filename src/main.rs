@@ -11,11 +11,57 @@ use cube_adapter::embedded::{Isolation, Limits, TemplateConfig};
 #[command(
     name = "cube-adapter",
     version,
-    about = "An appliance between AI coding agents and CubeSandbox sandboxes"
+    about = "An appliance between AI coding agents and CubeSandbox sandboxes",
+    after_help = EXIT_CODES
 )]
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The exit codes every operator command keeps (scripts may rely on them).
+const EXIT_CODES: &str = "Exit codes: 0 success; 1 the check or operation failed (a broken audit \
+chain, a service that is not ready, a certificate about to expire, a token that does not exist); \
+2 bad usage or configuration, or a refusal (a file init or backup would overwrite, a state \
+directory restore would overwrite); 3 the service state does not allow it (running when it \
+must be stopped, not running, not initialised); 4 store or I/O error. Operator commands need the state directory (root or the cube-adapter \
+user); while the service runs they reach it through STATE/admin.sock.";
+
+#[derive(Subcommand)]
+enum CertCommand {
+    /// The CA and the server certificate: names, validity, fingerprints.
+    ///
+    /// Reads the public files in STATE/tls (running or not). Exit 1 when
+    /// the server certificate has --warn-days or fewer left, so that a
+    /// timer can alert.
+    #[command(after_help = EXIT_CODES)]
+    Show {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Exit 1 at this many days left or fewer.
+        #[arg(long, default_value_t = 30)]
+        warn_days: i64,
+    },
+    /// Issue a new server certificate from the local CA.
+    ///
+    /// With the service running, it issues the certificate and serves it
+    /// at once (open connections keep the old one); stopped, the next start
+    /// serves it. The names are the host's names and addresses plus
+    /// `server_names` from the configuration. The CA (ten years) is kept:
+    /// agents keep trusting the appliance. The service also reissues the
+    /// certificate by itself at start and on reload (SIGHUP) when it no
+    /// longer covers the names or has 30 days or fewer left.
+    #[command(after_help = EXIT_CODES)]
+    Renew {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -119,6 +165,11 @@ struct Common {
 #[derive(Subcommand)]
 enum ConfigCommand {
     /// Load the configuration with every override, validate it, print it.
+    ///
+    /// Precedence: defaults < the file < CUBE_ADAPTER_* environment <
+    /// flags. Unknown keys and non-boolean booleans are errors. Exit 0 and
+    /// the effective configuration; 2 and the reason when it is invalid.
+    #[command(after_help = EXIT_CODES)]
     Check {
         #[command(flatten)]
         common: Common,
@@ -130,6 +181,11 @@ enum ConfigCommand {
 #[derive(Subcommand)]
 enum TokenCommand {
     /// Issue a bearer token; prints the token alone on stdout.
+    ///
+    /// The token is shown once (only its argon2 hash is kept). Works while
+    /// the service runs (through its admin socket) and while it is
+    /// stopped. Exit 2 for an invalid tenant, role or runtime.
+    #[command(after_help = EXIT_CODES)]
     Create {
         #[command(flatten)]
         common: Common,
@@ -162,6 +218,7 @@ enum TokenCommand {
         description: Option<String>,
     },
     /// List tokens (ids and scopes, never secrets).
+    #[command(after_help = EXIT_CODES)]
     List {
         #[command(flatten)]
         common: Common,
@@ -170,6 +227,10 @@ enum TokenCommand {
         json: bool,
     },
     /// Revoke a token by id (or by the token itself).
+    ///
+    /// Takes effect at once on a running service. Exit 1 when no token has
+    /// that id.
+    #[command(after_help = EXIT_CODES)]
     Revoke {
         #[command(flatten)]
         common: Common,
@@ -180,11 +241,19 @@ enum TokenCommand {
 #[derive(Subcommand)]
 enum AuditCommand {
     /// Check the hash chain of the journal. Exit 0 when intact, 1 when not.
+    ///
+    /// Prints the number of events, the last sequence number, the head hash
+    /// and the pending intents. Works while the service runs.
+    #[command(after_help = EXIT_CODES)]
     Verify {
         #[command(flatten)]
         common: Common,
     },
     /// Print events as JSON lines.
+    ///
+    /// Digests, never commands, paths or secrets in clear. Works while the
+    /// service runs.
+    #[command(after_help = EXIT_CODES)]
     Export {
         #[command(flatten)]
         common: Common,
@@ -196,7 +265,9 @@ enum AuditCommand {
     ///
     /// Records a `reconciled` outcome for each pending intent, with a digest
     /// of your note (a ticket number, what you checked). It never claims the
-    /// operation succeeded and never re-runs it.
+    /// operation succeeded and never re-runs it. Exit 3 while the service
+    /// runs, 2 without a note.
+    #[command(after_help = EXIT_CODES)]
     Reconcile {
         #[command(flatten)]
         common: Common,
@@ -238,6 +309,14 @@ enum ReceiptCommand {
 enum Command {
     /// Run the appliance: the /v1 API over HTTPS, the audit journal and,
     /// with no backend configured, the embedded backend.
+    ///
+    /// Under systemd (Type=notify) it says READY=1 once the store is open
+    /// and the listener bound, feeds the watchdog and says STOPPING=1 on
+    /// SIGTERM, after which effects in flight get 30 s to record their
+    /// outcome. SIGHUP reloads the certificate and `server_names`; other
+    /// changed keys need a restart (see `status`). Exit 2 for an invalid
+    /// configuration, 3 when another process holds the store, 4 otherwise.
+    #[command(after_help = EXIT_CODES)]
     Serve {
         #[command(flatten)]
         common: Common,
@@ -318,6 +397,76 @@ enum Command {
         #[arg(long, default_value_t = 1.0)]
         cpus: f64,
     },
+    /// First run without starting the service: state directory, keys, CA,
+    /// server certificate, the first admin token.
+    ///
+    /// Idempotent: what exists is kept (keys, CA, store, tokens) and never
+    /// overwritten; a second run changes nothing. The bootstrap admin token
+    /// is issued only while the store has no token, into STATE/admin.token
+    /// or --admin-token-file (refused with exit 2 if that file exists).
+    /// Run as root on a state directory owned by the service user, the
+    /// files it creates are given to that user. Refused (exit 3) while the
+    /// service runs: it initialised itself.
+    #[command(after_help = EXIT_CODES)]
+    Init {
+        #[command(flatten)]
+        common: Common,
+        /// Where to write the bootstrap admin token (default STATE/admin.token).
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
+    },
+    /// Health, backend, audit journal, leases, tokens, certificate, last reload.
+    ///
+    /// Asks the running service (STATE/admin.sock); when it is stopped,
+    /// reads the store instead. Exit 0 when running and ready, 1 when
+    /// running but not ready (audit blocked or unavailable, backend
+    /// unreachable or a template not ready), 3 when not running.
+    #[command(after_help = EXIT_CODES)]
+    Status {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON (the same document in both cases; `running` tells which).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The server certificate.
+    #[command(subcommand)]
+    Cert(CertCommand),
+    /// Write a consistent backup of the state to FILE (a tar archive, 0600).
+    ///
+    /// While the service runs, it copies its store between two commits
+    /// (writes wait for the copy), reopens the copy on its own and verifies
+    /// its audit chain; stopped, this command does the same. The archive
+    /// holds MANIFEST.json, state.redb, secret.key, hmac.key and tls/: it
+    /// is as secret as the state directory. Sandboxes (STATE/embedded) are
+    /// not in it. Restore it with `cube-adapter restore FILE`.
+    #[command(after_help = EXIT_CODES)]
+    Backup {
+        #[command(flatten)]
+        common: Common,
+        /// The archive to write.
+        file: PathBuf,
+        /// Replace FILE if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Restore a backup into an empty or absent state directory.
+    ///
+    /// The service must be stopped (exit 3). A state directory with
+    /// anything in it is refused (exit 2): move it aside first. The archive
+    /// is extracted next to it and checked before it takes its place: the
+    /// store's SHA-256 against MANIFEST.json, the keys present, the store
+    /// opened on its own and its audit chain verified against the events
+    /// and head the manifest records (exit 1 and nothing restored when any
+    /// check fails). An existing empty directory's owner (the service user)
+    /// is given to what is restored.
+    #[command(after_help = EXIT_CODES)]
+    Restore {
+        #[command(flatten)]
+        common: Common,
+        /// The archive `backup` wrote.
+        file: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -336,6 +485,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     cube_adapter::telemetry::init();
     match cli.command {
+        c @ (Command::Init { .. }
+        | Command::Status { .. }
+        | Command::Cert(_)
+        | Command::Backup { .. }
+        | Command::Restore { .. }) => ops_command(c),
         Command::Serve {
             common,
             listen,
@@ -657,6 +811,51 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The commands of `ops` (packaging and operations, #7).
+fn ops_command(command: Command) -> ExitCode {
+    use cube_adapter::ops::cli as ops;
+    exit(match command {
+        Command::Init {
+            common,
+            admin_token_file,
+        } => ops::init(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            admin_token_file.as_deref(),
+        ),
+        Command::Status { common, json } => {
+            ops::status(common.config.as_deref(), common.state_dir.as_deref(), json)
+        }
+        Command::Cert(CertCommand::Show {
+            common,
+            json,
+            warn_days,
+        }) => ops::cert_show(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            json,
+            warn_days,
+        ),
+        Command::Cert(CertCommand::Renew { common, json }) => {
+            ops::cert_renew(common.config.as_deref(), common.state_dir.as_deref(), json)
+        }
+        Command::Restore { common, file } => {
+            ops::restore(common.config.as_deref(), common.state_dir.as_deref(), &file)
+        }
+        Command::Backup {
+            common,
+            file,
+            force,
+        } => ops::backup(
+            common.config.as_deref(),
+            common.state_dir.as_deref(),
+            &file,
+            force,
+        ),
+        _ => 2,
+    })
 }
 
 fn exit(code: i32) -> ExitCode {

@@ -254,39 +254,7 @@ pub struct Verified {
 
 /// Check every event's hash and the links between them.
 pub fn verify(store: &Store) -> Result<Verified, String> {
-    let (events, last_seq, head) = store
-        .read_now(|txn| {
-            let t = txn.open_table(tables::AUDIT)?;
-            let mut prev = GENESIS.to_string();
-            let mut expect = 1u64;
-            let mut n = 0u64;
-            for item in t.iter()? {
-                let (k, v) = item?;
-                let seq = k.value();
-                let ev: Event = codec::decode(v.value())?;
-                if seq != expect || ev.seq != seq {
-                    return Err(StoreError::Corrupt(format!(
-                        "sequence gap or mismatch at {seq} (expected {expect})"
-                    )));
-                }
-                if ev.prev_hash != prev {
-                    return Err(StoreError::Corrupt(format!(
-                        "event {seq}: prev_hash does not match event {}",
-                        seq - 1
-                    )));
-                }
-                if ev.compute_hash() != ev.hash {
-                    return Err(StoreError::Corrupt(format!(
-                        "event {seq}: hash does not match its content"
-                    )));
-                }
-                prev = ev.hash;
-                expect += 1;
-                n += 1;
-            }
-            Ok((n, expect - 1, prev))
-        })
-        .map_err(|e| e.to_string())?;
+    let (events, last_seq, head) = store.read_now(verify_chain).map_err(|e| e.to_string())?;
     let pending = pending(store).map_err(|e| e.to_string())?.len();
     Ok(Verified {
         events,
@@ -294,6 +262,41 @@ pub fn verify(store: &Store) -> Result<Verified, String> {
         head,
         pending,
     })
+}
+
+/// The chain check of `verify` in one read transaction (a backup's copy is
+/// checked with it too): the number of events, the last sequence number
+/// and the head hash.
+pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), StoreError> {
+    let t = txn.open_table(tables::AUDIT)?;
+    let mut prev = GENESIS.to_string();
+    let mut expect = 1u64;
+    let mut n = 0u64;
+    for item in t.iter()? {
+        let (k, v) = item?;
+        let seq = k.value();
+        let ev: Event = codec::decode(v.value())?;
+        if seq != expect || ev.seq != seq {
+            return Err(StoreError::Corrupt(format!(
+                "sequence gap or mismatch at {seq} (expected {expect})"
+            )));
+        }
+        if ev.prev_hash != prev {
+            return Err(StoreError::Corrupt(format!(
+                "event {seq}: prev_hash does not match event {}",
+                seq - 1
+            )));
+        }
+        if ev.compute_hash() != ev.hash {
+            return Err(StoreError::Corrupt(format!(
+                "event {seq}: hash does not match its content"
+            )));
+        }
+        prev = ev.hash;
+        expect += 1;
+        n += 1;
+    }
+    Ok((n, expect - 1, prev))
 }
 
 /// Events with `seq >= since`, in order.

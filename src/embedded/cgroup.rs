@@ -43,7 +43,12 @@ impl Host {
         }
         let try_ctrl = |c: &str| {
             let d = root.join(c);
-            d.join("tasks").exists() && std::fs::create_dir_all(d.join(GROUP)).is_ok()
+            let g = d.join(GROUP);
+            d.join("tasks").exists()
+                && std::fs::create_dir_all(&g).is_ok()
+                // A group root made before is not necessarily ours to write
+                // (the service user after a run as root).
+                && nix::unistd::access(&g, nix::unistd::AccessFlags::W_OK).is_ok()
         };
         let (pids, memory, cpu, freezer) = (
             try_ctrl("pids"),

@@ -241,6 +241,9 @@ impl LocalCa {
     }
 
     /// Issue (or reuse) `<name>.pem` / `<name>.key` in the CA's directory.
+    /// A certificate with `RENEW_DAYS` or fewer left (or unreadable) is
+    /// issued anew: the internal leaves (the embedded backend's server and
+    /// the broker's client) renew themselves at every start.
     pub fn leaf_files(
         &self,
         name: &str,
@@ -248,7 +251,13 @@ impl LocalCa {
     ) -> Result<(PathBuf, PathBuf), TlsError> {
         let cert = self.dir.join(format!("{name}.pem"));
         let key = self.dir.join(format!("{name}.key"));
-        if !(cert.exists() && key.exists()) {
+        let expiring = || {
+            std::fs::read(&cert)
+                .ok()
+                .and_then(|pem| cert_info(&pem).ok())
+                .is_none_or(|i| i.days_left(crate::clock::now().1) <= RENEW_DAYS)
+        };
+        if !(cert.exists() && key.exists()) || expiring() {
             let (c, k) = match server_names {
                 Some(n) => self.issue_server(n)?,
                 None => self.issue_client(name)?,
@@ -330,4 +339,221 @@ pub fn client_config(
     };
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
+}
+
+/// The server certificate a running listener presents, swapped in place on
+/// reload (SIGHUP, `cert renew`): handshakes after the swap get the new
+/// one, connections already open keep theirs.
+#[derive(Debug)]
+pub struct SwappableCert(std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>);
+
+impl SwappableCert {
+    pub fn new(key: rustls::sign::CertifiedKey) -> Self {
+        Self(std::sync::RwLock::new(Arc::new(key)))
+    }
+
+    pub fn swap(&self, key: rustls::sign::CertifiedKey) {
+        let mut g = self.0.write().unwrap_or_else(|p| p.into_inner());
+        *g = Arc::new(key);
+    }
+
+    fn current(&self) -> Arc<rustls::sign::CertifiedKey> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl rustls::server::ResolvesServerCert for SwappableCert {
+    fn resolve(
+        &self,
+        _hello: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.current())
+    }
+}
+
+/// A certificate chain and its key, checked to belong together.
+pub fn certified_key(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<rustls::sign::CertifiedKey, TlsError> {
+    let signer = provider()
+        .key_provider
+        .load_private_key(parse_key(key_pem)?)?;
+    let ck = rustls::sign::CertifiedKey::new(parse_certs(cert_pem)?, signer);
+    ck.keys_match()?;
+    Ok(ck)
+}
+
+/// Server config (as `server_config` without client certificates) whose
+/// certificate comes from `cert`.
+pub fn server_config_swappable(cert: Arc<SwappableCert>) -> Result<rustls::ServerConfig, TlsError> {
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(cert);
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// What `cert show` prints about a certificate.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct CertInfo {
+    pub subject: String,
+    /// DNS names and IP addresses.
+    pub names: Vec<String>,
+    /// RFC 3339.
+    pub not_before: String,
+    pub not_after: String,
+    pub not_after_unix: i64,
+    /// SHA-256 of the DER (`AA:BB:…`).
+    pub sha256: String,
+}
+
+impl CertInfo {
+    /// Whole days left at `now_unix` (negative once expired).
+    pub fn days_left(&self, now_unix: i64) -> i64 {
+        (self.not_after_unix - now_unix).div_euclid(86_400)
+    }
+
+    /// Whether every name in `names` is in the certificate.
+    pub fn covers(&self, names: &[String]) -> bool {
+        names.iter().all(|n| self.names.contains(n))
+    }
+}
+
+/// Parse the first certificate of a PEM file.
+pub fn cert_info(pem: &[u8]) -> Result<CertInfo, TlsError> {
+    use x509_parser::extensions::GeneralName;
+    let der = parse_certs(pem)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| TlsError::Pem("no certificate found in PEM".into()))?;
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref())
+        .map_err(|e| TlsError::Pem(format!("invalid certificate: {e}")))?;
+    let mut names = vec![];
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                GeneralName::DNSName(d) => names.push(d.to_string()),
+                GeneralName::IPAddress(b) => match b.len() {
+                    4 => {
+                        let a: [u8; 4] = (*b).try_into().unwrap_or_default();
+                        names.push(std::net::Ipv4Addr::from(a).to_string());
+                    }
+                    16 => {
+                        let a: [u8; 16] = (*b).try_into().unwrap_or_default();
+                        names.push(std::net::Ipv6Addr::from(a).to_string());
+                    }
+                    _ => {}
+                },
+                _ => {}
+            }
+        }
+    }
+    let rfc3339 = |t: &x509_parser::time::ASN1Time| {
+        t.to_datetime()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    let v = cert.validity();
+    Ok(CertInfo {
+        subject: cert.subject().to_string(),
+        names,
+        not_before: rfc3339(&v.not_before),
+        not_after: rfc3339(&v.not_after),
+        not_after_unix: v.not_after.timestamp(),
+        sha256: sha2::Sha256::digest(der.as_ref())
+            .iter()
+            .map(|b| format!("{b:02X}"))
+            .collect::<Vec<_>>()
+            .join(":"),
+    })
+}
+
+/// A server leaf is reissued when it has fewer days left than this.
+pub const RENEW_DAYS: i64 = 30;
+
+impl LocalCa {
+    /// Issue `<name>.pem` / `<name>.key` anew, replacing the files (key
+    /// first, each written atomically).
+    pub fn reissue_server(
+        &self,
+        name: &str,
+        server_names: &[String],
+    ) -> Result<(PathBuf, PathBuf), TlsError> {
+        let cert = self.dir.join(format!("{name}.pem"));
+        let key = self.dir.join(format!("{name}.key"));
+        let (c, k) = self.issue_server(server_names)?;
+        self.write_key(&key, &k)?;
+        write_private(&cert, c.as_bytes(), 0o644)?;
+        Ok((cert, key))
+    }
+
+    /// The server leaf for `names`: the files as they are when they cover
+    /// every name and have more than `RENEW_DAYS` left, else reissued.
+    /// Returns the certificate and its key (PEM) and whether it was reissued.
+    pub fn server_leaf(
+        &self,
+        name: &str,
+        names: &[String],
+        now_unix: i64,
+    ) -> Result<(Vec<u8>, String, bool), TlsError> {
+        let (cert, key) = self.leaf_files(name, Some(names))?;
+        let pem = std::fs::read(&cert).map_err(io(format!("read {}", cert.display())))?;
+        let fresh = cert_info(&pem)
+            .map(|i| i.covers(names) && i.days_left(now_unix) > RENEW_DAYS)
+            .unwrap_or(false);
+        if fresh
+            && let Ok(k) = self.read_key(&key)
+            && certified_key(&pem, k.as_bytes()).is_ok()
+        {
+            return Ok((pem, k, false));
+        }
+        let (cert, key) = self.reissue_server(name, names)?;
+        let pem = std::fs::read(&cert).map_err(io(format!("read {}", cert.display())))?;
+        Ok((pem, self.read_key(&key)?, true))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A leaf with `RENEW_DAYS` or fewer left is reissued by `leaf_files`;
+    /// a fresh one is kept; `server_leaf` also reissues for new names.
+    #[test]
+    fn leaves_renew_themselves() {
+        install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = LocalCa::load_or_create(dir.path()).unwrap();
+        let (cert, _) = ca.leaf_files("client", None).unwrap();
+        let first = std::fs::read(&cert).unwrap();
+        ca.leaf_files("client", None).unwrap();
+        assert_eq!(std::fs::read(&cert).unwrap(), first, "fresh: kept");
+        // An expiring one in its place.
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(RENEW_DAYS - 1);
+        let key = KeyPair::generate().unwrap();
+        let old = p
+            .signed_by(&key, &Issuer::from_params(&ca.params, &ca.key))
+            .unwrap();
+        write_private(&cert, old.pem().as_bytes(), 0o644).unwrap();
+        ca.leaf_files("client", None).unwrap();
+        let renewed = cert_info(&std::fs::read(&cert).unwrap()).unwrap();
+        assert!(
+            renewed.days_left(crate::clock::now().1) > 390,
+            "{renewed:?}"
+        );
+
+        let names = vec!["localhost".to_string()];
+        let now = crate::clock::now().1;
+        let (a, _, _) = ca.server_leaf("server", &names, now).unwrap();
+        let (b, _, reissued) = ca.server_leaf("server", &names, now).unwrap();
+        assert!(!reissued);
+        assert_eq!(a, b);
+        let more = vec!["localhost".to_string(), "cube.example".to_string()];
+        let (c, _, reissued) = ca.server_leaf("server", &more, now).unwrap();
+        assert!(reissued);
+        assert!(cert_info(&c).unwrap().covers(&more));
+    }
 }

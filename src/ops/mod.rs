@@ -1,0 +1,678 @@
+//! Operations on a running or stopped appliance: reload (SIGHUP and the
+//! admin socket), status, certificate renewal and consistent backups. The
+//! operator commands behind them (`init`, `status`, `cert …`, `backup`,
+//! `restore`) are in `ops::cli`.
+
+pub mod cli;
+pub mod tar;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::broker::Broker;
+use crate::config::{Config, Flags};
+use crate::store::{Store, StoreError, codec, tables};
+use crate::tls::{CertInfo, LocalCa, SwappableCert};
+
+/// Requests of the admin socket that concern the service itself (the
+/// socket tries `admin::Request` first, then these).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    /// Health, backend, audit, leases, certificate, last reload.
+    Status,
+    /// As SIGHUP: re-read the configuration and the certificate.
+    Reload,
+    /// Issue a new server certificate now and serve it.
+    CertRenew,
+    /// A consistent copy of the store in `STATE/backup-…/state.redb`.
+    Backup,
+}
+
+/// Where `serve` re-reads its configuration from on reload.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigSource {
+    /// `--config` (None: the default path, missing is fine).
+    pub path: Option<PathBuf>,
+    /// The environment `serve` started with (a process's own environment
+    /// does not change; reading it again would not either).
+    pub env: Vec<(String, String)>,
+    pub flags: Flags,
+}
+
+/// Top-level configuration keys a reload applies. Every other key keeps
+/// its running value until the next restart (`restart_required`).
+pub const RELOADABLE: &[&str] = &["server_names"];
+
+/// What one reload did.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// False when the reload was refused: nothing changed.
+    pub ok: bool,
+    pub at: String,
+    pub error: Option<String>,
+    /// What was applied (`certificate`, reloadable keys that changed).
+    pub applied: Vec<String>,
+    /// Keys whose new value waits for a restart.
+    pub restart_required: Vec<String>,
+    /// Whether a new server certificate was issued.
+    pub reissued: bool,
+    pub certificate: Option<CertInfo>,
+}
+
+/// Reloads the running service's certificate and reloadable settings.
+pub struct Reloader {
+    source: Option<ConfigSource>,
+    running: Mutex<Config>,
+    ca: Arc<LocalCa>,
+    addr: SocketAddr,
+    cert: Arc<SwappableCert>,
+    last: Mutex<Option<ReloadReport>>,
+}
+
+fn now_unix() -> i64 {
+    crate::clock::now().1
+}
+
+/// Top-level keys whose values differ between two configurations.
+pub fn changed_keys(a: &Config, b: &Config) -> Vec<String> {
+    let (Ok(Value::Object(a)), Ok(Value::Object(b))) =
+        (serde_json::to_value(a), serde_json::to_value(b))
+    else {
+        return vec!["(configuration)".into()];
+    };
+    let mut keys: Vec<String> = a
+        .keys()
+        .chain(b.keys())
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+impl Reloader {
+    pub fn new(
+        source: Option<ConfigSource>,
+        running: Config,
+        ca: Arc<LocalCa>,
+        addr: SocketAddr,
+        cert: Arc<SwappableCert>,
+    ) -> Self {
+        Self {
+            source,
+            running: Mutex::new(running),
+            ca,
+            addr,
+            cert,
+            last: Mutex::new(None),
+        }
+    }
+
+    fn running(&self) -> Config {
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn last(&self) -> Option<ReloadReport> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn remember(&self, r: ReloadReport) -> ReloadReport {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(r.clone());
+        r
+    }
+
+    fn refused(&self, error: String) -> ReloadReport {
+        tracing::error!(error = %error, "reload refused; nothing changed");
+        self.remember(ReloadReport {
+            ok: false,
+            at: crate::clock::now().0,
+            error: Some(error),
+            applied: vec![],
+            restart_required: vec![],
+            reissued: false,
+            certificate: self.current_cert().ok(),
+        })
+    }
+
+    /// The certificate being served (from its file).
+    pub fn current_cert(&self) -> Result<CertInfo, String> {
+        let p = self.ca.dir.join("server.pem");
+        let pem = std::fs::read(&p).map_err(|e| format!("read {}: {e}", p.display()))?;
+        crate::tls::cert_info(&pem).map_err(|e| e.to_string())
+    }
+
+    /// Re-read the configuration and the server certificate (reissued when
+    /// it does not cover the names or is about to expire). Everything is
+    /// prepared first and swapped in at the end: a refused reload changes
+    /// nothing. Blocking (key generation): call from the blocking pool.
+    pub fn reload(&self) -> ReloadReport {
+        let running = self.running();
+        let new = match &self.source {
+            Some(s) => match Config::load(s.path.as_deref(), &s.env, &s.flags) {
+                Ok((c, warnings)) => {
+                    for w in warnings {
+                        tracing::warn!("{w}");
+                    }
+                    c
+                }
+                Err(e) => return self.refused(format!("configuration: {e}")),
+            },
+            None => running.clone(),
+        };
+        let changed = changed_keys(&running, &new);
+        let restart_required: Vec<String> = changed
+            .iter()
+            .filter(|k| !RELOADABLE.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        let names = crate::app::server_names(&new, self.addr);
+        let (pem, key, reissued) = match self.ca.server_leaf("server", &names, now_unix()) {
+            Ok(x) => x,
+            Err(e) => return self.refused(format!("server certificate: {e}")),
+        };
+        let (ck, info) = match (
+            crate::tls::certified_key(&pem, key.as_bytes()),
+            crate::tls::cert_info(&pem),
+        ) {
+            (Ok(ck), Ok(info)) => (ck, info),
+            (Err(e), _) | (_, Err(e)) => {
+                return self.refused(format!("server certificate: {e}"));
+            }
+        };
+        // Nothing below can fail: swap.
+        self.cert.swap(ck);
+        let mut applied = vec!["certificate".to_string()];
+        {
+            let mut r = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            for k in RELOADABLE {
+                if changed.iter().any(|c| c == k) {
+                    applied.push((*k).to_string());
+                }
+            }
+            r.server_names = new.server_names.clone();
+        }
+        if restart_required.is_empty() {
+            tracing::info!(reissued, applied = ?applied, "reloaded");
+        } else {
+            tracing::warn!(
+                keys = ?restart_required,
+                "reloaded; these changed keys keep their running values until a restart"
+            );
+        }
+        self.remember(ReloadReport {
+            ok: true,
+            at: crate::clock::now().0,
+            error: None,
+            applied,
+            restart_required,
+            reissued,
+            certificate: Some(info),
+        })
+    }
+
+    /// Issue a new server certificate for the running names and serve it.
+    pub fn renew(&self) -> Result<CertInfo, String> {
+        let names = crate::app::server_names(&self.running(), self.addr);
+        let (cert, key) = self
+            .ca
+            .reissue_server("server", &names)
+            .map_err(|e| e.to_string())?;
+        let pem = std::fs::read(&cert).map_err(|e| format!("read {}: {e}", cert.display()))?;
+        let key = self.ca.read_key(&key).map_err(|e| e.to_string())?;
+        let ck = crate::tls::certified_key(&pem, key.as_bytes()).map_err(|e| e.to_string())?;
+        let info = crate::tls::cert_info(&pem).map_err(|e| e.to_string())?;
+        self.cert.swap(ck);
+        tracing::info!(not_after = %info.not_after, "server certificate renewed");
+        Ok(info)
+    }
+}
+
+/// Reload on every SIGHUP (systemd's `ExecReload=/bin/kill -HUP $MAINPID`)
+/// until the task is aborted. The handler is installed before this returns,
+/// so a SIGHUP after it cannot kill the process.
+pub fn spawn_sighup(reloader: Arc<Reloader>) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup())?;
+    Ok(tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            // Type=notify (not notify-reload, which needs systemd 253):
+            // RELOADING=1 … READY=1 shows the reload in `systemctl status`.
+            crate::systemd::notify("RELOADING=1\nSTATUS=reloading");
+            let r = reloader.clone();
+            let report = tokio::task::spawn_blocking(move || r.reload()).await;
+            let status = match report {
+                Ok(r) if r.ok && r.restart_required.is_empty() => "reloaded".to_string(),
+                Ok(r) if r.ok => format!(
+                    "reloaded; restart required for {}",
+                    r.restart_required.join(", ")
+                ),
+                Ok(r) => format!("reload refused: {}", r.error.unwrap_or_default()),
+                Err(e) => format!("reload failed: {e}"),
+            };
+            crate::systemd::notify(&format!("READY=1\nSTATUS={status}"));
+        }
+    }))
+}
+
+/// What the store holds, in one read transaction.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StoreSummary {
+    pub schema_version: u64,
+    pub instance_id: String,
+    /// Sequence number of the last audit event (events are numbered from 1
+    /// without gaps; `audit verify` checks it).
+    pub audit_last_seq: u64,
+    pub pending_intents: u64,
+    /// Leases by state (`running`, `paused`, …).
+    pub leases: BTreeMap<String, u64>,
+    pub active_leases: u64,
+    pub tokens_active: u64,
+    pub tokens_revoked: u64,
+}
+
+fn table_missing(e: &redb::TableError) -> bool {
+    matches!(e, redb::TableError::TableDoesNotExist(_))
+}
+
+/// Summarise the store (cheap: no chain walk; `audit verify` does that).
+pub fn summarize(txn: &ReadTransaction) -> Result<StoreSummary, StoreError> {
+    #[derive(Deserialize)]
+    struct LeaseState {
+        state: String,
+    }
+    #[derive(Deserialize)]
+    struct TokenState {
+        #[serde(default)]
+        revoked_at: Option<String>,
+    }
+    let mut s = StoreSummary::default();
+    let meta = txn.open_table(tables::META)?;
+    if let Some(v) = meta.get("schema_version")? {
+        s.schema_version = codec::decode(v.value())?;
+    }
+    if let Some(v) = meta.get("instance_id")? {
+        s.instance_id = codec::decode(v.value())?;
+    }
+    match txn.open_table(tables::AUDIT) {
+        Ok(t) => s.audit_last_seq = t.last()?.map(|(k, _)| k.value()).unwrap_or(0),
+        Err(e) if table_missing(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    match txn.open_table(tables::PENDING) {
+        Ok(t) => s.pending_intents = t.len()?,
+        Err(e) if table_missing(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    match txn.open_table(tables::LEASES) {
+        Ok(t) => {
+            for item in t.iter()? {
+                let (_, v) = item?;
+                let l: LeaseState = codec::decode(v.value())?;
+                *s.leases.entry(l.state).or_default() += 1;
+            }
+        }
+        Err(e) if table_missing(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    s.active_leases = ["running", "paused"]
+        .iter()
+        .filter_map(|k| s.leases.get(*k))
+        .sum();
+    match txn.open_table(tables::TOKENS) {
+        Ok(t) => {
+            for item in t.iter()? {
+                let (_, v) = item?;
+                let r: TokenState = codec::decode(v.value())?;
+                if r.revoked_at.is_some() {
+                    s.tokens_revoked += 1;
+                } else {
+                    s.tokens_active += 1;
+                }
+            }
+        }
+        Err(e) if table_missing(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(s)
+}
+
+/// What the running service tells `status` and `backup`.
+pub struct Service {
+    pub store: Store,
+    pub broker: Broker,
+    pub reloader: Arc<Reloader>,
+    pub state: PathBuf,
+    pub url: String,
+    pub backend: String,
+    pub started_at: String,
+}
+
+/// How long `status` waits for the backend.
+const BACKEND_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Service {
+    pub async fn handle(&self, req: Request) -> Vec<Value> {
+        let err = |e: String| vec![json!({"ok": false, "error": e})];
+        match req {
+            Request::Status => vec![json!({"ok": true, "status": self.status().await})],
+            Request::Reload => {
+                let r = self.reloader.clone();
+                match tokio::task::spawn_blocking(move || r.reload()).await {
+                    Ok(rep) => vec![json!({"ok": rep.ok, "reload": rep, "error": rep.error})],
+                    Err(e) => err(e.to_string()),
+                }
+            }
+            Request::CertRenew => {
+                let r = self.reloader.clone();
+                match tokio::task::spawn_blocking(move || r.renew()).await {
+                    Ok(Ok(info)) => vec![json!({"ok": true, "certificate": info})],
+                    Ok(Err(e)) => err(e),
+                    Err(e) => err(e.to_string()),
+                }
+            }
+            Request::Backup => match snapshot(&self.store, &self.state).await {
+                Ok(s) => vec![json!({"ok": true, "dir": s.dir, "manifest": s.manifest})],
+                Err(e) => err(e),
+            },
+        }
+    }
+
+    /// The status document (`cube-adapter status --json`).
+    pub async fn status(&self) -> Value {
+        let j = self.broker.journal();
+        let audit = match j.check() {
+            Ok(()) => "ok".to_string(),
+            Err(crate::audit::AuditError::Blocked) => "reconciliation_required".to_string(),
+            Err(e) => format!("unavailable: {e}"),
+        };
+        let mut templates: Vec<String> = self
+            .broker
+            .config()
+            .profiles
+            .values()
+            .map(|p| p.template.clone())
+            .collect();
+        templates.sort();
+        templates.dedup();
+        let mut checks = BTreeMap::new();
+        let mut backend_ok = true;
+        for t in templates {
+            let v = match tokio::time::timeout(BACKEND_CHECK, self.broker.cube().template_ready(&t))
+                .await
+            {
+                Ok(Ok(true)) => "ready".to_string(),
+                Ok(Ok(false)) => {
+                    backend_ok = false;
+                    "not_ready".to_string()
+                }
+                Ok(Err(e)) => {
+                    backend_ok = false;
+                    format!("error: {:?}", e.kind)
+                }
+                Err(_) => {
+                    backend_ok = false;
+                    "error: timed out".to_string()
+                }
+            };
+            checks.insert(t, v);
+        }
+        let store = {
+            let s = self.store.clone();
+            match s.read(summarize).await {
+                Ok(v) => serde_json::to_value(v).unwrap_or_default(),
+                Err(e) => json!({"error": e.to_string()}),
+            }
+        };
+        let now = now_unix();
+        let cert = self.reloader.current_cert().ok().map(|c| {
+            let days = c.days_left(now);
+            json!({"certificate": c, "days_left": days})
+        });
+        json!({
+            "running": true,
+            "ready": j.is_ready() && backend_ok && !self.store.failed(),
+            "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "url": self.url,
+            "started_at": self.started_at,
+            "state_dir": self.state,
+            "audit": {
+                "mode": match j.mode() {
+                    crate::audit::AuditMode::Required => "required",
+                    crate::audit::AuditMode::BestEffort => "best_effort",
+                },
+                "state": audit,
+            },
+            "backend": {"description": self.backend, "ok": backend_ok, "templates": checks},
+            "store": store,
+            "server_certificate": cert,
+            "last_reload": self.reloader.last(),
+        })
+    }
+}
+
+/// What a backup holds, written as `MANIFEST.json` in it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Manifest {
+    pub format: u32,
+    pub version: String,
+    pub created_at: String,
+    pub summary: StoreSummary,
+    /// `audit verify` on the copy.
+    pub audit_events: u64,
+    pub audit_head: String,
+    pub state_redb_bytes: u64,
+    pub state_redb_sha256: String,
+}
+
+/// A consistent copy of the store in a directory of the state dir.
+pub struct Snapshot {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+}
+
+fn copy_synced(from: &Path, to: &Path) -> std::io::Result<u64> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut src = std::fs::File::open(from)?;
+    let mut dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(to)?;
+    let n = std::io::copy(&mut src, &mut dst)?;
+    dst.sync_all()?;
+    Ok(n)
+}
+
+pub(crate) fn sha256_file(p: &Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    let mut f = std::fs::File::open(p)?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Copy the store while it serves.
+///
+/// The copy runs on the store's writer thread, between two commits: redb
+/// writes the file only from that thread and never overwrites pages of the
+/// last commit, so the file then holds exactly the last durable commit (as
+/// a crash at that moment would leave it). Writers wait for the copy (a
+/// few hundred MB/s). The copy is then opened on its own, which replays
+/// redb's crash recovery, closed cleanly, and its audit chain is verified.
+pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
+    let id: String = (0..6)
+        .map(|_| format!("{:02x}", rand::random::<u8>()))
+        .collect();
+    let dir = state.join(format!("backup-{id}"));
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| format!("create {}: {e}", dir.display()))?;
+    }
+    let src = store.path().to_path_buf();
+    let dst = dir.join("state.redb");
+    let d2 = dst.clone();
+    let copied = store
+        .write(move |_txn, _chain| {
+            copy_synced(&src, &d2).map_err(|e| StoreError::Io(format!("copy the store: {e}")))
+        })
+        .await;
+    let result = match copied {
+        Ok(_) => tokio::task::spawn_blocking(move || check_copy(&dst))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r),
+        Err(e) => Err(e.to_string()),
+    };
+    match result {
+        Ok(manifest) => Ok(Snapshot { dir, manifest }),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(e)
+        }
+    }
+}
+
+/// Open a copied store on its own (recovery), verify its chain, close it.
+pub fn check_copy(path: &Path) -> Result<Manifest, String> {
+    let db = redb::Database::create(path).map_err(|e| format!("open the copy: {e}"))?;
+    let (summary, (events, _, head)) = {
+        use redb::ReadableDatabase;
+        let txn = db.begin_read().map_err(|e| e.to_string())?;
+        let s = summarize(&txn).map_err(|e| e.to_string())?;
+        let c =
+            crate::audit::verify_chain(&txn).map_err(|e| format!("the copy's audit chain: {e}"))?;
+        (s, c)
+    };
+    db.close().map_err(|e| format!("close the copy: {e}"))?;
+    let bytes = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
+    Ok(Manifest {
+        format: 1,
+        version: env!("CARGO_PKG_VERSION").into(),
+        created_at: crate::clock::now().0,
+        summary,
+        audit_events: events,
+        audit_head: head,
+        state_redb_bytes: bytes,
+        state_redb_sha256: sha256_file(path).map_err(|e| e.to_string())?,
+    })
+}
+
+/// Files whose mode lets others than their owner (and for the config,
+/// its group) read them: warnings `serve` logs at start.
+pub fn loose_files(config_file: &Path, cfg: &Config) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut warn = vec![];
+    let mut check = |p: &Path, mask: u32, what: &str| {
+        if let Ok(m) = std::fs::metadata(p)
+            && m.permissions().mode() & mask != 0
+        {
+            warn.push(format!(
+                "{} ({what}) has mode {:o}: others can read it",
+                p.display(),
+                m.permissions().mode() & 0o777
+            ));
+        }
+    };
+    check(config_file, 0o004, "configuration");
+    let state = &cfg.state_dir;
+    for k in ["secret.key", "hmac.key", "admin.token", "state.redb"] {
+        check(&state.join(k), 0o044, "secret");
+    }
+    if let Ok(rd) = std::fs::read_dir(state.join("tls")) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().ends_with(".key") {
+                check(&e.path(), 0o044, "private key");
+            }
+        }
+    }
+    let mut secrets: Vec<&PathBuf> = cfg.tokens_file.iter().collect();
+    if let Some(b) = &cfg.backend {
+        secrets.extend(b.api_key_file.iter().chain(b.client_key_file.iter()));
+    }
+    for f in secrets {
+        check(f, 0o004, "credential");
+    }
+    warn
+}
+
+/// Before `serve` starts: refuse a set-uid or set-gid start, keep the
+/// process out of core dumps and same-user ptrace (its memory holds the
+/// keys), and name files others can read.
+pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String> {
+    use nix::unistd::{getegid, geteuid, getgid, getuid};
+    if getuid() != geteuid() || getgid() != getegid() {
+        return Err(format!(
+            "refusing to run with real uid/gid {}/{} and effective {}/{} (set-uid or set-gid): run it as the service user",
+            getuid(),
+            getgid(),
+            geteuid(),
+            getegid()
+        ));
+    }
+    nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    Ok(loose_files(config_file, cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changed_keys_names_top_level_keys() {
+        let a = Config::default();
+        let mut b = a.clone();
+        assert!(changed_keys(&a, &b).is_empty());
+        b.server_names = vec!["x.example".into()];
+        b.gc_interval_seconds = 5;
+        assert_eq!(
+            changed_keys(&a, &b),
+            vec![
+                "gc_interval_seconds".to_string(),
+                "server_names".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn loose_files_are_named() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            state_dir: dir.path().to_path_buf(),
+            ..Config::default()
+        };
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let conf = dir.path().join("config.toml");
+        let key = dir.path().join("secret.key");
+        std::fs::write(&conf, "").unwrap();
+        std::fs::write(&key, "k").unwrap();
+        mode(&conf, 0o640);
+        mode(&key, 0o600);
+        assert!(loose_files(&conf, &cfg).is_empty());
+        mode(&conf, 0o644);
+        mode(&key, 0o640);
+        let w = loose_files(&conf, &cfg);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w.iter()
+                .any(|x| x.contains("secret.key") && x.contains("640"))
+        );
+    }
+}
