@@ -1496,6 +1496,65 @@ impl Broker {
         Ok(json!({"task_ref": task.task_ref, "receipt": r, "request_id": ctx.request_id}))
     }
 
+    /// Delete plans that never ran, `plan_retention_seconds` past their
+    /// expiry (each with an event in the same transaction). Returns how
+    /// many went.
+    pub(crate) async fn prune_plans(&self) -> Result<u64> {
+        let t = now().1;
+        let keep = i64::try_from(self.inner.cfg.plan_retention_seconds).unwrap_or(i64::MAX);
+        let old: Vec<Plan> = self
+            .inner
+            .store
+            .read(move |txn| {
+                let tb = txn.open_table(tables::PLANS)?;
+                let mut v = vec![];
+                for item in tb.iter()? {
+                    let (_, val) = item?;
+                    let pl: Plan = codec::decode(val.value())?;
+                    let never_ran = pl.task_ref.is_none()
+                        && (pl.state == "denied" || pl.state == "expired" || live(&pl.state));
+                    if never_ran && t.saturating_sub(pl.expires_unix) > keep {
+                        v.push(pl);
+                    }
+                }
+                Ok(v)
+            })
+            .await?;
+        let n = old.len() as u64;
+        for chunk in old.chunks(256) {
+            let j = &self.inner.journal;
+            let evs: Vec<Event> = chunk
+                .iter()
+                .map(|pl| {
+                    let mut ev = j.event("task_plan_pruned");
+                    ev.phase = "event".into();
+                    ev.outcome = "ok".into();
+                    ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+                    ev.tenant_digest = Some(j.digest("tenant", pl.tenant.as_bytes()));
+                    ev.plan_ref = Some(pl.plan_ref.clone());
+                    ev.task_template = Some(pl.template.clone());
+                    ev
+                })
+                .collect();
+            let refs: Vec<String> = chunk.iter().map(|pl| pl.plan_ref.clone()).collect();
+            self.inner
+                .store
+                .write(move |txn, chain| {
+                    let mut tb = txn.open_table(tables::PLANS)?;
+                    for (r, ev) in refs.iter().zip(evs) {
+                        tb.remove(r.as_str())?;
+                        chain.append(txn, ev)?;
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
+        if n > 0 {
+            tracing::info!(plans = n, "gc: pruned plans that never ran");
+        }
+        Ok(n)
+    }
+
     /// `GET /v1/receipts/public-key`: the key receipts are signed with.
     pub fn receipt_public_key(&self) -> Value {
         self.inner.receipts.public_key()

@@ -241,6 +241,9 @@ impl Broker {
     /// Kill every lease idle past its profile's `lease_idle_ttl_seconds`.
     pub async fn gc(&self) -> Result<(u64, u64)> {
         self.inner.journal.check()?;
+        if let Err(e) = self.prune_plans().await {
+            tracing::warn!(code = e.code, error = %e.message, "gc: could not prune task plans");
+        }
         let leases = self.inner.store.read(all_leases).await?;
         let t = now().1;
         let (mut collected, mut failed) = (0, 0);

