@@ -21,6 +21,11 @@ pub enum Request {
     TokenRevoke {
         id: String,
     },
+    /// Register a client-certificate identity (the CLI issued the
+    /// certificate from the appliance's CA).
+    CertIdentityCreate {
+        record: crate::auth::TokenRecord,
+    },
     AuditVerify,
     AuditExport {
         since: u64,
@@ -35,6 +40,9 @@ pub struct TokenInfo {
     pub created_at: String,
     pub revoked_at: Option<String>,
     pub description: Option<String>,
+    /// Set for a client-certificate identity: the certificate's SHA-256.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_sha256: Option<String>,
 }
 
 impl From<TokenRecord> for TokenInfo {
@@ -45,6 +53,7 @@ impl From<TokenRecord> for TokenInfo {
             created_at: r.created_at,
             revoked_at: r.revoked_at,
             description: r.description,
+            cert_sha256: r.cert_sha256,
         }
     }
 }
@@ -122,6 +131,12 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
             ],
             Err(e) => err(e.to_string()),
         },
+        Request::CertIdentityCreate { record } => {
+            match auth::store_cert_identity(store, record).await {
+                Ok(()) => vec![json!({"ok": true})],
+                Err(e) => err(e),
+            }
+        }
         Request::TokenRevoke { id } => match auth::revoke_token(store, &id).await {
             Ok(found) => {
                 authn.clear_cache();

@@ -228,7 +228,10 @@ pub async fn serve_with(
         &spem,
         skey.as_bytes(),
     )?));
-    let server_tls = crate::tls::server_config_swappable(served.clone())?;
+    // Client certificates issued by the appliance's CA may stand for an
+    // identity (`token create --client-cert`); none is required.
+    let server_tls =
+        crate::tls::server_config_swappable(served.clone(), Some(ca.cert_pem.as_bytes()))?;
 
     // First start: a bootstrap admin token, written once.
     let admin_token_file = bootstrap_admin(&store, &state.join("admin.token")).await?;

@@ -222,6 +222,9 @@ pub struct TokenCreate {
     pub roles: Vec<String>,
     pub task_templates: Vec<String>,
     pub description: Option<String>,
+    /// Issue a client certificate for this identity into this directory
+    /// instead of a bearer token.
+    pub client_cert: Option<PathBuf>,
 }
 
 pub fn token_create(config: Option<&Path>, state: Option<&Path>, req: TokenCreate) -> i32 {
@@ -279,6 +282,9 @@ pub fn token_create(config: Option<&Path>, state: Option<&Path>, req: TokenCreat
         Ok(s) => s,
         Err(c) => return c,
     };
+    if let Some(dir) = req.client_cert {
+        return cert_identity_create(&state, &dir, principal, req.description);
+    }
     let token = match access(&state) {
         Err(c) => return c,
         Ok(Access::Socket(p)) => match socket_call(
@@ -565,4 +571,103 @@ pub fn audit_reconcile(
             EXIT_FAIL
         }
     }
+}
+
+/// `token create --client-cert DIR`: a client certificate from the
+/// appliance's CA (common name: the subject) that stands for `principal`.
+/// Writes `DIR/client.pem`, `DIR/client.key` (0600) and `DIR/ca.pem`;
+/// prints the identity's id.
+fn cert_identity_create(
+    state: &Path,
+    dir: &Path,
+    principal: Principal,
+    description: Option<String>,
+) -> i32 {
+    let files = ["client.pem", "client.key", "ca.pem"].map(|f| dir.join(f));
+    if let Some(f) = files.iter().find(|f| f.exists()) {
+        eprintln!(
+            "error: {} exists already (nothing was changed)",
+            f.display()
+        );
+        return EXIT_USAGE;
+    }
+    let access = match access(state) {
+        Ok(a) => a,
+        Err(c) => return c,
+    };
+    let issued = crate::store::Sealer::load_or_create(&state.join("secret.key"))
+        .map_err(|e| e.to_string())
+        .and_then(|sealer| {
+            crate::tls::LocalCa::load_or_create_sealed(&state.join("tls"), Some(sealer))
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|ca| {
+            let (cert, key) = ca
+                .issue_client(&principal.subject)
+                .map_err(|e| e.to_string())?;
+            Ok((ca.cert_pem.clone(), cert, key))
+        })
+        .and_then(|(ca, cert, key)| {
+            let der = crate::tls::parse_certs(cert.as_bytes())
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .next()
+                .ok_or("no certificate was issued")?;
+            use sha2::Digest;
+            let fp = auth::PeerCert(sha2::Sha256::digest(der.as_ref()).into());
+            Ok((ca, cert, key, fp))
+        });
+    let (ca, cert, key, fp) = match issued {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: cannot issue a client certificate: {e}");
+            return EXIT_STATE;
+        }
+    };
+    let rec = auth::cert_record(principal, description, &fp);
+    let id = rec.id.clone();
+    let stored = match access {
+        Access::Socket(p) => {
+            socket_call(&p, &Request::CertIdentityCreate { record: rec }).map(|_| ())
+        }
+        Access::Store(store) => {
+            let rt = match runtime() {
+                Ok(r) => r,
+                Err(c) => return c,
+            };
+            rt.block_on(auth::store_cert_identity(&store, rec))
+                .map_err(|e| {
+                    eprintln!("error: {e}");
+                    EXIT_STORE
+                })
+        }
+    };
+    if let Err(c) = stored {
+        return c;
+    }
+    if let Err(e) = std::fs::create_dir_all(dir)
+        .map_err(|e| e.to_string())
+        .and_then(|()| {
+            crate::tls::write_private(&files[0], cert.as_bytes(), 0o644).map_err(|e| e.to_string())
+        })
+        .and_then(|()| {
+            crate::tls::write_private(&files[1], key.as_bytes(), 0o600).map_err(|e| e.to_string())
+        })
+        .and_then(|()| {
+            crate::tls::write_private(&files[2], ca.as_bytes(), 0o644).map_err(|e| e.to_string())
+        })
+    {
+        eprintln!(
+            "error: the identity {id} is registered but its files could not be written ({e}); revoke it: cube-adapter token revoke {id}"
+        );
+        return EXIT_FAIL;
+    }
+    eprintln!(
+        "wrote {}, {} and {} (the appliance's CA)",
+        files[0].display(),
+        files[1].display(),
+        files[2].display()
+    );
+    println!("{id}");
+    0
 }

@@ -213,6 +213,12 @@ enum TokenCommand {
         /// Task template this token may plan (repeatable; default: *).
         #[arg(long = "task-template")]
         task_templates: Vec<String>,
+        /// Instead of a token, issue a client certificate for this identity
+        /// from the appliance's CA into DIR (client.pem, client.key, ca.pem)
+        /// and print its id. Callers present it over TLS (no token needed);
+        /// `token revoke ID` ends it like a token.
+        #[arg(long, value_name = "DIR")]
+        client_cert: Option<PathBuf>,
         /// Free text kept with the token.
         #[arg(long)]
         description: Option<String>,
@@ -525,6 +531,7 @@ fn main() -> ExitCode {
                 roles,
                 task_templates,
                 description,
+                client_cert,
             } => {
                 let req = cube_adapter::cli::TokenCreate {
                     tenant,
@@ -536,6 +543,7 @@ fn main() -> ExitCode {
                     roles,
                     task_templates,
                     description,
+                    client_cert,
                 };
                 cube_adapter::cli::token_create(
                     common.config.as_deref(),

@@ -39,14 +39,36 @@ pub async fn serve(
         let app = app.clone();
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            let svc = TowerToHyperService::new(app);
             let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
             let result = match acceptor {
                 Some(acc) => {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acc.accept(stream)).await {
                         Ok(Ok(tls)) => {
+                            // A verified client certificate, for the
+                            // handlers to look up (by its SHA-256).
+                            let peer_cert = tls
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .and_then(|c| c.first())
+                                .map(|c| {
+                                    use sha2::Digest;
+                                    crate::auth::PeerCert(sha2::Sha256::digest(c.as_ref()).into())
+                                });
+                            let app = tower::ServiceExt::map_request(
+                                app,
+                                move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                                    if let Some(pc) = peer_cert {
+                                        req.extensions_mut().insert(pc);
+                                    }
+                                    req
+                                },
+                            );
                             builder
-                                .serve_connection_with_upgrades(TokioIo::new(tls), svc)
+                                .serve_connection_with_upgrades(
+                                    TokioIo::new(tls),
+                                    TowerToHyperService::new(app),
+                                )
                                 .await
                         }
                         Ok(Err(e)) => {
@@ -61,7 +83,10 @@ pub async fn serve(
                 }
                 None => {
                     builder
-                        .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                        .serve_connection_with_upgrades(
+                            TokioIo::new(stream),
+                            TowerToHyperService::new(app),
+                        )
                         .await
                 }
             };

@@ -185,6 +185,7 @@ async fn events(
     Auth(p): Auth,
     Path(job): Path<String>,
     q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    pc: Option<axum::Extension<crate::auth::PeerCert>>,
     h: HeaderMap,
 ) -> R {
     let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
@@ -217,7 +218,7 @@ async fn events(
     cur.max_bytes = if text { TEXT_CHUNK } else { EVENT_CHUNK };
     let opened = st.broker.open_job_events(&p, &c, &job).await?;
     let broker = st.broker.clone();
-    let mut still = super::StreamAuth::new(&st, &h);
+    let mut still = super::StreamAuth::new(&st, &h).with_cert(pc.map(|e| e.0));
     // Two events in flight: a slow client holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     let job_ref = opened.job_ref.clone();

@@ -214,6 +214,7 @@ pub(crate) const STILL_VALID_EVERY: std::time::Duration = std::time::Duration::f
 pub(crate) struct StreamAuth {
     auth: Authenticator,
     token: String,
+    cert: Option<crate::auth::PeerCert>,
     checked: std::time::Instant,
 }
 
@@ -222,8 +223,16 @@ impl StreamAuth {
         Self {
             auth: st.auth.clone(),
             token: bearer(h),
+            cert: None,
             checked: std::time::Instant::now(),
         }
+    }
+
+    /// The client certificate the stream was opened with (when it carried
+    /// no token).
+    pub(crate) fn with_cert(mut self, cert: Option<crate::auth::PeerCert>) -> Self {
+        self.cert = cert;
+        self
     }
 
     /// False (after sending an `error` event) once the token is no longer
@@ -236,7 +245,11 @@ impl StreamAuth {
             return true;
         }
         self.checked = std::time::Instant::now();
-        if self.auth.authenticate(&self.token).await.is_ok() {
+        let ok = match (&self.cert, self.token.is_empty()) {
+            (Some(c), true) => self.auth.authenticate_cert(c).await.is_ok(),
+            _ => self.auth.authenticate(&self.token).await.is_ok(),
+        };
+        if ok {
             return true;
         }
         let ev = axum::response::sse::Event::default().event("error").data(
@@ -250,22 +263,46 @@ impl StreamAuth {
 /// The authenticated caller.
 pub struct Auth(pub Principal);
 
+/// Who a request is from: its bearer token, or else the registered
+/// client certificate its connection presented. One place for `/v1`,
+/// `/mcp` and event streams.
+pub async fn identify(
+    auth: &Authenticator,
+    headers: &axum::http::HeaderMap,
+    extensions: &axum::http::Extensions,
+) -> Result<Principal, ApiError> {
+    let token = bearer(headers);
+    let r = if !token.is_empty() {
+        auth.authenticate(&token).await
+    } else if let Some(c) = extensions.get::<crate::auth::PeerCert>() {
+        auth.authenticate_cert(c).await
+    } else {
+        return Err(err(
+            "unauthorized",
+            "a bearer token (or a registered client certificate) is required",
+        ));
+    };
+    match r {
+        Ok(p) => Ok(p),
+        Err(AuthError::Unauthorized) if token.is_empty() => Err(err(
+            "unauthorized",
+            "this client certificate stands for no identity",
+        )),
+        Err(AuthError::Unauthorized) => Err(err("unauthorized", "invalid bearer token")),
+        Err(AuthError::Unavailable) => Err(err(
+            "audit_unavailable",
+            "the identity store is unavailable",
+        )),
+    }
+}
+
 impl FromRequestParts<AppState> for Auth {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, st: &AppState) -> Result<Self, ApiError> {
-        let token = bearer(&parts.headers);
-        if token.is_empty() {
-            return Err(err("unauthorized", "a bearer token is required"));
-        }
-        match st.auth.authenticate(&token).await {
-            Ok(p) => Ok(Auth(p)),
-            Err(AuthError::Unauthorized) => Err(err("unauthorized", "invalid bearer token")),
-            Err(AuthError::Unavailable) => Err(err(
-                "audit_unavailable",
-                "the identity store is unavailable",
-            )),
-        }
+        identify(&st.auth, &parts.headers, &parts.extensions)
+            .await
+            .map(Auth)
     }
 }
 

@@ -225,6 +225,7 @@ async fn events(
     Auth(p): Auth,
     Path(pty_ref): Path<String>,
     q: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
+    pc: Option<axum::Extension<crate::auth::PeerCert>>,
     h: HeaderMap,
 ) -> R {
     let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
@@ -241,7 +242,7 @@ async fn events(
     let secs = q.timeout.unwrap_or(300).clamp(1, 3600);
     let (pty, sandbox_ref, hub) = st.broker.open_pty_events(&p, &c, &pty_ref).await?;
     let broker = st.broker.clone();
-    let mut still = super::StreamAuth::new(&st, &h);
+    let mut still = super::StreamAuth::new(&st, &h).with_cert(pc.map(|e| e.0));
     // Two events in flight: a slow viewer holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {

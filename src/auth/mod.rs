@@ -134,6 +134,35 @@ pub struct TokenRecord {
     pub revoked_at: Option<String>,
     #[serde(default)]
     pub description: Option<String>,
+    /// A client-certificate identity: the SHA-256 of the certificate (hex)
+    /// that stands for this principal (`hash` is then empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_sha256: Option<String>,
+}
+
+/// The SHA-256 of the verified client certificate a connection presented
+/// (a request extension, set by the TLS server). It identifies a caller
+/// only when a certificate identity was registered for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCert(pub [u8; 32]);
+
+/// A client-certificate identity's record: its id is the first 12 hex
+/// characters of the certificate's SHA-256.
+pub fn cert_record(
+    principal: Principal,
+    description: Option<String>,
+    cert: &PeerCert,
+) -> TokenRecord {
+    let fp = hex::encode(cert.0);
+    TokenRecord {
+        id: fp.chars().take(12).collect(),
+        hash: String::new(),
+        principal,
+        created_at: crate::clock::now().0,
+        revoked_at: None,
+        description,
+        cert_sha256: Some(fp),
+    }
 }
 
 /// `cat_<id>_<secret>`.
@@ -175,6 +204,7 @@ pub fn new_token(
             created_at,
             revoked_at: None,
             description,
+            cert_sha256: None,
         },
     ))
 }
@@ -200,6 +230,30 @@ pub fn list_tokens(store: &Store) -> Result<Vec<TokenRecord>, StoreError> {
         }
         Ok(v)
     })
+}
+
+/// Store a certificate identity; refused when its id is taken.
+pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), String> {
+    if rec.cert_sha256.is_none() {
+        return Err("not a certificate identity".into());
+    }
+    let r = store
+        .write(move |txn, _| {
+            let mut t = txn.open_table(tables::TOKENS)?;
+            if t.get(rec.id.as_str())?.is_some() {
+                return Ok(false);
+            }
+            let bytes = codec::encode(&rec)?;
+            t.insert(rec.id.as_str(), bytes.as_slice())?;
+            Ok(true)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    if r {
+        Ok(())
+    } else {
+        Err("an identity with this id exists already".into())
+    }
 }
 
 /// Mark a token revoked. Returns false when no such token exists.
@@ -468,6 +522,45 @@ impl Authenticator {
         Ok(principal)
     }
 
+    /// The principal a verified client certificate stands for (a
+    /// registered, unrevoked certificate identity), cached as tokens are.
+    pub async fn authenticate_cert(&self, cert: &PeerCert) -> Result<Principal, AuthError> {
+        let mut h = sha2::Sha256::new();
+        h.update(b"client-certificate\0");
+        h.update(cert.0);
+        let key: [u8; 32] = h.finalize().into();
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
+        }
+        let fp = hex::encode(cert.0);
+        let id: String = fp.chars().take(12).collect();
+        let rec: Option<TokenRecord> = self
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::TOKENS)?;
+                get_json(&t, &id)
+            })
+            .await
+            .map_err(|_| AuthError::Unavailable)?;
+        let principal = rec
+            .filter(|r| r.revoked_at.is_none() && r.cert_sha256.as_deref() == Some(fp.as_str()))
+            .map(|r| r.principal)
+            .ok_or(AuthError::Unauthorized)?;
+        if let Ok(mut c) = self.cache.lock() {
+            if c.len() >= CACHE_MAX {
+                c.clear();
+            }
+            c.insert(
+                key,
+                Cached {
+                    principal: principal.clone(),
+                    until: Instant::now() + CACHE_TTL,
+                },
+            );
+        }
+        Ok(principal)
+    }
+
     async fn verify_stored(&self, token: &str) -> Result<Principal, AuthError> {
         let Some((id, _)) = parse_token(token) else {
             return Err(AuthError::Unauthorized);
@@ -482,7 +575,7 @@ impl Authenticator {
             .await
             .map_err(|_| AuthError::Unavailable)?;
         let rec = rec
-            .filter(|r| r.revoked_at.is_none())
+            .filter(|r| r.revoked_at.is_none() && r.cert_sha256.is_none())
             .ok_or(AuthError::Unauthorized)?;
         let _permit = self
             .hashing

@@ -14,8 +14,8 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 
 use super::tools::Host;
 use super::{McpServer, Upstream};
-use crate::api::{ApiError, AppState, bearer};
-use crate::auth::{AuthError, Principal};
+use crate::api::{ApiError, AppState};
+use crate::auth::Principal;
 use crate::broker::Error;
 
 /// Live MCP sessions one identity may hold (a client that never closes its
@@ -104,20 +104,10 @@ async fn authenticate(State(g): State<Guard>, req: Request, next: Next) -> Respo
 }
 
 async fn guarded(g: Guard, req: Request, next: Next) -> Response {
-    let token = bearer(req.headers());
-    if token.is_empty() {
-        return unauthorized("a bearer token is required");
-    }
-    let p = match g.st.auth.authenticate(&token).await {
+    let p = match crate::api::identify(&g.st.auth, req.headers(), req.extensions()).await {
         Ok(p) => p,
-        Err(AuthError::Unauthorized) => return unauthorized("invalid bearer token"),
-        Err(AuthError::Unavailable) => {
-            return ApiError(Error::new(
-                "audit_unavailable",
-                "the identity store is unavailable",
-            ))
-            .into_response();
-        }
+        Err(e) if e.0.code == "unauthorized" => return unauthorized(&e.0.message),
+        Err(e) => return e.into_response(),
     };
     let who = identity(&p);
     // A session belongs to whoever opened it: another identity (or a

@@ -95,15 +95,29 @@ impl McpServer {
         match self.upstream.as_ref() {
             Upstream::Local(router) => {
                 use tower::ServiceExt;
-                let auth = ctx
+                // The caller's own identity: its token, or the client
+                // certificate its connection presented.
+                let parts = ctx
                     .extensions
                     .get::<axum::http::request::Parts>()
-                    .and_then(|p| p.headers.get(axum::http::header::AUTHORIZATION).cloned())
-                    .ok_or("the MCP request carried no Authorization header")?;
+                    .ok_or("the MCP request carried no HTTP request")?;
+                let auth = parts
+                    .headers
+                    .get(axum::http::header::AUTHORIZATION)
+                    .cloned();
+                let cert = parts.extensions.get::<crate::auth::PeerCert>().copied();
+                if auth.is_none() && cert.is_none() {
+                    return Err("the MCP request carried no identity".into());
+                }
                 let mut b = axum::http::Request::builder()
                     .method(req.method)
-                    .uri(&req.path)
-                    .header(axum::http::header::AUTHORIZATION, auth);
+                    .uri(&req.path);
+                if let Some(a) = auth {
+                    b = b.header(axum::http::header::AUTHORIZATION, a);
+                }
+                if let Some(c) = cert {
+                    b = b.extension(c);
+                }
                 let body = match &req.body {
                     Some(v) => {
                         b = b.header(axum::http::header::CONTENT_TYPE, "application/json");

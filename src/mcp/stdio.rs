@@ -184,12 +184,6 @@ impl Settings {
 
 /// Serve the tools on stdin/stdout until the host closes them.
 pub async fn run(s: Settings) -> Result<(), String> {
-    if s.token.is_none() {
-        eprintln!(
-            "cube-adapter mcp: no token: the appliance identifies callers by bearer token, so a \
-             client certificate alone only works through an mTLS proxy that adds one"
-        );
-    }
     let http = s.client()?;
     let server = McpServer::new(
         Upstream::Remote {

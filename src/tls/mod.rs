@@ -386,11 +386,29 @@ pub fn certified_key(
 
 /// Server config (as `server_config` without client certificates) whose
 /// certificate comes from `cert`.
-pub fn server_config_swappable(cert: Arc<SwappableCert>) -> Result<rustls::ServerConfig, TlsError> {
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(cert);
+/// The appliance's own server config: its certificate swappable (reload),
+/// and a client certificate signed by `client_ca` accepted but never
+/// required (a certificate identity; bearer tokens need none).
+pub fn server_config_swappable(
+    cert: Arc<SwappableCert>,
+    client_ca: Option<&[u8]>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?;
+    let builder = match client_ca {
+        Some(ca) => {
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots(ca)?),
+                provider(),
+            )
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| TlsError::Pem(format!("client verifier: {e}")))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder.with_cert_resolver(cert);
     cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(cfg)
 }

@@ -218,7 +218,9 @@ def claude_trust(home, cwd):
 
 def codex_tools(timeout):
     """Ask `codex app-server` (no model, no login) for its MCP servers; print cube's tool count."""
-    p = subprocess.Popen(["codex", "app-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    # features.plugins=false: otherwise Codex syncs its curated plugins from
+    # github.com, api.github.com or chatgpt.com at start; MCP servers are unaffected.
+    p = subprocess.Popen(["codex", "-c", "features.plugins=false", "app-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, bufsize=1)
     end = time.time() + float(timeout)
     def send(o): p.stdin.write(json.dumps(o) + "\n"); p.stdin.flush()
@@ -286,7 +288,8 @@ npm_install() {   # NAME PACKAGE VERSION
   got=$(installed_version "$dir" "$pkg")
   if [[ $got == "$ver" && $(cat "$dir/.installed") == "$pkg@$ver" ]]; then return 0; fi
   say "installing $pkg@$ver (npm registry) into $dir"
-  rm -rf "$dir"; mkdir -p "$dir"
+  rm -rf "$dir" 2>/dev/null || die "cannot replace $dir (someone else's?)"
+  mkdir -p "$dir"
   echo '{"private": true}' >"$dir/package.json"
   if ! npm install --prefix "$dir" --cache "$CACHE/npm" --no-audit --no-fund --no-update-notifier \
        --save-exact --loglevel=error "$pkg@$ver" >"$dir.install.log" 2>&1; then
@@ -313,7 +316,7 @@ if selected hermes; then
   if [[ ! -f $dir/.installed || $(cat "$dir/.installed") != "hermes-agent[mcp]==$HERMES_VERSION" ]] \
      || ! "$dir/bin/python" -c "import importlib.metadata as m, mcp, sys; sys.exit(m.version('hermes-agent') != '$HERMES_VERSION')" 2>/dev/null; then
     say "installing hermes-agent[mcp]==$HERMES_VERSION (PyPI) into $dir"
-    rm -rf "$dir"
+    rm -rf "$dir" 2>/dev/null || die "cannot replace $dir (someone else's?)"
     if ! { "$PY" -m venv "$dir" && "$dir/bin/pip" install --cache-dir "$CACHE/pip" --disable-pip-version-check \
            "hermes-agent[mcp]==$HERMES_VERSION"; } >"$dir.install.log" 2>&1; then
       tail -n 30 "$dir.install.log" >&2; die "pip install hermes-agent[mcp]==$HERMES_VERSION failed (log: $dir.install.log)"
@@ -416,6 +419,15 @@ check() {   # DOC LINE HOST TRANSPORT DEST
   # What the interactive first start would record: the project is trusted and its .mcp.json servers approved.
   if [[ $host == claude-code && $dest == .mcp.json ]]; then
     hpy claude-trust "$h" "$(cd "$h/proj" && pwd -P)"
+  fi
+  # At every start OpenCode installs @opencode-ai/plugin into its config
+  # directory from the npm registry, in the background (not waited for, so
+  # racing its exit), unless node_modules exists and package-lock.json lists
+  # it. Say it is there: the check stays on loopback, and nothing uses it.
+  if [[ $host == opencode ]]; then
+    mkdir -p "$h/.config/opencode/node_modules"
+    echo '{"packages": {"": {"dependencies": {"@opencode-ai/plugin": "'"$OPENCODE_VERSION"'"}}}}' \
+      >"$h/.config/opencode/package-lock.json"
   fi
 
   # The host's check.

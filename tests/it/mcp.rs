@@ -8,13 +8,35 @@ use crate::appliance::Server;
 
 /// Run the SDK script in one mode against a running appliance.
 async fn sdk(s: &Server, mode: &str, url: &str, token: &str, approver: &str) {
+    sdk_as(s, mode, url, Who::Token(token), approver).await
+}
+
+/// Who the SDK script acts as.
+enum Who<'a> {
+    Token(&'a str),
+    /// A directory with `client.pem` and `client.key`.
+    Cert(&'a std::path::Path),
+}
+
+async fn sdk_as(s: &Server, mode: &str, url: &str, who: Who<'_>, approver: &str) {
     let py = crate::sdk::sdk_python();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mcp_smoke.py");
-    let out = tokio::process::Command::new(&py)
+    let mut cmd = tokio::process::Command::new(&py);
+    let suffix = match who {
+        Who::Token(t) => {
+            cmd.env("MCP_TOKEN", t);
+            ""
+        }
+        Who::Cert(d) => {
+            cmd.env("MCP_CERT", d.join("client.pem"))
+                .env("MCP_KEY", d.join("client.key"));
+            ", certificate"
+        }
+    };
+    let out = cmd
         .arg(&script)
         .env("MCP_MODE", mode)
         .env("MCP_URL", url)
-        .env("MCP_TOKEN", token)
         .env("MCP_CA", s.state.join("tls/ca.pem"))
         .env("MCP_BIN", crate::common::BIN)
         .env("MCP_API", &s.url)
@@ -24,7 +46,7 @@ async fn sdk(s: &Server, mode: &str, url: &str, token: &str, approver: &str) {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && stdout.contains(&format!("mcp-smoke ({mode}): all ok")),
+        out.status.success() && stdout.contains(&format!("mcp-smoke ({mode}{suffix}): all ok")),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -255,5 +277,139 @@ async fn pty_tools_follow_the_profile() {
         .await;
     assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
     assert_eq!(v["error"]["code"], "action_denied");
+    s.stop().await;
+}
+
+/// A client certificate from the appliance's CA stands for an identity on
+/// `/v1`, on `/mcp` and through `cube-adapter mcp`, with no token: the
+/// official SDK runs the whole script with it; revoked, it is refused; an
+/// unregistered certificate of the same CA is nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_are_identities() {
+    let s = Server::start_with(|c| {
+        crate::tasks::configure(c);
+        c.profiles
+            .get_mut("offline-code")
+            .unwrap()
+            .checkpoints_enabled = true;
+    })
+    .await;
+    let dir = s.dir.path().join("laptop");
+    let out = std::process::Command::new(crate::common::BIN)
+        .args(["token", "create", "--state-dir"])
+        .arg(&s.state)
+        .arg("--config")
+        .arg(s.empty_config())
+        .args([
+            "--tenant",
+            "cert-tenant",
+            "--subject",
+            "laptop",
+            "--runtime",
+            "mcp",
+            "--client-cert",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert_eq!(id.len(), 12, "{id}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(dir.join("client.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    // Never overwritten.
+    let again = std::process::Command::new(crate::common::BIN)
+        .args(["token", "create", "--state-dir"])
+        .arg(&s.state)
+        .args(["--config"])
+        .arg(s.empty_config())
+        .args(["--tenant", "x", "--client-cert"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(again.status.code(), Some(2));
+
+    let approver = s.token(&[
+        "--tenant",
+        "cert-tenant",
+        "--subject",
+        "a-person",
+        "--role",
+        "approver",
+        "--action",
+        "task:approve",
+    ]);
+    sdk_as(
+        &s,
+        "http",
+        &format!("{}/mcp", s.url),
+        Who::Cert(&dir),
+        &approver,
+    )
+    .await;
+    sdk_as(&s, "stdio", &s.url, Who::Cert(&dir), &approver).await;
+
+    let ca = std::fs::read(s.state.join("tls/ca.pem")).unwrap();
+    let with_cert = |cert: &std::path::Path, key: &std::path::Path| {
+        let tls = cube_adapter::tls::client_config(
+            Some(&ca),
+            Some((&std::fs::read(cert).unwrap(), &std::fs::read(key).unwrap())),
+        )
+        .unwrap();
+        reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
+            .build()
+            .unwrap()
+    };
+    let c = with_cert(&dir.join("client.pem"), &dir.join("client.key"));
+    let r = c
+        .get(format!("{}/v1/profiles", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    // A token, where one is sent, decides.
+    let r = c
+        .get(format!("{}/v1/profiles", s.url))
+        .bearer_auth("cat_000000000000_not-a-real-token-at-all-xxxxxxxx")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    // Another certificate of the same CA, never registered: nobody.
+    let other = s.dir.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let ca_obj = cube_adapter::tls::LocalCa::load_or_create_sealed(
+        &s.state.join("tls"),
+        Some(cube_adapter::store::Sealer::load_or_create(&s.state.join("secret.key")).unwrap()),
+    )
+    .unwrap();
+    let (cert, key) = ca_obj.issue_client("laptop").unwrap();
+    std::fs::write(other.join("c.pem"), cert).unwrap();
+    std::fs::write(other.join("c.key"), key).unwrap();
+    let r = with_cert(&other.join("c.pem"), &other.join("c.key"))
+        .get(format!("{}/v1/profiles", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    // Revoked: refused.
+    crate::appliance::revoke(&s.state, &format!("cat_{id}_x"));
+    let r = c
+        .get(format!("{}/v1/profiles", s.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "unauthorized");
     s.stop().await;
 }

@@ -6,6 +6,7 @@ appliance's /v1 over HTTPS. Prints "mcp-smoke: all ok"."""
 import asyncio
 import base64
 import os
+import ssl
 import sys
 
 import httpx2
@@ -14,7 +15,11 @@ from mcp.client.streamable_http import streamable_http_client
 
 MODE = os.environ.get("MCP_MODE", "http")
 URL = os.environ["MCP_URL"]
-TOKEN = os.environ["MCP_TOKEN"]
+# The agent's identity: a token, or (MCP_CERT + MCP_KEY) a client
+# certificate the appliance issued.
+TOKEN = os.environ.get("MCP_TOKEN")
+CERT = os.environ.get("MCP_CERT")
+KEY = os.environ.get("MCP_KEY")
 CA = os.environ["MCP_CA"]
 # The appliance's base URL and an approver's token (approval is a person's
 # act on /v1: no tool approves).
@@ -41,9 +46,14 @@ async def main():
             r = await raw.post(URL, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
             check(r.status_code == 401, f"no token gives 401, got {r.status_code}")
             check(r.json()["error"]["code"] == "unauthorized", "the 401 carries the code")
-        http = httpx2.AsyncClient(
-            verify=CA, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(120)
-        )
+        if CERT:
+            ctx = ssl.create_default_context(cafile=CA)
+            ctx.load_cert_chain(CERT, KEY)
+            http = httpx2.AsyncClient(verify=ctx, timeout=httpx2.Timeout(120))
+        else:
+            http = httpx2.AsyncClient(
+                verify=CA, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=httpx2.Timeout(120)
+            )
         target = streamable_http_client(URL, http_client=http)
     else:
         target = StdioServerParameters(
@@ -51,7 +61,8 @@ async def main():
             args=["mcp"],
             env={
                 "CUBE_ADAPTER_URL": URL,
-                "CUBE_ADAPTER_TOKEN": TOKEN,
+                **({"CUBE_ADAPTER_CLIENT_CERT_FILE": CERT, "CUBE_ADAPTER_CLIENT_KEY_FILE": KEY}
+                   if CERT else {"CUBE_ADAPTER_TOKEN": TOKEN}),
                 "CUBE_ADAPTER_CA_FILE": CA,
                 "CUBE_ADAPTER_PROFILE": "offline-code",
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -178,7 +189,7 @@ async def main():
         check(r.is_error and r.structured_content["code"] == "lease_not_found", "released lease is gone")
     if http is not None:
         await http.aclose()
-    print(f"mcp-smoke ({MODE}): all ok")
+    print(f"mcp-smoke ({MODE}{', certificate' if CERT else ''}): all ok")
 
 
 asyncio.run(main())
