@@ -237,13 +237,13 @@ pub async fn serve_with(
     let admin_token_file = bootstrap_admin(&store, &state.join("admin.token")).await?;
 
     // Fixed principals: the shared token and the reference principals file.
-    let mut fixed = vec![];
+    let mut shared = vec![];
     if let Some(t) = &secrets.shared_token {
         anyhow::ensure!(
             t.expose().len() >= 24,
             "CUBE_ADAPTER_TOKEN must be at least 24 characters"
         );
-        fixed.push((
+        shared.push((
             t.expose().to_string(),
             Principal {
                 tenant: "default".into(),
@@ -257,13 +257,8 @@ pub async fn serve_with(
             },
         ));
     }
-    if let Some(f) = &cfg.tokens_file {
-        let text = std::fs::read_to_string(f).with_context(|| format!("read {}", f.display()))?;
-        fixed.extend(
-            auth::load_tokens_file(&text).map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?,
-        );
-    }
-    let authn = Authenticator::new(store.clone(), fixed, cfg.hashing_slots);
+    let file = tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
+    let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots);
 
     // The backend: configured, or the embedded one on loopback with mTLS.
     let mut background = vec![];
@@ -389,6 +384,8 @@ pub async fn serve_with(
         ca.clone(),
         addr,
         served,
+        Some(broker.clone()),
+        Some(admin_authn.clone()),
     ));
     let ops = Arc::new(crate::ops::Service {
         store: store.clone(),
@@ -430,4 +427,16 @@ pub async fn serve_with(
     }
     let _ = std::fs::remove_file(state.join("admin.sock"));
     r.context("serve")
+}
+
+/// The reference-format principals of `tokens_file` (none without one).
+pub(crate) fn tokens_file_principals(cfg: &Config) -> Result<Vec<(String, Principal)>, String> {
+    match &cfg.tokens_file {
+        Some(f) => {
+            let text =
+                std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?;
+            auth::load_tokens_file(&text).map_err(|e| format!("{}: {e}", f.display()))
+        }
+        None => Ok(vec![]),
+    }
 }

@@ -545,13 +545,8 @@ async fn readyz(State(st): State<AppState>) -> Response {
     checks.insert("state".into(), json!("ok"));
     checks.insert("audit".into(), json!("ok"));
     let mut ready = true;
-    let mut templates: Vec<&str> = st
-        .broker
-        .config()
-        .profiles
-        .values()
-        .map(|p| p.template.as_str())
-        .collect();
+    let cfg = st.broker.config();
+    let mut templates: Vec<&str> = cfg.profiles.values().map(|p| p.template.as_str()).collect();
     templates.sort_unstable();
     templates.dedup();
     for t in templates {

@@ -420,11 +420,17 @@ struct Cached {
 #[derive(Clone)]
 pub struct Authenticator {
     store: Store,
-    fixed: Arc<Vec<(Vec<u8>, Principal)>>,
+    /// The shared token's principal (from the environment: never reloaded).
+    shared: Arc<Fixed>,
+    /// The principals file's (replaced by a reload).
+    file: Arc<std::sync::RwLock<Arc<Fixed>>>,
     cache: Arc<Mutex<HashMap<[u8; 32], Cached>>>,
     inflight: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
     hashing: Arc<tokio::sync::Semaphore>,
 }
+
+/// Tokens compared as they are (shared token, principals file).
+type Fixed = Vec<(Vec<u8>, Principal)>;
 
 /// One token's verification in progress.
 type Flight = Arc<tokio::sync::Mutex<()>>;
@@ -433,20 +439,34 @@ const CACHE_TTL: Duration = Duration::from_secs(60);
 const CACHE_MAX: usize = 10_000;
 
 impl Authenticator {
-    /// `fixed`: the shared token and file principals.
-    pub fn new(store: Store, fixed: Vec<(String, Principal)>, hashing_slots: usize) -> Self {
+    /// `shared`: the shared token's principal; `file`: the principals
+    /// file's.
+    pub fn new(
+        store: Store,
+        shared: Vec<(String, Principal)>,
+        file: Vec<(String, Principal)>,
+        hashing_slots: usize,
+    ) -> Self {
+        let bytes = |v: Vec<(String, Principal)>| -> Vec<(Vec<u8>, Principal)> {
+            v.into_iter().map(|(t, p)| (t.into_bytes(), p)).collect()
+        };
         Self {
             store,
-            fixed: Arc::new(
-                fixed
-                    .into_iter()
-                    .map(|(t, p)| (t.into_bytes(), p))
-                    .collect(),
-            ),
+            shared: Arc::new(bytes(shared)),
+            file: Arc::new(std::sync::RwLock::new(Arc::new(bytes(file)))),
             cache: Arc::default(),
             inflight: Arc::default(),
             hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
         }
+    }
+
+    /// Replace the principals file's identities (a reload): the old ones
+    /// stop working at once.
+    pub fn replace_file_principals(&self, file: Vec<(String, Principal)>) {
+        let v: Vec<(Vec<u8>, Principal)> =
+            file.into_iter().map(|(t, p)| (t.into_bytes(), p)).collect();
+        *self.file.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(v);
+        self.clear_cache();
     }
 
     /// Forget verified tokens (after a revocation).
@@ -494,7 +514,8 @@ impl Authenticator {
             return Ok(p);
         }
         let mut found = None;
-        for (t, p) in self.fixed.iter() {
+        let file = self.file.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for (t, p) in self.shared.iter().chain(file.iter()) {
             if t.len() == token.len() && bool::from(t.as_slice().ct_eq(token.as_bytes())) {
                 found = Some(p.clone());
             }

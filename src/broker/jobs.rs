@@ -464,7 +464,7 @@ impl Broker {
         // One start at a time per lease: the quota check and the record are
         // under the lease's lock until the outcome is committed.
         let (l, lock) = self.relock(p, l).await?;
-        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let prof = self.profile(&l.profile).unwrap_or_default();
         let digest = self.inner.journal.digest("command", command.as_bytes());
         let job_ref = new_ref("job");
         let command = command.to_string();

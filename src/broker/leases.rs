@@ -283,7 +283,7 @@ impl Broker {
                 format!("profile {profile_name} is not available to this identity"),
             )
         };
-        let Some(prof) = self.profile(&profile_name).cloned() else {
+        let Some(prof) = self.profile(&profile_name) else {
             return Err(self.reject(ev, denied()).await);
         };
         if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {
@@ -723,7 +723,7 @@ impl Broker {
                 .write(move |txn, _| put_lease(txn, &l2))
                 .await?;
         }
-        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let prof = self.profile(&l.profile).unwrap_or_default();
         let idle = now().1 - l.last_used_unix;
         let expires = i64::try_from(prof.lease_idle_ttl_seconds)
             .unwrap_or(i64::MAX)

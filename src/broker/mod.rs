@@ -35,8 +35,27 @@ pub struct Broker {
     pub(crate) inner: Arc<Inner>,
 }
 
-pub(crate) struct Inner {
+/// The operator's policy as it is now: swapped whole by a reload (SIGHUP),
+/// never changed in place.
+pub(crate) struct Policy {
     pub cfg: Arc<Config>,
+    /// Task templates' schemas, compiled once per configuration.
+    pub schemas: HashMap<String, Arc<crate::config::tasks::Compiled>>,
+}
+
+/// Compile every template's schemas (they were checked when the
+/// configuration loaded).
+fn compile_policy(cfg: Arc<Config>) -> std::result::Result<Policy, String> {
+    let mut schemas = HashMap::new();
+    for (name, t) in &cfg.tasks {
+        let c = t.compile().map_err(|e| format!("task {name}: {e}"))?;
+        schemas.insert(name.clone(), Arc::new(c));
+    }
+    Ok(Policy { cfg, schemas })
+}
+
+pub(crate) struct Inner {
+    policy: std::sync::RwLock<Arc<Policy>>,
     pub store: Store,
     pub journal: Journal,
     pub cube: CubeClient,
@@ -48,9 +67,10 @@ pub(crate) struct Inner {
     pub ptys: ptys::Hubs,
     /// Signs trusted tasks' receipts.
     pub receipts: receipts::Signer,
-    /// Task templates' schemas, compiled once.
-    pub schemas: HashMap<String, Arc<crate::config::tasks::Compiled>>,
 }
+
+/// A policy checked and compiled, ready to swap in.
+pub struct PreparedPolicy(Policy);
 
 /// Per-request context from the transport.
 #[derive(Debug, Clone, Default)]
@@ -67,21 +87,17 @@ impl Broker {
         key: Vec<u8>,
         receipts: receipts::Signer,
     ) -> Self {
-        let mut schemas = HashMap::new();
-        for (name, t) in &cfg.tasks {
-            match t.compile() {
-                Ok(c) => {
-                    schemas.insert(name.clone(), Arc::new(c));
-                }
-                // Checked when the configuration loaded; plans of it fail.
-                Err(e) => {
-                    tracing::error!(task = %name, error = %e, "a task template's schema does not compile")
-                }
+        let policy = compile_policy(cfg.clone()).unwrap_or_else(|e| {
+            // Checked when the configuration loaded; plans of it fail.
+            tracing::error!(error = %e, "a task template's schema does not compile");
+            Policy {
+                cfg,
+                schemas: HashMap::new(),
             }
-        }
+        });
         Self {
             inner: Arc::new(Inner {
-                cfg,
+                policy: std::sync::RwLock::new(Arc::new(policy)),
                 store,
                 journal,
                 cube,
@@ -90,7 +106,6 @@ impl Broker {
                 tracker: tokio_util::task::TaskTracker::new(),
                 ptys: ptys::Hubs::default(),
                 receipts,
-                schemas,
             }),
         }
     }
@@ -107,8 +122,30 @@ impl Broker {
         &self.inner.journal
     }
 
-    pub fn config(&self) -> &Config {
-        &self.inner.cfg
+    /// The configuration as it is now (a reload may replace it).
+    pub fn config(&self) -> Arc<Config> {
+        self.policy().cfg.clone()
+    }
+
+    pub(crate) fn policy(&self) -> Arc<Policy> {
+        self.inner
+            .policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Check what a reload would apply (profiles, task templates, plan
+    /// retention): `Err` says why it cannot be, and nothing changes.
+    pub fn prepare_reload(&self, cfg: &Config) -> std::result::Result<PreparedPolicy, String> {
+        compile_policy(Arc::new(cfg.clone())).map(PreparedPolicy)
+    }
+
+    /// Swap in a prepared policy. Calls in progress finish under the one
+    /// they started with; plans made under a changed template or profile
+    /// are refused from now on (`task_template_changed`).
+    pub fn apply_reload(&self, p: PreparedPolicy) {
+        *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(p.0);
     }
 
     pub fn cube(&self) -> &CubeClient {
@@ -144,8 +181,8 @@ impl Broker {
         }
     }
 
-    pub(crate) fn profile(&self, name: &str) -> Option<&Profile> {
-        self.inner.cfg.profiles.get(name)
+    pub(crate) fn profile(&self, name: &str) -> Option<Profile> {
+        self.policy().cfg.profiles.get(name).cloned()
     }
 
     /// The base audit event for a principal's action.

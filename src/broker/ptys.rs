@@ -327,7 +327,7 @@ impl Broker {
                 .await);
         }
         let (l, lock) = self.relock(p, l).await?;
-        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let prof = self.profile(&l.profile).unwrap_or_default();
         let tenant = l.tenant.clone();
         let pty_ref = new_ref("pty");
         let (l, pty) = self

@@ -199,17 +199,17 @@ impl Broker {
         ev
     }
 
-    fn template(&self, name: &str) -> Option<&TaskTemplate> {
-        self.inner.cfg.tasks.get(name)
+    fn template(&self, name: &str) -> Option<TaskTemplate> {
+        self.config().tasks.get(name).cloned()
     }
 
     /// The template a task was made under, if it has not changed.
-    fn same_template(&self, name: &str, digest: &str) -> Option<&TaskTemplate> {
+    fn same_template(&self, name: &str, digest: &str) -> Option<TaskTemplate> {
         self.template(name).filter(|t| t.digest(name) == digest)
     }
 
     /// A plan's template, if neither it nor its profile has changed.
-    fn plan_template(&self, plan: &Plan) -> Option<&TaskTemplate> {
+    fn plan_template(&self, plan: &Plan) -> Option<TaskTemplate> {
         self.same_template(&plan.template, &plan.template_digest)
             .filter(|_| {
                 plan.profile_digest.is_empty()
@@ -407,8 +407,7 @@ impl Broker {
         let ev = self.task_event(p, "task_templates", ctx);
         self.authorize(p, "task:plan", &ev).await?;
         let list: Vec<Value> = self
-            .inner
-            .cfg
+            .config()
             .tasks
             .iter()
             .filter(|(n, t)| p.allows_task_template(n) && p.allows_profile(&t.profile))
@@ -448,7 +447,7 @@ impl Broker {
             return Err(self.reject(ev, denied()).await);
         };
         ev.profile = Some(t.profile.clone());
-        let prof = self.profile(&t.profile).cloned().unwrap_or_default();
+        let prof = self.profile(&t.profile).unwrap_or_default();
         if !p.allows_profile(&t.profile) {
             return Err(self
                 .reject(
@@ -488,7 +487,8 @@ impl Broker {
                 format!("parameters are larger than {MAX_PARAMETERS} bytes"),
             ));
         }
-        let Some(compiled) = self.inner.schemas.get(template) else {
+        let policy = self.policy();
+        let Some(compiled) = policy.schemas.get(template) else {
             return Err(Error::new(
                 "execution_failed",
                 "the task template's schema does not compile",
@@ -810,7 +810,7 @@ impl Broker {
                 )
                 .await);
         }
-        let Some(t) = self.plan_template(&plan).cloned() else {
+        let Some(t) = self.plan_template(&plan) else {
             return Err(self.reject(ev, Self::changed()).await);
         };
         let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
@@ -1171,9 +1171,7 @@ impl Broker {
         if task.receipt.is_some() {
             return self.task_answer(&task, ctx, true);
         }
-        let template = self
-            .same_template(&task.template, &task.template_digest)
-            .cloned();
+        let template = self.same_template(&task.template, &task.template_digest);
         if template.is_none() && !cancel {
             return Err(self
                 .reject(
@@ -1367,7 +1365,7 @@ impl Broker {
     ) -> Result<(Map<String, Value>, Vec<Value>, &'static str)> {
         use base64::Engine;
         let lease = task.lease_ref.clone().unwrap_or_default();
-        let compiled = self.inner.schemas.get(&task.template).cloned();
+        let compiled = self.policy().schemas.get(&task.template).cloned();
         let mut outputs = Map::new();
         let mut evidence = vec![];
         let mut all_ok = true;
@@ -1501,7 +1499,7 @@ impl Broker {
     /// many went.
     pub(crate) async fn prune_plans(&self) -> Result<u64> {
         let t = now().1;
-        let keep = i64::try_from(self.inner.cfg.plan_retention_seconds).unwrap_or(i64::MAX);
+        let keep = i64::try_from(self.config().plan_retention_seconds).unwrap_or(i64::MAX);
         let old: Vec<Plan> = self
             .inner
             .store

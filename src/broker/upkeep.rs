@@ -53,8 +53,7 @@ impl Broker {
         let ev = self.event(p, "profiles", ctx);
         self.authorize(p, "lease:acquire", &ev).await?;
         let items: Vec<Value> = self
-            .inner
-            .cfg
+            .config()
             .profiles
             .iter()
             .filter(|(name, _)| p.allows_profile(name))
@@ -99,7 +98,7 @@ impl Broker {
         let ev = self.event(p, "renew", ctx);
         self.authorize(p, "lease:renew", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let prof = self.profile(&l.profile).cloned().unwrap_or_default();
+        let prof = self.profile(&l.profile).unwrap_or_default();
         let until = keepalive_until(&l, prof.max_keepalive_seconds);
         let left = until.saturating_sub(now().1);
         if left <= 0 {
@@ -194,7 +193,7 @@ impl Broker {
     /// runs), so that its outputs are still there when the result is asked
     /// for.
     pub(crate) fn idle_ttl(&self, l: &super::leases::Lease) -> i64 {
-        let p = self.profile(&l.profile).cloned().unwrap_or_default();
+        let p = self.profile(&l.profile).unwrap_or_default();
         let mut ttl = p.lease_idle_ttl_seconds;
         if l.task_ref.is_some() {
             ttl = ttl.saturating_add(p.max_command_seconds);
@@ -288,12 +287,7 @@ impl Broker {
     pub async fn keepalive(&self, last: &mut HashMap<String, Instant>) -> Result<usize> {
         // Nothing to do (and no scan of every lease each second) unless
         // some profile keeps sandboxes alive.
-        let any = self
-            .inner
-            .cfg
-            .profiles
-            .values()
-            .any(|p| p.keepalive_enabled);
+        let any = self.config().profiles.values().any(|p| p.keepalive_enabled);
         if !any || self.inner.journal.check().is_err() {
             return Ok(0);
         }
@@ -304,7 +298,7 @@ impl Broker {
             leases.iter().map(|l| l.lease_ref.clone()).collect();
         last.retain(|k, _| live.contains(k));
         for l in leases {
-            let Some(prof) = self.profile(&l.profile).cloned() else {
+            let Some(prof) = self.profile(&l.profile) else {
                 continue;
             };
             if !prof.keepalive_enabled || l.state != "running" {
@@ -364,7 +358,7 @@ impl Broker {
     /// `gc_interval_seconds` (0: never). Stops with the token.
     pub fn spawn_upkeep(&self, stop: tokio_util::sync::CancellationToken) {
         let b = self.clone();
-        let gc_every = Duration::from_secs(self.inner.cfg.gc_interval_seconds);
+        let gc_every = Duration::from_secs(self.config().gc_interval_seconds);
         tokio::spawn(async move {
             let mut last = HashMap::new();
             let mut last_gc = Instant::now();

@@ -47,8 +47,15 @@ pub struct ConfigSource {
 }
 
 /// Top-level configuration keys a reload applies. Every other key keeps
-/// its running value until the next restart (`restart_required`).
-pub const RELOADABLE: &[&str] = &["server_names"];
+/// its running value until the next restart (`restart_required`). The
+/// principals file (`tokens_file`) is re-read at every reload; a new path
+/// for it waits for a restart (sandboxes mask the path they started with).
+pub const RELOADABLE: &[&str] = &[
+    "server_names",
+    "profiles",
+    "tasks",
+    "plan_retention_seconds",
+];
 
 /// What one reload did.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -74,6 +81,10 @@ pub struct Reloader {
     addr: SocketAddr,
     cert: Arc<SwappableCert>,
     last: Mutex<Option<ReloadReport>>,
+    /// The policy and the identities a reload swaps (absent in tools that
+    /// only serve).
+    broker: Option<crate::broker::Broker>,
+    auth: Option<crate::auth::Authenticator>,
 }
 
 fn now_unix() -> i64 {
@@ -105,6 +116,8 @@ impl Reloader {
         ca: Arc<LocalCa>,
         addr: SocketAddr,
         cert: Arc<SwappableCert>,
+        broker: Option<crate::broker::Broker>,
+        auth: Option<crate::auth::Authenticator>,
     ) -> Self {
         Self {
             source,
@@ -113,6 +126,8 @@ impl Reloader {
             addr,
             cert,
             last: Mutex::new(None),
+            broker,
+            auth,
         }
     }
 
@@ -190,8 +205,27 @@ impl Reloader {
                 return self.refused(format!("server certificate: {e}"));
             }
         };
+        // The policy (profiles, task templates) and the principals file:
+        // checked and prepared before anything is swapped.
+        let policy = match &self.broker {
+            Some(b) => match b.prepare_reload(&new) {
+                Ok(p) => Some(p),
+                Err(e) => return self.refused(format!("configuration: {e}")),
+            },
+            None => None,
+        };
+        let principals = match crate::app::tokens_file_principals(&running) {
+            Ok(p) => p,
+            Err(e) => return self.refused(format!("tokens_file: {e}")),
+        };
         // Nothing below can fail: swap.
         self.cert.swap(ck);
+        if let (Some(b), Some(p)) = (&self.broker, policy) {
+            b.apply_reload(p);
+        }
+        if let Some(a) = &self.auth {
+            a.replace_file_principals(principals);
+        }
         let mut applied = vec!["certificate".to_string()];
         {
             let mut r = self.running.lock().unwrap_or_else(|p| p.into_inner());
@@ -200,7 +234,13 @@ impl Reloader {
                     applied.push((*k).to_string());
                 }
             }
+            if running.tokens_file.is_some() {
+                applied.push("tokens_file (re-read)".to_string());
+            }
             r.server_names = new.server_names.clone();
+            r.profiles = new.profiles.clone();
+            r.tasks = new.tasks.clone();
+            r.plan_retention_seconds = new.plan_retention_seconds;
         }
         if restart_required.is_empty() {
             tracing::info!(reissued, applied = ?applied, "reloaded");

@@ -1295,3 +1295,157 @@ async fn gc_prunes_plans_that_never_ran() {
     assert!(audit_export(&s).contains("\"action\":\"task_plan_pruned\""));
     s.stop().await;
 }
+
+/// SIGHUP swaps the policy of a running service: new profiles and task
+/// templates apply at once, plans of a changed template are refused, the
+/// principals file is re-read (a removed token stops working); a reload
+/// that would break a template is refused and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_swaps_profiles_templates_and_principals() {
+    let (rig, p) = crate::appliance::ProcRig::start();
+    let tokens = rig.state.with_file_name("principals.json");
+    let (tok_a, tok_b) = (
+        "token-a-0123456789abcdefghij",
+        "token-b-0123456789abcdefghij",
+    );
+    let principals = |t: &str| {
+        std::fs::write(
+            &tokens,
+            format!(r#"[{{"token": "{t}", "tenant_id": "acme", "subject": "alice"}}]"#),
+        )
+        .unwrap();
+    };
+    principals(tok_a);
+    let config = |profiles: &str, argv: &str| {
+        std::fs::write(
+            &rig.config,
+            format!(
+                "tokens_file = {:?}\n{profiles}\n[tasks.hello]\ndescription = \"Say hello\"\nprofile = \"alpha\"\napproval_required = false\n[tasks.hello.parameters]\ntype = \"object\"\nadditionalProperties = false\n[tasks.hello.command]\nargv = {argv}\n",
+                tokens.to_str().unwrap()
+            ),
+        )
+        .unwrap();
+    };
+    config(
+        "[profiles.alpha]\nallowed_runtimes = [\"mcp\"]\n",
+        r#"["echo", "hello"]"#,
+    );
+    let p = rig.kill_and_restart(p);
+    let get = |token: &str, path: &str| {
+        let (http, url) = (rig.http.clone(), format!("{}{path}", p.url));
+        let token = token.to_string();
+        async move {
+            let r = http.get(url).bearer_auth(token).send().await.unwrap();
+            let st = r.status();
+            (st, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let names = |v: &Value| -> Vec<String> {
+        v["profiles"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|p| p["name"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (st, v) = get(tok_a, "/v1/profiles").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(names(&v), ["alpha"]);
+    let (st, plan) = call(
+        &rig,
+        &p,
+        tok_a,
+        "/v1/tasks/plan",
+        json!({"template": "hello", "parameters": {}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+
+    config(
+        "[profiles.alpha]\nallowed_runtimes = [\"mcp\"]\n[profiles.beta]\n",
+        r#"["echo", "goodbye"]"#,
+    );
+    principals(tok_b);
+    let pid = nix::unistd::Pid::from_raw(p.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    let mut reloaded = false;
+    for _ in 0..300 {
+        let (st, v) = get(tok_b, "/v1/profiles").await;
+        if st == StatusCode::OK && names(&v).contains(&"beta".to_string()) {
+            reloaded = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(reloaded, "the new profile and principal never applied");
+    let (st, _) = get(tok_a, "/v1/profiles").await;
+    assert_eq!(
+        st,
+        StatusCode::UNAUTHORIZED,
+        "a removed principal stops working"
+    );
+    let (st, v) = call(
+        &rig,
+        &p,
+        tok_b,
+        &format!("/v1/task-plans/{pr}/submit"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "task_template_changed"),
+        "{v}"
+    );
+
+    // A template that cannot be used: refused whole (beta stays, hello runs).
+    config(
+        "[profiles.alpha]\nallowed_runtimes = [\"mcp\"]\n",
+        r#"["echo", "--name=${name}"]"#,
+    );
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    let cli = rig.state.with_file_name("cli.toml");
+    std::fs::write(&cli, "").unwrap();
+    let mut refused = false;
+    for _ in 0..300 {
+        let out = std::process::Command::new(BIN)
+            .args(["status", "--json", "--state-dir"])
+            .arg(&rig.state)
+            .arg("--config")
+            .arg(&cli)
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if v["last_reload"]["ok"] == false {
+            assert!(
+                v["last_reload"]["error"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("whole element"),
+                "{v}"
+            );
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(refused);
+    let (_, v) = get(tok_b, "/v1/profiles").await;
+    assert!(
+        names(&v).contains(&"beta".to_string()),
+        "nothing changed: {v}"
+    );
+    let (st, v) = call(
+        &rig,
+        &p,
+        tok_b,
+        "/v1/tasks/plan",
+        json!({"template": "hello", "parameters": {}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    p.stop();
+}
