@@ -21,6 +21,10 @@ pub enum Request {
     TokenRevoke {
         id: String,
     },
+    /// `cube-adapter user …` (passwords arrive hashed).
+    User {
+        op: crate::auth::users::UserOp,
+    },
     /// Register a client-certificate identity (the CLI issued the
     /// certificate from the appliance's CA).
     CertIdentityCreate {
@@ -130,6 +134,18 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
                 json!({"ok": true, "tokens": v.into_iter().map(TokenInfo::from).collect::<Vec<_>>()}),
             ],
             Err(e) => err(e.to_string()),
+        },
+        Request::User { op } => match crate::auth::users::user_op(store, op).await {
+            Ok(v) => {
+                // A changed password, a disabled or removed user: at once.
+                authn.clear_cache();
+                let mut m = json!({"ok": true});
+                if let (Some(m), serde_json::Value::Object(v)) = (m.as_object_mut(), v) {
+                    m.extend(v);
+                }
+                vec![m]
+            }
+            Err(e) => err(e),
         },
         Request::CertIdentityCreate { record } => {
             match auth::store_cert_identity(store, record).await {

@@ -671,3 +671,208 @@ fn cert_identity_create(
     println!("{id}");
     0
 }
+
+/// What `cube-adapter user …` was asked.
+pub enum UserCommand {
+    Add {
+        name: String,
+        tenant: String,
+        roles: Vec<String>,
+        actions: Vec<String>,
+        profiles: Vec<String>,
+        task_templates: Vec<String>,
+        password_file: Option<PathBuf>,
+    },
+    Passwd {
+        name: String,
+        password_file: Option<PathBuf>,
+    },
+    Disable {
+        name: String,
+    },
+    Enable {
+        name: String,
+    },
+    Remove {
+        name: String,
+    },
+    List {
+        json: bool,
+    },
+}
+
+/// A password from a file (its first line) or from stdin's first line.
+fn read_password(file: Option<&Path>) -> Result<String, String> {
+    let text = match file {
+        Some(f) => std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?,
+        None => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_line(&mut s)
+                .map_err(|e| format!("read the password from stdin: {e}"))?;
+            s
+        }
+    };
+    Ok(text.lines().next().unwrap_or("").to_string())
+}
+
+/// `cube-adapter user …`: people (approvers, auditors) who sign in with a
+/// password (HTTP Basic on /v1, and the console). Exit 0 done, 1 refused
+/// (no such user, exists already), 2 bad arguments.
+pub fn user(config: Option<&Path>, state: Option<&Path>, cmd: UserCommand) -> i32 {
+    use crate::auth::users::{UserOp, hash_password, valid_name};
+    let usage = |m: String| {
+        eprintln!("error: {m}");
+        EXIT_USAGE
+    };
+    let (op, list_json) = match cmd {
+        UserCommand::Add {
+            name,
+            tenant,
+            roles,
+            actions,
+            profiles,
+            task_templates,
+            password_file,
+        } => {
+            if !valid_name(&name) {
+                return usage("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
+            }
+            let valid_tenant = !tenant.is_empty()
+                && tenant.len() <= 128
+                && tenant
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
+            if !valid_tenant {
+                return usage("--tenant must be 1-128 characters of [A-Za-z0-9_.:-]".into());
+            }
+            let roles: Result<Vec<Role>, String> = roles.iter().map(|r| r.parse()).collect();
+            let mut roles = match roles {
+                Ok(r) if r.is_empty() => vec![Role::Approver],
+                Ok(r) => r,
+                Err(e) => return usage(e),
+            };
+            roles.sort();
+            roles.dedup();
+            let hash = match read_password(password_file.as_deref()).and_then(|p| hash_password(&p))
+            {
+                Ok(h) => h,
+                Err(e) => return usage(e),
+            };
+            let principal = Principal {
+                tenant,
+                subject: name,
+                roles,
+                runtimes: None,
+                profiles: (!profiles.is_empty()).then_some(profiles),
+                actions: if actions.is_empty() {
+                    ["task:approve", "task:status", "task:receipt", "lease:list"]
+                        .map(String::from)
+                        .to_vec()
+                } else {
+                    actions
+                },
+                task_templates: if task_templates.is_empty() {
+                    vec!["*".into()]
+                } else {
+                    task_templates
+                },
+                task: None,
+            };
+            (UserOp::Add { principal, hash }, false)
+        }
+        UserCommand::Passwd {
+            name,
+            password_file,
+        } => match read_password(password_file.as_deref()).and_then(|p| hash_password(&p)) {
+            Ok(hash) => (UserOp::Passwd { name, hash }, false),
+            Err(e) => return usage(e),
+        },
+        UserCommand::Disable { name } => (
+            UserOp::SetDisabled {
+                name,
+                disabled: true,
+            },
+            false,
+        ),
+        UserCommand::Enable { name } => (
+            UserOp::SetDisabled {
+                name,
+                disabled: false,
+            },
+            false,
+        ),
+        UserCommand::Remove { name } => (UserOp::Remove { name }, false),
+        UserCommand::List { json } => (UserOp::List, json),
+    };
+    let state = match state_dir(config, state) {
+        Ok(s) => s,
+        Err(c) => return c,
+    };
+    let listing = matches!(op, UserOp::List);
+    let out: Result<serde_json::Value, String> = match access(&state) {
+        Err(c) => return c,
+        Ok(Access::Socket(p)) => match socket_call(&p, &Request::User { op }) {
+            Ok(out) => Ok(out.into_iter().next().unwrap_or_default()),
+            Err(c) => return c,
+        },
+        Ok(Access::Store(store)) => {
+            let rt = match runtime() {
+                Ok(r) => r,
+                Err(c) => return c,
+            };
+            rt.block_on(crate::auth::users::user_op(&store, op))
+        }
+    };
+    let v = match out {
+        Ok(v) if v.get("ok") == Some(&serde_json::Value::Bool(false)) => {
+            eprintln!(
+                "error: {}",
+                v.get("error").and_then(|e| e.as_str()).unwrap_or("refused")
+            );
+            return EXIT_FAIL;
+        }
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return EXIT_FAIL;
+        }
+    };
+    if !listing {
+        return 0;
+    }
+    let users = v.get("users").cloned().unwrap_or_default();
+    if list_json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&users).unwrap_or_default()
+        );
+        return 0;
+    }
+    println!(
+        "{:<20} {:<16} {:<24} {:<10} PASSWORD CHANGED",
+        "NAME", "TENANT", "ROLES", "STATE"
+    );
+    for u in users.as_array().into_iter().flatten() {
+        let at = |p: &str| u.pointer(p).cloned().unwrap_or_default();
+        let roles: Vec<String> = at("/principal/roles")
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.as_str().map(str::to_string))
+            .collect();
+        println!(
+            "{:<20} {:<16} {:<24} {:<10} {}",
+            at("/name").as_str().unwrap_or(""),
+            at("/principal/tenant").as_str().unwrap_or(""),
+            roles.join(","),
+            if at("/disabled_at").is_null() {
+                "active"
+            } else {
+                "disabled"
+            },
+            at("/password_changed_at").as_str().unwrap_or("")
+        );
+    }
+    0
+}

@@ -287,6 +287,70 @@ enum AuditCommand {
 }
 
 #[derive(Subcommand)]
+enum UserCmd {
+    /// Add a user (default role approver, with task:approve, task:status,
+    /// task:receipt and lease:list).
+    Add {
+        #[command(flatten)]
+        common: Common,
+        /// ^[a-z][a-z0-9._-]{0,63}$; the user's subject in the audit journal.
+        name: String,
+        /// Tenant whose plans the user sees and decides on.
+        #[arg(long)]
+        tenant: String,
+        /// Role: approver, auditor, admin or agent (repeatable).
+        #[arg(long = "role")]
+        roles: Vec<String>,
+        /// Action scope (repeatable; replaces the default scopes).
+        #[arg(long = "action")]
+        actions: Vec<String>,
+        /// Allowed profile (repeatable; default: any).
+        #[arg(long = "profile")]
+        profiles: Vec<String>,
+        /// Task template the user may decide on (repeatable; default: *).
+        #[arg(long = "task-template")]
+        task_templates: Vec<String>,
+        /// Read the password from this file (default: stdin).
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+    },
+    /// List users (never their passwords).
+    List {
+        #[command(flatten)]
+        common: Common,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set a new password.
+    Passwd {
+        #[command(flatten)]
+        common: Common,
+        name: String,
+        #[arg(long)]
+        password_file: Option<PathBuf>,
+    },
+    /// Refuse a user's sign-ins (at once) until enabled again.
+    Disable {
+        #[command(flatten)]
+        common: Common,
+        name: String,
+    },
+    /// Allow a disabled user again.
+    Enable {
+        #[command(flatten)]
+        common: Common,
+        name: String,
+    },
+    /// Delete a user (what they did stays in the audit journal).
+    Remove {
+        #[command(flatten)]
+        common: Common,
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum ReceiptCommand {
     /// Check a trusted task's signed receipt offline.
     ///
@@ -345,6 +409,16 @@ enum Command {
     /// Signed receipts of trusted tasks.
     #[command(subcommand)]
     Receipt(ReceiptCommand),
+    /// People (approvers, auditors) who sign in with a password: HTTP Basic
+    /// on /v1 and /mcp (`curl -u NAME`), and the console.
+    ///
+    /// Through the running service, or the store when it is stopped. The
+    /// password is read from --password-file (its first line) or from the
+    /// first line of stdin, at least 12 characters; it is hashed (argon2id)
+    /// here and never stored or sent as it is. Exit 0 done, 1 refused (no
+    /// such user, exists already), 2 bad arguments, 3 no state directory.
+    #[command(subcommand)]
+    User(UserCmd),
     /// Measure performance (prints p50/p90/p99/max; never a pass/fail test).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -583,6 +657,52 @@ fn main() -> ExitCode {
                 &note,
             ),
         }),
+        Command::User(u) => {
+            use cube_adapter::cli::UserCommand as U;
+            let (common, cmd) = match u {
+                UserCmd::Add {
+                    common,
+                    name,
+                    tenant,
+                    roles,
+                    actions,
+                    profiles,
+                    task_templates,
+                    password_file,
+                } => (
+                    common,
+                    U::Add {
+                        name,
+                        tenant,
+                        roles,
+                        actions,
+                        profiles,
+                        task_templates,
+                        password_file,
+                    },
+                ),
+                UserCmd::List { common, json } => (common, U::List { json }),
+                UserCmd::Passwd {
+                    common,
+                    name,
+                    password_file,
+                } => (
+                    common,
+                    U::Passwd {
+                        name,
+                        password_file,
+                    },
+                ),
+                UserCmd::Disable { common, name } => (common, U::Disable { name }),
+                UserCmd::Enable { common, name } => (common, U::Enable { name }),
+                UserCmd::Remove { common, name } => (common, U::Remove { name }),
+            };
+            exit(cube_adapter::cli::user(
+                common.config.as_deref(),
+                common.state_dir.as_deref(),
+                cmd,
+            ))
+        }
         Command::Receipt(ReceiptCommand::Verify {
             file,
             public_key,

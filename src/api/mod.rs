@@ -213,7 +213,7 @@ pub(crate) const STILL_VALID_EVERY: std::time::Duration = std::time::Duration::f
 /// The token behind an open event stream, re-checked now and then.
 pub(crate) struct StreamAuth {
     auth: Authenticator,
-    token: String,
+    authz: Option<String>,
     cert: Option<crate::auth::PeerCert>,
     checked: std::time::Instant,
 }
@@ -222,7 +222,10 @@ impl StreamAuth {
     pub(crate) fn new(st: &AppState, h: &axum::http::HeaderMap) -> Self {
         Self {
             auth: st.auth.clone(),
-            token: bearer(h),
+            authz: h
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
             cert: None,
             checked: std::time::Instant::now(),
         }
@@ -245,10 +248,9 @@ impl StreamAuth {
             return true;
         }
         self.checked = std::time::Instant::now();
-        let ok = match (&self.cert, self.token.is_empty()) {
-            (Some(c), true) => self.auth.authenticate_cert(c).await.is_ok(),
-            _ => self.auth.authenticate(&self.token).await.is_ok(),
-        };
+        let ok = identify_by(&self.auth, self.authz.as_deref(), self.cert.as_ref())
+            .await
+            .is_ok();
         if ok {
             return true;
         }
@@ -271,24 +273,65 @@ pub async fn identify(
     headers: &axum::http::HeaderMap,
     extensions: &axum::http::Extensions,
 ) -> Result<Principal, ApiError> {
-    let token = bearer(headers);
-    let r = if !token.is_empty() {
-        auth.authenticate(&token).await
-    } else if let Some(c) = extensions.get::<crate::auth::PeerCert>() {
-        auth.authenticate_cert(c).await
+    let authz = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    identify_by(auth, authz, extensions.get::<crate::auth::PeerCert>()).await
+}
+
+/// `identify` from the `Authorization` header's value and the
+/// connection's client certificate: a bearer token, a user's Basic
+/// credentials, or else the certificate.
+pub(crate) async fn identify_by(
+    auth: &Authenticator,
+    authz: Option<&str>,
+    cert: Option<&crate::auth::PeerCert>,
+) -> Result<Principal, ApiError> {
+    let authz = authz.map(str::trim).filter(|a| !a.is_empty());
+    let basic = authz.and_then(|a| {
+        a.strip_prefix("Basic ")
+            .or_else(|| a.strip_prefix("basic "))
+    });
+    let (r, what) = if let Some(b64) = basic {
+        use base64::Engine;
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .ok()
+            .and_then(|b| String::from_utf8(b).ok());
+        let Some((name, password)) = decoded.as_deref().and_then(|d| d.split_once(':')) else {
+            return Err(err("unauthorized", "malformed Basic credentials"));
+        };
+        (
+            auth.authenticate_basic(name, password).await,
+            "invalid user name or password",
+        )
+    } else if let Some(a) = authz {
+        let token = a
+            .strip_prefix("Bearer ")
+            .or_else(|| a.strip_prefix("bearer "))
+            .map(str::trim)
+            .unwrap_or("");
+        if token.is_empty() {
+            return Err(err(
+                "unauthorized",
+                "Authorization must be Bearer (a token) or Basic (a user)",
+            ));
+        }
+        (auth.authenticate(token).await, "invalid bearer token")
+    } else if let Some(c) = cert {
+        (
+            auth.authenticate_cert(c).await,
+            "this client certificate stands for no identity",
+        )
     } else {
         return Err(err(
             "unauthorized",
-            "a bearer token (or a registered client certificate) is required",
+            "a bearer token (or a user's credentials, or a registered client certificate) is required",
         ));
     };
     match r {
         Ok(p) => Ok(p),
-        Err(AuthError::Unauthorized) if token.is_empty() => Err(err(
-            "unauthorized",
-            "this client certificate stands for no identity",
-        )),
-        Err(AuthError::Unauthorized) => Err(err("unauthorized", "invalid bearer token")),
+        Err(AuthError::Unauthorized) => Err(err("unauthorized", what)),
         Err(AuthError::Unavailable) => Err(err(
             "audit_unavailable",
             "the identity store is unavailable",

@@ -19,6 +19,8 @@ use subtle::ConstantTimeEq;
 
 use crate::store::{Store, StoreError, codec, get_json, tables};
 
+pub mod users;
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -541,6 +543,83 @@ impl Authenticator {
             );
         }
         Ok(principal)
+    }
+
+    /// A user's principal, for HTTP Basic credentials: a known, enabled
+    /// user and their password (argon2, on the blocking pool behind the
+    /// hashing semaphore; one verification at a time per credential).
+    pub async fn authenticate_basic(
+        &self,
+        name: &str,
+        password: &str,
+    ) -> Result<Principal, AuthError> {
+        if !users::valid_name(name) || password.is_empty() || password.len() > 1024 {
+            return Err(AuthError::Unauthorized);
+        }
+        let mut h = sha2::Sha256::new();
+        h.update(b"basic\0");
+        h.update(name.as_bytes());
+        h.update(b"\0");
+        h.update(password.as_bytes());
+        let key: [u8; 32] = h.finalize().into();
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
+        }
+        let flight = {
+            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            f.entry(key).or_default().clone()
+        };
+        let _turn = flight.lock().await;
+        let r = async {
+            if let Some(p) = self.cached(&key) {
+                return Ok(p);
+            }
+            let rec = users::get_user(&self.store, name)
+                .map_err(|_| AuthError::Unavailable)?
+                .filter(|u| u.disabled_at.is_none())
+                .ok_or(AuthError::Unauthorized)?;
+            let _permit = self
+                .hashing
+                .acquire()
+                .await
+                .map_err(|_| AuthError::Unavailable)?;
+            let (hash, pw) = (rec.hash.clone(), password.to_string());
+            let ok = tokio::task::spawn_blocking(move || {
+                PasswordHash::new(&hash)
+                    .map(|h| {
+                        argon2::Argon2::default()
+                            .verify_password(pw.as_bytes(), &h)
+                            .is_ok()
+                    })
+                    .unwrap_or(false)
+            })
+            .await
+            .map_err(|_| AuthError::Unavailable)?;
+            if !ok {
+                return Err(AuthError::Unauthorized);
+            }
+            if let Ok(mut c) = self.cache.lock() {
+                if c.len() >= CACHE_MAX {
+                    c.clear();
+                }
+                c.insert(
+                    key,
+                    Cached {
+                        principal: rec.principal.clone(),
+                        until: Instant::now() + CACHE_TTL,
+                    },
+                );
+            }
+            Ok(rec.principal)
+        }
+        .await;
+        {
+            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            if Arc::strong_count(&flight) <= 2 {
+                f.remove(&key);
+            }
+        }
+        r
     }
 
     /// The principal a verified client certificate stands for (a

@@ -342,6 +342,7 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
     }
     // Versions 1 to 3 only create tables: opening them is the whole step.
     txn.open_table(tables::PLANS)?;
+    txn.open_table(tables::USERS)?;
     txn.open_table(tables::TASKS)?;
     txn.open_table(tables::JOBS)?;
     txn.open_table(tables::LEASE_JOBS)?;

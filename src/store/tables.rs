@@ -35,3 +35,5 @@ pub const LEASE_PTYS: TableDefinition<&str, ()> = TableDefinition::new("lease_pt
 pub const PLANS: TableDefinition<&str, &[u8]> = TableDefinition::new("plans_v1");
 /// task_ref → trusted task, with its result and receipt (schema 3).
 pub const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks_v1");
+/// user name → console/API user (argon2 password hash, principal) (schema 3).
+pub const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users_v1");

@@ -1449,3 +1449,155 @@ async fn sighup_swaps_profiles_templates_and_principals() {
     assert_eq!(st, StatusCode::CREATED, "{v}");
     p.stop();
 }
+
+/// People: `cube-adapter user …` makes an approver who signs in with a
+/// password (HTTP Basic) and approves a plan; a new password, a disabled or
+/// removed user take effect at once; the password is never shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_approve_with_a_password() {
+    let s = Server::start_with(configure).await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+    ]);
+    let pw = s.dir.path().join("pw");
+    std::fs::write(&pw, "correct horse battery staple\n").unwrap();
+    let user = |args: &[&str], stdin: Option<&str>| {
+        use std::io::Write;
+        let mut c = std::process::Command::new(BIN)
+            .arg("user")
+            .args(args)
+            .arg("--state-dir")
+            .arg(&s.state)
+            .arg("--config")
+            .arg(s.empty_config())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        if let Some(t) = stdin {
+            c.stdin.take().unwrap().write_all(t.as_bytes()).unwrap();
+        }
+        c.wait_with_output().unwrap()
+    };
+    let out = user(
+        &[
+            "add",
+            "bob",
+            "--tenant",
+            "acme",
+            "--password-file",
+            pw.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        user(
+            &["add", "bob", "--tenant", "acme"],
+            Some("another long password\n")
+        )
+        .status
+        .code(),
+        Some(1),
+        "exists"
+    );
+    assert_eq!(
+        user(&["add", "carl", "--tenant", "acme"], Some("short\n"))
+            .status
+            .code(),
+        Some(2)
+    );
+    assert_eq!(
+        user(
+            &["add", "Carl", "--tenant", "acme"],
+            Some("a long enough password\n")
+        )
+        .status
+        .code(),
+        Some(2)
+    );
+    let out = user(&["list", "--json"], None);
+    let listed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        listed.contains("\"bob\"") && !listed.contains("argon2") && !listed.contains("horse"),
+        "{listed}"
+    );
+
+    let as_bob = |password: &str, path: String, body: Value| {
+        let (http, url, password) = (
+            s.http.clone(),
+            format!("{}{path}", s.url),
+            password.to_string(),
+        );
+        async move {
+            let r = http
+                .post(url)
+                .basic_auth("bob", Some(password))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let st = r.status();
+            (st, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (_, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": {"text": "a b", "repeat": 1}}),
+        )
+        .await;
+    let pr = plan["plan_ref"].as_str().unwrap().to_string();
+    let approve = format!("/v1/task-plans/{pr}/approve");
+    let (st, _) = as_bob("wrong password entirely", approve.clone(), json!({})).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let (st, v) = as_bob(
+        "correct horse battery staple",
+        format!("/v1/tasks/{}/status", "task_00000000000000000000"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "signed in: {v}");
+
+    // A new password: the old one stops at once.
+    let out = user(&["passwd", "bob"], Some("a brand new passphrase\n"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (st, _) = as_bob("correct horse battery staple", approve.clone(), json!({})).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    // Disabled, enabled.
+    assert!(user(&["disable", "bob"], None).status.success());
+    let (st, _) = as_bob("a brand new passphrase", approve.clone(), json!({})).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    assert!(user(&["enable", "bob"], None).status.success());
+    let (st, v) = as_bob(
+        "a brand new passphrase",
+        approve.clone(),
+        json!({"reason": "ok"}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "approved");
+    let audit = audit_export(&s);
+    assert!(!audit.contains("passphrase") && !audit.contains("horse"));
+    // Removed.
+    assert!(user(&["remove", "bob"], None).status.success());
+    assert_eq!(user(&["remove", "bob"], None).status.code(), Some(1));
+    let (st, _) = as_bob("a brand new passphrase", approve, json!({})).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    s.stop().await;
+}

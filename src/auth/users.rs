@@ -1,0 +1,216 @@
+//! People: named users with a password (argon2id), for approvers and
+//! auditors. They sign in to `/v1` (and `/mcp`) with HTTP Basic
+//! (`curl -u alice …`), and to the console once it exists, with the same
+//! records. Managed by `cube-adapter user …`; the password is hashed by the
+//! CLI, so it never crosses the admin socket.
+
+use argon2::password_hash::{PasswordHasher, SaltString};
+use redb::ReadableTable;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::Principal;
+use crate::store::{Store, StoreError, codec, get_json, tables};
+
+/// Shortest password accepted.
+pub const MIN_PASSWORD: usize = 12;
+
+/// A user as stored (never the password).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UserRecord {
+    pub name: String,
+    /// argon2id PHC string.
+    pub hash: String,
+    /// Its subject is the user's name.
+    pub principal: Principal,
+    pub created_at: String,
+    pub password_changed_at: String,
+    #[serde(default)]
+    pub disabled_at: Option<String>,
+}
+
+/// A user as listed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UserInfo {
+    pub name: String,
+    pub principal: Principal,
+    pub created_at: String,
+    pub password_changed_at: String,
+    pub disabled_at: Option<String>,
+}
+
+impl From<UserRecord> for UserInfo {
+    fn from(u: UserRecord) -> Self {
+        Self {
+            name: u.name,
+            principal: u.principal,
+            created_at: u.created_at,
+            password_changed_at: u.password_changed_at,
+            disabled_at: u.disabled_at,
+        }
+    }
+}
+
+/// What `cube-adapter user …` asks of the store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum UserOp {
+    Add { principal: Principal, hash: String },
+    Passwd { name: String, hash: String },
+    SetDisabled { name: String, disabled: bool },
+    Remove { name: String },
+    List,
+}
+
+/// `^[a-z][a-z0-9._-]{0,63}$`: a name that fits a URL, a log line and a
+/// subject.
+pub fn valid_name(n: &str) -> bool {
+    let mut c = n.chars();
+    n.len() <= 64
+        && c.next().is_some_and(|f| f.is_ascii_lowercase())
+        && c.all(|x| x.is_ascii_lowercase() || x.is_ascii_digit() || "._-".contains(x))
+}
+
+/// Hash a password for a user record (the CLI does this).
+pub fn hash_password(password: &str) -> Result<String, String> {
+    if password.chars().count() < MIN_PASSWORD {
+        return Err(format!(
+            "a password needs at least {MIN_PASSWORD} characters"
+        ));
+    }
+    let salt_bytes: [u8; 16] = rand::random();
+    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| e.to_string())?;
+    argon2::Argon2::default()
+        .hash_password(password.as_bytes(), &salt)
+        .map(|h| h.to_string())
+        .map_err(|e| e.to_string())
+}
+
+pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreError> {
+    store.read_now(|txn| {
+        let t = txn.open_table(tables::USERS)?;
+        get_json(&t, name)
+    })
+}
+
+/// Carry out one operation; the answer is what the CLI prints.
+pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
+    let now = crate::clock::now().0;
+    match op {
+        UserOp::List => {
+            let v: Vec<UserInfo> = store
+                .read_now(|txn| {
+                    let t = txn.open_table(tables::USERS)?;
+                    let mut v = vec![];
+                    for item in t.iter()? {
+                        let (_, val) = item?;
+                        v.push(UserInfo::from(codec::decode::<UserRecord>(val.value())?));
+                    }
+                    Ok(v)
+                })
+                .map_err(|e| e.to_string())?;
+            Ok(json!({"users": v}))
+        }
+        UserOp::Add { principal, hash } => {
+            let name = principal.subject.clone();
+            if !valid_name(&name) {
+                return Err("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
+            }
+            let rec = UserRecord {
+                name: name.clone(),
+                hash,
+                principal,
+                created_at: now.clone(),
+                password_changed_at: now,
+                disabled_at: None,
+            };
+            let added = store
+                .write(move |txn, _| {
+                    let mut t = txn.open_table(tables::USERS)?;
+                    if t.get(rec.name.as_str())?.is_some() {
+                        return Ok(false);
+                    }
+                    let b = codec::encode(&rec)?;
+                    t.insert(rec.name.as_str(), b.as_slice())?;
+                    Ok(true)
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+            if added {
+                Ok(json!({"added": name}))
+            } else {
+                Err(format!("a user named {name} exists already"))
+            }
+        }
+        UserOp::Passwd { name, hash } => {
+            change(store, &name, move |u| {
+                u.hash = hash;
+                u.password_changed_at = now;
+            })
+            .await
+        }
+        UserOp::SetDisabled { name, disabled } => {
+            change(store, &name, move |u| {
+                u.disabled_at = disabled.then_some(now);
+            })
+            .await
+        }
+        UserOp::Remove { name } => {
+            let n2 = name.clone();
+            let removed = store
+                .write(move |txn, _| {
+                    Ok(txn
+                        .open_table(tables::USERS)?
+                        .remove(n2.as_str())?
+                        .is_some())
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+            if removed {
+                Ok(json!({"removed": name}))
+            } else {
+                Err(format!("no user named {name}"))
+            }
+        }
+    }
+}
+
+async fn change(
+    store: &Store,
+    name: &str,
+    f: impl FnOnce(&mut UserRecord) + Send + 'static,
+) -> Result<Value, String> {
+    let n2 = name.to_string();
+    let found = store
+        .write(move |txn, _| {
+            let mut t = txn.open_table(tables::USERS)?;
+            let Some(mut u): Option<UserRecord> = get_json(&t, &n2)? else {
+                return Ok(false);
+            };
+            f(&mut u);
+            let b = codec::encode(&u)?;
+            t.insert(n2.as_str(), b.as_slice())?;
+            Ok(true)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    if found {
+        Ok(json!({"changed": name}))
+    } else {
+        Err(format!("no user named {name}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_passwords() {
+        assert!(valid_name("alice") && valid_name("a.b-c_1"));
+        assert!(!valid_name("Alice") && !valid_name("1a") && !valid_name("a b") && !valid_name(""));
+        assert!(hash_password("short").is_err());
+        let h = hash_password("correct horse battery").unwrap();
+        assert!(h.starts_with("$argon2id$") && !h.contains("horse"));
+    }
+}
