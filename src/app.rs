@@ -228,10 +228,15 @@ pub async fn serve_with(
         &spem,
         skey.as_bytes(),
     )?));
-    // Client certificates issued by the appliance's CA may stand for an
-    // identity (`token create --client-cert`); none is required.
+    // Client certificates of the identity CA (a CA of its own: the internal
+    // mTLS to the embedded backend trusts only the main CA) may stand for
+    // an identity (`token create --client-cert`); none is required.
+    let identity_ca = crate::tls::LocalCa::load_or_create_sealed(
+        &state.join(crate::tls::IDENTITY_CA_DIR),
+        Some(store.sealer.clone()),
+    )?;
     let server_tls =
-        crate::tls::server_config_swappable(served.clone(), Some(ca.cert_pem.as_bytes()))?;
+        crate::tls::server_config_swappable(served.clone(), Some(identity_ca.cert_pem.as_bytes()))?;
 
     // First start: a bootstrap admin token, written once.
     let admin_token_file = bootstrap_admin(&store, &state.join("admin.token")).await?;

@@ -598,14 +598,22 @@ fn cert_identity_create(
     let issued = crate::store::Sealer::load_or_create(&state.join("secret.key"))
         .map_err(|e| e.to_string())
         .and_then(|sealer| {
-            crate::tls::LocalCa::load_or_create_sealed(&state.join("tls"), Some(sealer))
-                .map_err(|e| e.to_string())
+            crate::tls::LocalCa::load_or_create_sealed(
+                &state.join(crate::tls::IDENTITY_CA_DIR),
+                Some(sealer),
+            )
+            .map_err(|e| e.to_string())
         })
         .and_then(|ca| {
             let (cert, key) = ca
                 .issue_client(&principal.subject)
                 .map_err(|e| e.to_string())?;
-            Ok((ca.cert_pem.clone(), cert, key))
+            // The clients' trust: the CA of the appliance's server
+            // certificate.
+            let p = state.join("tls/ca.pem");
+            let server_ca =
+                std::fs::read_to_string(&p).map_err(|e| format!("read {}: {e}", p.display()))?;
+            Ok((server_ca, cert, key))
         })
         .and_then(|(ca, cert, key)| {
             let der = crate::tls::parse_certs(cert.as_bytes())

@@ -389,6 +389,11 @@ pub fn certified_key(
 /// The appliance's own server config: its certificate swappable (reload),
 /// and a client certificate signed by `client_ca` accepted but never
 /// required (a certificate identity; bearer tokens need none).
+/// Under the state directory: the CA that issues client certificates for
+/// identities. Kept apart from the main CA (`tls/`), whose certificates the
+/// embedded backend accepts: an identity's certificate never reaches it.
+pub const IDENTITY_CA_DIR: &str = "tls/identities";
+
 pub fn server_config_swappable(
     cert: Arc<SwappableCert>,
     client_ca: Option<&[u8]>,

@@ -384,15 +384,16 @@ async fn client_certificates_are_identities() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
-    // Another certificate of the same CA, never registered: nobody.
+    // Another certificate of the identity CA, never registered: nobody.
     let other = s.dir.path().join("other");
     std::fs::create_dir_all(&other).unwrap();
-    let ca_obj = cube_adapter::tls::LocalCa::load_or_create_sealed(
-        &s.state.join("tls"),
-        Some(cube_adapter::store::Sealer::load_or_create(&s.state.join("secret.key")).unwrap()),
+    let sealer = cube_adapter::store::Sealer::load_or_create(&s.state.join("secret.key")).unwrap();
+    let id_ca = cube_adapter::tls::LocalCa::load_or_create_sealed(
+        &s.state.join(cube_adapter::tls::IDENTITY_CA_DIR),
+        Some(sealer),
     )
     .unwrap();
-    let (cert, key) = ca_obj.issue_client("laptop").unwrap();
+    let (cert, key) = id_ca.issue_client("laptop").unwrap();
     std::fs::write(other.join("c.pem"), cert).unwrap();
     std::fs::write(other.join("c.key"), key).unwrap();
     let r = with_cert(&other.join("c.pem"), &other.join("c.key"))
@@ -401,6 +402,46 @@ async fn client_certificates_are_identities() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
+    // The identity CA is not the main one, whose client certificates the
+    // embedded backend accepts: a server requiring main-CA client
+    // certificates (as the backend does) refuses an identity's.
+    let main_ca = std::fs::read_to_string(s.state.join("tls/ca.pem")).unwrap();
+    assert_ne!(main_ca, id_ca.cert_pem);
+    let main =
+        cube_adapter::tls::LocalCa::load_or_create(&s.dir.path().join("scratch-ca")).unwrap();
+    let (scert, skey) = main.issue_server(&["127.0.0.1".to_string()]).unwrap();
+    let backend_tls = cube_adapter::tls::server_config(
+        scert.as_bytes(),
+        skey.as_bytes(),
+        Some(main_ca.as_bytes()),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(backend_tls));
+    let accepted = tokio::spawn(async move {
+        let (tcp, _) = l.accept().await.unwrap();
+        acceptor.accept(tcp).await.is_ok()
+    });
+    let tls = cube_adapter::tls::client_config(
+        Some(main.cert_pem.as_bytes()),
+        Some((
+            &std::fs::read(dir.join("client.pem")).unwrap(),
+            &std::fs::read(dir.join("client.key")).unwrap(),
+        )),
+    )
+    .unwrap();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let _ = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
+        .connect(name, tcp)
+        .await;
+    assert!(
+        !accepted.await.unwrap(),
+        "a main-CA mTLS server refuses an identity's certificate"
+    );
     // Revoked: refused.
     crate::appliance::revoke(&s.state, &format!("cat_{id}_x"));
     let r = c
