@@ -90,7 +90,8 @@ pub fn status_of(code: &str) -> StatusCode {
         "lease_quota_exceeded"
         | "job_quota_exceeded"
         | "session_quota_exceeded"
-        | "plan_quota_exceeded" => StatusCode::TOO_MANY_REQUESTS,
+        | "plan_quota_exceeded"
+        | "sign_in_throttled" => StatusCode::TOO_MANY_REQUESTS,
         "execution_failed" | "checkpoint_cleanup_failed" | "invalid_artifact" => {
             StatusCode::BAD_GATEWAY
         }
@@ -332,6 +333,10 @@ pub(crate) async fn identify_by(
     match r {
         Ok(p) => Ok(p),
         Err(AuthError::Unauthorized) => Err(err("unauthorized", what)),
+        Err(AuthError::Throttled) => Err(err(
+            "sign_in_throttled",
+            "too many sign-in attempts for this user (or the sign-in queue is full); retry in a minute",
+        )),
         Err(AuthError::Unavailable) => Err(err(
             "audit_unavailable",
             "the identity store is unavailable",

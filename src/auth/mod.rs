@@ -411,6 +411,10 @@ pub enum AuthError {
     Unauthorized,
     #[error("identity store unavailable")]
     Unavailable,
+    /// Too many sign-in attempts (a user's failures, or the sign-in queue
+    /// is full): retry later.
+    #[error("too many sign-in attempts")]
+    Throttled,
 }
 
 struct Cached {
@@ -427,15 +431,60 @@ pub struct Authenticator {
     /// The principals file's (replaced by a reload).
     file: Arc<std::sync::RwLock<Arc<Fixed>>>,
     cache: Arc<Mutex<HashMap<[u8; 32], Cached>>>,
+    /// Bumped by every `clear_cache` (under the cache's lock): a check that
+    /// began before a revocation never caches what it found.
+    generation: Arc<std::sync::atomic::AtomicU64>,
     inflight: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
     hashing: Arc<tokio::sync::Semaphore>,
+    /// Password checks (HTTP Basic) have a queue of their own, so that
+    /// guessing cannot starve token checks.
+    basic: Arc<tokio::sync::Semaphore>,
+    /// Recent failed sign-ins per user name.
+    failures: Arc<Mutex<HashMap<String, (u32, Instant)>>>,
+    /// Keys the Basic cache entries (a password's plain hash is never
+    /// kept), made at start.
+    basic_key: Arc<[u8; 32]>,
 }
+
+/// A user name's failed sign-ins allowed per window before it is refused
+/// without a check (429) until the window ends.
+pub const MAX_FAILURES: u32 = 5;
+pub const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+/// How long a password check waits for its turn before answering 429.
+const BASIC_WAIT: Duration = Duration::from_secs(2);
 
 /// Tokens compared as they are (shared token, principals file).
 type Fixed = Vec<(Vec<u8>, Principal)>;
 
 /// One token's verification in progress.
 type Flight = Arc<tokio::sync::Mutex<()>>;
+
+/// A turn at one credential's check; its map entry goes with the last
+/// ticket (dropped on every path, a cancelled request's included).
+struct FlightTicket {
+    map: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
+    key: [u8; 32],
+    flight: Flight,
+}
+
+impl Drop for FlightTicket {
+    fn drop(&mut self) {
+        let mut f = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        // The map's reference and ours: nobody else waits.
+        if Arc::strong_count(&self.flight) <= 2 {
+            f.remove(&self.key);
+        }
+    }
+}
+
+/// A PHC string to check against when a user is unknown or disabled, so
+/// that the answer takes as long as for a known one (made once).
+fn dummy_hash() -> &'static str {
+    static H: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    H.get_or_init(|| {
+        users::hash_password("cube-adapter: no such user, but the same cost").unwrap_or_default()
+    })
+}
 
 const CACHE_TTL: Duration = Duration::from_secs(60);
 const CACHE_MAX: usize = 10_000;
@@ -457,8 +506,12 @@ impl Authenticator {
             shared: Arc::new(bytes(shared)),
             file: Arc::new(std::sync::RwLock::new(Arc::new(bytes(file)))),
             cache: Arc::default(),
+            generation: Arc::default(),
             inflight: Arc::default(),
             hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
+            basic: Arc::new(tokio::sync::Semaphore::new(1)),
+            failures: Arc::default(),
+            basic_key: Arc::new(rand::random()),
         }
     }
 
@@ -473,8 +526,51 @@ impl Authenticator {
 
     /// Forget verified tokens (after a revocation).
     pub fn clear_cache(&self) {
-        if let Ok(mut c) = self.cache.lock() {
-            c.clear();
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        c.clear();
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Cache a verified principal, unless the cache was cleared since the
+    /// check began (`generation`).
+    fn remember(&self, key: [u8; 32], principal: &Principal, generation: u64) {
+        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if self.generation() != generation {
+            return;
+        }
+        if c.len() >= CACHE_MAX {
+            let now = Instant::now();
+            c.retain(|_, v| v.until > now);
+            if c.len() >= CACHE_MAX {
+                c.clear();
+            }
+        }
+        c.insert(
+            key,
+            Cached {
+                principal: principal.clone(),
+                until: Instant::now() + CACHE_TTL,
+            },
+        );
+    }
+
+    /// Take this credential's turn: one check at a time per credential
+    /// (the others then find the cache). The entry goes when the last
+    /// waiter does, even if a request is abandoned mid-way.
+    fn flight(&self, key: [u8; 32]) -> FlightTicket {
+        let flight = {
+            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            f.entry(key).or_default().clone()
+        };
+        FlightTicket {
+            map: self.inflight.clone(),
+            key,
+            flight,
         }
     }
 
@@ -489,19 +585,10 @@ impl Authenticator {
         // One verification per token at a time: concurrent requests with the
         // same token wait for it and then hit the cache, instead of each
         // running argon2 (19 MiB and tens of milliseconds apiece).
-        let flight = {
-            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            f.entry(key).or_default().clone()
-        };
-        let _turn = flight.lock().await;
-        let r = self.verify_uncached(token, key).await;
-        {
-            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            if Arc::strong_count(&flight) <= 2 {
-                f.remove(&key);
-            }
-        }
-        r
+        let generation = self.generation();
+        let ticket = self.flight(key);
+        let _turn = ticket.flight.lock().await;
+        self.verify_uncached(token, key, generation).await
     }
 
     fn cached(&self, key: &[u8; 32]) -> Option<Principal> {
@@ -511,7 +598,12 @@ impl Authenticator {
             .map(|h| h.principal.clone())
     }
 
-    async fn verify_uncached(&self, token: &str, key: [u8; 32]) -> Result<Principal, AuthError> {
+    async fn verify_uncached(
+        &self,
+        token: &str,
+        key: [u8; 32],
+        generation: u64,
+    ) -> Result<Principal, AuthError> {
         if let Some(p) = self.cached(&key) {
             return Ok(p);
         }
@@ -526,28 +618,16 @@ impl Authenticator {
             Some(p) => p,
             None => self.verify_stored(token).await?,
         };
-        if let Ok(mut c) = self.cache.lock() {
-            if c.len() >= CACHE_MAX {
-                let now = Instant::now();
-                c.retain(|_, v| v.until > now);
-                if c.len() >= CACHE_MAX {
-                    c.clear();
-                }
-            }
-            c.insert(
-                key,
-                Cached {
-                    principal: principal.clone(),
-                    until: Instant::now() + CACHE_TTL,
-                },
-            );
-        }
+        self.remember(key, &principal, generation);
         Ok(principal)
     }
 
     /// A user's principal, for HTTP Basic credentials: a known, enabled
-    /// user and their password (argon2, on the blocking pool behind the
-    /// hashing semaphore; one verification at a time per credential).
+    /// user and their password. Password checks (argon2) run one at a time
+    /// on a queue of their own, waiting at most `BASIC_WAIT` (else 429); a
+    /// name with `MAX_FAILURES` failures in `FAILURE_WINDOW` is refused
+    /// without a check until the window ends; an unknown or disabled name
+    /// costs the same check as a known one.
     pub async fn authenticate_basic(
         &self,
         name: &str,
@@ -556,70 +636,74 @@ impl Authenticator {
         if !users::valid_name(name) || password.is_empty() || password.len() > 1024 {
             return Err(AuthError::Unauthorized);
         }
-        let mut h = sha2::Sha256::new();
-        h.update(b"basic\0");
-        h.update(name.as_bytes());
-        h.update(b"\0");
-        h.update(password.as_bytes());
-        let key: [u8; 32] = h.finalize().into();
+        let key: [u8; 32] = {
+            let Ok(mut m) =
+                <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&*self.basic_key)
+            else {
+                return Err(AuthError::Unavailable);
+            };
+            hmac::Mac::update(&mut m, name.as_bytes());
+            hmac::Mac::update(&mut m, b"\0");
+            hmac::Mac::update(&mut m, password.as_bytes());
+            hmac::Mac::finalize(m).into_bytes().into()
+        };
         if let Some(p) = self.cached(&key) {
             return Ok(p);
         }
-        let flight = {
-            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            f.entry(key).or_default().clone()
+        let throttled = |f: &HashMap<String, (u32, Instant)>| {
+            f.get(name)
+                .is_some_and(|(n, since)| *n >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW)
         };
-        let _turn = flight.lock().await;
-        let r = async {
-            if let Some(p) = self.cached(&key) {
-                return Ok(p);
-            }
-            let rec = users::get_user(&self.store, name)
-                .map_err(|_| AuthError::Unavailable)?
-                .filter(|u| u.disabled_at.is_none())
-                .ok_or(AuthError::Unauthorized)?;
-            let _permit = self
-                .hashing
-                .acquire()
-                .await
-                .map_err(|_| AuthError::Unavailable)?;
-            let (hash, pw) = (rec.hash.clone(), password.to_string());
-            let ok = tokio::task::spawn_blocking(move || {
-                PasswordHash::new(&hash)
-                    .map(|h| {
-                        argon2::Argon2::default()
-                            .verify_password(pw.as_bytes(), &h)
-                            .is_ok()
-                    })
-                    .unwrap_or(false)
-            })
+        if throttled(&self.failures.lock().unwrap_or_else(|p| p.into_inner())) {
+            return Err(AuthError::Throttled);
+        }
+        let generation = self.generation();
+        let ticket = self.flight(key);
+        let _turn = ticket.flight.lock().await;
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
+        }
+        let rec = users::get_user(&self.store, name)
+            .map_err(|_| AuthError::Unavailable)?
+            .filter(|u| u.disabled_at.is_none());
+        let _permit = tokio::time::timeout(BASIC_WAIT, self.basic.acquire())
             .await
+            .map_err(|_| AuthError::Throttled)?
             .map_err(|_| AuthError::Unavailable)?;
-            if !ok {
-                return Err(AuthError::Unauthorized);
+        let hash = rec.as_ref().map(|u| u.hash.clone());
+        let pw = password.to_string();
+        let ok = tokio::task::spawn_blocking(move || {
+            let hash = hash.unwrap_or_else(|| dummy_hash().to_string());
+            PasswordHash::new(&hash)
+                .map(|h| {
+                    argon2::Argon2::default()
+                        .verify_password(pw.as_bytes(), &h)
+                        .is_ok()
+                })
+                .unwrap_or(false)
+        })
+        .await
+        .map_err(|_| AuthError::Unavailable)?;
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        match rec {
+            Some(u) if ok => {
+                f.remove(name);
+                drop(f);
+                self.remember(key, &u.principal, generation);
+                Ok(u.principal)
             }
-            if let Ok(mut c) = self.cache.lock() {
-                if c.len() >= CACHE_MAX {
-                    c.clear();
+            _ => {
+                if f.len() >= CACHE_MAX {
+                    f.retain(|_, (_, since)| since.elapsed() < FAILURE_WINDOW);
                 }
-                c.insert(
-                    key,
-                    Cached {
-                        principal: rec.principal.clone(),
-                        until: Instant::now() + CACHE_TTL,
-                    },
-                );
-            }
-            Ok(rec.principal)
-        }
-        .await;
-        {
-            let mut f = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            if Arc::strong_count(&flight) <= 2 {
-                f.remove(&key);
+                let e = f.entry(name.to_string()).or_insert((0, Instant::now()));
+                if e.1.elapsed() >= FAILURE_WINDOW {
+                    *e = (0, Instant::now());
+                }
+                e.0 += 1;
+                Err(AuthError::Unauthorized)
             }
         }
-        r
     }
 
     /// The principal a verified client certificate stands for (a
@@ -632,6 +716,7 @@ impl Authenticator {
         if let Some(p) = self.cached(&key) {
             return Ok(p);
         }
+        let generation = self.generation();
         let fp = hex::encode(cert.0);
         let id: String = fp.chars().take(12).collect();
         let rec: Option<TokenRecord> = self
@@ -646,18 +731,7 @@ impl Authenticator {
             .filter(|r| r.revoked_at.is_none() && r.cert_sha256.as_deref() == Some(fp.as_str()))
             .map(|r| r.principal)
             .ok_or(AuthError::Unauthorized)?;
-        if let Ok(mut c) = self.cache.lock() {
-            if c.len() >= CACHE_MAX {
-                c.clear();
-            }
-            c.insert(
-                key,
-                Cached {
-                    principal: principal.clone(),
-                    until: Instant::now() + CACHE_TTL,
-                },
-            );
-        }
+        self.remember(key, &principal, generation);
         Ok(principal)
     }
 

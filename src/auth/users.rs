@@ -86,6 +86,26 @@ pub fn hash_password(password: &str) -> Result<String, String> {
         .map_err(|e| e.to_string())
 }
 
+/// A hash the CLI made: argon2id with parameters no weaker than the
+/// defaults and no heavier than a sign-in can afford (a hash arrives over
+/// the admin socket; a huge memory cost would be paid at every sign-in).
+pub fn check_hash(hash: &str) -> Result<(), String> {
+    let h = argon2::PasswordHash::new(hash).map_err(|_| "not a PHC password hash".to_string())?;
+    if h.algorithm.as_str() != "argon2id" {
+        return Err("password hashes must be argon2id".into());
+    }
+    let p = argon2::Params::try_from(&h).map_err(|e| format!("argon2 parameters: {e}"))?;
+    let d = argon2::Params::default();
+    let ok = (d.m_cost()..=262_144).contains(&p.m_cost())
+        && (d.t_cost()..=16).contains(&p.t_cost())
+        && (1..=8).contains(&p.p_cost());
+    if ok {
+        Ok(())
+    } else {
+        Err("argon2 parameters out of bounds (at least the defaults, at most 256 MiB, 16 passes, 8 lanes)".into())
+    }
+}
+
 pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreError> {
     store.read_now(|txn| {
         let t = txn.open_table(tables::USERS)?;
@@ -112,6 +132,7 @@ pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
             Ok(json!({"users": v}))
         }
         UserOp::Add { principal, hash } => {
+            check_hash(&hash)?;
             let name = principal.subject.clone();
             if !valid_name(&name) {
                 return Err("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
@@ -143,6 +164,7 @@ pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
             }
         }
         UserOp::Passwd { name, hash } => {
+            check_hash(&hash)?;
             change(store, &name, move |u| {
                 u.hash = hash;
                 u.password_changed_at = now;
@@ -212,5 +234,10 @@ mod tests {
         assert!(hash_password("short").is_err());
         let h = hash_password("correct horse battery").unwrap();
         assert!(h.starts_with("$argon2id$") && !h.contains("horse"));
+        assert_eq!(check_hash(&h), Ok(()));
+        assert!(
+            check_hash("$argon2id$v=19$m=8,t=1,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA").is_err()
+        );
+        assert!(check_hash("plain").is_err());
     }
 }

@@ -566,6 +566,16 @@ impl Broker {
         Ok((lease, false))
     }
 
+    pub(crate) fn profile_gone(l: &Lease) -> Error {
+        Error::new(
+            "profile_denied",
+            format!(
+                "the lease's profile {} is no longer configured; release the lease",
+                l.profile
+            ),
+        )
+    }
+
     pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> Value {
         json!({
             "executor": EXECUTOR,
@@ -797,6 +807,11 @@ impl Broker {
         Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
     {
         let mut ev = self.lease_event(p, action, ctx, &l);
+        // A profile a reload removed does not fall back to defaults (which
+        // could be looser): its leases only release.
+        if self.profile(&l.profile).is_none() {
+            return Err(self.reject(ev, Self::profile_gone(&l)).await);
+        }
         fill(&mut ev);
         let addr = self.addr(&l)?;
         let intent = self.inner.journal.intent(ev).await?;

@@ -185,9 +185,11 @@ impl Broker {
         self.inner.journal.digest("subject", p.subject.as_bytes())
     }
 
-    fn profile_digest(&self, name: &str) -> String {
-        let v = self
-            .profile(name)
+    /// The digest of a profile's settings in one configuration.
+    fn profile_digest(cfg: &crate::config::Config, name: &str) -> String {
+        let v = cfg
+            .profiles
+            .get(name)
             .and_then(|pr| serde_json::to_value(pr).ok())
             .unwrap_or(Value::Null);
         sha256_hex(canonical(&v).as_bytes())
@@ -210,11 +212,16 @@ impl Broker {
 
     /// A plan's template, if neither it nor its profile has changed.
     fn plan_template(&self, plan: &Plan) -> Option<TaskTemplate> {
-        self.same_template(&plan.template, &plan.template_digest)
+        // One policy for both checks.
+        let cfg = self.config();
+        cfg.tasks
+            .get(&plan.template)
+            .filter(|t| t.digest(&plan.template) == plan.template_digest)
             .filter(|_| {
                 plan.profile_digest.is_empty()
-                    || plan.profile_digest == self.profile_digest(&plan.profile)
+                    || plan.profile_digest == Self::profile_digest(&cfg, &plan.profile)
             })
+            .cloned()
     }
 
     fn changed() -> Error {
@@ -440,14 +447,23 @@ impl Broker {
                 format!("task template {template} is not available to this identity"),
             )
         };
-        let Some(t) = self
-            .template(template)
+        // One policy for the whole plan, however a reload goes meanwhile.
+        let policy = self.policy();
+        let Some(t) = policy
+            .cfg
+            .tasks
+            .get(template)
             .filter(|_| p.allows_task_template(template))
         else {
             return Err(self.reject(ev, denied()).await);
         };
         ev.profile = Some(t.profile.clone());
-        let prof = self.profile(&t.profile).unwrap_or_default();
+        let prof = policy
+            .cfg
+            .profiles
+            .get(&t.profile)
+            .cloned()
+            .unwrap_or_default();
         if !p.allows_profile(&t.profile) {
             return Err(self
                 .reject(
@@ -487,7 +503,6 @@ impl Broker {
                 format!("parameters are larger than {MAX_PARAMETERS} bytes"),
             ));
         }
-        let policy = self.policy();
         let Some(compiled) = policy.schemas.get(template) else {
             return Err(Error::new(
                 "execution_failed",
@@ -562,7 +577,7 @@ impl Broker {
             template: template.to_string(),
             template_digest: t.digest(template),
             profile: t.profile.clone(),
-            profile_digest: self.profile_digest(&t.profile),
+            profile_digest: Self::profile_digest(&policy.cfg, &t.profile),
             parameters_sealed: self.inner.store.sealer.seal(canon.as_bytes())?,
             parameters_sha256: sha256_hex(canon.as_bytes()),
             command_sha256: sha256_hex(command.as_bytes()),

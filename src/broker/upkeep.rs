@@ -98,7 +98,9 @@ impl Broker {
         let ev = self.event(p, "renew", ctx);
         self.authorize(p, "lease:renew", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let prof = self.profile(&l.profile).unwrap_or_default();
+        let Some(prof) = self.profile(&l.profile) else {
+            return Err(Broker::profile_gone(&l));
+        };
         let until = keepalive_until(&l, prof.max_keepalive_seconds);
         let left = until.saturating_sub(now().1);
         if left <= 0 {
@@ -193,7 +195,10 @@ impl Broker {
     /// runs), so that its outputs are still there when the result is asked
     /// for.
     pub(crate) fn idle_ttl(&self, l: &super::leases::Lease) -> i64 {
-        let p = self.profile(&l.profile).unwrap_or_default();
+        // A lease whose profile is gone is collected at the next pass.
+        let Some(p) = self.profile(&l.profile) else {
+            return 0;
+        };
         let mut ttl = p.lease_idle_ttl_seconds;
         if l.task_ref.is_some() {
             ttl = ttl.saturating_add(p.max_command_seconds);

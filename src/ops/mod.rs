@@ -85,6 +85,7 @@ pub struct Reloader {
     /// only serve).
     broker: Option<crate::broker::Broker>,
     auth: Option<crate::auth::Authenticator>,
+    reloading: Mutex<()>,
 }
 
 fn now_unix() -> i64 {
@@ -128,6 +129,7 @@ impl Reloader {
             last: Mutex::new(None),
             broker,
             auth,
+            reloading: Mutex::new(()),
         }
     }
 
@@ -172,6 +174,8 @@ impl Reloader {
     /// prepared first and swapped in at the end: a refused reload changes
     /// nothing. Blocking (key generation): call from the blocking pool.
     pub fn reload(&self) -> ReloadReport {
+        // One reload at a time (SIGHUP and the admin socket).
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
         let running = self.running();
         let new = match &self.source {
             Some(s) => match Config::load(s.path.as_deref(), &s.env, &s.flags) {
@@ -207,8 +211,18 @@ impl Reloader {
         };
         // The policy (profiles, task templates) and the principals file:
         // checked and prepared before anything is swapped.
+        // The broker gets the running configuration with only the
+        // reloadable keys taken from the file.
+        let mut applied_cfg = running.clone();
+        applied_cfg.server_names = new.server_names.clone();
+        applied_cfg.profiles = new.profiles.clone();
+        applied_cfg.tasks = new.tasks.clone();
+        applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
+        if let Err(e) = applied_cfg.validate() {
+            return self.refused(format!("configuration: {e}"));
+        }
         let policy = match &self.broker {
-            Some(b) => match b.prepare_reload(&new) {
+            Some(b) => match b.prepare_reload(&applied_cfg) {
                 Ok(p) => Some(p),
                 Err(e) => return self.refused(format!("configuration: {e}")),
             },

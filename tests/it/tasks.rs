@@ -1599,5 +1599,37 @@ async fn users_approve_with_a_password() {
     assert_eq!(user(&["remove", "bob"], None).status.code(), Some(1));
     let (st, _) = as_bob("a brand new passphrase", approve, json!({})).await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
+    // Guessing: after five failures in a minute a name is refused without
+    // a check, the right password included.
+    let out = user(
+        &["add", "eve", "--tenant", "acme"],
+        Some("eve's long password\n"),
+    );
+    assert!(out.status.success());
+    let as_eve = |password: &'static str| {
+        let (http, url) = (s.http.clone(), format!("{}/v1/leases", s.url));
+        async move {
+            http.get(url)
+                .basic_auth("eve", Some(password))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    // (A signed-in credential stays in the cache meanwhile: guessing
+    // cannot lock out someone already signed in.)
+    for _ in 0..cube_adapter::auth::MAX_FAILURES {
+        assert_eq!(as_eve("a wrong guess here").await, StatusCode::UNAUTHORIZED);
+    }
+    let r = s
+        .http
+        .get(format!("{}/v1/leases", s.url))
+        .basic_auth("eve", Some("eve's long password"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(code(&r.json().await.unwrap()), "sign_in_throttled");
     s.stop().await;
 }
