@@ -477,6 +477,17 @@ impl Drop for FlightTicket {
     }
 }
 
+/// Whether `secret` matches an argon2 PHC string (blocking: tens of ms).
+fn matches_hash(hash: &str, secret: &[u8]) -> bool {
+    PasswordHash::new(hash)
+        .map(|h| {
+            argon2::Argon2::default()
+                .verify_password(secret, &h)
+                .is_ok()
+        })
+        .unwrap_or(false)
+}
+
 /// A PHC string to check against when a user is unknown or disabled, so
 /// that the answer takes as long as for a known one (made once).
 fn dummy_hash() -> &'static str {
@@ -674,13 +685,7 @@ impl Authenticator {
         let pw = password.to_string();
         let ok = tokio::task::spawn_blocking(move || {
             let hash = hash.unwrap_or_else(|| dummy_hash().to_string());
-            PasswordHash::new(&hash)
-                .map(|h| {
-                    argon2::Argon2::default()
-                        .verify_password(pw.as_bytes(), &h)
-                        .is_ok()
-                })
-                .unwrap_or(false)
+            matches_hash(&hash, pw.as_bytes())
         })
         .await
         .map_err(|_| AuthError::Unavailable)?;
@@ -758,17 +763,9 @@ impl Authenticator {
             .map_err(|_| AuthError::Unavailable)?;
         let token = token.to_string();
         let hash = rec.hash.clone();
-        let ok = tokio::task::spawn_blocking(move || {
-            PasswordHash::new(&hash)
-                .map(|h| {
-                    argon2::Argon2::default()
-                        .verify_password(token.as_bytes(), &h)
-                        .is_ok()
-                })
-                .unwrap_or(false)
-        })
-        .await
-        .map_err(|_| AuthError::Unavailable)?;
+        let ok = tokio::task::spawn_blocking(move || matches_hash(&hash, token.as_bytes()))
+            .await
+            .map_err(|_| AuthError::Unavailable)?;
         if ok {
             Ok(rec.principal)
         } else {

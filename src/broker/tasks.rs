@@ -1027,29 +1027,34 @@ impl Broker {
 
     /// The task's lease, wherever its record says it is (or, after an
     /// interrupted setup, wherever a lease marked with it is).
-    fn task_lease(&self, task: &Task) -> Result<Option<Lease>> {
+    async fn task_lease(&self, task: &Task) -> Result<Option<Lease>> {
         let tr = task.task_ref.clone();
         let known = task.lease_ref.clone();
-        Ok(self.inner.store.read_now(move |txn| {
-            let t = txn.open_table(tables::LEASES)?;
-            if let Some(r) = known {
-                return get_json::<Lease>(&t, &r);
-            }
-            for item in t.iter()? {
-                let (_, v) = item?;
-                let l: Lease = codec::decode(v.value())?;
-                if l.task_ref.as_deref() == Some(tr.as_str()) {
-                    return Ok(Some(l));
+        // A scan (after an interrupted setup): on the blocking pool.
+        Ok(self
+            .inner
+            .store
+            .read(move |txn| {
+                let t = txn.open_table(tables::LEASES)?;
+                if let Some(r) = known {
+                    return get_json::<Lease>(&t, &r);
                 }
-            }
-            Ok(None)
-        })?)
+                for item in t.iter()? {
+                    let (_, v) = item?;
+                    let l: Lease = codec::decode(v.value())?;
+                    if l.task_ref.as_deref() == Some(tr.as_str()) {
+                        return Ok(Some(l));
+                    }
+                }
+                Ok(None)
+            })
+            .await?)
     }
 
     /// Kill the task's sandbox (and forget its lease): `verified` when it
     /// is gone, `pending` when it could not be killed (retried later).
     async fn kill_task_lease(&self, tp: &Principal, ctx: &Ctx, task: &Task) -> &'static str {
-        let lease = match self.task_lease(task) {
+        let lease = match self.task_lease(task).await {
             Ok(Some(l)) => l,
             Ok(None) => return "verified",
             Err(_) => return "pending",
@@ -1072,7 +1077,7 @@ impl Broker {
             // Its setup holds the lock while it runs: this one was cut
             // short (a restart). A job it started is adopted, never re-run;
             // a sandbox without one is ended.
-            let lease = self.task_lease(&task)?;
+            let lease = self.task_lease(&task).await?;
             let job = match &lease {
                 Some(l) => {
                     let lr = l.lease_ref.clone();

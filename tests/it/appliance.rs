@@ -950,9 +950,19 @@ impl ProcRig {
 
     /// POST (with a body) or GET (without) as the admin.
     pub async fn call(&self, url: String, body: Option<Value>) -> (StatusCode, Value) {
+        self.call_as(&self.admin, url, body).await
+    }
+
+    /// As `call`, with another token.
+    pub async fn call_as(
+        &self,
+        token: &str,
+        url: String,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
         let r = match body {
-            Some(b) => self.http.post(url).bearer_auth(&self.admin).json(&b),
-            None => self.http.get(url).bearer_auth(&self.admin),
+            Some(b) => self.http.post(url).bearer_auth(token).json(&b),
+            None => self.http.get(url).bearer_auth(token),
         };
         let r = r.send().await.unwrap();
         let st = r.status();

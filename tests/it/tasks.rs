@@ -972,16 +972,8 @@ async fn call(
     path: &str,
     body: Value,
 ) -> (StatusCode, Value) {
-    let r = rig
-        .http
-        .post(format!("{}{path}", p.url))
-        .bearer_auth(token)
-        .json(&body)
-        .send()
+    rig.call_as(token, format!("{}{path}", p.url), Some(body))
         .await
-        .unwrap();
-    let st = r.status();
-    (st, r.json().await.unwrap_or(Value::Null))
 }
 
 /// Fork (row 32): a new lease from a checkpoint, independent of its source,
