@@ -9,9 +9,11 @@
 pub mod cgroup;
 pub mod envd;
 pub mod launch;
+pub mod procs;
 pub mod proxy;
 pub mod sandbox;
 pub mod sys;
+pub mod tree;
 
 use std::sync::Arc;
 use std::time::Duration;

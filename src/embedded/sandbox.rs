@@ -4,6 +4,7 @@
 //! re-adopted when it starts again.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -15,12 +16,17 @@ use time::format_description::well_known::Rfc3339;
 
 use super::cgroup::{self, Groups};
 use super::launch::{self, InitInfo, Isolation, LaunchSpec, Limits};
+use super::procs::Tree;
+use super::tree::{self, Shift};
 use crate::cube::wire::{self, CreateSandbox, Sandbox, SandboxDetail, SnapshotInfo, TemplateInfo};
 
 /// Host uid that the first sandbox's root maps to (each sandbox gets its own
 /// range of 65536 ids above it, so rlimits and file ownership never mix).
 pub const DEFAULT_UID_BASE: u32 = 0x4000_0000;
 const IDS_PER_SANDBOX: u32 = 65536;
+/// The directories of `state/` a sandbox writes (its `/workspace`, `/tmp`
+/// and `/root`).
+const WRITABLE: [&str; 3] = ["workspace", "tmp", "home"];
 pub const HOST_TEMPLATE: &str = "host";
 
 /// A template backed by a root directory.
@@ -122,6 +128,17 @@ pub struct Meta {
     pub isolated: bool,
     pub init: InitInfo,
     pub groups: Groups,
+}
+
+impl Meta {
+    /// The sandbox's processes.
+    pub fn tree(&self) -> Tree<'_> {
+        Tree {
+            init: &self.init,
+            groups: &self.groups,
+            isolated: self.isolated,
+        }
+    }
 }
 
 /// Persistent record of one snapshot (`snapshots/<id>/meta.json`).
@@ -304,7 +321,7 @@ impl Manager {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             match meta {
-                Some(m) if init_alive(&m) => {
+                Some(m) if m.tree().init_alive() => {
                     tracing::info!(sandbox = %short(&m.id), "re-adopted running sandbox");
                     if let Ok(mut map) = self.entries.lock() {
                         map.insert(
@@ -319,10 +336,10 @@ impl Manager {
                 Some(m) => {
                     tracing::info!(sandbox = %short(&m.id), "sandbox ended while the backend was down; cleaning up");
                     m.groups.remove();
-                    let _ = std::fs::remove_dir_all(&path);
+                    let _ = tree::remove_tree(&path);
                 }
                 None => {
-                    let _ = std::fs::remove_dir_all(&path);
+                    let _ = tree::remove_tree(&path);
                 }
             }
         }
@@ -338,7 +355,7 @@ impl Manager {
                     }
                 }
                 None => {
-                    let _ = std::fs::remove_dir_all(e.path());
+                    let _ = tree::remove_tree(&e.path());
                 }
             }
         }
@@ -547,7 +564,7 @@ impl Manager {
                 let d = dir.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     g.remove();
-                    let _ = std::fs::remove_dir_all(d);
+                    let _ = tree::remove_tree(&d);
                 })
                 .await;
                 return Err(e);
@@ -596,24 +613,32 @@ impl Manager {
                 .map_err(|e| internal("create sandbox dir", e))?;
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
                 .map_err(|e| internal("chmod", e))?;
-            for (sub, mode) in [("workspace", 0o755), ("tmp", 0o1777), ("home", 0o700)] {
+            for (sub, mode) in WRITABLE.into_iter().zip([0o755, 0o1777, 0o700]) {
                 let p = d.join("state").join(sub);
                 std::fs::create_dir_all(&p).map_err(|e| internal("create sandbox dir", e))?;
-                if let Some((src, from_uid, from_gid)) = &snap_data {
-                    let shift = Shift {
-                        from_uid: *from_uid,
-                        from_gid: *from_gid,
-                        to_uid: spec2.host_uid,
-                        to_gid: spec2.host_gid,
-                        count: spec2.id_count,
-                    };
-                    copy_tree(&src.join(sub), &p, &shift)
-                        .map_err(|e| internal("restore snapshot", e))?;
-                }
                 std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode))
                     .map_err(|e| internal("chmod", e))?;
                 std::os::unix::fs::chown(&p, Some(spec2.host_uid), Some(spec2.host_gid))
                     .map_err(|e| internal("chown", e))?;
+            }
+            // A clone: the snapshot's files, before any process exists.
+            if let Some((src, from_uid, from_gid)) = &snap_data {
+                let shift = Shift {
+                    from_uid: *from_uid,
+                    from_gid: *from_gid,
+                    to_uid: spec2.host_uid,
+                    to_gid: spec2.host_gid,
+                    count: spec2.id_count,
+                };
+                let copy = || -> std::io::Result<()> {
+                    let from = tree::open_dir(src)?;
+                    let to = tree::open_dir(&d.join("state"))?;
+                    for sub in WRITABLE {
+                        tree::copy_sub(from.as_fd(), to.as_fd(), sub, &shift)?;
+                    }
+                    Ok(())
+                };
+                copy().map_err(|e| internal("restore snapshot", e))?;
             }
             write_json_atomic(&d.join(launch::SPEC_FILE), &spec2)
                 .map_err(|e| internal("write spec", e))
@@ -736,12 +761,14 @@ impl Manager {
         if let Ok(mut m) = self.entries.lock() {
             m.remove(id);
         }
-        terminate(&meta).await;
+        meta.tree().terminate(meta.state == State::Paused).await;
         let dir = self.sandbox_dir(id);
         let groups = meta.groups.clone();
         tokio::task::spawn_blocking(move || {
             groups.remove();
-            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = tree::remove_tree(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "could not remove a killed sandbox's files");
+            }
         })
         .await
         .map_err(|e| internal("cleanup", e))?;
@@ -801,7 +828,10 @@ impl Manager {
                 "sandbox {id} is already paused"
             )));
         }
-        freeze(&meta, true).await?;
+        meta.tree()
+            .freeze(true)
+            .await
+            .map_err(|e| internal("freeze", e))?;
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Paused;
         }
@@ -831,7 +861,10 @@ impl Manager {
             )));
         }
         if meta.state == State::Paused {
-            freeze(&meta, false).await?;
+            meta.tree()
+                .freeze(false)
+                .await
+                .map_err(|e| internal("thaw", e))?;
         }
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Running;
@@ -882,7 +915,10 @@ impl Manager {
             .clone();
         let was_running = meta.state == State::Running;
         if was_running {
-            freeze(&meta, true).await?;
+            meta.tree()
+                .freeze(true)
+                .await
+                .map_err(|e| internal("freeze", e))?;
         }
         let snap_id = format!("snap-{}", random_hex(12));
         let sdir = self.snapshot_dir(&snap_id);
@@ -890,28 +926,33 @@ impl Manager {
         let (uid, gid) = (meta.host_uid, meta.host_gid);
         let sd = sdir.clone();
         let copied = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            std::fs::create_dir_all(sd.join("data"))?;
-            let keep = Shift {
-                from_uid: uid,
-                from_gid: gid,
-                to_uid: uid,
-                to_gid: gid,
-                count: u32::MAX,
-            };
-            for sub in ["workspace", "tmp", "home"] {
-                let d = sd.join("data").join(sub);
-                std::fs::create_dir_all(&d)?;
-                copy_tree(&src.join(sub), &d, &keep)?;
+            std::fs::create_dir_all(&sd)?;
+            std::fs::set_permissions(&sd, std::fs::Permissions::from_mode(0o700))?;
+            let data = tree::make_dir_at(tree::open_dir(&sd)?.as_fd(), "data")?;
+            let from = tree::open_dir(&src)?;
+            let keep = Shift::keep(uid, gid);
+            for sub in WRITABLE {
+                drop(tree::make_dir_at(data.as_fd(), sub)?);
+                tree::copy_sub(from.as_fd(), data.as_fd(), sub, &keep)?;
             }
             Ok(())
         })
         .await
         .map_err(|e| internal("snapshot", e));
         if was_running {
-            let _ = freeze(&meta, false).await;
+            let _ = meta.tree().freeze(false).await;
         }
-        if let Err(e) = copied.and_then(|r| r.map_err(|e| internal("snapshot", e))) {
-            let _ = std::fs::remove_dir_all(&sdir);
+        let copied = copied.and_then(|r| {
+            r.map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidInput => {
+                    BackendError::Conflict(format!("cannot snapshot sandbox {id}: {e}"))
+                }
+                _ => internal("snapshot", e),
+            })
+        });
+        if let Err(e) = copied {
+            let sd = sdir.clone();
+            let _ = tokio::task::spawn_blocking(move || tree::remove_tree(&sd)).await;
             return Err(e);
         }
         let names = vec![name.unwrap_or_else(|| snap_id.clone())];
@@ -970,7 +1011,7 @@ impl Manager {
             return Err(BackendError::SnapshotNotFound(id.to_string()));
         }
         let d = self.snapshot_dir(id);
-        tokio::task::spawn_blocking(move || std::fs::remove_dir_all(d))
+        tokio::task::spawn_blocking(move || tree::remove_tree(&d))
             .await
             .map_err(|e| internal("delete snapshot", e))?
             .map_err(|e| internal("delete snapshot", e))
@@ -978,6 +1019,13 @@ impl Manager {
 
     /// `POST /sandboxes/{id}/rollback`: end every process but the agent,
     /// restore the writable state from the snapshot. Same sandbox id.
+    ///
+    /// The snapshot is first copied into a staging directory the sandbox
+    /// cannot reach; then the sandbox is held ([`Tree::hold`]: every other
+    /// process killed, init and agent stopped, checked), its directories
+    /// emptied and the staged entries renamed in, all by descriptor
+    /// (`tree.rs`); then init and agent run again. When the sandbox cannot be
+    /// held, or the copy fails, nothing of its files has changed.
     pub async fn rollback(
         &self,
         id: &str,
@@ -993,11 +1041,12 @@ impl Manager {
             .lock()
             .map_err(|_| internal("state", "poisoned"))?
             .clone();
-        if meta.state == State::Paused {
-            freeze(&meta, false).await?;
+        if !meta.tree().init_alive() {
+            return Err(BackendError::Conflict(format!(
+                "sandbox {id} is not running"
+            )));
         }
-        kill_user_processes(&meta).await;
-        let state = self.sandbox_dir(id).join("state");
+        let dir = self.sandbox_dir(id);
         let data = self.snapshot_dir(snap_id).join("data");
         let shift = Shift {
             from_uid: snap.host_uid,
@@ -1006,17 +1055,38 @@ impl Manager {
             to_gid: meta.host_gid,
             count: if meta.isolated { IDS_PER_SANDBOX } else { 1 },
         };
-        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            for sub in ["workspace", "tmp", "home"] {
-                let d = state.join(sub);
-                clear_dir(&d)?;
-                copy_tree(&data.join(sub), &d, &shift)?;
+        let staging = dir.join("restore");
+        let st = staging.clone();
+        tokio::task::spawn_blocking(move || stage(&data, &st, &shift))
+            .await
+            .map_err(|e| internal("rollback", e))?
+            .map_err(|e| {
+                let _ = tree::remove_tree(&staging);
+                match e.kind() {
+                    std::io::ErrorKind::InvalidInput => {
+                        BackendError::Conflict(format!("rollback refused, nothing restored: {e}"))
+                    }
+                    _ => internal("rollback: copying the snapshot, nothing restored", e),
+                }
+            })?;
+        let held = match meta.tree().hold().await {
+            Ok(h) => h,
+            Err(why) => {
+                let st = staging.clone();
+                let _ = tokio::task::spawn_blocking(move || tree::remove_tree(&st)).await;
+                tracing::warn!(sandbox = %short(id), reason = %why, "rollback refused");
+                return Err(BackendError::Conflict(format!(
+                    "rollback refused, nothing restored: {why}; try again"
+                )));
             }
-            Ok(())
-        })
-        .await
-        .map_err(|e| internal("rollback", e))?
-        .map_err(|e| internal("rollback", e))?;
+        };
+        let state = dir.join("state");
+        let st = staging.clone();
+        let swapped = tokio::task::spawn_blocking(move || swap_in(&st, &state)).await;
+        held.release();
+        swapped
+            .map_err(|e| internal("rollback", e))?
+            .map_err(|e| internal("rollback: the sandbox's files are incomplete", e))?;
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Running;
         }
@@ -1070,7 +1140,7 @@ impl Manager {
             if m.init.pid == 0 {
                 continue;
             }
-            let dead = !init_alive(&m);
+            let dead = !m.tree().init_alive();
             let due = m.end_at.is_some_and(|t| t <= now);
             if dead {
                 tracing::warn!(sandbox = %short(&m.id), "sandbox init exited; removing the sandbox");
@@ -1112,336 +1182,31 @@ fn num_cpus() -> u32 {
         .unwrap_or(1)
 }
 
-/// Whether the sandbox's init still runs (same pid and start time, not a
-/// zombie waiting to be reaped).
-fn init_alive(m: &Meta) -> bool {
-    launch::process_start_time(m.init.pid) == Some(m.init.start_time) && !is_zombie(m.init.pid)
-}
-
-/// The pid namespace of a host process.
-fn pid_ns(pid: i32) -> Option<PathBuf> {
-    std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok()
-}
-
-/// Every host pid in the sandbox: its pid namespace (isolated) or its
-/// cgroups / process tree (not isolated).
-pub fn sandbox_pids(meta: &Meta) -> Vec<i32> {
-    let mut pids = meta.groups.pids();
-    if meta.isolated {
-        if let Some(ns) = pid_ns(meta.init.pid) {
-            for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                    continue;
-                };
-                if pid_ns(pid).as_ref() == Some(&ns) {
-                    pids.push(pid);
-                }
-            }
-        }
-    } else {
-        pids.extend(descendants(meta.init.pid));
-        pids.push(meta.init.pid);
-    }
-    pids.sort_unstable();
-    pids.dedup();
-    pids
-}
-
-fn parent_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    rest.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn descendants(root: i32) -> Vec<i32> {
-    let all: Vec<(i32, i32)> = std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()))
-        .filter_map(|p| parent_of(p).map(|pp| (p, pp)))
-        .collect();
-    let mut out = vec![];
-    let mut frontier = vec![root];
-    while let Some(p) = frontier.pop() {
-        for (c, pp) in &all {
-            if *pp == p && !out.contains(c) {
-                out.push(*c);
-                frontier.push(*c);
-            }
-        }
-    }
-    out
-}
-
-fn send(pid: i32, sig: nix::sys::signal::Signal) {
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), sig);
-}
-
-/// Freeze or thaw: the cgroup freezer, else SIGSTOP/SIGCONT every process.
-async fn freeze(meta: &Meta, frozen: bool) -> Result<(), BackendError> {
-    if meta.groups.can_freeze() {
-        return meta
-            .groups
-            .set_frozen(frozen)
-            .await
-            .map_err(|e| internal("freeze", e));
-    }
-    let sig = if frozen {
-        nix::sys::signal::Signal::SIGSTOP
-    } else {
-        nix::sys::signal::Signal::SIGCONT
-    };
-    for pid in sandbox_pids(meta) {
-        send(pid, sig);
+/// Copy a snapshot's `data/` into a fresh staging directory (the backend's
+/// alone: `sandboxes/<id>/restore`, never mounted in the sandbox).
+fn stage(data: &Path, staging: &Path, shift: &Shift) -> std::io::Result<()> {
+    tree::remove_tree(staging)?;
+    std::fs::create_dir(staging)?;
+    std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o700))?;
+    let from = tree::open_dir(data)?;
+    let to = tree::open_dir(staging)?;
+    for sub in WRITABLE {
+        drop(tree::make_dir_at(to.as_fd(), sub)?);
+        tree::copy_sub(from.as_fd(), to.as_fd(), sub, shift)?;
     }
     Ok(())
 }
 
-/// End every process of the sandbox and wait until they are gone.
-async fn terminate(meta: &Meta) {
-    use nix::sys::signal::Signal;
-    if meta.init.pid == 0 || launch::process_start_time(meta.init.pid) != Some(meta.init.start_time)
-    {
-        return;
+/// Empty the sandbox's writable directories and move the staged entries in,
+/// by descriptor; then remove the staging directory.
+fn swap_in(staging: &Path, state: &Path) -> std::io::Result<()> {
+    let from = tree::open_dir(staging)?;
+    let to = tree::open_dir(state)?;
+    for sub in WRITABLE {
+        let staged = tree::open_sub(from.as_fd(), sub)?;
+        let live = tree::open_sub(to.as_fd(), sub)?;
+        tree::clear_fd(live.try_clone()?)?;
+        tree::move_all(staged.as_fd(), live.as_fd())?;
     }
-    let pids = sandbox_pids(meta);
-    meta.groups.kill_all();
-    for pid in &pids {
-        send(*pid, Signal::SIGKILL);
-    }
-    // Frozen tasks only die once thawed.
-    if meta.state == State::Paused {
-        if meta.groups.can_freeze() {
-            let _ = meta.groups.set_frozen(false).await;
-        }
-        for pid in &pids {
-            send(*pid, Signal::SIGCONT);
-        }
-    }
-    let mut pause = Duration::from_micros(500);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while tokio::time::Instant::now() < deadline {
-        // The init dies last: the kernel ends every other process of its
-        // pid namespace before the init itself becomes a zombie.
-        let init_alive = launch::process_start_time(meta.init.pid) == Some(meta.init.start_time)
-            && !is_zombie(meta.init.pid);
-        let alive = init_alive
-            || sandbox_pids(meta)
-                .into_iter()
-                .any(|p| launch::process_start_time(p).is_some() && !is_zombie(p));
-        if !alive {
-            break;
-        }
-        for pid in sandbox_pids(meta) {
-            send(pid, Signal::SIGKILL);
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(50));
-    }
-}
-
-fn is_zombie(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.get(s.rfind(')')? + 2..)
-                .and_then(|r| r.split_whitespace().next())
-                .map(|st| st == "Z" || st == "X")
-        })
-        .unwrap_or(true)
-}
-
-/// SIGKILL every process of the sandbox except its init and the agent.
-async fn kill_user_processes(meta: &Meta) {
-    let init = meta.init.pid;
-    let agent = descendants(init)
-        .into_iter()
-        .filter(|p| parent_of(*p) == Some(init))
-        .min_by_key(|p| launch::process_start_time(*p).unwrap_or(u64::MAX));
-    for _ in 0..100 {
-        let victims: Vec<i32> = sandbox_pids(meta)
-            .into_iter()
-            .filter(|p| *p != init && Some(*p) != agent && !is_zombie(*p))
-            .collect();
-        if victims.is_empty() {
-            return;
-        }
-        for p in victims {
-            send(p, nix::sys::signal::Signal::SIGKILL);
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// Map file ownership from one sandbox's id range to another's.
-pub struct Shift {
-    pub from_uid: u32,
-    pub from_gid: u32,
-    pub to_uid: u32,
-    pub to_gid: u32,
-    pub count: u32,
-}
-
-impl Shift {
-    fn uid(&self, u: u32) -> u32 {
-        match u.checked_sub(self.from_uid) {
-            Some(off) if off < self.count => self.to_uid.saturating_add(off),
-            _ => self.to_uid,
-        }
-    }
-    fn gid(&self, g: u32) -> u32 {
-        match g.checked_sub(self.from_gid) {
-            Some(off) if off < self.count => self.to_gid.saturating_add(off),
-            _ => self.to_gid,
-        }
-    }
-}
-
-/// Copy a directory tree, shifting owners, without ever following a
-/// symbolic link inside `src`: every directory and file is opened relative
-/// to its parent's descriptor with `O_NOFOLLOW` (and files with
-/// `O_NONBLOCK`, then checked to be regular). A sandbox that swaps a
-/// directory or file for a link (or a FIFO) while its tree is copied, with
-/// root privileges, cannot make the copy read anything outside the tree.
-pub fn copy_tree(src: &Path, dst: &Path, shift: &Shift) -> std::io::Result<()> {
-    use nix::fcntl::OFlag;
-    use nix::sys::stat::Mode;
-    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    match nix::fcntl::open(src, flags, Mode::empty()) {
-        Ok(fd) => copy_dir_fd(fd, dst, shift),
-        Err(nix::errno::Errno::ENOENT) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn copy_dir_fd(dir: std::os::fd::OwnedFd, dst: &Path, shift: &Shift) -> std::io::Result<()> {
-    use nix::fcntl::{AtFlags, OFlag};
-    use nix::sys::stat::{Mode, SFlag};
-    use std::os::unix::ffi::OsStrExt;
-    let names: Vec<std::ffi::CString> = {
-        let mut d = nix::dir::Dir::from_fd(dir.try_clone()?)?;
-        d.iter()
-            .filter_map(Result::ok)
-            .map(|e| e.file_name().to_owned())
-            .filter(|n| n.as_bytes() != b"." && n.as_bytes() != b"..")
-            .collect()
-    };
-    for name in names {
-        let to = dst.join(std::ffi::OsStr::from_bytes(name.as_bytes()));
-        let st = match nix::sys::stat::fstatat(&dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
-        {
-            Ok(st) => st,
-            Err(nix::errno::Errno::ENOENT) => continue, // removed meanwhile
-            Err(e) => return Err(e.into()),
-        };
-        let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
-        let (uid, gid, mode) = if kind == SFlag::S_IFLNK {
-            let target = nix::fcntl::readlinkat(&dir, name.as_c_str())?;
-            std::os::unix::fs::symlink(target, &to)?;
-            (st.st_uid, st.st_gid, None)
-        } else if kind == SFlag::S_IFDIR {
-            let sub = nix::fcntl::openat(
-                &dir,
-                name.as_c_str(),
-                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-                Mode::empty(),
-            )?;
-            let st = nix::sys::stat::fstat(&sub)?;
-            std::fs::create_dir(&to)?;
-            copy_dir_fd(sub, &to, shift)?;
-            (st.st_uid, st.st_gid, Some(st.st_mode & 0o7777))
-        } else if kind == SFlag::S_IFREG {
-            let fd = nix::fcntl::openat(
-                &dir,
-                name.as_c_str(),
-                OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
-                Mode::empty(),
-            )?;
-            let st = nix::sys::stat::fstat(&fd)?;
-            if SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits()) != SFlag::S_IFREG {
-                continue; // swapped for something else meanwhile
-            }
-            let mut from = std::fs::File::from(fd);
-            let mut out = std::fs::File::create_new(&to)?;
-            std::io::copy(&mut from, &mut out)?;
-            if let Ok(mtime) = from.metadata().and_then(|m| m.modified()) {
-                let _ = out.set_modified(mtime);
-            }
-            (st.st_uid, st.st_gid, Some(st.st_mode & 0o7777))
-        } else {
-            continue;
-        };
-        if let Some(m) = mode {
-            std::fs::set_permissions(&to, std::fs::Permissions::from_mode(m))?;
-        }
-        std::os::unix::fs::lchown(&to, Some(shift.uid(uid)), Some(shift.gid(gid)))?;
-    }
-    Ok(())
-}
-
-/// Remove everything inside a directory, keeping the directory.
-pub fn clear_dir(dir: &Path) -> std::io::Result<()> {
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        if e.file_type()?.is_dir() {
-            std::fs::remove_dir_all(e.path())?;
-        } else {
-            std::fs::remove_file(e.path())?;
-        }
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Links are copied as links (never followed), FIFOs and sockets are
-    /// skipped, files keep their bytes and modes.
-    #[test]
-    fn copy_tree_never_follows_links() {
-        let t = tempfile::tempdir().unwrap();
-        let (src, dst) = (t.path().join("src"), t.path().join("dst"));
-        std::fs::create_dir_all(src.join("sub")).unwrap();
-        std::fs::write(src.join("sub/f"), b"data").unwrap();
-        std::fs::set_permissions(src.join("sub/f"), std::fs::Permissions::from_mode(0o640))
-            .unwrap();
-        std::os::unix::fs::symlink("/etc", src.join("etc-link")).unwrap();
-        std::os::unix::fs::symlink("/etc/hostname", src.join("file-link")).unwrap();
-        nix::unistd::mkfifo(
-            &src.join("fifo"),
-            nix::sys::stat::Mode::from_bits_truncate(0o600),
-        )
-        .unwrap();
-        std::fs::create_dir(&dst).unwrap();
-        let me = (
-            nix::unistd::getuid().as_raw(),
-            nix::unistd::getgid().as_raw(),
-        );
-        let keep = Shift {
-            from_uid: me.0,
-            from_gid: me.1,
-            to_uid: me.0,
-            to_gid: me.1,
-            count: 1,
-        };
-        copy_tree(&src, &dst, &keep).unwrap();
-        assert_eq!(std::fs::read(dst.join("sub/f")).unwrap(), b"data");
-        let mode = std::fs::metadata(dst.join("sub/f"))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o640);
-        for l in ["etc-link", "file-link"] {
-            let md = std::fs::symlink_metadata(dst.join(l)).unwrap();
-            assert!(md.file_type().is_symlink(), "{l} was followed");
-        }
-        assert!(!dst.join("fifo").exists());
-        // A source that is itself a link is not followed either.
-        let dst2 = t.path().join("dst2");
-        std::fs::create_dir(&dst2).unwrap();
-        assert!(copy_tree(&src.join("etc-link"), &dst2, &keep).is_err());
-        assert_eq!(std::fs::read_dir(&dst2).unwrap().count(), 0);
-    }
+    tree::remove_tree(staging)
 }
