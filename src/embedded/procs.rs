@@ -20,16 +20,27 @@ use super::launch::{self, InitInfo};
 /// How many freeze-kill-check rounds [`hold`] tries before it gives up.
 const HOLD_ROUNDS: usize = 10;
 
-/// The processes of one sandbox, as the backend knows them.
-pub struct Tree<'a> {
-    pub init: &'a InitInfo,
-    pub groups: &'a Groups,
+/// The processes of one sandbox, as the backend knows them. The async
+/// methods scan `/proc` on the blocking pool.
+#[derive(Debug, Clone)]
+pub struct Tree {
+    pub init: InitInfo,
+    pub groups: Groups,
     /// Own pid namespace (the init is a namespace init, the agent its
     /// child); without, the init *is* the agent.
     pub isolated: bool,
 }
 
-impl Tree<'_> {
+impl Tree {
+    /// Run a scan of `/proc` (or anything else that blocks) off the async
+    /// workers.
+    async fn scan<T: Send + Default + 'static>(&self, f: fn(&Tree) -> T) -> T {
+        let t = self.clone();
+        tokio::task::spawn_blocking(move || f(&t))
+            .await
+            .unwrap_or_default()
+    }
+
     /// Whether the init still runs (same pid and start time, not a zombie).
     pub fn init_alive(&self) -> bool {
         self.init.pid != 0
@@ -92,7 +103,7 @@ impl Tree<'_> {
         if frozen {
             stop_all(self).await;
         } else {
-            for pid in self.pids() {
+            for pid in self.scan(Tree::pids).await {
                 send(pid, Signal::SIGCONT);
             }
         }
@@ -109,7 +120,7 @@ impl Tree<'_> {
             return;
         }
         let frozen = self.groups.can_freeze() && self.groups.set_frozen(true).await.is_ok();
-        let pids = self.pids();
+        let pids = self.scan(Tree::pids).await;
         self.groups.kill_all();
         for pid in &pids {
             send(*pid, Signal::SIGKILL);
@@ -128,10 +139,11 @@ impl Tree<'_> {
         while tokio::time::Instant::now() < deadline {
             // The init dies last: the kernel ends every other process of its
             // pid namespace before the init itself becomes a zombie.
-            if !self.init_alive() && self.live().is_empty() {
+            let pids = self.scan(Tree::pids).await;
+            if !self.init_alive() && pids.iter().all(|p| is_zombie(*p)) {
                 return;
             }
-            for pid in self.pids() {
+            for pid in pids {
                 send(pid, Signal::SIGKILL);
             }
             tokio::time::sleep(pause).await;
@@ -150,14 +162,14 @@ impl Tree<'_> {
     /// stop), then checks: only ours left, and every thread of them stopped.
     /// Fails, with the sandbox running again, when rounds run out.
     pub async fn hold(&self) -> Result<Held, String> {
-        let ours = self.ours();
+        let ours = self.scan(Tree::ours).await;
         let mut left = vec![];
         for _ in 0..HOLD_ROUNDS {
             let frozen = self.groups.can_freeze() && self.groups.set_frozen(true).await.is_ok();
             if !frozen {
                 stop_all(self).await;
             }
-            for pid in self.live() {
+            for pid in self.scan(Tree::live).await {
                 if ours.contains(&pid) {
                     send(pid, Signal::SIGSTOP);
                 } else {
@@ -172,7 +184,8 @@ impl Tree<'_> {
             let mut pause = Duration::from_micros(200);
             loop {
                 left = self
-                    .live()
+                    .scan(Tree::live)
+                    .await
                     .into_iter()
                     .filter(|p| !ours.contains(p))
                     .collect();
@@ -219,10 +232,10 @@ impl Held {
 
 /// SIGSTOP every process, again and again, until a listing finds every one
 /// stopped (or dead) and no new one (at most 200 rounds).
-async fn stop_all(tree: &Tree<'_>) {
+async fn stop_all(tree: &Tree) {
     let mut before: Vec<i32> = vec![];
     for _ in 0..200 {
-        let now = tree.live();
+        let now = tree.scan(Tree::live).await;
         for pid in &now {
             if !stopped(*pid) {
                 send(*pid, Signal::SIGSTOP);

@@ -132,10 +132,10 @@ pub struct Meta {
 
 impl Meta {
     /// The sandbox's processes.
-    pub fn tree(&self) -> Tree<'_> {
+    pub fn tree(&self) -> Tree {
         Tree {
-            init: &self.init,
-            groups: &self.groups,
+            init: self.init.clone(),
+            groups: self.groups.clone(),
             isolated: self.isolated,
         }
     }

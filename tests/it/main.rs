@@ -16,6 +16,7 @@ mod embedded;
 mod jobs;
 mod mcp;
 mod ptys;
+mod rollback_race;
 mod sdk;
 mod service;
 mod tasks;
