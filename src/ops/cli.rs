@@ -690,32 +690,34 @@ pub fn backup(config_path: Option<&Path>, state: Option<&Path>, file: &Path, for
 fn extract(file: &Path, stage: &Path) -> Result<Manifest, String> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
     let f = std::fs::File::open(file).map_err(|e| format!("open {}: {e}", file.display()))?;
-    let mut r = super::tar::TarReader::new(std::io::BufReader::new(f));
+    let mut a = tar::Archive::new(std::io::BufReader::new(f));
     let mut manifest = None;
-    while let Some(e) = r
-        .next_entry()
-        .map_err(|e| format!("{}: {e}", file.display()))?
-    {
-        match e {
-            super::tar::Entry::Dir { name, mode } => {
+    let entries = a
+        .entries()
+        .map_err(|e| format!("{}: {e}", file.display()))?;
+    for e in entries {
+        let mut e = e.map_err(|e| format!("{}: {e}", file.display()))?;
+        let (name, kind, mode) =
+            super::tar::check(&e).map_err(|err| format!("{}: {err}", file.display()))?;
+        match kind {
+            super::tar::Kind::Dir => {
                 let p = stage.join(&name);
                 std::fs::DirBuilder::new()
                     .recursive(true)
                     .mode(0o700)
                     .create(&p)
                     .map_err(|e| format!("create {}: {e}", p.display()))?;
-                let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode));
+                let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode & 0o700));
             }
-            super::tar::Entry::File { name, mode, .. } if name == "MANIFEST.json" => {
-                let _ = mode;
+            super::tar::Kind::File { .. } if name == "MANIFEST.json" => {
                 let mut b = vec![];
-                r.copy_to(&mut b).map_err(|e| e.to_string())?;
+                std::io::Read::read_to_end(&mut e, &mut b).map_err(|e| e.to_string())?;
                 manifest = Some(
                     serde_json::from_slice::<Manifest>(&b)
                         .map_err(|e| format!("MANIFEST.json: {e}"))?,
                 );
             }
-            super::tar::Entry::File { name, mode, .. } => {
+            super::tar::Kind::File { .. } => {
                 let p = stage.join(&name);
                 let mut out = std::fs::OpenOptions::new()
                     .write(true)
@@ -723,8 +725,7 @@ fn extract(file: &Path, stage: &Path) -> Result<Manifest, String> {
                     .mode(mode & 0o700)
                     .open(&p)
                     .map_err(|e| format!("create {}: {e}", p.display()))?;
-                r.copy_to(&mut out)
-                    .map_err(|e| format!("{}: {e}", file.display()))?;
+                std::io::copy(&mut e, &mut out).map_err(|e| format!("{}: {e}", file.display()))?;
                 out.sync_all().map_err(|e| e.to_string())?;
             }
         }

@@ -108,12 +108,27 @@ impl Drop for TestBackend {
             let _ = tx.send(());
         }
         self.reaper.abort();
-        // Sandboxes outlive the backend by design: end the ones a test left.
+        // Sandboxes outlive the backend by design: end the ones a test left
+        // (thawed first: a paused sandbox's tasks die only once thawed).
         for d in std::fs::read_dir(self.dir.path().join("embedded/sandboxes"))
             .into_iter()
             .flatten()
             .flatten()
         {
+            let groups: Vec<std::path::PathBuf> = std::fs::read(d.path().join("meta.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|m| m.get("groups").and_then(|g| g.as_object()).cloned())
+                .map(|g| {
+                    g.values()
+                        .filter_map(|v| v.as_str().map(std::path::PathBuf::from))
+                        .collect()
+                })
+                .unwrap_or_default();
+            for g in &groups {
+                let _ = std::fs::write(g.join("cgroup.freeze"), "0");
+                let _ = std::fs::write(g.join("freezer.state"), "THAWED");
+            }
             if let Ok(b) = std::fs::read(d.path().join("init.json"))
                 && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
                 && let Some(pid) = v.get("pid").and_then(|p| p.as_i64())
