@@ -266,7 +266,10 @@ pub async fn serve_with(
     let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots);
 
     // The backend: configured, or the embedded one on loopback with mTLS.
+    // Tasks that end when `stop` is cancelled, and tasks that are aborted.
+    let stop = tokio_util::sync::CancellationToken::new();
     let mut background = vec![];
+    let mut abortable = vec![];
     let (cube, backend_desc) = match &cfg.backend {
         Some(b) => {
             let mut bc = BackendConfig::new("default", b.api_url.clone());
@@ -329,12 +332,12 @@ pub async fn serve_with(
                 ca.read_key(&bkey)?.as_bytes(),
                 Some(ca.cert_pem.as_bytes()),
             )?;
-            background.push(backend.spawn_reaper());
+            background.push(backend.spawn_reaper(stop.clone()));
             let router = backend.router();
+            let stopped = stop.clone().cancelled_owned();
             background.push(tokio::spawn(async move {
                 if let Err(e) =
-                    crate::server::serve(bl, router, Some(Arc::new(btls)), std::future::pending())
-                        .await
+                    crate::server::serve(bl, router, Some(Arc::new(btls)), stopped).await
                 {
                     tracing::error!(error = %e, "embedded backend stopped");
                 }
@@ -401,13 +404,13 @@ pub async fn serve_with(
         backend: backend_desc.clone(),
         started_at: crate::clock::now().0,
     });
-    background.push(
+    abortable.push(
         crate::admin::serve(&state.join("admin.sock"), store.clone(), admin_authn, ops)
             .await
             .context("admin socket")?,
     );
     if let Reload::Signal(_) = reload {
-        background.push(crate::ops::spawn_sighup(reloader).context("SIGHUP handler")?);
+        abortable.push(crate::ops::spawn_sighup(reloader).context("SIGHUP handler")?);
     }
     on_started(&Started {
         url: format!("{scheme}://{addr}"),
@@ -427,8 +430,20 @@ pub async fn serve_with(
             "effects still running after 30 s; their intents stay pending until reconciled"
         );
     }
-    for h in background {
+    // Background tasks end at their next safe point (the embedded backend
+    // drains its connections); the admin socket and the signal handler hold
+    // nothing half-done and are aborted.
+    stop.cancel();
+    for h in abortable {
         h.abort();
+    }
+    for mut h in background {
+        if tokio::time::timeout(crate::server::DRAIN_TIMEOUT, &mut h)
+            .await
+            .is_err()
+        {
+            h.abort();
+        }
     }
     let _ = std::fs::remove_file(state.join("admin.sock"));
     r.context("serve")

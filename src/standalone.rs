@@ -112,8 +112,10 @@ pub async fn run(
         )
     };
     on_started(&started);
-    let reaper = backend.spawn_reaper();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let reaper = backend.spawn_reaper(stop.clone());
     let r = crate::server::serve(listener, backend.router(), tls, shutdown).await;
-    reaper.abort();
+    stop.cancel();
+    let _ = reaper.await;
     r.context("serve")
 }

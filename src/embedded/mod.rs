@@ -60,14 +60,21 @@ impl Backend {
     }
 
     /// Background work: timeouts and dead sandboxes. Runs until dropped.
-    pub fn spawn_reaper(&self) -> tokio::task::JoinHandle<()> {
+    /// Ends when `stop` is cancelled, between ticks (never halfway through
+    /// killing a sandbox).
+    pub fn spawn_reaper(
+        &self,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
         let m = self.manager.clone();
         tokio::spawn(async move {
             let mut t = tokio::time::interval(Duration::from_millis(500));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                t.tick().await;
-                m.tick().await;
+                tokio::select! {
+                    _ = t.tick() => m.tick().await,
+                    () = stop.cancelled() => return,
+                }
             }
         })
     }

@@ -69,7 +69,7 @@ impl TestBackend {
                 let _ = rx.await;
             },
         ));
-        let reaper = backend.spawn_reaper();
+        let reaper = backend.spawn_reaper(tokio_util::sync::CancellationToken::new());
         let mut cfg = BackendConfig::new("test", url.clone());
         cfg.domain = "cube.test".into();
         cfg.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
