@@ -42,7 +42,7 @@ pub(crate) fn random_key(path: &Path) -> anyhow::Result<Vec<u8>> {
         Ok(k) if k.len() == 32 => Ok(k),
         Ok(_) => anyhow::bail!("{} is not a 32-byte key", path.display()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let k: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
+            let k = crate::ids::random_bytes(32);
             crate::tls::write_private(path, &k, 0o600)?;
             Ok(k)
         }

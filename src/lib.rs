@@ -24,6 +24,7 @@ pub mod clock;
 pub mod config;
 pub mod cube;
 pub mod embedded;
+pub mod ids;
 pub mod mcp;
 pub mod ops;
 pub mod server;

@@ -8,7 +8,10 @@
 //! a resolution. A backend error or timeout is recorded as the outcome
 //! (`error` / `uncertain`), so it never blocks the journal.
 
-pub mod event;
+/// The event record (kept by the store, which chains it).
+pub mod event {
+    pub use crate::store::event::*;
+}
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,9 +47,7 @@ fn now_ts() -> String {
 }
 
 fn new_id() -> String {
-    (0..16)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect()
+    crate::ids::random_hex(16)
 }
 
 /// Cheap to clone.

@@ -574,7 +574,7 @@ impl CubeClient {
 
 /// Sandbox and snapshot ids are `[A-Za-z0-9-]`: never let one rewrite a path.
 fn check_id(id: &str) -> Result<()> {
-    if crate::embedded::sandbox::valid_id(id) {
+    if super::wire::valid_id(id) {
         Ok(())
     } else {
         Err(CubeError::new(ErrorKind::InvalidArgument, "invalid id"))

@@ -643,6 +643,11 @@ impl EnvelopeDecoder {
     }
 }
 
+/// `[A-Za-z0-9-]+`, at most 128 bytes, as CubeAPI validates path ids.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,7 @@ use super::launch::{self, InitInfo, Isolation, LaunchSpec, Limits};
 use super::procs::Tree;
 use super::tree::{self, Shift};
 use crate::cube::wire::{self, CreateSandbox, Sandbox, SandboxDetail, SnapshotInfo, TemplateInfo};
+use crate::ids::random_hex;
 
 /// Host uid that the first sandbox's root maps to (each sandbox gets its own
 /// range of 65536 ids above it, so rlimits and file ownership never mix).
@@ -199,11 +200,6 @@ fn now_rfc3339() -> String {
         .unwrap_or_default()
 }
 
-fn random_hex(bytes: usize) -> String {
-    let v: Vec<u8> = (0..bytes).map(|_| rand::random::<u8>()).collect();
-    hex::encode(v)
-}
-
 fn write_json_atomic<T: Serialize>(path: &Path, v: &T) -> std::io::Result<()> {
     let tmp = path.with_extension("json.tmp");
     std::fs::write(
@@ -213,10 +209,7 @@ fn write_json_atomic<T: Serialize>(path: &Path, v: &T) -> std::io::Result<()> {
     std::fs::rename(tmp, path)
 }
 
-/// `[A-Za-z0-9-]+`, as CubeAPI validates path ids.
-pub fn valid_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-}
+pub use crate::cube::wire::valid_id;
 
 const ENV_DENY: &[&str] = &[
     "PATH",

@@ -9,6 +9,7 @@
 //! page cache); scans run on the blocking pool (`read`).
 
 pub mod codec;
+pub mod event;
 pub mod seal;
 pub mod tables;
 
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::audit::event::Event;
+use self::event::Event;
 pub use seal::Sealer;
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -334,9 +335,7 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
                 "schema_version",
                 codec::encode(&tables::SCHEMA_VERSION)?.as_slice(),
             )?;
-            let instance: String = (0..16)
-                .map(|_| format!("{:02x}", rand::random::<u8>()))
-                .collect();
+            let instance = crate::ids::random_hex(16);
             meta.insert("instance_id", codec::encode(&instance)?.as_slice())?;
         }
     }
@@ -366,7 +365,7 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
             }
             None => Chain {
                 next_seq: 1,
-                last_hash: crate::audit::event::GENESIS.into(),
+                last_hash: event::GENESIS.into(),
             },
         }
     };

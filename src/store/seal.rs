@@ -30,7 +30,7 @@ impl Sealer {
                 )));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let k: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
+                let k = crate::ids::random_bytes(32);
                 crate::tls::write_private(path, &k, 0o600)
                     .map_err(|e| StoreError::Io(e.to_string()))?;
                 k

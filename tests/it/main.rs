@@ -14,6 +14,7 @@ mod appliance;
 mod common;
 mod embedded;
 mod jobs;
+mod layers;
 mod mcp;
 mod ptys;
 mod rollback_race;

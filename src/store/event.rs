@@ -1,4 +1,6 @@
-//! The audit event and its hash chain.
+//! The audit event record and its hash chain. It lives with the store,
+//! which appends it and links the chain in the same transaction as the
+//! state change it records; `audit` builds events and redacts them.
 //!
 //! Never in an event: command text, file content, output, tokens, session
 //! keys, subjects or full sandbox ids. Those appear only as keyed digests
