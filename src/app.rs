@@ -446,6 +446,8 @@ pub async fn serve_with(
         }
     }
     let _ = std::fs::remove_file(state.join("admin.sock"));
+    // Last: the writer commits what is queued and the file is released.
+    store.close().await;
     r.context("serve")
 }
 

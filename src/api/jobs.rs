@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use super::{
     ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, int_in, ok, with_status,
 };
+use crate::broker::Code;
 use crate::broker::jobs::{Cursors, DEFAULT_CHUNK, MAX_CHUNK, OutputRequest};
 
 pub fn router() -> Router<AppState> {
@@ -112,13 +113,13 @@ struct OutputReq {
 /// A non-negative integer offset (default 0), or 400 `invalid_offset`.
 fn offset(v: Option<&Value>, name: &str) -> Result<u64, ApiError> {
     let msg = format!("{name} must be an integer ≥ 0");
-    Ok(int_in(v, 0..=u64::MAX, "invalid_offset", &msg)?.unwrap_or(0))
+    Ok(int_in(v, 0..=u64::MAX, Code::InvalidOffset, &msg)?.unwrap_or(0))
 }
 
 /// A chunk size in 1..=1 MiB (default 64 KiB), or 400 `invalid_limit`.
 fn limit(v: Option<&Value>) -> Result<usize, ApiError> {
     let msg = format!("max_bytes must be an integer in 1..={MAX_CHUNK}");
-    let n = int_in(v, 1..=MAX_CHUNK as u64, "invalid_limit", &msg)?;
+    let n = int_in(v, 1..=MAX_CHUNK as u64, Code::InvalidLimit, &msg)?;
     Ok(n.map_or(DEFAULT_CHUNK, |n| n as usize))
 }
 
@@ -134,7 +135,7 @@ async fn output(
     let req = if cursors {
         if b.offset.is_some() {
             return Err(err(
-                "invalid_request",
+                Code::InvalidRequest,
                 "offset pages the reference's fragment; use it without stdout_offset/stderr_offset",
             ));
         }
@@ -188,7 +189,7 @@ async fn events(
     pc: Option<axum::Extension<crate::auth::PeerCert>>,
     h: HeaderMap,
 ) -> R {
-    let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
+    let Query(q) = q.map_err(|e| err(Code::InvalidRequest, e.body_text()))?;
     let c = header_ctx(&h)?;
     // Resume: query offsets, else the last event id a client saw.
     let mut cur = Cursors {
@@ -203,7 +204,12 @@ async fn events(
         let (o, e) = id
             .split_once(':')
             .and_then(|(o, e)| Some((o.parse().ok()?, e.parse().ok()?)))
-            .ok_or_else(|| err("invalid_offset", "Last-Event-ID must be <stdout>:<stderr>"))?;
+            .ok_or_else(|| {
+                err(
+                    Code::InvalidOffset,
+                    "Last-Event-ID must be <stdout>:<stderr>",
+                )
+            })?;
         cur.stdout_offset = o;
         cur.stderr_offset = e;
     }
@@ -211,7 +217,7 @@ async fn events(
     let text = match q.encoding.as_deref() {
         None | Some("text") => true,
         Some("base64") => false,
-        Some(_) => return Err(err("invalid_request", "encoding must be text or base64")),
+        Some(_) => return Err(err(Code::InvalidRequest, "encoding must be text or base64")),
     };
     // Text copies of binary output can be six times its size: smaller
     // chunks keep an event (and a slow client's backlog) small.

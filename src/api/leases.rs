@@ -7,6 +7,7 @@ use axum::routing::{get, post};
 use serde::Deserialize;
 
 use super::{AppState, Auth, EmptyReq, R, Strict, ctx, header_ctx, int_in, ok, with_status};
+use crate::broker::Code;
 use crate::broker::leases::FileOp;
 
 pub fn router() -> Router<AppState> {
@@ -128,7 +129,7 @@ async fn exec(
     let timeout = int_in(
         b.timeout_ms.as_ref(),
         1..=u64::MAX,
-        "invalid_timeout",
+        Code::InvalidTimeout,
         "timeout_ms must be an integer of at least 1",
     )?;
     ok(st
@@ -375,7 +376,7 @@ async fn renew(
     let seconds = int_in(
         b.seconds.as_ref(),
         1..=86_400,
-        "invalid_request",
+        Code::InvalidRequest,
         "seconds must be an integer in 1..=86400",
     )?;
     ok(st.broker.renew(&p, &c, &lease, seconds).await?)

@@ -25,7 +25,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 
 use crate::auth::{AuthError, Authenticator, Principal};
-use crate::broker::{Broker, Ctx, Error};
+use crate::broker::{Broker, Code, Ctx, Error};
 
 /// Largest request body (reference: 16 MiB).
 pub const MAX_BODY: usize = 16 * 1024 * 1024;
@@ -44,63 +44,6 @@ pub struct Metrics {
     pub errors_5xx: AtomicU64,
 }
 
-/// Every error code and its HTTP status, in one place.
-pub fn status_of(code: &str) -> StatusCode {
-    match code {
-        "invalid_body" => StatusCode::BAD_REQUEST,
-        "invalid_json" | "unknown_fields" | "invalid_request" | "invalid_runtime"
-        | "invalid_path" | "invalid_timeout" | "invalid_base64" | "invalid_offset"
-        | "invalid_limit" | "invalid_pty_size" | "invalid_branch" | "invalid_action"
-        | "invalid_parameters" | "invalid_decision" => StatusCode::BAD_REQUEST,
-        "unauthorized" | "invalid_token" => StatusCode::UNAUTHORIZED,
-        "action_denied"
-        | "admin_required"
-        | "runtime_denied"
-        | "profile_denied"
-        | "path_denied"
-        | "checkpoint_denied"
-        | "task_template_denied"
-        | "approver_required"
-        | "self_approval_denied" => StatusCode::FORBIDDEN,
-        "not_found"
-        | "lease_not_found"
-        | "job_not_found"
-        | "pty_not_found"
-        | "checkpoint_not_found"
-        | "artifact_not_found"
-        | "task_plan_not_found"
-        | "task_not_found"
-        | "path_not_found" => StatusCode::NOT_FOUND,
-        "profile_conflict"
-        | "keepalive_exhausted"
-        | "already_exists"
-        | "checkpoint_with_mount_denied"
-        | "plan_not_pending"
-        | "plan_not_approved"
-        | "plan_expired"
-        | "task_template_changed"
-        | "task_not_ready"
-        | "task_running"
-        | "receipt_not_ready"
-        | "fork_conflict" => StatusCode::CONFLICT,
-        "body_too_large" | "value_too_large" | "artifact_too_large" => {
-            StatusCode::PAYLOAD_TOO_LARGE
-        }
-        "unsupported_media_type" => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-        "lease_quota_exceeded"
-        | "job_quota_exceeded"
-        | "session_quota_exceeded"
-        | "plan_quota_exceeded"
-        | "sign_in_throttled" => StatusCode::TOO_MANY_REQUESTS,
-        "execution_failed" | "checkpoint_cleanup_failed" | "invalid_artifact" => {
-            StatusCode::BAD_GATEWAY
-        }
-        "audit_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
-        "timeout" => StatusCode::GATEWAY_TIMEOUT,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
 /// The error envelope: `{"error": {"code", "message"}}`.
 pub struct ApiError(pub Error);
 
@@ -112,28 +55,23 @@ impl From<Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = status_of(self.0.code);
-        // An oversize body is 413 `invalid_body`, as in the reference (an
-        // empty one is 400 `invalid_body` here, where the reference said 413).
-        let code = if self.0.code == "body_too_large" {
-            "invalid_body"
-        } else {
-            self.0.code
-        };
+        // The one place an error becomes an answer: its status and
+        // `Retry-After` come from the catalogue.
+        let code = self.0.code;
         let mut r = (
-            status,
+            code.status(),
             axum::Json(json!({"error": {"code": code, "message": self.0.message}})),
         )
             .into_response();
-        if status == StatusCode::SERVICE_UNAVAILABLE {
+        if let Some(secs) = code.retry_after() {
             r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         r
     }
 }
 
-fn err(code: &'static str, msg: impl Into<String>) -> ApiError {
+fn err(code: Code, msg: impl Into<String>) -> ApiError {
     ApiError(Error::new(code, msg))
 }
 
@@ -160,7 +98,7 @@ pub(crate) fn header_ctx(h: &axum::http::HeaderMap) -> Result<Ctx, ApiError> {
 pub(crate) fn int_in(
     v: Option<&serde_json::Value>,
     range: std::ops::RangeInclusive<u64>,
-    code: &'static str,
+    code: Code,
     message: &str,
 ) -> Result<Option<u64>, ApiError> {
     match v {
@@ -256,7 +194,8 @@ impl StreamAuth {
             return true;
         }
         let ev = axum::response::sse::Event::default().event("error").data(
-            json!({"code": "unauthorized", "message": "the token is no longer valid"}).to_string(),
+            json!({"code": Code::Unauthorized, "message": "the token is no longer valid"})
+                .to_string(),
         );
         let _ = tx.send(ev).await;
         false
@@ -300,7 +239,7 @@ pub(crate) async fn identify_by(
             .ok()
             .and_then(|b| String::from_utf8(b).ok());
         let Some((name, password)) = decoded.as_deref().and_then(|d| d.split_once(':')) else {
-            return Err(err("unauthorized", "malformed Basic credentials"));
+            return Err(err(Code::Unauthorized, "malformed Basic credentials"));
         };
         (
             auth.authenticate_basic(name, password).await,
@@ -314,7 +253,7 @@ pub(crate) async fn identify_by(
             .unwrap_or("");
         if token.is_empty() {
             return Err(err(
-                "unauthorized",
+                Code::Unauthorized,
                 "Authorization must be Bearer (a token) or Basic (a user)",
             ));
         }
@@ -326,19 +265,19 @@ pub(crate) async fn identify_by(
         )
     } else {
         return Err(err(
-            "unauthorized",
+            Code::Unauthorized,
             "a bearer token (or a user's credentials, or a registered client certificate) is required",
         ));
     };
     match r {
         Ok(p) => Ok(p),
-        Err(AuthError::Unauthorized) => Err(err("unauthorized", what)),
+        Err(AuthError::Unauthorized) => Err(err(Code::Unauthorized, what)),
         Err(AuthError::Throttled) => Err(err(
-            "sign_in_throttled",
+            Code::SignInThrottled,
             "too many sign-in attempts for this user (or the sign-in queue is full); retry in a minute",
         )),
         Err(AuthError::Unavailable) => Err(err(
-            "audit_unavailable",
+            Code::AuditUnavailable,
             "the identity store is unavailable",
         )),
     }
@@ -369,7 +308,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Strict<T> {
             .unwrap_or("");
         if ct.split(';').next().map(str::trim) != Some("application/json") {
             return Err(err(
-                "unsupported_media_type",
+                Code::UnsupportedMediaType,
                 "Content-Type must be application/json",
             ));
         }
@@ -380,36 +319,36 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Strict<T> {
             .and_then(|s| s.parse::<usize>().ok());
         if declared.is_some_and(|n| n > MAX_BODY) {
             return Err(err(
-                "body_too_large",
+                Code::BodyTooLarge,
                 format!("request bodies are limited to {MAX_BODY} bytes"),
             ));
         }
         let body = Bytes::from_request(req, state).await.map_err(|_| {
             err(
-                "body_too_large",
+                Code::BodyTooLarge,
                 format!("request bodies are limited to {MAX_BODY} bytes"),
             )
         })?;
         if body.is_empty() {
             return Err(err(
-                "invalid_body",
+                Code::InvalidBody,
                 "a JSON object body is required (send {} for none)",
             ));
         }
         let v: serde_json::Value = serde_json::from_slice(&body)
-            .map_err(|_| err("invalid_json", "the body is not valid JSON"))?;
+            .map_err(|_| err(Code::InvalidJson, "the body is not valid JSON"))?;
         if !v.is_object() {
-            return Err(err("invalid_json", "the body must be a JSON object"));
+            return Err(err(Code::InvalidJson, "the body must be a JSON object"));
         }
         serde_json::from_value(v).map(Strict).map_err(|e| {
             let m = e.to_string();
             if m.starts_with("unknown field") {
                 err(
-                    "unknown_fields",
+                    Code::UnknownFields,
                     m.split(", expected").next().unwrap_or(&m).to_string(),
                 )
             } else {
-                err("invalid_request", m)
+                err(Code::InvalidRequest, m)
             }
         })
     }
@@ -425,7 +364,7 @@ pub fn ctx(request_id: Option<&str>) -> Result<Ctx, ApiError> {
                     .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
             if !ok {
                 return Err(err(
-                    "invalid_request",
+                    Code::InvalidRequest,
                     "request_id must match ^[A-Za-z0-9_.:-]{1,80}$",
                 ));
             }
@@ -547,7 +486,7 @@ pub fn router(st: AppState) -> Router {
         .merge(jobs::router())
         .merge(ptys::router())
         .merge(tasks::router())
-        .fallback(|| async { err("not_found", "no such route") })
+        .fallback(|| async { err(Code::NotFound, "no such route") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         // Innermost: a panic in a handler becomes a logged 500 envelope.
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
@@ -559,7 +498,7 @@ pub fn router(st: AppState) -> Router {
 
 pub(crate) fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
     tracing::error!("a request handler panicked");
-    err("internal_error", "internal error").into_response()
+    err(Code::InternalError, "internal error").into_response()
 }
 
 const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -582,11 +521,14 @@ async fn readyz(State(st): State<AppState>) -> Response {
         let body = json!({
             "status": "not_ready", "version": VERSION,
             "checks": {"audit": match e { crate::audit::AuditError::Blocked => "reconciliation_required", _ => "unavailable" }},
-            "error": {"code": "audit_unavailable", "message": e.to_string()},
+            "error": {"code": Code::AuditUnavailable, "message": e.to_string()},
         });
-        let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
-        r.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        let code = Code::AuditUnavailable;
+        let mut r = (code.status(), axum::Json(body)).into_response();
+        if let Some(secs) = code.retry_after() {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         return r;
     }
     let mut checks = serde_json::Map::new();

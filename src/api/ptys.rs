@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use super::{
     ApiError, AppState, Auth, EmptyReq, R, Strict, ctx, err, header_ctx, int_in, ok, with_status,
 };
+use crate::broker::Code;
 
 pub fn router() -> Router<AppState> {
     Router::new()
@@ -32,7 +33,7 @@ fn size(v: Option<&Value>, default: u32) -> Result<u32, ApiError> {
     let n = int_in(
         v,
         1..=1000,
-        "invalid_pty_size",
+        Code::InvalidPtySize,
         "rows and cols must be integers in 1..=1000",
     )?;
     Ok(n.map_or(default, |n| n as u32))
@@ -100,10 +101,10 @@ async fn input(
         (Some(d), None) => d.into_bytes(),
         (None, Some(d)) => B64
             .decode(d.as_bytes())
-            .map_err(|_| err("invalid_base64", "data_base64 is not valid base64"))?,
+            .map_err(|_| err(Code::InvalidBase64, "data_base64 is not valid base64"))?,
         _ => {
             return Err(err(
-                "invalid_request",
+                Code::InvalidRequest,
                 "send exactly one of data and data_base64",
             ));
         }
@@ -164,19 +165,19 @@ async fn output(
     let offset = int_in(
         b.offset.as_ref(),
         0..=u64::MAX,
-        "invalid_offset",
+        Code::InvalidOffset,
         "offset must be an integer ≥ 0",
     )?;
     let max = int_in(
         b.max_bytes.as_ref(),
         1..=1024 * 1024,
-        "invalid_limit",
+        Code::InvalidLimit,
         "max_bytes must be an integer in 1..=1048576",
     )?;
     let wait = int_in(
         b.wait_ms.as_ref(),
         0..=30_000,
-        "invalid_request",
+        Code::InvalidRequest,
         "wait_ms must be an integer in 0..=30000",
     )?;
     ok(st
@@ -228,14 +229,14 @@ async fn events(
     pc: Option<axum::Extension<crate::auth::PeerCert>>,
     h: HeaderMap,
 ) -> R {
-    let Query(q) = q.map_err(|e| err("invalid_request", e.body_text()))?;
+    let Query(q) = q.map_err(|e| err(Code::InvalidRequest, e.body_text()))?;
     let c = header_ctx(&h)?;
     let mut cur = match q.offset {
         Some(o) => o,
         None => match h.get("last-event-id").and_then(|v| v.to_str().ok()) {
             Some(id) => id
                 .parse()
-                .map_err(|_| err("invalid_offset", "Last-Event-ID must be an offset"))?,
+                .map_err(|_| err(Code::InvalidOffset, "Last-Event-ID must be an offset"))?,
             None => 0,
         },
     };

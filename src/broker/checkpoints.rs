@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
-use super::{Broker, Ctx, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::ErrorKind;
@@ -97,7 +97,7 @@ impl Broker {
             .reject(
                 self.lease_event(p, action, ctx, l),
                 Error::new(
-                    "checkpoint_denied",
+                    Code::CheckpointDenied,
                     format!("checkpoints are not enabled for profile {}", l.profile),
                 ),
             )
@@ -105,7 +105,7 @@ impl Broker {
     }
 
     fn owned_checkpoint(&self, l: &Lease, checkpoint_ref: &str) -> Result<Checkpoint> {
-        let missing = || Error::new("checkpoint_not_found", "no such checkpoint");
+        let missing = || Error::new(Code::CheckpointNotFound, "no such checkpoint");
         // `ckpt_…`: made before schema 3.
         if !valid_ref(checkpoint_ref, "checkpoint") && !valid_ref(checkpoint_ref, "ckpt") {
             return Err(missing());
@@ -155,7 +155,7 @@ impl Broker {
             && (n.is_empty() || n.len() > MAX_NAME)
         {
             return Err(Error::new(
-                "invalid_request",
+                Code::InvalidRequest,
                 format!("name must be 1..={MAX_NAME} bytes"),
             ));
         }
@@ -234,7 +234,7 @@ impl Broker {
                         .await
                         .map_err(|e| match e.kind {
                             ErrorKind::NotFound => Error::new(
-                                "checkpoint_not_found",
+                                Code::CheckpointNotFound,
                                 "the checkpoint's snapshot is gone",
                             ),
                             _ => backend(&e),
@@ -302,7 +302,7 @@ impl Broker {
             && (b.trim().is_empty() || b.len() > MAX_NAME || b.contains('\0'))
         {
             return Err(Error::new(
-                "invalid_branch",
+                Code::InvalidBranch,
                 format!("branch must be 1..={MAX_NAME} bytes, not blank"),
             ));
         }
@@ -327,7 +327,7 @@ impl Broker {
                     .reject(
                         ev,
                         Error::new(
-                            "profile_denied",
+                            Code::ProfileDenied,
                             format!("profile {} is not available to this identity", l.profile),
                         ),
                     )
@@ -375,7 +375,7 @@ impl Broker {
                 Err(e) => {
                     tracing::warn!(lease = %lease_ref, checkpoint = %c.checkpoint_ref, error = %e, "could not delete a checkpoint's snapshot");
                     return Err(Error::new(
-                        "checkpoint_cleanup_failed",
+                        Code::CheckpointCleanupFailed,
                         "the sandbox is gone but a checkpoint could not be deleted; retry the release",
                     ));
                 }

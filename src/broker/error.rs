@@ -1,15 +1,17 @@
-//! Domain errors: a stable machine code and a message for the caller.
-//! HTTP statuses are assigned in one place, `api::status_of`.
+//! Domain errors: a code from the catalogue (`code.rs`) and a message for
+//! the caller. HTTP statuses come from the code, in one place (`api`).
+
+use super::code::Code;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code}: {message}")]
 pub struct Error {
-    pub code: &'static str,
+    pub code: Code,
     pub message: String,
 }
 
 impl Error {
-    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
         Self {
             code,
             message: message.into(),
@@ -21,14 +23,17 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl From<crate::audit::AuditError> for Error {
     fn from(e: crate::audit::AuditError) -> Self {
-        Error::new("audit_unavailable", e.to_string())
+        Error::new(Code::AuditUnavailable, e.to_string())
     }
 }
 
 impl From<crate::store::StoreError> for Error {
     fn from(e: crate::store::StoreError) -> Self {
         tracing::error!(error = %e, "store error");
-        Error::new("audit_unavailable", "the appliance's store is unavailable")
+        Error::new(
+            Code::AuditUnavailable,
+            "the appliance's store is unavailable",
+        )
     }
 }
 
@@ -37,9 +42,9 @@ pub fn backend(e: &crate::cube::CubeError) -> Error {
     use crate::cube::ErrorKind as K;
     tracing::warn!(error = %e, "backend call failed");
     match e.kind {
-        K::Timeout => Error::new("timeout", "the sandbox operation timed out"),
+        K::Timeout => Error::new(Code::Timeout, "the sandbox operation timed out"),
         _ => Error::new(
-            "execution_failed",
+            Code::ExecutionFailed,
             format!("CubeSandbox operation failed ({:?})", e.kind),
         ),
     }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::leases::{Done, Lease, new_ref, valid_ref};
-use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
@@ -322,17 +322,16 @@ async fn probe(
             };
         }
     };
-    let nl = r
-        .stdout
-        .iter()
-        .position(|&c| c == b'\n')
-        .ok_or_else(|| Error::new("execution_failed", "the job reader gave no status line"))?;
+    let nl =
+        r.stdout.iter().position(|&c| c == b'\n').ok_or_else(|| {
+            Error::new(Code::ExecutionFailed, "the job reader gave no status line")
+        })?;
     let (head, rest) = r.stdout.split_at(nl);
     let head = String::from_utf8_lossy(head);
     let t: Vec<&str> = head.split(' ').collect();
     let bad = || {
         Error::new(
-            "execution_failed",
+            Code::ExecutionFailed,
             "the job reader's status line is malformed",
         )
     };
@@ -363,7 +362,7 @@ async fn probe(
     // A cursor past the end of its stream was never handed out.
     if out.0 > pr.out_size || err.0 > pr.err_size {
         return Err(Error::new(
-            "invalid_offset",
+            Code::InvalidOffset,
             format!(
                 "the offset is past the end of the output (stdout has {} bytes, stderr {})",
                 pr.out_size, pr.err_size
@@ -401,7 +400,7 @@ impl Broker {
     /// The job and its lease, if the principal may see them; otherwise
     /// exactly what a missing job answers.
     async fn owned_job(&self, p: &Principal, job_ref: &str) -> Result<(Job, Lease)> {
-        let missing = || Error::new("job_not_found", "no such job");
+        let missing = || Error::new(Code::JobNotFound, "no such job");
         if !valid_ref(job_ref, "job") {
             return Err(missing());
         }
@@ -488,7 +487,7 @@ impl Broker {
                         b.running_jobs(&addr, &l.lease_ref).await? + b.running_ptys(&l.lease_ref)?;
                     if running >= prof.max_jobs_per_lease {
                         return Err(Error::new(
-                            "job_quota_exceeded",
+                            Code::JobQuotaExceeded,
                             format!(
                                 "this lease already runs {running} jobs or PTYs (the profile allows {})",
                                 prof.max_jobs_per_lease
@@ -542,7 +541,7 @@ impl Broker {
                         .filter(|_| out.exit_code == 0)
                         .ok_or_else(|| {
                             Error::new(
-                                "execution_failed",
+                                Code::ExecutionFailed,
                                 format!(
                                     "the job could not be started (exit {}): {}",
                                     out.exit_code,
@@ -817,11 +816,11 @@ impl Broker {
         let job = self
             .get_job(job_ref)
             .await?
-            .ok_or_else(|| Error::new("job_not_found", "no such job"))?;
+            .ok_or_else(|| Error::new(Code::JobNotFound, "no such job"))?;
         let lease = self
             .get_lease(&job.lease_ref)
             .await?
-            .ok_or_else(|| Error::new("job_not_found", "no such job"))?;
+            .ok_or_else(|| Error::new(Code::JobNotFound, "no such job"))?;
         let addr = self.addr(&lease)?;
         let mut job = job;
         let pr = probe(

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use sha2::Digest;
 
 use super::paths;
-use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::audit::Intent;
 use crate::audit::event::Event;
 use crate::auth::Principal;
@@ -168,7 +168,7 @@ impl Broker {
     /// The lease, if the principal may see it; otherwise exactly the answer
     /// a missing lease gets.
     pub(crate) async fn owned_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
-        let missing = || Error::new("lease_not_found", "no such lease");
+        let missing = || Error::new(Code::LeaseNotFound, "no such lease");
         if !valid_ref(lease_ref, "lease") {
             return Err(missing());
         }
@@ -182,7 +182,7 @@ impl Broker {
         let traffic_token = match &l.traffic_token {
             Some(s) => Some(Secret::new(
                 String::from_utf8(self.inner.store.sealer.open(s)?)
-                    .map_err(|_| Error::new("audit_unavailable", "corrupt sealed token"))?,
+                    .map_err(|_| Error::new(Code::AuditUnavailable, "corrupt sealed token"))?,
             )),
             None => None,
         };
@@ -248,7 +248,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "invalid_runtime",
+                        Code::InvalidRuntime,
                         format!("runtime must be one of {}", RUNTIMES.join(", ")),
                     ),
                 )
@@ -259,7 +259,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "runtime_denied",
+                        Code::RuntimeDenied,
                         format!("runtime {runtime} is not allowed for this identity"),
                     ),
                 )
@@ -267,19 +267,19 @@ impl Broker {
         }
         if session.len() > MAX_SESSION_KEY {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("session_key is longer than {MAX_SESSION_KEY} bytes"),
             ));
         }
         if session.trim().is_empty() {
             return Err(Error::new(
-                "invalid_request",
+                Code::InvalidRequest,
                 "session_key must not be empty",
             ));
         }
         let denied = || {
             Error::new(
-                "profile_denied",
+                Code::ProfileDenied,
                 format!("profile {profile_name} is not available to this identity"),
             )
         };
@@ -350,7 +350,7 @@ impl Broker {
                     .reject(
                         ev,
                         Error::new(
-                            "fork_conflict",
+                            Code::ForkConflict,
                             "this branch is a fork of another checkpoint; name another branch",
                         ),
                     )
@@ -361,7 +361,7 @@ impl Broker {
                     .reject(
                         ev,
                         Error::new(
-                            "profile_conflict",
+                            Code::ProfileConflict,
                             "this session key belongs to a trusted task's sandbox; use another",
                         ),
                     )
@@ -372,7 +372,7 @@ impl Broker {
                     .reject(
                         ev,
                         Error::new(
-                            "profile_conflict",
+                            Code::ProfileConflict,
                             format!("this session already has a lease with profile {}; release it first to use {profile_name}", l.profile),
                         ),
                     )
@@ -424,7 +424,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "lease_quota_exceeded",
+                        Code::LeaseQuotaExceeded,
                         format!(
                             "the tenant already has {active} active leases (limit {})",
                             prof.max_active_leases_per_tenant
@@ -483,9 +483,10 @@ impl Broker {
                 Ok(s) => s,
                 Err(e) => {
                     let err = match e.kind {
-                        ErrorKind::NotFound if snapshot.is_some() => {
-                            Error::new("checkpoint_not_found", "the checkpoint's snapshot is gone")
-                        }
+                        ErrorKind::NotFound if snapshot.is_some() => Error::new(
+                            Code::CheckpointNotFound,
+                            "the checkpoint's snapshot is gone",
+                        ),
                         _ => backend(&e),
                     };
                     this.fail(intent, &err).await?;
@@ -501,7 +502,7 @@ impl Broker {
                         tracing::error!(error = %e, "sealing a traffic token failed");
                         let _ = this.inner.cube.kill(&created.sandbox_id).await;
                         let err =
-                            Error::new("execution_failed", "the sandbox could not be recorded");
+                            Error::new(Code::ExecutionFailed, "the sandbox could not be recorded");
                         this.fail(intent, &err).await?;
                         return Err(err);
                     }
@@ -562,13 +563,13 @@ impl Broker {
         });
         let lease = task
             .await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok((lease, false))
     }
 
     pub(crate) fn profile_gone(l: &Lease) -> Error {
         Error::new(
-            "profile_denied",
+            Code::ProfileDenied,
             format!(
                 "the lease's profile {} is no longer configured; release the lease",
                 l.profile
@@ -631,12 +632,15 @@ impl Broker {
     ) -> Result<String> {
         if command.len() > MAX_COMMAND {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("command is longer than {MAX_COMMAND} bytes"),
             ));
         }
         if command.trim().is_empty() {
-            return Err(Error::new("invalid_request", "command must not be empty"));
+            return Err(Error::new(
+                Code::InvalidRequest,
+                "command must not be empty",
+            ));
         }
         match cwd {
             Some(c) => self.checked_path(p, ctx, action, c).await,
@@ -644,20 +648,16 @@ impl Broker {
         }
     }
 
-    /// Record a failed effect's outcome.
+    /// Record a failed effect's outcome: the one its code's class says
+    /// (`rejected`, `error` or `uncertain`).
     pub(crate) async fn fail(&self, intent: Intent, e: &Error) -> Result<()> {
-        let outcome = if e.code == "timeout" {
-            "uncertain"
-        } else {
-            "error"
-        };
         let code = e.code;
         self.inner
             .journal
             .outcome(
                 intent,
-                outcome,
-                |ev| ev.error_code = Some(code.to_string()),
+                code.outcome().as_str(),
+                |ev| ev.error_code = Some(code.as_str().to_string()),
                 |_| Ok(()),
             )
             .await?;
@@ -824,7 +824,7 @@ impl Broker {
             r
         });
         task.await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))?
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
     }
 
     /// Record an effect's outcome; on success, touch the lease in the same
@@ -878,30 +878,7 @@ impl Broker {
                 Ok((l, t))
             }
             Err(e) => {
-                let known = matches!(
-                    e.code,
-                    "path_not_found"
-                        | "artifact_not_found"
-                        | "invalid_path"
-                        | "already_exists"
-                        | "artifact_too_large"
-                        | "job_quota_exceeded"
-                        | "invalid_offset"
-                );
-                if known {
-                    let code = e.code;
-                    self.inner
-                        .journal
-                        .outcome(
-                            intent,
-                            "rejected",
-                            |ev| ev.error_code = Some(code.to_string()),
-                            |_| Ok(()),
-                        )
-                        .await?;
-                } else {
-                    self.fail(intent, &e).await?;
-                }
+                self.fail(intent, &e).await?;
                 Err(e)
             }
         }
@@ -920,7 +897,7 @@ impl Broker {
         let cwd = self.command_and_cwd(p, ctx, "exec", command, cwd).await?;
         if timeout_ms == Some(0) {
             return Err(Error::new(
-                "invalid_timeout",
+                Code::InvalidTimeout,
                 "timeout_ms must be at least 1",
             ));
         }
@@ -951,7 +928,7 @@ impl Broker {
                             b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(|e| {
                                 match e.kind {
                                     ErrorKind::InvalidArgument => Error::new(
-                                        "invalid_path",
+                                        Code::InvalidPath,
                                         "the working directory does not exist",
                                     ),
                                     _ => backend(&e),
@@ -962,7 +939,7 @@ impl Broker {
                             && started.elapsed() >= Duration::from_millis(ms)
                         {
                             return Err(Error::new(
-                                "timeout",
+                                Code::Timeout,
                                 format!("the command did not finish within {ms} ms"),
                             ));
                         }
@@ -1021,7 +998,7 @@ impl Broker {
             && content.len() > MAX_WRITE
         {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("content is larger than {MAX_WRITE} bytes"),
             ));
         }
@@ -1029,16 +1006,16 @@ impl Broker {
             FileOp::Upload { content_base64, .. } => {
                 if content_base64.len() > MAX_ARTIFACT / 3 * 4 + 16 {
                     return Err(Error::new(
-                        "artifact_too_large",
+                        Code::ArtifactTooLarge,
                         format!("artifacts are limited to {MAX_ARTIFACT} bytes"),
                     ));
                 }
                 let b = B64.decode(content_base64.as_bytes()).map_err(|_| {
-                    Error::new("invalid_base64", "content_base64 is not valid base64")
+                    Error::new(Code::InvalidBase64, "content_base64 is not valid base64")
                 })?;
                 if b.len() > MAX_ARTIFACT {
                     return Err(Error::new(
-                        "artifact_too_large",
+                        Code::ArtifactTooLarge,
                         format!("artifacts are limited to {MAX_ARTIFACT} bytes"),
                     ));
                 }
@@ -1072,61 +1049,61 @@ impl Broker {
                 },
                 move |b: Broker, _l: Lease, addr| async move {
                     let c = &b.inner.cube;
-                    let nf = |e: crate::cube::CubeError, code: &'static str| match e.kind {
+                    let nf = |e: crate::cube::CubeError, code: Code| match e.kind {
                         ErrorKind::NotFound => Error::new(code, "no such file or directory"),
-                        ErrorKind::InvalidArgument => Error::new("invalid_path", "the path is not usable for this operation"),
-                        ErrorKind::Conflict => Error::new("already_exists", "the path already exists"),
+                        ErrorKind::InvalidArgument => Error::new(Code::InvalidPath, "the path is not usable for this operation"),
+                        ErrorKind::Conflict => Error::new(Code::AlreadyExists, "the path already exists"),
                         _ => backend(&e),
                     };
                     let r: (Value, Option<u64>) = match op {
                         FileOp::Read { .. } => {
-                            let st = c.stat(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let st = c.stat(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             if st.is_dir() {
-                                return Err(Error::new("invalid_path", "the path is a directory"));
+                                return Err(Error::new(Code::InvalidPath, "the path is a directory"));
                             }
                             // Only the first MAX_READ bytes are fetched, however large the file.
-                            let (data, truncated) = c.download_prefix(&addr, &path2, MAX_READ).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let (data, truncated) = c.download_prefix(&addr, &path2, MAX_READ).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             let n = data.len() as u64;
                             (json!({"path": path2, "content": String::from_utf8_lossy(&data), "truncated": truncated}), Some(n))
                         }
                         FileOp::Write { content, .. } => {
                             let n = content.len();
-                            c.upload(&addr, &path2, content.into_bytes()).await.map_err(|e| nf(e, "path_not_found"))?;
+                            c.upload(&addr, &path2, content.into_bytes()).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "bytes": n}), Some(n as u64))
                         }
                         FileOp::List { .. } => {
-                            let entries = c.list_dir(&addr, &path2, 1).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let entries = c.list_dir(&addr, &path2, 1).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             let v: Vec<Value> = entries.iter().take(MAX_LIST).map(entry_json).collect();
                             (json!({"path": path2, "entries": v}), None)
                         }
                         FileOp::Stat { .. } => {
-                            let e = c.stat(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let e = c.stat(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "entry": entry_json(&e)}), None)
                         }
                         FileOp::Mkdir { .. } => {
-                            let e = c.make_dir(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let e = c.make_dir(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "entry": entry_json(&e)}), None)
                         }
                         FileOp::Remove { .. } => {
-                            c.remove(&addr, &path2).await.map_err(|e| nf(e, "path_not_found"))?;
+                            c.remove(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "removed": true}), None)
                         }
                         FileOp::Move { .. } => {
                             let d = dest2.unwrap_or_default();
-                            let e = c.rename(&addr, &path2, &d).await.map_err(|e| nf(e, "path_not_found"))?;
+                            let e = c.rename(&addr, &path2, &d).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "destination": d, "entry": entry_json(&e)}), None)
                         }
                         FileOp::Upload { .. } => {
                             let data = upload.unwrap_or_default();
                             let n = data.len();
                             let sha = hex::encode(sha2::Sha256::digest(&data));
-                            c.upload(&addr, &path2, data).await.map_err(|e| nf(e, "path_not_found"))?;
+                            c.upload(&addr, &path2, data).await.map_err(|e| nf(e, Code::PathNotFound))?;
                             (json!({"path": path2, "bytes": n, "sha256": sha}), Some(n as u64))
                         }
                         FileOp::Download { .. } => {
                             let data = c.download(&addr, &path2, MAX_ARTIFACT).await.map_err(|e| match e.kind {
-                                ErrorKind::TooLarge => Error::new("artifact_too_large", format!("artifacts are limited to {MAX_ARTIFACT} bytes")),
-                                _ => nf(e, "artifact_not_found"),
+                                ErrorKind::TooLarge => Error::new(Code::ArtifactTooLarge, format!("artifacts are limited to {MAX_ARTIFACT} bytes")),
+                                _ => nf(e, Code::ArtifactNotFound),
                             })?;
                             let sha = hex::encode(sha2::Sha256::digest(&data));
                             (json!({"path": path2, "bytes": data.len(), "sha256": sha, "content_base64": B64.encode(&data)}), Some(data.len() as u64))
@@ -1153,7 +1130,10 @@ impl Broker {
         action: &str,
     ) -> Result<Value> {
         if action != "pause" && action != "kill" {
-            return Err(Error::new("invalid_action", "action must be pause or kill"));
+            return Err(Error::new(
+                Code::InvalidAction,
+                "action must be pause or kill",
+            ));
         }
         let ev = self.event(p, "release", ctx);
         self.authorize(p, "lease:release", &ev).await?;
@@ -1174,7 +1154,7 @@ impl Broker {
             b.release_effect(intent, l2, kill).await
         });
         task.await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         let mut m = self.base(&l, ctx);
         m.insert("action".into(), json!(action));
         Ok(Value::Object(m))

@@ -4,6 +4,7 @@
 //! the same transaction as the state change it causes.
 
 pub mod checkpoints;
+pub mod code;
 pub mod error;
 pub mod jobs;
 pub mod leases;
@@ -18,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use hmac::{Hmac, Mac};
 
+pub use self::code::{Code, Outcome};
 pub use self::error::{Error, Result};
 use crate::audit::Journal;
 use crate::audit::event::Event;
@@ -219,7 +221,7 @@ impl Broker {
             .reject(
                 ev.clone(),
                 Error::new(
-                    "action_denied",
+                    Code::ActionDenied,
                     format!("the action {action} is not allowed for this identity"),
                 ),
             )

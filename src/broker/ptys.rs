@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::leases::{Done, Lease, new_ref, valid_ref};
-use super::{Broker, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::envd::decode_data;
@@ -256,7 +256,7 @@ fn check_size(rows: u32, cols: u32) -> Result<()> {
         Ok(())
     } else {
         Err(Error::new(
-            "invalid_pty_size",
+            Code::InvalidPtySize,
             "rows and cols must be integers in 1..=1000",
         ))
     }
@@ -274,7 +274,7 @@ impl Broker {
     /// The PTY and its lease, if the principal may see them; otherwise
     /// exactly what a missing PTY answers.
     async fn owned_pty(&self, p: &Principal, pty_ref: &str) -> Result<(Pty, Lease)> {
-        let missing = || Error::new("pty_not_found", "no such PTY");
+        let missing = || Error::new(Code::PtyNotFound, "no such PTY");
         if !valid_ref(pty_ref, "pty") {
             return Err(missing());
         }
@@ -320,7 +320,7 @@ impl Broker {
                 .reject(
                     self.lease_event(p, "pty_create", ctx, &l),
                     Error::new(
-                        "action_denied",
+                        Code::ActionDenied,
                         format!("PTYs are not enabled for profile {}", l.profile),
                     ),
                 )
@@ -343,7 +343,7 @@ impl Broker {
                         b.running_jobs(&addr, &l.lease_ref).await? + b.running_ptys(&l.lease_ref)?;
                     if busy >= prof.max_jobs_per_lease {
                         return Err(Error::new(
-                            "job_quota_exceeded",
+                            Code::JobQuotaExceeded,
                             format!(
                                 "this lease already runs {busy} jobs or PTYs (the profile allows {})",
                                 prof.max_jobs_per_lease
@@ -499,7 +499,7 @@ impl Broker {
     ) -> Result<Value> {
         if data.len() > MAX_INPUT {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("input is limited to {MAX_INPUT} bytes"),
             ));
         }
@@ -513,7 +513,7 @@ impl Broker {
                 Some(n),
                 move |b, pty, addr| async move {
                     if !pty.is_running() {
-                        return Err(Error::new("invalid_request", "the PTY is not running"));
+                        return Err(Error::new(Code::InvalidRequest, "the PTY is not running"));
                     }
                     b.inner
                         .cube
@@ -546,7 +546,7 @@ impl Broker {
                 None,
                 move |b, mut pty, addr| async move {
                     if !pty.is_running() {
-                        return Err(Error::new("invalid_request", "the PTY is not running"));
+                        return Err(Error::new(Code::InvalidRequest, "the PTY is not running"));
                     }
                     b.inner
                         .cube
@@ -647,7 +647,7 @@ impl Broker {
         // The record after the read: an end seen in the output is in it.
         let pty = self
             .get_pty(pty_ref)?
-            .ok_or_else(|| Error::new("pty_not_found", "no such PTY"))?;
+            .ok_or_else(|| Error::new(Code::PtyNotFound, "no such PTY"))?;
         let mut m = pty.fields(&l.sandbox_ref, ctx);
         let (from, bytes, missed, eof) = match chunk {
             Some(c) => (c.from, c.bytes, c.missed, c.ended),

@@ -22,7 +22,7 @@ use serde_json::{Map, Value, json};
 use sha2::Digest;
 
 use super::leases::{FileOp, Lease, MAX_COMMAND, new_ref, valid_ref};
-use super::{Broker, Ctx, Error, Result};
+use super::{Broker, Code, Ctx, Error, Result};
 use crate::audit::event::Event;
 use crate::auth::Principal;
 use crate::clock::{format_unix, now};
@@ -226,7 +226,7 @@ impl Broker {
 
     fn changed() -> Error {
         Error::new(
-            "task_template_changed",
+            Code::TaskTemplateChanged,
             "the task template or its profile changed after this plan was made; plan again",
         )
     }
@@ -269,7 +269,7 @@ impl Broker {
 
     /// A plan of the caller's tenant (any tenant for admins).
     fn tenant_plan(&self, p: &Principal, plan_ref: &str) -> Result<Plan> {
-        let missing = || Error::new("task_plan_not_found", "no such task plan");
+        let missing = || Error::new(Code::TaskPlanNotFound, "no such task plan");
         if !valid_ref(plan_ref, "plan") {
             return Err(missing());
         }
@@ -286,7 +286,7 @@ impl Broker {
     /// A task the caller may follow (`act`: false) or act on (true): its
     /// requester and admins; approvers of its tenant may follow it.
     fn visible_task(&self, p: &Principal, task_ref: &str, act: bool) -> Result<Task> {
-        let missing = || Error::new("task_not_found", "no such task");
+        let missing = || Error::new(Code::TaskNotFound, "no such task");
         if !valid_ref(task_ref, "task") {
             return Err(missing());
         }
@@ -320,7 +320,7 @@ impl Broker {
             Ok(())
         } else {
             Err(Error::new(
-                "plan_not_pending",
+                Code::PlanNotPending,
                 "the plan changed meanwhile; look at it again",
             ))
         }
@@ -403,8 +403,9 @@ impl Broker {
             None => Ok(Value::Null),
             Some(s) => {
                 let raw = self.inner.store.sealer.open(s)?;
-                serde_json::from_slice(&raw)
-                    .map_err(|_| Error::new("audit_unavailable", "a stored task result is corrupt"))
+                serde_json::from_slice(&raw).map_err(|_| {
+                    Error::new(Code::AuditUnavailable, "a stored task result is corrupt")
+                })
             }
         }
     }
@@ -436,14 +437,14 @@ impl Broker {
         self.authorize(p, "task:plan", &ev).await?;
         if !crate::config::valid_profile_name(template) {
             return Err(Error::new(
-                "invalid_request",
+                Code::InvalidRequest,
                 "template must match ^[a-z][a-z0-9-]{0,62}$",
             ));
         }
         ev.task_template = Some(template.to_string());
         let denied = || {
             Error::new(
-                "task_template_denied",
+                Code::TaskTemplateDenied,
                 format!("task template {template} is not available to this identity"),
             )
         };
@@ -469,7 +470,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "profile_denied",
+                        Code::ProfileDenied,
                         format!("profile {} is not available to this identity", t.profile),
                     ),
                 )
@@ -482,7 +483,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "runtime_denied",
+                        Code::RuntimeDenied,
                         format!("trusted tasks run with runtime {TASK_RUNTIME}, which this identity or profile does not allow"),
                     ),
                 )
@@ -492,20 +493,23 @@ impl Broker {
             return Err(self
                 .reject(
                     ev,
-                    Error::new("invalid_parameters", "parameters must be a JSON object ($)"),
+                    Error::new(
+                        Code::InvalidParameters,
+                        "parameters must be a JSON object ($)",
+                    ),
                 )
                 .await);
         };
         let canon = canonical(parameters);
         if canon.len() > MAX_PARAMETERS {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("parameters are larger than {MAX_PARAMETERS} bytes"),
             ));
         }
         let Some(compiled) = policy.schemas.get(template) else {
             return Err(Error::new(
-                "execution_failed",
+                Code::ExecutionFailed,
                 "the task template's schema does not compile",
             ));
         };
@@ -516,7 +520,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "invalid_parameters",
+                        Code::InvalidParameters,
                         format!("parameters do not match the template's schema at {at}"),
                     ),
                 )
@@ -525,12 +529,14 @@ impl Broker {
         let command = match t.render(parameters) {
             Ok(c) => c,
             Err(m) => {
-                return Err(self.reject(ev, Error::new("invalid_parameters", m)).await);
+                return Err(self
+                    .reject(ev, Error::new(Code::InvalidParameters, m))
+                    .await);
             }
         };
         if command.len() > MAX_COMMAND {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("the rendered command is longer than {MAX_COMMAND} bytes"),
             ));
         }
@@ -560,7 +566,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "plan_quota_exceeded",
+                        Code::PlanQuotaExceeded,
                         format!("this identity already has {open} open plans (at most {MAX_OPEN_PLANS}); submit or let some expire"),
                     ),
                 )
@@ -627,12 +633,12 @@ impl Broker {
         let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
         let mut plan = self.tenant_plan(p, plan_ref)?;
         if !self.is_requester(p, &plan.tenant, &plan.requester) && !p.may_approve() {
-            return Err(Error::new("task_plan_not_found", "no such task plan"));
+            return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
         if self.expire(p, ctx, &mut plan).await? {
             return Err(self
-                .reject(ev, Error::new("plan_expired", "the plan has expired"))
+                .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);
         }
         let Some(t) = self.plan_template(&plan) else {
@@ -643,7 +649,7 @@ impl Broker {
         if p.may_approve() {
             let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
             let v: Value = serde_json::from_slice(&raw)
-                .map_err(|_| Error::new("audit_unavailable", "a stored plan is corrupt"))?;
+                .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
             m.insert("parameters".into(), v);
         }
         ev.outcome = "ok".into();
@@ -666,14 +672,14 @@ impl Broker {
             "deny" => false,
             _ => {
                 return Err(Error::new(
-                    "invalid_decision",
+                    Code::InvalidDecision,
                     "decision must be approve or deny",
                 ));
             }
         };
         if reason.is_some_and(|r| r.len() > MAX_REASON) {
             return Err(Error::new(
-                "value_too_large",
+                Code::ValueTooLarge,
                 format!("reason is longer than {MAX_REASON} bytes"),
             ));
         }
@@ -685,7 +691,10 @@ impl Broker {
             return Err(self
                 .reject(
                     ev,
-                    Error::new("approver_required", "only approvers decide on task plans"),
+                    Error::new(
+                        Code::ApproverRequired,
+                        "only approvers decide on task plans",
+                    ),
                 )
                 .await);
         }
@@ -695,7 +704,7 @@ impl Broker {
         ev.profile = Some(plan.profile.clone());
         if self.expire(p, ctx, &mut plan).await? {
             return Err(self
-                .reject(ev, Error::new("plan_expired", "the plan has expired"))
+                .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);
         }
         if plan.state != "pending_approval" {
@@ -703,7 +712,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "plan_not_pending",
+                        Code::PlanNotPending,
                         format!("the plan is {}, not pending approval", plan.state),
                     ),
                 )
@@ -717,7 +726,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "task_template_denied",
+                        Code::TaskTemplateDenied,
                         format!(
                             "task template {} is not available to this identity",
                             plan.template
@@ -740,7 +749,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "self_approval_denied",
+                        Code::SelfApprovalDenied,
                         "a plan must be approved by someone other than its requester",
                     ),
                 )
@@ -773,7 +782,7 @@ impl Broker {
         let plan_lock = self.lock(format!("task-plan:{plan_ref}")).await;
         let mut plan = self.tenant_plan(p, plan_ref)?;
         if !self.is_requester(p, &plan.tenant, &plan.requester) {
-            return Err(Error::new("task_plan_not_found", "no such task plan"));
+            return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
         ev.profile = Some(plan.profile.clone());
@@ -789,7 +798,7 @@ impl Broker {
         }
         if self.expire(p, ctx, &mut plan).await? {
             return Err(self
-                .reject(ev, Error::new("plan_expired", "the plan has expired"))
+                .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);
         }
         let ok_state = if plan.approval_required {
@@ -802,7 +811,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "plan_not_approved",
+                        Code::PlanNotApproved,
                         format!("the plan is {}; it runs once approved", plan.state),
                     ),
                 )
@@ -816,7 +825,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "task_template_denied",
+                        Code::TaskTemplateDenied,
                         format!(
                             "task template {} is no longer available to this identity",
                             plan.template
@@ -830,10 +839,10 @@ impl Broker {
         };
         let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
         let params: Value = serde_json::from_slice(&raw)
-            .map_err(|_| Error::new("audit_unavailable", "a stored plan is corrupt"))?;
+            .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
         let command = t
             .render(&params)
-            .map_err(|m| Error::new("invalid_parameters", m))?;
+            .map_err(|m| Error::new(Code::InvalidParameters, m))?;
         if sha256_hex(command.as_bytes()) != plan.command_sha256 {
             return Err(self.reject(ev, Self::changed()).await);
         }
@@ -890,7 +899,7 @@ impl Broker {
             .await?;
         if !saved {
             return Err(Error::new(
-                "plan_not_approved",
+                Code::PlanNotApproved,
                 "the plan changed meanwhile; look at it again",
             ));
         }
@@ -905,7 +914,7 @@ impl Broker {
         });
         let task = job
             .await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         self.task_answer(&task, ctx, true)
     }
 
@@ -999,7 +1008,7 @@ impl Broker {
                             .and_then(Value::as_str)
                             .map(str::to_string)
                             .ok_or_else(|| {
-                                Error::new("execution_failed", "the task's job did not start")
+                                Error::new(Code::ExecutionFailed, "the task's job did not start")
                             })
                     })
             }
@@ -1061,7 +1070,7 @@ impl Broker {
         };
         match self.release(tp, ctx, &lease.lease_ref, "kill").await {
             Ok(_) => "verified",
-            Err(e) if e.code == "lease_not_found" => "verified",
+            Err(e) if e.code == Code::LeaseNotFound => "verified",
             Err(e) => {
                 tracing::warn!(task = %task.task_ref, error = %e, "could not kill a trusted task's sandbox");
                 "pending"
@@ -1116,7 +1125,7 @@ impl Broker {
                         .and_then(Value::as_i64)
                         .and_then(|c| i32::try_from(c).ok());
                 }
-                Err(e) if matches!(e.code, "job_not_found" | "lease_not_found") => {
+                Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
                     task.state = "orphaned".into();
                 }
                 Err(e) => return Err(e),
@@ -1148,7 +1157,7 @@ impl Broker {
                 b.refresh_task(&c2, task).await
             })
             .await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         ev.outcome = "ok".into();
         ev.task_state = Some(task.state.clone());
         self.inner.journal.record(ev).await?;
@@ -1197,7 +1206,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "task_template_changed",
+                        Code::TaskTemplateChanged,
                         "the task template changed after this task was planned; cancel it to end it",
                     ),
                 )
@@ -1215,7 +1224,7 @@ impl Broker {
                 b.finalize_locked(&c2, task, template, cancel, ev).await
             })
             .await
-            .map_err(|_| Error::new("execution_failed", "the operation was interrupted"))??;
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         self.task_answer(&task, ctx, true)
     }
 
@@ -1243,7 +1252,7 @@ impl Broker {
                         Some(s) => s.to_string(),
                     };
                 }
-                Err(e) if matches!(e.code, "job_not_found" | "lease_not_found") => {
+                Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
                     task.state = "orphaned".into();
                 }
                 Err(e) => return Err(e),
@@ -1251,7 +1260,10 @@ impl Broker {
         }
         if task.state == "running" {
             return Err(self
-                .reject(ev, Error::new("task_running", "the task is still running"))
+                .reject(
+                    ev,
+                    Error::new(Code::TaskRunning, "the task is still running"),
+                )
                 .await);
         }
         // The result is computed once; a retry after a failed cleanup
@@ -1417,21 +1429,23 @@ impl Broker {
                     .get("content_base64")
                     .and_then(Value::as_str)
                     .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
-                    .ok_or_else(|| Error::new("invalid_artifact", "an output could not be read"))?,
-                Err(e) if matches!(e.code, "artifact_not_found" | "invalid_path") => {
+                    .ok_or_else(|| {
+                        Error::new(Code::InvalidArtifact, "an output could not be read")
+                    })?,
+                Err(e) if matches!(e.code, Code::ArtifactNotFound | Code::InvalidPath) => {
                     missing(&mut ev, o.required.then_some("missing"));
                     all_ok &= !o.required;
                     evidence.push(Value::Object(ev));
                     continue;
                 }
                 // The sandbox went away before its outputs were read.
-                Err(e) if e.code == "lease_not_found" => {
+                Err(e) if e.code == Code::LeaseNotFound => {
                     missing(&mut ev, Some("sandbox_gone"));
                     all_ok = false;
                     evidence.push(Value::Object(ev));
                     continue;
                 }
-                Err(e) if e.code == "artifact_too_large" => {
+                Err(e) if e.code == Code::ArtifactTooLarge => {
                     ev.insert("present".into(), json!(true));
                     ev.insert("exposed".into(), json!(false));
                     ev.insert("error".into(), json!("too_large"));
@@ -1503,7 +1517,7 @@ impl Broker {
                 .reject(
                     ev,
                     Error::new(
-                        "receipt_not_ready",
+                        Code::ReceiptNotReady,
                         "the receipt is issued once the task's result is finalized (POST …/result)",
                     ),
                 )

@@ -9,7 +9,7 @@ use redb::{ReadableTable, WriteTransaction};
 use serde_json::{Value, json};
 
 use super::leases::{Done, Lease, session_key};
-use super::{Broker, Ctx, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Event;
 use crate::auth::Principal;
 use crate::clock::now;
@@ -93,7 +93,10 @@ impl Broker {
         seconds: Option<u64>,
     ) -> Result<Value> {
         if seconds == Some(0) {
-            return Err(Error::new("invalid_request", "seconds must be at least 1"));
+            return Err(Error::new(
+                Code::InvalidRequest,
+                "seconds must be at least 1",
+            ));
         }
         let ev = self.event(p, "renew", ctx);
         self.authorize(p, "lease:renew", &ev).await?;
@@ -108,7 +111,7 @@ impl Broker {
                 .reject(
                     self.lease_event(p, "renew", ctx, &l),
                     Error::new(
-                        "keepalive_exhausted",
+                        Code::KeepaliveExhausted,
                         format!(
                             "the lease was last used more than max_keepalive_seconds ({}) ago; use it or acquire again",
                             prof.max_keepalive_seconds
@@ -246,7 +249,7 @@ impl Broker {
     pub async fn gc(&self) -> Result<(u64, u64)> {
         self.inner.journal.check()?;
         if let Err(e) = self.prune_plans().await {
-            tracing::warn!(code = e.code, error = %e.message, "gc: could not prune task plans");
+            tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not prune task plans");
         }
         let leases = self.inner.store.read(all_leases).await?;
         let t = now().1;
@@ -259,7 +262,7 @@ impl Broker {
                 Ok(true) => collected += 1,
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::warn!(lease = %l.lease_ref, code = e.code, error = %e.message, "gc: could not collect an idle lease");
+                    tracing::warn!(lease = %l.lease_ref, code = e.code.as_str(), error = %e.message, "gc: could not collect an idle lease");
                     failed += 1;
                 }
             }
@@ -277,7 +280,7 @@ impl Broker {
             return Err(self
                 .reject(
                     ev,
-                    Error::new("admin_required", "this action needs the admin role"),
+                    Error::new(Code::AdminRequired, "this action needs the admin role"),
                 )
                 .await);
         }
@@ -373,12 +376,12 @@ impl Broker {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
                 if let Err(e) = b.keepalive(&mut last).await {
-                    tracing::warn!(code = e.code, error = %e.message, "keepalive pass failed");
+                    tracing::warn!(code = e.code.as_str(), error = %e.message, "keepalive pass failed");
                 }
                 if !gc_every.is_zero() && last_gc.elapsed() >= gc_every {
                     last_gc = Instant::now();
                     if let Err(e) = b.gc().await {
-                        tracing::warn!(code = e.code, error = %e.message, "gc pass failed");
+                        tracing::warn!(code = e.code.as_str(), error = %e.message, "gc pass failed");
                     }
                 }
             }

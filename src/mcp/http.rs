@@ -16,7 +16,7 @@ use super::tools::Host;
 use super::{McpServer, Upstream};
 use crate::api::{ApiError, AppState};
 use crate::auth::Principal;
-use crate::broker::Error;
+use crate::broker::{Code, Error};
 
 /// Live MCP sessions one identity may hold (a client that never closes its
 /// sessions gets 429 `session_quota_exceeded`; idle ones end after five
@@ -80,7 +80,7 @@ pub fn router(st: AppState, v1: Router, hosts: Vec<String>) -> Router {
 
 /// A 401 with the envelope and the challenge MCP clients look for.
 fn unauthorized(message: &str) -> Response {
-    let mut r = ApiError(Error::new("unauthorized", message.to_string())).into_response();
+    let mut r = ApiError(Error::new(Code::Unauthorized, message.to_string())).into_response();
     r.headers_mut().insert(
         axum::http::header::WWW_AUTHENTICATE,
         axum::http::HeaderValue::from_static("Bearer"),
@@ -106,7 +106,7 @@ async fn authenticate(State(g): State<Guard>, req: Request, next: Next) -> Respo
 async fn guarded(g: Guard, req: Request, next: Next) -> Response {
     let p = match crate::api::identify(&g.st.auth, req.headers(), req.extensions()).await {
         Ok(p) => p,
-        Err(e) if e.0.code == "unauthorized" => return unauthorized(&e.0.message),
+        Err(e) if e.0.code == Code::Unauthorized => return unauthorized(&e.0.message),
         Err(e) => return e.into_response(),
     };
     let who = identity(&p);
@@ -132,7 +132,7 @@ async fn guarded(g: Guard, req: Request, next: Next) -> Response {
         && g.live_sessions(&who).await >= MAX_SESSIONS_PER_IDENTITY
     {
         return ApiError(Error::new(
-            "session_quota_exceeded",
+            Code::SessionQuotaExceeded,
             format!(
                 "this identity already holds {MAX_SESSIONS_PER_IDENTITY} MCP sessions; \
                  close some (DELETE /mcp) or wait five minutes for idle ones to end"

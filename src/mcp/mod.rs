@@ -25,6 +25,12 @@ use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Value, json};
 
 use self::tools::{Host, Request, TOOLS};
+use crate::broker::Code;
+
+/// The tool-error code when the appliance could not be asked (no answer,
+/// so no catalogue code): the only code a tool error carries that is not
+/// a `broker::Code`.
+const UNAVAILABLE: &str = "unavailable";
 
 /// The profile `/v1/leases/acquire` uses when none is given.
 const DEFAULT_PROFILE: &str = "offline-code";
@@ -213,7 +219,8 @@ impl McpServer {
     }
 }
 
-/// A tool error the model can act on: the appliance's code and message.
+/// A tool error the model can act on: the appliance's code and message
+/// (passed through as the appliance sent it, which may be a newer one).
 fn tool_error(code: &str, message: &str) -> CallToolResult {
     let mut r = CallToolResult::structured_error(json!({"code": code, "message": message}));
     r.content = vec![ContentBlock::text(format!("{code}: {message}"))];
@@ -260,11 +267,11 @@ impl ServerHandler for McpServer {
         let host = self.host_for(&context);
         let req = match tools::request(request.name.as_ref(), &args, &host) {
             Ok(r) => r,
-            Err(m) => return Ok(tool_error("invalid_request", &m).into()),
+            Err(m) => return Ok(tool_error(Code::InvalidRequest.as_str(), &m).into()),
         };
         let (status, v) = match self.send(&req, &context).await {
             Ok(x) => x,
-            Err(m) => return Ok(tool_error("unavailable", &m).into()),
+            Err(m) => return Ok(tool_error(UNAVAILABLE, &m).into()),
         };
         if (200..300).contains(&status) {
             // Structured content must be an object; anything else is text.
@@ -278,7 +285,7 @@ impl ServerHandler for McpServer {
         let code = v
             .pointer("/error/code")
             .and_then(Value::as_str)
-            .unwrap_or("execution_failed");
+            .unwrap_or(Code::ExecutionFailed.as_str());
         let message = v
             .pointer("/error/message")
             .and_then(Value::as_str)

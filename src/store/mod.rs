@@ -106,9 +106,13 @@ type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 type Job = Box<dyn FnOnce(&WriteTransaction, &mut Chain) -> Finish + Send>;
 
 struct Inner {
-    db: Arc<Database>,
+    /// `None` once closed: reads and writes then fail `Unavailable`, and the
+    /// file (and its lock) is released.
+    db: std::sync::RwLock<Option<Arc<Database>>>,
     jobs: mpsc::Sender<Job>,
+    writer: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     failed: AtomicBool,
+    closed: AtomicBool,
     path: PathBuf,
     stats: Arc<Stats>,
 }
@@ -191,18 +195,57 @@ impl Store {
         let (tx, rx) = mpsc::channel::<Job>(4096);
         let stats = Arc::new(Stats::default());
         let inner = Arc::new(Inner {
-            db: db.clone(),
+            db: std::sync::RwLock::new(Some(db.clone())),
             jobs: tx,
+            writer: std::sync::Mutex::new(None),
             failed: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             path,
             stats: stats.clone(),
         });
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("store-writer".into())
             .spawn(move || writer(db, rx, chain, weak, stats, max_batch))
             .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
+        if let Ok(mut w) = inner.writer.lock() {
+            *w = Some(handle);
+        }
         Ok(Self { inner, sealer })
+    }
+
+    fn db(&self) -> Result<Arc<Database>, StoreError> {
+        self.inner
+            .db
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| StoreError::Unavailable("the store is closed".into()))
+    }
+
+    /// Commit what is queued, stop the writer and wait for it, and release
+    /// the file (and its lock) once reads in progress end: later reads and
+    /// writes, through any clone, fail `Unavailable`.
+    pub async fn close(&self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        // Wake the writer: it commits what is queued up to this no-op, then
+        // sees `closed` and stops.
+        let wake: Job = Box::new(|_txn, _chain| Box::new(|_| {}));
+        let _ = self.inner.jobs.send(wake).await;
+        let handle = self
+            .inner
+            .writer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(h) = handle {
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
+        }
+        self.inner
+            .db
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
     }
 
     pub fn path(&self) -> &Path {
@@ -246,6 +289,9 @@ impl Store {
                 "an earlier commit failed; restart required".into(),
             ));
         }
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable("the store is closed".into()));
+        }
         let (tx, rx) = oneshot::channel();
         let job: Job = Box::new(move |txn, chain| {
             let r = f(txn, chain);
@@ -267,7 +313,7 @@ impl Store {
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let db = self.inner.db.clone();
+        let db = self.db()?;
         tokio::task::spawn_blocking(move || {
             let txn = db.begin_read()?;
             f(&txn)
@@ -282,7 +328,7 @@ impl Store {
         &self,
         f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let txn = self.inner.db.begin_read()?;
+        let txn = self.db()?.begin_read()?;
         f(&txn)
     }
 }
@@ -434,6 +480,12 @@ fn writer(
                 for f in finishes {
                     f(Ok(()));
                 }
+                if inner
+                    .upgrade()
+                    .is_some_and(|i| i.closed.load(Ordering::SeqCst))
+                {
+                    break;
+                }
             }
             Err(e) => {
                 let e = StoreError::from(e);
@@ -569,5 +621,39 @@ mod tests {
         assert_eq!(n, 256);
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `close` commits what was queued, stops the writer and releases the
+    /// file at once, however many clones are left: the same process can
+    /// open it again, and the clones fail cleanly.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn close_releases_the_file_for_every_clone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let clone = store.clone();
+        let queued = {
+            let s = store.clone();
+            tokio::spawn(async move {
+                let ev = Event {
+                    action: "queued".into(),
+                    ..Default::default()
+                };
+                s.write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
+                    .await
+            })
+        };
+        queued.await.unwrap().unwrap();
+        store.close().await;
+        assert!(matches!(
+            clone.write(|_, _| Ok(())).await,
+            Err(StoreError::Unavailable(_))
+        ));
+        assert!(clone.read_now(|_| Ok(())).is_err());
+        let again = Store::open(dir.path()).expect("the file is still locked after close");
+        let n = again
+            .read_now(|txn| Ok(txn.open_table(tables::AUDIT)?.iter()?.count()))
+            .unwrap();
+        assert_eq!(n, 1, "the write queued before close was lost");
+        drop(clone);
     }
 }

@@ -92,11 +92,10 @@ impl Server {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+        // `serve` closes the store before it returns: the file is free.
         if let Some(t) = self.task.take() {
             let _ = t.await;
         }
-        // Let the store's writer thread close the file.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 
     pub async fn post(&self, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
@@ -894,6 +893,57 @@ async fn router_and_openapi_are_in_step() {
         .unwrap();
     assert_eq!(r.text().await.unwrap(), cube_adapter::api::OPENAPI);
     s.stop().await;
+}
+
+/// The `enum` of `components.schemas.Error`'s `error.code` in the OpenAPI
+/// document (a flow sequence, possibly over several lines).
+fn spec_error_codes() -> Vec<String> {
+    let spec = cube_adapter::api::OPENAPI;
+    let schemas = spec
+        .find("\n  schemas:\n")
+        .expect("components.schemas in docs/openapi.yaml");
+    let error = schemas
+        + spec[schemas..]
+            .find("\n    Error:\n")
+            .expect("components.schemas.Error in docs/openapi.yaml");
+    let code = error
+        + spec[error..]
+            .find("\n            code:\n")
+            .expect("Error.error.code in docs/openapi.yaml");
+    let enum_at = code
+        + spec[code..]
+            .find("enum: [")
+            .expect("Error.error.code.enum in docs/openapi.yaml")
+        + "enum: [".len();
+    let end = enum_at + spec[enum_at..].find(']').expect("the enum's closing ]");
+    spec[enum_at..end]
+        .split(',')
+        .map(|c| c.trim().to_string())
+        .filter(|c| !c.is_empty())
+        .collect()
+}
+
+#[test]
+fn error_catalogue_and_openapi_are_in_step() {
+    use std::collections::BTreeSet;
+    let listed = spec_error_codes();
+    let spec: BTreeSet<&str> = listed.iter().map(String::as_str).collect();
+    assert_eq!(
+        spec.len(),
+        listed.len(),
+        "a code is listed twice: {listed:?}"
+    );
+    let code: BTreeSet<&str> = cube_adapter::broker::Code::ALL
+        .iter()
+        .map(|c| c.as_str())
+        .collect();
+    let missing: Vec<_> = code.difference(&spec).collect();
+    let unknown: Vec<_> = spec.difference(&code).collect();
+    assert!(
+        missing.is_empty() && unknown.is_empty(),
+        "docs/openapi.yaml's Error.code enum and broker::Code differ: \
+         not in the spec {missing:?}, not in the catalogue {unknown:?}"
+    );
 }
 
 /// A state directory for `serve` processes, and a client for them (made
