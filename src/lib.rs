@@ -27,6 +27,7 @@ pub mod embedded;
 pub mod ids;
 pub mod mcp;
 pub mod ops;
+pub mod secrets;
 pub mod server;
 pub mod standalone;
 pub mod store;

@@ -37,6 +37,12 @@ impl From<crate::store::StoreError> for Error {
     }
 }
 
+impl From<crate::secrets::SecretsError> for Error {
+    fn from(e: crate::secrets::SecretsError) -> Self {
+        crate::store::StoreError::from(e).into()
+    }
+}
+
 /// A backend error as the agent sees it: no backend detail beyond its kind.
 pub fn backend(e: &crate::cube::CubeError) -> Error {
     use crate::cube::ErrorKind as K;

@@ -10,7 +10,6 @@
 
 pub mod codec;
 pub mod event;
-pub mod seal;
 pub mod tables;
 
 use std::path::{Path, PathBuf};
@@ -22,7 +21,7 @@ use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTran
 use tokio::sync::{mpsc, oneshot};
 
 use self::event::Event;
-pub use seal::Sealer;
+pub use crate::secrets::Sealer;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -42,6 +41,15 @@ pub enum StoreError {
     Conflict(String),
     #[error("not found")]
     NotFound,
+}
+
+impl From<crate::secrets::SecretsError> for StoreError {
+    fn from(e: crate::secrets::SecretsError) -> Self {
+        match e {
+            crate::secrets::SecretsError::Io(m) => StoreError::Io(m),
+            crate::secrets::SecretsError::Corrupt(m) => StoreError::Corrupt(m),
+        }
+    }
 }
 
 impl From<redb::Error> for StoreError {

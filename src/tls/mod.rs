@@ -44,22 +44,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TlsError {
 
 /// Write a file with the given mode, atomically (tmp + rename).
 pub fn write_private(path: &Path, data: &[u8], mode: u32) -> Result<(), TlsError> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(io(format!("write {}", tmp.display())))?;
-    f.write_all(data)
-        .map_err(io(format!("write {}", tmp.display())))?;
-    f.sync_all()
-        .map_err(io(format!("sync {}", tmp.display())))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io("chmod"))?;
-    std::fs::rename(&tmp, path).map_err(io(format!("rename to {}", path.display())))
+    crate::secrets::write_private(path, data, mode).map_err(io(format!("write {}", path.display())))
 }
 
 /// The local certificate authority kept in a directory: `ca.pem` (public)
@@ -69,7 +54,7 @@ pub struct LocalCa {
     params: CertificateParams,
     pub cert_pem: String,
     pub dir: PathBuf,
-    sealer: Option<crate::store::Sealer>,
+    sealer: Option<crate::secrets::Sealer>,
 }
 
 const SEALED: &str = "sealed:";
@@ -86,7 +71,7 @@ impl LocalCa {
 }
 
 fn write_key(
-    sealer: Option<&crate::store::Sealer>,
+    sealer: Option<&crate::secrets::Sealer>,
     path: &Path,
     pem: &str,
 ) -> Result<(), TlsError> {
@@ -101,7 +86,7 @@ fn write_key(
     write_private(path, data.as_bytes(), 0o600)
 }
 
-fn read_key(sealer: Option<&crate::store::Sealer>, path: &Path) -> Result<String, TlsError> {
+fn read_key(sealer: Option<&crate::secrets::Sealer>, path: &Path) -> Result<String, TlsError> {
     let text = std::fs::read_to_string(path).map_err(io(format!("read {}", path.display())))?;
     match (text.trim().strip_prefix(SEALED), sealer) {
         (Some(b), Some(s)) => {
@@ -146,7 +131,7 @@ impl LocalCa {
     /// As `load_or_create`, with private keys sealed under the store key.
     pub fn load_or_create_sealed(
         dir: &Path,
-        sealer: Option<crate::store::Sealer>,
+        sealer: Option<crate::secrets::Sealer>,
     ) -> Result<Self, TlsError> {
         std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
