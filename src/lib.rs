@@ -1,6 +1,6 @@
 //! cube-adapter: an appliance between AI coding agents and CubeSandbox.
 //!
-//! This library holds everything; `main.rs` only parses the command line.
+//! This library holds everything; `main.rs` only calls `cli::run`.
 
 #![deny(
     clippy::unwrap_used,

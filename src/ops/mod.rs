@@ -1,9 +1,8 @@
 //! Operations on a running or stopped appliance: reload (SIGHUP and the
 //! admin socket), status, certificate renewal and consistent backups. The
 //! operator commands behind them (`init`, `status`, `cert …`, `backup`,
-//! `restore`) are in `ops::cli`.
+//! `restore`) are in `cli::ops` and `cli::backup`.
 
-pub mod cli;
 pub mod tar;
 
 use std::collections::BTreeMap;

@@ -48,7 +48,6 @@ const KNOWN: &[(&str, &str)] = &[
     ("admin", "ops"),
     ("config", "broker"),
     ("ops", "app"),
-    ("ops", "cli"),
 ];
 
 fn rank(m: &str) -> Option<u32> {

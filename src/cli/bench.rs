@@ -1,0 +1,187 @@
+//! `bench …`: performance measurements of the appliance, the journal and
+//! the embedded backend (p50/p90/p99/max; never a pass/fail test). Exit 1
+//! when a measurement cannot be taken.
+
+use std::path::PathBuf;
+
+use clap::Subcommand;
+
+use super::Exit;
+use crate::bench::{self, appliance};
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Every scenario below with its defaults, one after the other; with
+    /// --json-dir, one JSON report per scenario.
+    All {
+        #[arg(long)]
+        json_dir: Option<PathBuf>,
+    },
+    /// Added latency of the appliance: the same exec through /v1 and
+    /// directly with the cube client, and what a durable commit costs.
+    Overhead {
+        #[arg(long, default_value_t = 300)]
+        iterations: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// acquire → exec → release(kill) cycles with 1, 16 and 64 agents.
+    Cycle {
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 4)]
+        cycles_per_agent: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Exec on existing leases with many concurrent agents.
+    Hot {
+        #[arg(long, default_value_t = 64)]
+        agents: usize,
+        #[arg(long, default_value_t = 30)]
+        ops_per_agent: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Journal commits: group commit vs one fsync per event.
+    Audit {
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        writers: Vec<usize>,
+        #[arg(long, default_value_t = 200)]
+        events_per_writer: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Job-output throughput: a job's stdout and stderr read to the end by
+    /// per-stream cursors and by SSE.
+    Jobs {
+        /// MiB the job writes to each stream.
+        #[arg(long, default_value_t = 32)]
+        mib: usize,
+        /// Full reads by each method.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// RSS idle and with many live leases, and start-to-ready time, of a
+    /// real `serve` process.
+    Memory {
+        #[arg(long, default_value_t = 1000)]
+        leases: usize,
+        #[arg(long, default_value_t = 10)]
+        starts: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// The embedded backend through the cube client over mTLS: sandbox
+    /// create → exec → kill cycles and exec round-trips on a live sandbox.
+    Backend {
+        /// Create/exec/kill cycles to time.
+        #[arg(long, default_value_t = 100)]
+        cycles: usize,
+        /// Exec round-trips on one live sandbox.
+        #[arg(long, default_value_t = 1000)]
+        execs: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+pub fn run(b: BenchCommand) -> Exit {
+    let launcher = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: cannot find this executable: {e}");
+            return Exit::Failed;
+        }
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return Exit::Failed;
+        }
+    };
+    let (result, json) = match b {
+        BenchCommand::All { json_dir } => {
+            return match rt.block_on(bench::all(&launcher, json_dir.as_deref())) {
+                Ok(()) => Exit::Ok,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    Exit::Failed
+                }
+            };
+        }
+        BenchCommand::Backend {
+            cycles,
+            execs,
+            json,
+        } => {
+            let opts = bench::BackendBench {
+                cycles,
+                execs,
+                launcher,
+            };
+            (rt.block_on(bench::backend(&opts)), json)
+        }
+        BenchCommand::Overhead { iterations, json } => (
+            rt.block_on(appliance::overhead(&launcher, iterations)),
+            json,
+        ),
+        BenchCommand::Cycle {
+            concurrency,
+            cycles_per_agent,
+            json,
+        } => (
+            rt.block_on(appliance::cycle(&launcher, &concurrency, cycles_per_agent)),
+            json,
+        ),
+        BenchCommand::Hot {
+            agents,
+            ops_per_agent,
+            json,
+        } => (
+            rt.block_on(appliance::hot(&launcher, agents, ops_per_agent)),
+            json,
+        ),
+        BenchCommand::Audit {
+            writers,
+            events_per_writer,
+            json,
+        } => (
+            rt.block_on(appliance::audit(&writers, events_per_writer)),
+            json,
+        ),
+        BenchCommand::Jobs { mib, rounds, json } => (
+            rt.block_on(appliance::job_output(&launcher, mib, rounds)),
+            json,
+        ),
+        BenchCommand::Memory {
+            leases,
+            starts,
+            json,
+        } => (
+            rt.block_on(appliance::memory_and_startup(&launcher, leases, starts)),
+            json,
+        ),
+    };
+    match result {
+        Ok(report) => {
+            report.print();
+            if let Some(path) = json {
+                let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                if let Err(e) = std::fs::write(&path, text) {
+                    eprintln!("error: cannot write {}: {e}", path.display());
+                    return Exit::Failed;
+                }
+            }
+            Exit::Ok
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            Exit::Failed
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! What the commands share: the `--config`/`--state-dir` flags
+//! ([`Common`]), loading the configuration, the runtime, the one shutdown
+//! signal, and the two ways to reach the appliance: the store, or the
+//! running service's admin socket (STATE/admin.sock).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::Exit;
+use crate::admin::{self, Request};
+use crate::config::{Config, Flags};
+use crate::store::{Store, StoreError};
+
+#[derive(clap::Args, Clone)]
+pub struct Common {
+    /// Config file (default /etc/cube-adapter/config.toml; missing is fine).
+    #[arg(long, env = "CUBE_ADAPTER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// State directory (overrides the config file).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+}
+
+impl Common {
+    /// The configuration with `--state-dir` as its only flag.
+    pub fn load(&self) -> Result<Config, Exit> {
+        let flags = Flags {
+            state_dir: self.state_dir.clone(),
+            ..Flags::default()
+        };
+        load(self.config.as_deref(), &flags)
+    }
+
+    /// The state directory the configuration and `--state-dir` name.
+    pub fn state_dir(&self) -> Result<PathBuf, Exit> {
+        Ok(self.load()?.state_dir)
+    }
+}
+
+pub fn env_vars() -> Vec<(String, String)> {
+    std::env::vars().collect()
+}
+
+/// Defaults < the file < CUBE_ADAPTER_* environment < flags; warnings on
+/// stderr; exit 2 when the configuration is invalid.
+pub fn load(config: Option<&Path>, flags: &Flags) -> Result<Config, Exit> {
+    match Config::load(config, &env_vars(), flags) {
+        Ok((c, warnings)) => {
+            for w in warnings {
+                eprintln!("warning: {w}");
+            }
+            Ok(c)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(Exit::Usage)
+        }
+    }
+}
+
+pub fn runtime() -> Result<tokio::runtime::Runtime, Exit> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("error: cannot start the runtime: {e}");
+            Exit::Store
+        })
+}
+
+/// Resolves at the first SIGTERM or SIGINT (never, if SIGTERM cannot be
+/// watched). The one signal every long-running command stops on.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+pub fn print_json(v: &impl serde::Serialize) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+// ------------------------------------ the store, or the socket (token, user, audit)
+
+/// The store, or the running service's admin socket.
+pub enum Access {
+    Store(Store),
+    Socket(PathBuf),
+}
+
+/// Opens the store; while the service holds it, its admin socket instead.
+pub fn access(state: &Path) -> Result<Access, Exit> {
+    if !state.join("state.redb").exists() {
+        eprintln!(
+            "error: no store at {} (has the service ever started? check --state-dir)",
+            state.display()
+        );
+        return Err(Exit::State);
+    }
+    match Store::open(state) {
+        Ok(s) => Ok(Access::Store(s)),
+        Err(StoreError::Locked(_)) if state.join("admin.sock").exists() => {
+            Ok(Access::Socket(state.join("admin.sock")))
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(Exit::Store)
+        }
+    }
+}
+
+/// One `admin::Request` to the running service; its answer lines.
+pub fn socket_call(path: &Path, req: &Request) -> Result<Vec<Value>, Exit> {
+    let out = admin::call(path, req).map_err(|e| {
+        eprintln!("error: {e}");
+        Exit::State
+    })?;
+    if let Some(err) = out
+        .iter()
+        .find_map(|v| v.get("error").and_then(|e| e.as_str()))
+    {
+        eprintln!("error: {err}");
+        return Err(Exit::Failed);
+    }
+    Ok(out)
+}
+
+// ------------------------ the socket first, then the store (init, status, cert, backup)
+
+/// Whether a service answers on `STATE/admin.sock`.
+pub enum Reach {
+    Running(PathBuf),
+    Stopped,
+}
+
+pub fn reach(state: &Path) -> Reach {
+    let sock = state.join("admin.sock");
+    match std::os::unix::net::UnixStream::connect(&sock) {
+        Ok(_) => Reach::Running(sock),
+        Err(_) => Reach::Stopped,
+    }
+}
+
+/// One `ops::Request` to the running service; its answer, or an exit code.
+pub fn ask(sock: &Path, req: &crate::ops::Request) -> Result<Value, Exit> {
+    let out = crate::admin::call(sock, req).map_err(|e| {
+        eprintln!("error: {e}");
+        Exit::State
+    })?;
+    match out.into_iter().next() {
+        Some(v) if v.get("ok").and_then(Value::as_bool) == Some(true) => Ok(v),
+        Some(v) => {
+            eprintln!(
+                "error: {}",
+                v.get("error").and_then(Value::as_str).unwrap_or("refused")
+            );
+            Err(Exit::Failed)
+        }
+        None => {
+            eprintln!("error: no answer from the service");
+            Err(Exit::State)
+        }
+    }
+}
+
+/// Open the store of a stopped service (exclusive until dropped).
+pub fn open_stopped(state: &Path) -> Result<Store, Exit> {
+    match Store::open(state) {
+        Ok(s) => Ok(s),
+        Err(StoreError::Locked(m)) => {
+            eprintln!("error: {m}");
+            Err(Exit::State)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(Exit::Store)
+        }
+    }
+}
+
+pub fn not_initialised(state: &Path) -> Exit {
+    eprintln!(
+        "error: {} is not initialised (run `cube-adapter init`, or start the service once)",
+        state.display()
+    );
+    Exit::State
+}
+
+/// Run as root on a state directory that belongs to the service user:
+/// give what this command created there to that user too, so that the
+/// service can read it (systemd re-owns a state directory only when its
+/// top level has the wrong owner).
+pub fn adopt_owner(state: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    if !nix::unistd::geteuid().is_root() {
+        return;
+    }
+    let Ok(m) = std::fs::metadata(state) else {
+        return;
+    };
+    if m.uid() == 0 {
+        return;
+    }
+    let (uid, gid) = (m.uid(), m.gid());
+    let mut stack = vec![state.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            // Sandboxes have ids of their own.
+            if dir == state && e.file_name() == "embedded" {
+                continue;
+            }
+            let Ok(m) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if (m.uid() != uid || m.gid() != gid)
+                && let Err(err) = std::os::unix::fs::lchown(&p, Some(uid), Some(gid))
+            {
+                eprintln!("warning: cannot give {} to uid {uid}: {err}", p.display());
+            }
+            if m.is_dir() {
+                stack.push(p);
+            }
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! `user add|list|passwd|disable|enable|remove`: people (approvers,
+//! auditors) who sign in with a password (HTTP Basic on /v1 and /mcp, and
+//! the console). Each subcommand builds one `UserOp` for [`apply`], which
+//! runs it through the running service's admin socket, or on the store
+//! when stopped.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+
+use super::Exit;
+use super::common::{Access, Common, access, runtime, socket_call};
+use crate::admin::Request;
+use crate::auth::users::{UserOp, hash_password, valid_name};
+use crate::auth::{Principal, Role};
+
+#[derive(Subcommand)]
+pub enum UserCommand {
+    /// Add a user (default role approver, with task:approve, task:status,
+    /// task:receipt and lease:list).
+    Add(UserAddArgs),
+    /// List users (never their passwords).
+    List(UserListArgs),
+    /// Set a new password.
+    Passwd(UserPasswdArgs),
+    /// Refuse a user's sign-ins (at once) until enabled again.
+    Disable(UserNameArgs),
+    /// Allow a disabled user again.
+    Enable(UserNameArgs),
+    /// Delete a user (what they did stays in the audit journal).
+    Remove(UserNameArgs),
+}
+
+#[derive(Args)]
+pub struct UserAddArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// ^[a-z][a-z0-9._-]{0,63}$; the user's subject in the audit journal.
+    pub name: String,
+    /// Tenant whose plans the user sees and decides on.
+    #[arg(long)]
+    pub tenant: String,
+    /// Role: approver, auditor, admin or agent (repeatable).
+    #[arg(long = "role")]
+    pub roles: Vec<String>,
+    /// Action scope (repeatable; replaces the default scopes).
+    #[arg(long = "action")]
+    pub actions: Vec<String>,
+    /// Allowed profile (repeatable; default: any).
+    #[arg(long = "profile")]
+    pub profiles: Vec<String>,
+    /// Task template the user may decide on (repeatable; default: *).
+    #[arg(long = "task-template")]
+    pub task_templates: Vec<String>,
+    /// Read the password from this file (default: stdin).
+    #[arg(long)]
+    pub password_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct UserListArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct UserPasswdArgs {
+    #[command(flatten)]
+    pub common: Common,
+    pub name: String,
+    #[arg(long)]
+    pub password_file: Option<PathBuf>,
+}
+
+/// `disable`, `enable` and `remove`: a user by name.
+#[derive(Args)]
+pub struct UserNameArgs {
+    #[command(flatten)]
+    pub common: Common,
+    pub name: String,
+}
+
+fn usage(m: String) -> Exit {
+    eprintln!("error: {m}");
+    Exit::Usage
+}
+
+pub fn add(a: UserAddArgs) -> Exit {
+    if !valid_name(&a.name) {
+        return usage("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
+    }
+    let valid_tenant = !a.tenant.is_empty()
+        && a.tenant.len() <= 128
+        && a.tenant
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
+    if !valid_tenant {
+        return usage("--tenant must be 1-128 characters of [A-Za-z0-9_.:-]".into());
+    }
+    let roles: Result<Vec<Role>, String> = a.roles.iter().map(|r| r.parse()).collect();
+    let mut roles = match roles {
+        Ok(r) if r.is_empty() => vec![Role::Approver],
+        Ok(r) => r,
+        Err(e) => return usage(e),
+    };
+    roles.sort();
+    roles.dedup();
+    let hash = match read_password(a.password_file.as_deref()).and_then(|p| hash_password(&p)) {
+        Ok(h) => h,
+        Err(e) => return usage(e),
+    };
+    let principal = Principal {
+        tenant: a.tenant,
+        subject: a.name,
+        roles,
+        runtimes: None,
+        profiles: (!a.profiles.is_empty()).then_some(a.profiles),
+        actions: if a.actions.is_empty() {
+            ["task:approve", "task:status", "task:receipt", "lease:list"]
+                .map(String::from)
+                .to_vec()
+        } else {
+            a.actions
+        },
+        task_templates: if a.task_templates.is_empty() {
+            vec!["*".into()]
+        } else {
+            a.task_templates
+        },
+        task: None,
+    };
+    apply(&a.common, UserOp::Add { principal, hash }, false)
+}
+
+pub fn list(a: UserListArgs) -> Exit {
+    apply(&a.common, UserOp::List, a.json)
+}
+
+pub fn passwd(a: UserPasswdArgs) -> Exit {
+    match read_password(a.password_file.as_deref()).and_then(|p| hash_password(&p)) {
+        Ok(hash) => apply(&a.common, UserOp::Passwd { name: a.name, hash }, false),
+        Err(e) => usage(e),
+    }
+}
+
+pub fn disable(a: UserNameArgs) -> Exit {
+    let op = UserOp::SetDisabled {
+        name: a.name,
+        disabled: true,
+    };
+    apply(&a.common, op, false)
+}
+
+pub fn enable(a: UserNameArgs) -> Exit {
+    let op = UserOp::SetDisabled {
+        name: a.name,
+        disabled: false,
+    };
+    apply(&a.common, op, false)
+}
+
+pub fn remove(a: UserNameArgs) -> Exit {
+    apply(&a.common, UserOp::Remove { name: a.name }, false)
+}
+
+/// A password from a file (its first line) or from stdin's first line.
+fn read_password(file: Option<&Path>) -> Result<String, String> {
+    let text = match file {
+        Some(f) => std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?,
+        None => {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_line(&mut s)
+                .map_err(|e| format!("read the password from stdin: {e}"))?;
+            s
+        }
+    };
+    Ok(text.lines().next().unwrap_or("").to_string())
+}
+
+/// Runs `op` and prints what it answers (the listing, with `UserOp::List`).
+/// Exit 0 done, 1 refused (no such user, exists already).
+fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
+    let state = match common.state_dir() {
+        Ok(s) => s,
+        Err(c) => return c,
+    };
+    let listing = matches!(op, UserOp::List);
+    let out: Result<serde_json::Value, String> = match access(&state) {
+        Err(c) => return c,
+        Ok(Access::Socket(p)) => match socket_call(&p, &Request::User { op }) {
+            Ok(out) => Ok(out.into_iter().next().unwrap_or_default()),
+            Err(c) => return c,
+        },
+        Ok(Access::Store(store)) => {
+            let rt = match runtime() {
+                Ok(r) => r,
+                Err(c) => return c,
+            };
+            rt.block_on(crate::auth::users::user_op(&store, op))
+        }
+    };
+    let v = match out {
+        Ok(v) if v.get("ok") == Some(&serde_json::Value::Bool(false)) => {
+            eprintln!(
+                "error: {}",
+                v.get("error").and_then(|e| e.as_str()).unwrap_or("refused")
+            );
+            return Exit::Failed;
+        }
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Exit::Failed;
+        }
+    };
+    if !listing {
+        return Exit::Ok;
+    }
+    let users = v.get("users").cloned().unwrap_or_default();
+    if list_json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&users).unwrap_or_default()
+        );
+        return Exit::Ok;
+    }
+    println!(
+        "{:<20} {:<16} {:<24} {:<10} PASSWORD CHANGED",
+        "NAME", "TENANT", "ROLES", "STATE"
+    );
+    for u in users.as_array().into_iter().flatten() {
+        let at = |p: &str| u.pointer(p).cloned().unwrap_or_default();
+        let roles: Vec<String> = at("/principal/roles")
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.as_str().map(str::to_string))
+            .collect();
+        println!(
+            "{:<20} {:<16} {:<24} {:<10} {}",
+            at("/name").as_str().unwrap_or(""),
+            at("/principal/tenant").as_str().unwrap_or(""),
+            roles.join(","),
+            if at("/disabled_at").is_null() {
+                "active"
+            } else {
+                "disabled"
+            },
+            at("/password_changed_at").as_str().unwrap_or("")
+        );
+    }
+    Exit::Ok
+}
