@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub mod paths;
 pub mod tasks;
 
 pub use self::tasks::TaskTemplate;

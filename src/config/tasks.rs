@@ -223,8 +223,7 @@ impl TaskTemplate {
                 None => {}
             }
         }
-        crate::broker::paths::check(&self.command.cwd)
-            .map_err(|e| format!("{at}: command.cwd: {}", e.message))?;
+        super::paths::check(&self.command.cwd).map_err(|e| format!("{at}: command.cwd: {e}"))?;
         if self.plan_ttl_seconds == 0 || self.plan_ttl_seconds > MAX_PLAN_TTL {
             return Err(format!("{at}: plan_ttl_seconds must be 1..={MAX_PLAN_TTL}"));
         }
@@ -241,7 +240,7 @@ impl TaskTemplate {
                 return Err(format!("{oat}: the name is used twice"));
             }
             names.push(o.name.as_str());
-            crate::broker::paths::check(&o.path).map_err(|e| format!("{oat}: {}", e.message))?;
+            super::paths::check(&o.path).map_err(|e| format!("{oat}: {e}"))?;
             if o.max_bytes == 0 || o.max_bytes > MAX_OUTPUT_BYTES {
                 return Err(format!("{oat}: max_bytes must be 1..={MAX_OUTPUT_BYTES}"));
             }
