@@ -77,49 +77,6 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
-/// The names the server certificate carries: localhost, the loopback
-/// addresses, the host's name and addresses, the listen address and the
-/// configured `server_names`.
-pub fn server_names(cfg: &Config, addr: SocketAddr) -> Vec<String> {
-    let mut names = vec![
-        "localhost".to_string(),
-        "127.0.0.1".to_string(),
-        "::1".to_string(),
-    ];
-    let host = hostname();
-    if !host.is_empty() {
-        names.push(host);
-    }
-    if !addr.ip().is_unspecified() {
-        names.push(addr.ip().to_string());
-    }
-    // The host's own addresses, so agents may use any of them.
-    if let Ok(ifs) = nix::ifaddrs::getifaddrs() {
-        for i in ifs {
-            let Some(a) = i.address else { continue };
-            if let Some(v4) = a.as_sockaddr_in() {
-                names.push(v4.ip().to_string());
-            } else if let Some(v6) = a.as_sockaddr_in6() {
-                let ip = v6.ip();
-                // Link-local addresses need a zone and cannot be in a SAN.
-                if (ip.segments()[0] & 0xffc0) != 0xfe80 {
-                    names.push(ip.to_string());
-                }
-            }
-        }
-    }
-    names.extend(cfg.server_names.iter().cloned());
-    names.sort();
-    names.dedup();
-    names
-}
-
 /// How a running service is reloaded.
 #[derive(Debug, Clone)]
 pub enum Reload {
@@ -220,7 +177,7 @@ pub async fn serve_with(
         Some(store.sealer.clone()),
     )?);
     let addr = listener.local_addr()?;
-    let names = server_names(&cfg, addr);
+    let names = crate::tls::server_names(&cfg.server_names, addr);
     // Reissued when it no longer covers the names or expires soon; swapped
     // in place on reload.
     let (spem, skey, _) = ca.server_leaf("server", &names, crate::clock::now().1)?;
@@ -262,7 +219,7 @@ pub async fn serve_with(
             },
         ));
     }
-    let file = tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
+    let file = crate::ops::tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots);
 
     // The backend: configured, or the embedded one on loopback with mTLS.
@@ -449,16 +406,4 @@ pub async fn serve_with(
     // Last: the writer commits what is queued and the file is released.
     store.close().await;
     r.context("serve")
-}
-
-/// The reference-format principals of `tokens_file` (none without one).
-pub(crate) fn tokens_file_principals(cfg: &Config) -> Result<Vec<(String, Principal)>, String> {
-    match &cfg.tokens_file {
-        Some(f) => {
-            let text =
-                std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?;
-            auth::load_tokens_file(&text).map_err(|e| format!("{}: {e}", f.display()))
-        }
-        None => Ok(vec![]),
-    }
 }

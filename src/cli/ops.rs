@@ -123,7 +123,7 @@ pub fn init(args: InitArgs) -> Exit {
     let r = rt.block_on(async {
         crate::app::random_key(&state.join("hmac.key"))?;
         let ca = LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;
-        let names = crate::app::server_names(&cfg, cfg.listen);
+        let names = crate::tls::server_names(&cfg.server_names, cfg.listen);
         let (pem, _, reissued) = ca.server_leaf("server", &names, crate::clock::now().1)?;
         let info = crate::tls::cert_info(&pem)?;
         let file = token_file
@@ -443,7 +443,7 @@ pub fn cert_renew(args: CertRenewArgs) -> Exit {
             let r = (|| {
                 let ca =
                     LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;
-                let names = crate::app::server_names(&cfg, cfg.listen);
+                let names = crate::tls::server_names(&cfg.server_names, cfg.listen);
                 let (cert, _) = ca.reissue_server("server", &names)?;
                 crate::tls::cert_info(
                     &std::fs::read(&cert).map_err(|e| {

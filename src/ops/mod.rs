@@ -194,7 +194,7 @@ impl Reloader {
             .filter(|k| !RELOADABLE.contains(&k.as_str()))
             .cloned()
             .collect();
-        let names = crate::app::server_names(&new, self.addr);
+        let names = crate::tls::server_names(&new.server_names, self.addr);
         let (pem, key, reissued) = match self.ca.server_leaf("server", &names, now_unix()) {
             Ok(x) => x,
             Err(e) => return self.refused(format!("server certificate: {e}")),
@@ -227,7 +227,7 @@ impl Reloader {
             },
             None => None,
         };
-        let principals = match crate::app::tokens_file_principals(&running) {
+        let principals = match tokens_file_principals(&running) {
             Ok(p) => p,
             Err(e) => return self.refused(format!("tokens_file: {e}")),
         };
@@ -276,7 +276,7 @@ impl Reloader {
 
     /// Issue a new server certificate for the running names and serve it.
     pub fn renew(&self) -> Result<CertInfo, String> {
-        let names = crate::app::server_names(&self.running(), self.addr);
+        let names = crate::tls::server_names(&self.running().server_names, self.addr);
         let (cert, key) = self
             .ca
             .reissue_server("server", &names)
@@ -679,6 +679,20 @@ pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String
     }
     nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
     Ok(loose_files(config_file, cfg))
+}
+
+/// The reference-format principals of `tokens_file` (none without one).
+pub fn tokens_file_principals(
+    cfg: &Config,
+) -> Result<Vec<(String, crate::auth::Principal)>, String> {
+    match &cfg.tokens_file {
+        Some(f) => {
+            let text =
+                std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?;
+            crate::auth::load_tokens_file(&text).map_err(|e| format!("{}: {e}", f.display()))
+        }
+        None => Ok(vec![]),
+    }
 }
 
 #[cfg(test)]

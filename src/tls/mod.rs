@@ -523,6 +523,51 @@ impl LocalCa {
     }
 }
 
+/// This host's name (empty when it has none).
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_default()
+}
+
+/// The names the server certificate carries: localhost, the loopback
+/// addresses, the host's name and addresses, the listen address and the
+/// configured `server_names` (`extra`).
+pub fn server_names(extra: &[String], addr: std::net::SocketAddr) -> Vec<String> {
+    let mut names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    let host = hostname();
+    if !host.is_empty() {
+        names.push(host);
+    }
+    if !addr.ip().is_unspecified() {
+        names.push(addr.ip().to_string());
+    }
+    // The host's own addresses, so agents may use any of them.
+    if let Ok(ifs) = nix::ifaddrs::getifaddrs() {
+        for i in ifs {
+            let Some(a) = i.address else { continue };
+            if let Some(v4) = a.as_sockaddr_in() {
+                names.push(v4.ip().to_string());
+            } else if let Some(v6) = a.as_sockaddr_in6() {
+                let ip = v6.ip();
+                // Link-local addresses need a zone and cannot be in a SAN.
+                if (ip.segments()[0] & 0xffc0) != 0xfe80 {
+                    names.push(ip.to_string());
+                }
+            }
+        }
+    }
+    names.extend(extra.iter().cloned());
+    names.sort();
+    names.dedup();
+    names
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
