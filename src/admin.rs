@@ -1,6 +1,9 @@
 //! The local admin socket (`STATE/admin.sock`, 0600): while `serve` holds
-//! the store, operator commands (`token …`, `audit verify|export`) reach it
-//! here. One JSON request per connection, JSON lines back.
+//! the store, operator commands reach it here. One protocol: one JSON
+//! [`Request`] per connection (tagged by `cmd`), JSON lines back. Requests
+//! about identities and the journal are answered here; those about the
+//! service itself (status, reload, certificate, backup) by the [`Service`]
+//! that `serve` hands in (`ops::Service`).
 
 use std::path::Path;
 
@@ -34,6 +37,23 @@ pub enum Request {
     AuditExport {
         since: u64,
     },
+    /// Health, backend, audit, leases, certificate, last reload.
+    Status,
+    /// As SIGHUP: re-read the configuration and the certificate.
+    Reload,
+    /// Issue a new server certificate now and serve it.
+    CertRenew,
+    /// A consistent copy of the store in `STATE/backup-…/state.redb`.
+    Backup,
+}
+
+/// The running service's answers to the requests about itself.
+pub trait Service: Send + Sync {
+    /// Answer `Status`, `Reload`, `CertRenew` or `Backup`.
+    fn handle(
+        &self,
+        req: Request,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<serde_json::Value>> + Send + '_>>;
 }
 
 /// A token as listed: everything but the hash.
@@ -67,7 +87,7 @@ pub async fn serve(
     path: &Path,
     store: Store,
     authn: Authenticator,
-    ops: std::sync::Arc<crate::ops::Service>,
+    ops: std::sync::Arc<dyn Service>,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let _ = std::fs::remove_file(path);
     let l = tokio::net::UnixListener::bind(path)?;
@@ -92,16 +112,16 @@ pub async fn serve(
                     return;
                 }
                 let out = match serde_json::from_str::<Request>(&line) {
+                    Ok(
+                        req @ (Request::Status
+                        | Request::Reload
+                        | Request::CertRenew
+                        | Request::Backup),
+                    ) => ops.handle(req).await,
                     Ok(req) => handle(req, &store, &authn).await,
-                    // Requests about the service itself (status, reload, …).
-                    Err(e) => match serde_json::from_str::<crate::ops::Request>(&line) {
-                        Ok(req) => ops.handle(req).await,
-                        Err(_) => {
-                            vec![
-                                serde_json::json!({"ok": false, "error": format!("bad request: {e}")}),
-                            ]
-                        }
-                    },
+                    Err(e) => {
+                        vec![serde_json::json!({"ok": false, "error": format!("bad request: {e}")})]
+                    }
                 };
                 for v in out {
                     let mut b = serde_json::to_vec(&v).unwrap_or_default();
@@ -119,6 +139,9 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
     use serde_json::json;
     let err = |e: String| vec![json!({"ok": false, "error": e})];
     match req {
+        Request::Status | Request::Reload | Request::CertRenew | Request::Backup => {
+            err("a request about the service reached the identity handler".into())
+        }
         Request::TokenCreate {
             principal,
             description,

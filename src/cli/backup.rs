@@ -11,7 +11,8 @@ use super::Exit;
 use super::common::{
     Common, Reach, adopt_owner, ask, not_initialised, open_stopped, reach, runtime,
 };
-use crate::ops::{Manifest, Request};
+use crate::admin::Request;
+use crate::ops::Manifest;
 
 #[derive(Args)]
 pub struct BackupArgs {

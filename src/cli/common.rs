@@ -148,8 +148,9 @@ pub fn reach(state: &Path) -> Reach {
     }
 }
 
-/// One `ops::Request` to the running service; its answer, or an exit code.
-pub fn ask(sock: &Path, req: &crate::ops::Request) -> Result<Value, Exit> {
+/// One request about the service to the running service; its answer, or
+/// an exit code.
+pub fn ask(sock: &Path, req: &crate::admin::Request) -> Result<Value, Exit> {
     let out = crate::admin::call(sock, req).map_err(|e| {
         eprintln!("error: {e}");
         Exit::State

@@ -12,7 +12,8 @@ use super::common::{
     Common, Reach, adopt_owner, ask, not_initialised, open_stopped, print_json, reach, runtime,
 };
 use super::{EXIT_CODES, Exit};
-use crate::ops::{Request, StoreSummary};
+use crate::admin::Request;
+use crate::ops::StoreSummary;
 use crate::tls::{CertInfo, LocalCa};
 
 #[derive(Args)]

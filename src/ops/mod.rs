@@ -19,20 +19,7 @@ use crate::config::{Config, Flags};
 use crate::store::{Store, StoreError, codec, tables};
 use crate::tls::{CertInfo, LocalCa, SwappableCert};
 
-/// Requests of the admin socket that concern the service itself (the
-/// socket tries `admin::Request` first, then these).
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "cmd", rename_all = "snake_case")]
-pub enum Request {
-    /// Health, backend, audit, leases, certificate, last reload.
-    Status,
-    /// As SIGHUP: re-read the configuration and the certificate.
-    Reload,
-    /// Issue a new server certificate now and serve it.
-    CertRenew,
-    /// A consistent copy of the store in `STATE/backup-…/state.redb`.
-    Backup,
-}
+pub use crate::admin::Request;
 
 /// Where `serve` re-reads its configuration from on reload.
 #[derive(Debug, Clone, Default)]
@@ -414,8 +401,17 @@ pub struct Service {
 /// How long `status` waits for the backend.
 const BACKEND_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
+impl crate::admin::Service for Service {
+    fn handle(
+        &self,
+        req: Request,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<Value>> + Send + '_>> {
+        Box::pin(self.answer(req))
+    }
+}
+
 impl Service {
-    pub async fn handle(&self, req: Request) -> Vec<Value> {
+    async fn answer(&self, req: Request) -> Vec<Value> {
         let err = |e: String| vec![json!({"ok": false, "error": e})];
         match req {
             Request::Status => vec![json!({"ok": true, "status": self.status().await})],
@@ -438,6 +434,7 @@ impl Service {
                 Ok(s) => vec![json!({"ok": true, "dir": s.dir, "manifest": s.manifest})],
                 Err(e) => err(e),
             },
+            _ => err("not a request about the service".into()),
         }
     }
 
