@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use hmac::{Hmac, Mac};
-use redb::{ReadableTable, WriteTransaction};
+use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
 use self::event::{Event, GENESIS};
-use crate::store::{Store, StoreError, codec, tables};
+use crate::store::{Store, StoreError, journal};
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "snake_case")]
@@ -151,9 +151,7 @@ impl Journal {
             .store
             .write(move |txn, chain| {
                 let ev = chain.append(txn, ev)?;
-                txn.open_table(tables::PENDING)?
-                    .insert(op2.as_str(), ev.seq)?;
-                Ok(())
+                journal::put_pending(txn, &op2, ev.seq)
             })
             .await;
         let recorded = match (r, self.mode) {
@@ -197,7 +195,7 @@ impl Journal {
                 let t = state(txn)?;
                 chain.append(txn, ev)?;
                 if recorded {
-                    txn.open_table(tables::PENDING)?.remove(op.as_str())?;
+                    journal::remove_pending(txn, &op)?;
                 }
                 Ok(t)
             })
@@ -233,15 +231,7 @@ impl Journal {
 
 /// Operation ids with an intent and no outcome.
 pub fn pending(store: &Store) -> Result<Vec<(String, u64)>, StoreError> {
-    store.read_now(|txn| {
-        let t = txn.open_table(tables::PENDING)?;
-        let mut v = vec![];
-        for item in t.iter()? {
-            let (k, s) = item?;
-            v.push((k.value().to_string(), s.value()));
-        }
-        Ok(v)
-    })
+    store.read_now(journal::pending)
 }
 
 /// Result of `audit verify`.
@@ -269,14 +259,10 @@ pub fn verify(store: &Store) -> Result<Verified, String> {
 /// checked with it too): the number of events, the last sequence number
 /// and the head hash.
 pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), StoreError> {
-    let t = txn.open_table(tables::AUDIT)?;
     let mut prev = GENESIS.to_string();
     let mut expect = 1u64;
     let mut n = 0u64;
-    for item in t.iter()? {
-        let (k, v) = item?;
-        let seq = k.value();
-        let ev: Event = codec::decode(v.value())?;
+    journal::for_each_event(txn, 0, |seq, ev| {
         if seq != expect || ev.seq != seq {
             return Err(StoreError::Corrupt(format!(
                 "sequence gap or mismatch at {seq} (expected {expect})"
@@ -296,7 +282,8 @@ pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), S
         prev = ev.hash;
         expect += 1;
         n += 1;
-    }
+        Ok(())
+    })?;
     Ok((n, expect - 1, prev))
 }
 
@@ -308,14 +295,12 @@ pub fn export(
 ) -> Result<u64, String> {
     store
         .read_now(|txn| {
-            let t = txn.open_table(tables::AUDIT)?;
             let mut n = 0;
-            for item in t.range(since..)? {
-                let (_, v) = item?;
-                let ev: Event = codec::decode(v.value())?;
+            journal::for_each_event(txn, since, |_, ev| {
                 out(&ev).map_err(|e| StoreError::Io(e.to_string()))?;
                 n += 1;
-            }
+                Ok(())
+            })?;
             Ok(n)
         })
         .map_err(|e| e.to_string())
@@ -343,11 +328,7 @@ pub async fn reconcile(
     for (op, seq) in chosen {
         let intent: Event = journal
             .store
-            .read_now(|txn| {
-                let t = txn.open_table(tables::AUDIT)?;
-                let v = t.get(seq)?.ok_or(StoreError::NotFound)?;
-                codec::decode(v.value())
-            })
+            .read_now(|txn| journal::event(txn, seq)?.ok_or(StoreError::NotFound))
             .map_err(|e| e.to_string())?;
         let mut ev = journal.event("audit_reconcile");
         ev.phase = "outcome".into();
@@ -363,8 +344,7 @@ pub async fn reconcile(
             .store
             .write(move |txn, chain| {
                 chain.append(txn, ev)?;
-                txn.open_table(tables::PENDING)?.remove(op2.as_str())?;
-                Ok(())
+                journal::remove_pending(txn, &op2)
             })
             .await
             .map_err(|e| e.to_string())?;

@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use base64::Engine;
-use redb::ReadableTable;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 use subtle::ConstantTimeEq;
 
-use crate::store::{Store, StoreError, codec, get_json, tables};
+use crate::store::typed::{self, ReadOps};
+use crate::store::{Store, StoreError, tables};
 
 pub mod users;
 
@@ -213,25 +213,12 @@ pub fn new_token(
 
 pub async fn store_token(store: &Store, rec: TokenRecord) -> Result<(), StoreError> {
     store
-        .write(move |txn, _| {
-            let bytes = codec::encode(&rec)?;
-            txn.open_table(tables::TOKENS)?
-                .insert(rec.id.as_str(), bytes.as_slice())?;
-            Ok(())
-        })
+        .write(move |txn, _| typed::put(txn, tables::TOKENS, &rec.id, &rec))
         .await
 }
 
 pub fn list_tokens(store: &Store) -> Result<Vec<TokenRecord>, StoreError> {
-    store.read_now(|txn| {
-        let t = txn.open_table(tables::TOKENS)?;
-        let mut v = vec![];
-        for item in t.iter()? {
-            let (_, val) = item?;
-            v.push(codec::decode::<TokenRecord>(val.value())?);
-        }
-        Ok(v)
-    })
+    store.read_now(|txn| txn.records(tables::TOKENS))
 }
 
 /// Store a certificate identity; refused when its id is taken.
@@ -241,12 +228,10 @@ pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), 
     }
     let r = store
         .write(move |txn, _| {
-            let mut t = txn.open_table(tables::TOKENS)?;
-            if t.get(rec.id.as_str())?.is_some() {
+            if txn.has(tables::TOKENS, &rec.id)? {
                 return Ok(false);
             }
-            let bytes = codec::encode(&rec)?;
-            t.insert(rec.id.as_str(), bytes.as_slice())?;
+            typed::put(txn, tables::TOKENS, &rec.id, &rec)?;
             Ok(true)
         })
         .await
@@ -268,15 +253,13 @@ pub async fn revoke_token(store: &Store, id: &str) -> Result<bool, StoreError> {
         .to_string();
     store
         .write(move |txn, _| {
-            let mut t = txn.open_table(tables::TOKENS)?;
-            let Some(mut rec): Option<TokenRecord> = get_json(&t, &id)? else {
+            let Some(mut rec): Option<TokenRecord> = txn.record(tables::TOKENS, &id)? else {
                 return Ok(false);
             };
             if rec.revoked_at.is_none() {
                 rec.revoked_at = Some(crate::clock::now().0);
             }
-            let bytes = codec::encode(&rec)?;
-            t.insert(id.as_str(), bytes.as_slice())?;
+            typed::put(txn, tables::TOKENS, &id, &rec)?;
             Ok(true)
         })
         .await
@@ -726,10 +709,7 @@ impl Authenticator {
         let id: String = fp.chars().take(12).collect();
         let rec: Option<TokenRecord> = self
             .store
-            .read(move |txn| {
-                let t = txn.open_table(tables::TOKENS)?;
-                get_json(&t, &id)
-            })
+            .read(move |txn| txn.record(tables::TOKENS, &id))
             .await
             .map_err(|_| AuthError::Unavailable)?;
         let principal = rec
@@ -747,10 +727,7 @@ impl Authenticator {
         let id = id.to_string();
         let rec: Option<TokenRecord> = self
             .store
-            .read(move |txn| {
-                let t = txn.open_table(tables::TOKENS)?;
-                get_json(&t, &id)
-            })
+            .read(move |txn| txn.record(tables::TOKENS, &id))
             .await
             .map_err(|_| AuthError::Unavailable)?;
         let rec = rec

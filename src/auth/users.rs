@@ -5,12 +5,12 @@
 //! CLI, so it never crosses the admin socket.
 
 use argon2::password_hash::{PasswordHasher, SaltString};
-use redb::ReadableTable;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::Principal;
-use crate::store::{Store, StoreError, codec, get_json, tables};
+use crate::store::typed::{self, ReadOps};
+use crate::store::{Store, StoreError, tables};
 
 /// Shortest password accepted.
 pub const MIN_PASSWORD: usize = 12;
@@ -107,10 +107,7 @@ pub fn check_hash(hash: &str) -> Result<(), String> {
 }
 
 pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreError> {
-    store.read_now(|txn| {
-        let t = txn.open_table(tables::USERS)?;
-        get_json(&t, name)
-    })
+    store.read_now(|txn| txn.record(tables::USERS, name))
 }
 
 /// Carry out one operation; the answer is what the CLI prints.
@@ -120,13 +117,8 @@ pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
         UserOp::List => {
             let v: Vec<UserInfo> = store
                 .read_now(|txn| {
-                    let t = txn.open_table(tables::USERS)?;
-                    let mut v = vec![];
-                    for item in t.iter()? {
-                        let (_, val) = item?;
-                        v.push(UserInfo::from(codec::decode::<UserRecord>(val.value())?));
-                    }
-                    Ok(v)
+                    let all: Vec<UserRecord> = txn.records(tables::USERS)?;
+                    Ok(all.into_iter().map(UserInfo::from).collect())
                 })
                 .map_err(|e| e.to_string())?;
             Ok(json!({"users": v}))
@@ -147,12 +139,10 @@ pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
             };
             let added = store
                 .write(move |txn, _| {
-                    let mut t = txn.open_table(tables::USERS)?;
-                    if t.get(rec.name.as_str())?.is_some() {
+                    if txn.has(tables::USERS, &rec.name)? {
                         return Ok(false);
                     }
-                    let b = codec::encode(&rec)?;
-                    t.insert(rec.name.as_str(), b.as_slice())?;
+                    typed::put(txn, tables::USERS, &rec.name, &rec)?;
                     Ok(true)
                 })
                 .await
@@ -180,12 +170,7 @@ pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
         UserOp::Remove { name } => {
             let n2 = name.clone();
             let removed = store
-                .write(move |txn, _| {
-                    Ok(txn
-                        .open_table(tables::USERS)?
-                        .remove(n2.as_str())?
-                        .is_some())
-                })
+                .write(move |txn, _| typed::remove(txn, tables::USERS, &n2))
                 .await
                 .map_err(|e| e.to_string())?;
             if removed {
@@ -205,13 +190,11 @@ async fn change(
     let n2 = name.to_string();
     let found = store
         .write(move |txn, _| {
-            let mut t = txn.open_table(tables::USERS)?;
-            let Some(mut u): Option<UserRecord> = get_json(&t, &n2)? else {
+            let Some(mut u): Option<UserRecord> = txn.record(tables::USERS, &n2)? else {
                 return Ok(false);
             };
             f(&mut u);
-            let b = codec::encode(&u)?;
-            t.insert(n2.as_str(), b.as_slice())?;
+            typed::put(txn, tables::USERS, &n2, &u)?;
             Ok(true)
         })
         .await

@@ -3,7 +3,6 @@
 //! release-kill and by GC, where the reference leaked them).
 
 use redb::WriteTransaction;
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
@@ -11,56 +10,32 @@ use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::ErrorKind;
-use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
+use crate::store::{self, StoreError};
 
 /// Longest checkpoint name (bytes).
 pub const MAX_NAME: usize = 128;
 
-/// A checkpoint as stored. The backend's snapshot id never leaves.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Checkpoint {
-    pub checkpoint_ref: String,
-    pub lease_ref: String,
-    pub tenant: String,
-    pub snapshot_id: String,
-    pub name: String,
-    pub created_at: String,
+pub use crate::store::checkpoints::Checkpoint;
+
+/// A checkpoint as listed.
+trait Summary {
+    fn summary(&self) -> Value;
 }
 
-impl Checkpoint {
+impl Summary for Checkpoint {
     fn summary(&self) -> Value {
         json!({"checkpoint_ref": self.checkpoint_ref, "name": self.name, "created_at": self.created_at})
     }
 }
 
-fn put(txn: &WriteTransaction, c: &Checkpoint) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(c)?;
-    txn.open_table(tables::CHECKPOINTS)?
-        .insert(c.checkpoint_ref.as_str(), b.as_slice())?;
-    txn.open_table(tables::LEASE_CHECKPOINTS)?
-        .insert(index_key(&c.lease_ref, &c.checkpoint_ref).as_str(), ())?;
-    Ok(())
-}
-
-fn remove(txn: &WriteTransaction, c: &Checkpoint) -> std::result::Result<(), StoreError> {
-    txn.open_table(tables::CHECKPOINTS)?
-        .remove(c.checkpoint_ref.as_str())?;
-    txn.open_table(tables::LEASE_CHECKPOINTS)?
-        .remove(index_key(&c.lease_ref, &c.checkpoint_ref).as_str())?;
-    Ok(())
-}
+use crate::store::checkpoints::{put, remove};
 
 /// A lease's checkpoints, oldest first.
 pub(crate) fn lease_checkpoints(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Checkpoint>, StoreError> {
-    let mut out: Vec<Checkpoint> = owned_items(
-        txn,
-        tables::LEASE_CHECKPOINTS,
-        tables::CHECKPOINTS,
-        lease_ref,
-    )?;
+    let mut out = store::checkpoints::of_lease(txn, lease_ref)?;
     out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
     Ok(out)
 }
@@ -70,12 +45,7 @@ pub(crate) fn delete_lease_checkpoints(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    delete_owned(
-        txn,
-        tables::LEASE_CHECKPOINTS,
-        tables::CHECKPOINTS,
-        lease_ref,
-    )
+    store::checkpoints::remove_lease(txn, lease_ref)
 }
 
 impl Broker {
@@ -110,10 +80,10 @@ impl Broker {
         if !valid_ref(checkpoint_ref, "checkpoint") && !valid_ref(checkpoint_ref, "ckpt") {
             return Err(missing());
         }
-        let c: Option<Checkpoint> = self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::CHECKPOINTS)?;
-            get_json(&t, checkpoint_ref)
-        })?;
+        let c = self
+            .inner
+            .store
+            .read_now(|txn| store::checkpoints::get(txn, checkpoint_ref))?;
         c.filter(|c| c.lease_ref == l.lease_ref).ok_or_else(missing)
     }
 
@@ -245,7 +215,7 @@ impl Broker {
             .await?;
         let mut m = self.base(&l, ctx);
         m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
-        m.insert("state".into(), json!("running"));
+        m.insert("state".into(), json!(super::leases::LeaseState::Running));
         Ok(Value::Object(m))
     }
 

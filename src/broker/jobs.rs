@@ -16,15 +16,14 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use redb::WriteTransaction;
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::leases::{Done, Lease, new_ref, valid_ref};
+use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
-use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
+use crate::store::{self, StoreError};
 
 /// Where jobs keep their files inside the sandbox.
 pub const JOBS_DIR: &str = "/tmp/cube-adapter-jobs";
@@ -133,29 +132,14 @@ kill -KILL -- "-$c" 2>/dev/null
 exit 0
 "#;
 
-/// A job as stored.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Job {
-    pub job_ref: String,
-    pub lease_ref: String,
-    pub tenant: String,
-    /// Keyed digest of the command (never the command).
-    pub command_digest: String,
-    /// The runner's pid inside the sandbox.
-    pub runner_pid: u32,
-    pub state: String,
-    pub exit_code: Option<i32>,
-    pub cancelled: bool,
-    pub created_at: String,
-    pub updated_at: String,
-    pub max_seconds: u64,
+pub use crate::store::jobs::{Job, JobState};
+
+/// What a job answers.
+trait Fields {
+    fn fields(&self, sandbox_ref: &str) -> serde_json::Map<String, Value>;
 }
 
-impl Job {
-    pub fn is_terminal(&self) -> bool {
-        self.state != "running"
-    }
-
+impl Fields for Job {
     fn fields(&self, sandbox_ref: &str) -> serde_json::Map<String, Value> {
         let mut m = serde_json::Map::new();
         for (k, v) in [
@@ -166,7 +150,7 @@ impl Job {
             ("state", json!(self.state)),
             ("exit_code", json!(self.exit_code)),
             ("cancelled", json!(self.cancelled)),
-            ("timed_out", json!(self.state == "timed_out")),
+            ("timed_out", json!(self.state == JobState::TimedOut)),
             ("created_at", json!(self.created_at)),
             ("updated_at", json!(self.updated_at)),
         ] {
@@ -176,45 +160,32 @@ impl Job {
     }
 }
 
-fn put_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(j)?;
-    txn.open_table(tables::JOBS)?
-        .insert(j.job_ref.as_str(), b.as_slice())?;
-    txn.open_table(tables::LEASE_JOBS)?
-        .insert(index_key(&j.lease_ref, &j.job_ref).as_str(), ())?;
-    Ok(())
-}
+use crate::store::jobs::put as put_job;
 
 /// Save what a look at a job found, against the record as it is now: an
 /// ended job never goes back to `running`, a cancel is never forgotten, and
 /// a job whose lease is gone is not re-created.
 fn save_job(txn: &WriteTransaction, seen: &Job) -> std::result::Result<(), StoreError> {
-    let current: Option<Job> = get_json(&txn.open_table(tables::JOBS)?, &seen.job_ref)?;
-    let Some(current) = current else {
+    let Some(current) = store::jobs::get(txn, &seen.job_ref)? else {
         return Ok(());
     };
     let mut j = seen.clone();
     if current.is_terminal() && !j.is_terminal() {
-        j.state = current.state.clone();
+        j.state = current.state;
         j.exit_code = current.exit_code;
     }
     j.cancelled |= current.cancelled;
     put_job(txn, &j)
 }
 
-fn delete_job(txn: &WriteTransaction, j: &Job) -> std::result::Result<(), StoreError> {
-    txn.open_table(tables::JOBS)?.remove(j.job_ref.as_str())?;
-    txn.open_table(tables::LEASE_JOBS)?
-        .remove(index_key(&j.lease_ref, &j.job_ref).as_str())?;
-    Ok(())
-}
+use crate::store::jobs::remove as delete_job;
 
 /// Remove a lease's jobs (when the lease is killed).
 pub(crate) fn delete_lease_jobs(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    delete_owned(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)
+    store::jobs::remove_lease(txn, lease_ref)
 }
 
 /// A lease's jobs, oldest first.
@@ -222,7 +193,7 @@ pub(crate) fn lease_jobs(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Job>, StoreError> {
-    let mut out: Vec<Job> = owned_items(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)?;
+    let mut out = store::jobs::of_lease(txn, lease_ref)?;
     out.sort_by(|a, b| a.created_at.cmp(&b.created_at));
     Ok(out)
 }
@@ -244,22 +215,22 @@ struct Probe {
 impl Probe {
     /// The state this probe shows for `job`. The runner's markers decide
     /// how it ended (the time limit, a cancel), whatever the exit code.
-    fn state(&self, job: &Job) -> (String, Option<i32>) {
+    fn state(&self, job: &Job) -> (JobState, Option<i32>) {
         match (self.kind.as_str(), self.rc) {
             ("exit", Some(rc)) => {
                 let s = if self.timed_out {
-                    "timed_out"
+                    JobState::TimedOut
                 } else if self.cancelled || job.cancelled {
-                    "cancelled"
+                    JobState::Cancelled
                 } else if rc == 0 {
-                    "succeeded"
+                    JobState::Succeeded
                 } else {
-                    "failed"
+                    JobState::Failed
                 };
-                (s.into(), Some(rc))
+                (s, Some(rc))
             }
-            ("running", _) => ("running".into(), None),
-            _ => ("lost".into(), job.exit_code),
+            ("running", _) => (JobState::Running, None),
+            _ => (JobState::Lost, job.exit_code),
         }
     }
 }
@@ -391,10 +362,10 @@ pub enum OutputRequest {
 
 impl Broker {
     async fn get_job(&self, job_ref: &str) -> Result<Option<Job>> {
-        Ok(self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::JOBS)?;
-            get_json(&t, job_ref)
-        })?)
+        Ok(self
+            .inner
+            .store
+            .read_now(|txn| store::jobs::get(txn, job_ref))?)
     }
 
     /// The job and its lease, if the principal may see them; otherwise
@@ -556,7 +527,7 @@ impl Broker {
                         tenant,
                         command_digest: d2,
                         runner_pid: pid,
-                        state: "running".into(),
+                        state: JobState::Running,
                         exit_code: None,
                         cancelled: false,
                         created_at: ts.clone(),
@@ -787,7 +758,7 @@ impl Broker {
         m.insert("request_id".into(), json!(ctx.request_id));
         m.insert("stdout_bytes".into(), json!(pr.out_size));
         m.insert("stderr_bytes".into(), json!(pr.err_size));
-        m.insert("recoverable".into(), json!(job.state != "lost"));
+        m.insert("recoverable".into(), json!(job.state != JobState::Lost));
         Ok(Value::Object(m))
     }
 

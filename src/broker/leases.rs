@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use redb::{ReadableTable, WriteTransaction};
-use serde::{Deserialize, Serialize};
+use redb::WriteTransaction;
 use serde_json::{Value, json};
 use sha2::Digest;
 
@@ -18,7 +17,7 @@ use crate::auth::Principal;
 use crate::config::RUNTIMES;
 use crate::cube::wire::{CreateSandbox, Lifecycle, NetworkPolicy};
 use crate::cube::{ErrorKind, SandboxAddr, Secret, StartOptions};
-use crate::store::{StoreError, codec, get_json, tables};
+use crate::store::{self, StoreError};
 
 pub const MAX_COMMAND: usize = 16 * 1024;
 pub const MAX_OUTPUT: usize = 64 * 1024;
@@ -28,36 +27,17 @@ pub const MAX_ARTIFACT: usize = 8 * 1024 * 1024;
 pub const MAX_SESSION_KEY: usize = 512;
 pub const MAX_LIST: usize = 1000;
 
-/// A lease as stored. The sandbox id and traffic token never leave.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Lease {
-    pub lease_ref: String,
-    pub tenant: String,
-    pub runtime: String,
-    pub session_hash: String,
-    pub profile: String,
-    pub sandbox_id: String,
-    pub sandbox_ref: String,
-    pub domain: String,
-    /// Sealed with the store's key.
-    pub traffic_token: Option<String>,
-    pub state: String,
-    pub created_at: String,
-    pub last_used_at: String,
-    pub last_used_unix: i64,
-    /// The trusted task this lease runs (schema 3): visible to that task's
-    /// calls only, never to agents directly.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub task_ref: Option<String>,
-    /// The checkpoint a fork started from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forked_from: Option<String>,
-}
+pub use crate::store::leases::{Lease, LeaseState};
 
-impl Lease {
+/// Who may see a lease.
+pub(crate) trait Visible {
     /// Whether `p` may see and use this lease: its tenant (or an admin), and
     /// a trusted task's lease only for that task's own calls.
-    pub fn visible_to(&self, p: &Principal) -> bool {
+    fn visible_to(&self, p: &Principal) -> bool;
+}
+
+impl Visible for Lease {
+    fn visible_to(&self, p: &Principal) -> bool {
         (self.tenant == p.tenant || p.is_admin()) && self.task_ref == p.task
     }
 }
@@ -136,16 +116,8 @@ pub(crate) fn new_ref(prefix: &str) -> String {
     format!("{prefix}_{h}")
 }
 
-pub(crate) fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
-    format!("{tenant}\0{runtime}\0{hash}")
-}
-
-fn put_lease(txn: &WriteTransaction, l: &Lease) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(l)?;
-    txn.open_table(tables::LEASES)?
-        .insert(l.lease_ref.as_str(), b.as_slice())?;
-    Ok(())
-}
+use crate::store::leases::put as put_lease;
+pub(crate) use crate::store::leases::session_key;
 
 pub(crate) fn valid_ref(r: &str, prefix: &str) -> bool {
     r.strip_prefix(prefix)
@@ -159,10 +131,10 @@ pub(crate) fn valid_ref(r: &str, prefix: &str) -> bool {
 
 impl Broker {
     pub(crate) async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
-        Ok(self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::LEASES)?;
-            get_json(&t, lease_ref)
-        })?)
+        Ok(self
+            .inner
+            .store
+            .read_now(|txn| store::leases::get(txn, lease_ref))?)
     }
 
     /// The lease, if the principal may see it; otherwise exactly the answer
@@ -333,14 +305,7 @@ impl Broker {
         let existing: Option<Lease> = self
             .inner
             .store
-            .read(move |txn| {
-                let s = txn.open_table(tables::SESSIONS)?;
-                let Some(r) = s.get(sk.as_str())?.map(|v| v.value().to_string()) else {
-                    return Ok(None);
-                };
-                let l = txn.open_table(tables::LEASES)?;
-                get_json::<Lease>(&l, &r)
-            })
+            .read(move |txn| store::leases::by_session(txn, &sk))
             .await?;
         if let Some(mut l) = existing {
             if let Some((_, ckpt)) = &snapshot
@@ -407,16 +372,11 @@ impl Broker {
             .inner
             .store
             .read(move |txn| {
-                let t = txn.open_table(tables::LEASES)?;
-                let mut n = 0u32;
-                for item in t.iter()? {
-                    let (_, v) = item?;
-                    let l: Lease = codec::decode(v.value())?;
-                    if l.tenant == t2 {
-                        n += 1;
-                    }
-                }
-                Ok(n)
+                let n = store::leases::all(txn)?
+                    .iter()
+                    .filter(|l| l.tenant == t2)
+                    .count();
+                Ok(u32::try_from(n).unwrap_or(u32::MAX))
             })
             .await?;
         if active >= prof.max_active_leases_per_tenant {
@@ -519,7 +479,7 @@ impl Broker {
                 sandbox_id: created.sandbox_id.clone(),
                 domain: created.domain.clone(),
                 traffic_token: sealed,
-                state: "running".into(),
+                state: LeaseState::Running,
                 created_at: ts.clone(),
                 last_used_at: ts,
                 last_used_unix: unix,
@@ -548,9 +508,7 @@ impl Broker {
                     },
                     move |txn| {
                         put_lease(txn, &l2)?;
-                        txn.open_table(tables::SESSIONS)?
-                            .insert(skey.as_str(), l2.lease_ref.as_str())?;
-                        Ok(())
+                        store::leases::put_session(txn, &skey, &l2.lease_ref)
                     },
                 )
                 .await;
@@ -674,16 +632,9 @@ impl Broker {
             .inner
             .store
             .read(move |txn| {
-                let t = txn.open_table(tables::LEASES)?;
-                let mut v = vec![];
-                for item in t.iter()? {
-                    let (_, val) = item?;
-                    let l: Lease = codec::decode(val.value())?;
-                    // A trusted task's lease is the task's, not the agent's.
-                    if admin || (l.tenant == tenant && l.task_ref.is_none()) {
-                        v.push(l);
-                    }
-                }
+                let mut v = store::leases::all(txn)?;
+                // A trusted task's lease is the task's, not the agent's.
+                v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
                 Ok(v)
             })
             .await?;
@@ -720,8 +671,8 @@ impl Broker {
         if refresh {
             self.inner.journal.check()?;
             match self.inner.cube.get(&l.sandbox_id).await {
-                Ok(d) => l.state = d.state,
-                Err(e) if e.kind == ErrorKind::NotFound => l.state = "gone".into(),
+                Ok(d) => l.state = LeaseState::from(d.state),
+                Err(e) if e.kind == ErrorKind::NotFound => l.state = LeaseState::Gone,
                 Err(e) => return Err(backend(&e)),
             }
             let (ts, unix) = now();
@@ -847,7 +798,7 @@ impl Broker {
                     let (ts, unix) = now();
                     l.last_used_at = ts;
                     l.last_used_unix = unix;
-                    l.state = "running".into();
+                    l.state = LeaseState::Running;
                 }
                 let l2 = l.clone();
                 self.inner
@@ -860,10 +811,7 @@ impl Broker {
                             e.bytes = bytes;
                         },
                         move |txn| {
-                            let exists = txn
-                                .open_table(tables::LEASES)?
-                                .get(l2.lease_ref.as_str())?
-                                .is_some();
+                            let exists = store::leases::exists(txn, &l2.lease_ref)?;
                             if exists && touch {
                                 put_lease(txn, &l2)?;
                             }
@@ -1182,7 +1130,7 @@ impl Broker {
             Ok(()) if kill => match self.delete_lease_snapshots(&l.lease_ref).await {
                 Err(e) => {
                     let mut l2 = l.clone();
-                    l2.state = "released".into();
+                    l2.state = LeaseState::Released;
                     self.inner
                         .journal
                         .outcome(
@@ -1213,7 +1161,7 @@ impl Broker {
                     if kill {
                         super::upkeep::remove_lease_state(txn, &l2)?;
                     } else {
-                        l2.state = "paused".into();
+                        l2.state = LeaseState::Paused;
                         put_lease(txn, &l2)?;
                     }
                     Ok(())

@@ -10,45 +10,31 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use redb::{ReadableTable, WriteTransaction};
-use serde::{Deserialize, Serialize};
+use redb::WriteTransaction;
 use serde_json::{Value, json};
 
-use super::leases::{Done, Lease, new_ref, valid_ref};
+use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::envd::decode_data;
 use crate::cube::wire::{ProcessEvent, PtySize};
 use crate::cube::{ErrorKind, StartOptions};
-use crate::store::{StoreError, codec, delete_owned, get_json, index_key, owned_items, tables};
+use crate::store::{self, StoreError};
 
 /// Output kept per PTY for viewers that connect or reconnect later.
 pub const RETAIN: usize = 1024 * 1024;
 /// Largest input in one call (reference: 256 KiB).
 pub const MAX_INPUT: usize = 256 * 1024;
 
-/// A PTY as stored.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Pty {
-    pub pty_ref: String,
-    pub lease_ref: String,
-    pub tenant: String,
-    pub pid: u32,
-    /// `running`, `exited`, `cancelled` or `lost`.
-    pub state: String,
-    pub exit_code: Option<i32>,
-    pub rows: u32,
-    pub cols: u32,
-    pub created_at: String,
-    pub updated_at: String,
+pub use crate::store::ptys::{Pty, PtyState};
+
+/// What a PTY answers.
+trait Fields {
+    fn fields(&self, sandbox_ref: &str, ctx: &Ctx) -> serde_json::Map<String, Value>;
 }
 
-impl Pty {
-    pub fn is_running(&self) -> bool {
-        self.state == "running"
-    }
-
+impl Fields for Pty {
     fn fields(&self, sandbox_ref: &str, ctx: &Ctx) -> serde_json::Map<String, Value> {
         let mut m = serde_json::Map::new();
         for (k, v) in [
@@ -70,25 +56,17 @@ impl Pty {
     }
 }
 
-pub(crate) fn put_pty(txn: &WriteTransaction, p: &Pty) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(p)?;
-    txn.open_table(tables::PTYS)?
-        .insert(p.pty_ref.as_str(), b.as_slice())?;
-    txn.open_table(tables::LEASE_PTYS)?
-        .insert(index_key(&p.lease_ref, &p.pty_ref).as_str(), ())?;
-    Ok(())
-}
+pub(crate) use crate::store::ptys::put as put_pty;
 
 /// Save a change to a PTY against the record as it is now: an ended PTY
 /// never goes back to `running` (a resize racing the end keeps the end).
 fn save_pty(txn: &WriteTransaction, seen: &Pty) -> std::result::Result<(), StoreError> {
-    let current: Option<Pty> = get_json(&txn.open_table(tables::PTYS)?, &seen.pty_ref)?;
-    let Some(current) = current else {
+    let Some(current) = store::ptys::get(txn, &seen.pty_ref)? else {
         return Ok(());
     };
     let mut p = seen.clone();
     if !current.is_running() {
-        p.state = current.state.clone();
+        p.state = current.state;
         p.exit_code = current.exit_code;
     }
     put_pty(txn, &p)
@@ -99,7 +77,7 @@ pub(crate) fn lease_ptys(
     txn: &redb::ReadTransaction,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Pty>, StoreError> {
-    owned_items(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
+    store::ptys::of_lease(txn, lease_ref)
 }
 
 /// Remove a lease's PTY records.
@@ -107,23 +85,16 @@ pub(crate) fn delete_lease_ptys(
     txn: &WriteTransaction,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
-    delete_owned(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
+    store::ptys::remove_lease(txn, lease_ref)
 }
 
 /// Mark every PTY recorded as running `lost` (at start: their terminals
 /// belonged to the previous process). Returns how many.
 pub async fn mark_lost(store: &crate::store::Store) -> std::result::Result<usize, StoreError> {
     let running: Vec<Pty> = store.read_now(|txn| {
-        let t = txn.open_table(tables::PTYS)?;
-        let mut out = vec![];
-        for r in t.iter()? {
-            let (_, v) = r?;
-            let p: Pty = codec::decode(v.value())?;
-            if p.is_running() {
-                out.push(p);
-            }
-        }
-        Ok(out)
+        let mut all = crate::store::ptys::all(txn)?;
+        all.retain(Pty::is_running);
+        Ok(all)
     })?;
     let n = running.len();
     if n > 0 {
@@ -131,7 +102,7 @@ pub async fn mark_lost(store: &crate::store::Store) -> std::result::Result<usize
         store
             .write(move |txn, _| {
                 for mut p in running {
-                    p.state = "lost".into();
+                    p.state = PtyState::Lost;
                     p.updated_at = ts.clone();
                     put_pty(txn, &p)?;
                 }
@@ -265,10 +236,10 @@ fn check_size(rows: u32, cols: u32) -> Result<()> {
 impl Broker {
     /// The PTY as recorded (event streams read it for the final status).
     pub(crate) fn get_pty(&self, pty_ref: &str) -> Result<Option<Pty>> {
-        Ok(self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::PTYS)?;
-            get_json(&t, pty_ref)
-        })?)
+        Ok(self
+            .inner
+            .store
+            .read_now(|txn| store::ptys::get(txn, pty_ref))?)
     }
 
     /// The PTY and its lease, if the principal may see them; otherwise
@@ -365,7 +336,7 @@ impl Broker {
                         lease_ref: l.lease_ref.clone(),
                         tenant,
                         pid: stream.pid,
-                        state: "running".into(),
+                        state: PtyState::Running,
                         exit_code: None,
                         rows,
                         cols,
@@ -420,15 +391,22 @@ impl Broker {
                 tokio::time::sleep(std::time::Duration::from_secs(60)).await;
                 hubs.inner.ptys.remove(&r2);
             });
-            let (state, ts) = (if broken { "lost" } else { "exited" }, now().0);
+            let (state, ts) = (
+                if broken {
+                    PtyState::Lost
+                } else {
+                    PtyState::Exited
+                },
+                now().0,
+            );
             let _ = b
                 .inner
                 .store
                 .write(move |txn, _| {
-                    let cur: Option<Pty> = get_json(&txn.open_table(tables::PTYS)?, &pty_ref)?;
+                    let cur = store::ptys::get(txn, &pty_ref)?;
                     // A kill recorded first (`cancelled`) stands.
                     if let Some(mut p) = cur.filter(Pty::is_running) {
-                        p.state = state.into();
+                        p.state = state;
                         p.exit_code = exit;
                         p.updated_at = ts;
                         put_pty(txn, &p)?;
@@ -583,7 +561,7 @@ impl Broker {
                     }
                     // The pump records `exited` when the stream ends; a kill
                     // asked for here is `cancelled`.
-                    pty.state = "cancelled".into();
+                    pty.state = PtyState::Cancelled;
                     pty.exit_code = Some(137);
                     pty.updated_at = now().0;
                     Ok(pty)

@@ -16,8 +16,6 @@
 //! outputs), approvers of the tenant may follow tasks, and parameters and
 //! results are sealed at rest.
 
-use redb::{ReadableTable, WriteTransaction};
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use sha2::Digest;
 
@@ -28,7 +26,8 @@ use crate::auth::Principal;
 use crate::clock::{format_unix, now};
 use crate::config::TaskTemplate;
 use crate::config::tasks::{Expose, OutputFormat, canonical};
-use crate::store::{StoreError, codec, get_json, tables};
+use crate::store;
+use crate::store::jobs::JobState;
 
 /// Largest parameters object (canonical JSON, bytes).
 pub const MAX_PARAMETERS: usize = 256 * 1024;
@@ -42,94 +41,8 @@ pub const MAX_OPEN_PLANS: usize = 64;
 /// digest only.
 pub const MAX_EXPOSED: usize = 8 * 1024 * 1024;
 
-/// A plan as stored.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Plan {
-    pub plan_ref: String,
-    pub tenant: String,
-    /// Identity digest of who asked for it.
-    pub requester: String,
-    /// Digest of the requester's subject alone (an admin of another tenant
-    /// with the same subject is the same person).
-    #[serde(default)]
-    pub requester_subject: String,
-    pub template: String,
-    pub template_digest: String,
-    pub profile: String,
-    /// Digest of the profile's settings when the plan was made: a changed
-    /// profile changes what runs, as a changed template does.
-    #[serde(default)]
-    pub profile_digest: String,
-    /// The parameters, sealed under the store key.
-    pub parameters_sealed: String,
-    pub parameters_sha256: String,
-    pub command_sha256: String,
-    /// `pending_approval`, `ready`, `approved`, `denied`, `expired`, `submitted`.
-    pub state: String,
-    pub approval_required: bool,
-    pub created_at: String,
-    pub expires_at: String,
-    pub expires_unix: i64,
-    #[serde(default)]
-    pub approved_at: Option<String>,
-    /// Identity digest of who approved or denied it.
-    #[serde(default)]
-    pub approver: Option<String>,
-    #[serde(default)]
-    pub decided_at: Option<String>,
-    #[serde(default)]
-    pub denial_reason_sha256: Option<String>,
-    #[serde(default)]
-    pub task_ref: Option<String>,
-}
-
-/// A trusted task as stored.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Task {
-    pub task_ref: String,
-    pub plan_ref: String,
-    pub tenant: String,
-    pub requester: String,
-    #[serde(default)]
-    pub approver: Option<String>,
-    #[serde(default)]
-    pub approved_at: Option<String>,
-    pub template: String,
-    pub template_digest: String,
-    pub profile: String,
-    pub parameters_sha256: String,
-    pub command_sha256: String,
-    /// `starting`, `running`, `succeeded`, `failed`, `cancelled`,
-    /// `timed_out`, `setup_failed`, `orphaned`, `cleanup_pending`,
-    /// `output_validation_failed`.
-    pub state: String,
-    #[serde(default)]
-    pub lease_ref: Option<String>,
-    #[serde(default)]
-    pub sandbox_ref: Option<String>,
-    #[serde(default)]
-    pub job_ref: Option<String>,
-    #[serde(default)]
-    pub exit_code: Option<i32>,
-    pub created_at: String,
-    pub updated_at: String,
-    /// The result (sealed: it may carry output content).
-    #[serde(default)]
-    pub result_sealed: Option<String>,
-    #[serde(default)]
-    pub receipt: Option<Value>,
-    #[serde(default)]
-    pub completed_at: Option<String>,
-    /// `verified` or `pending`.
-    #[serde(default)]
-    pub cleanup: Option<String>,
-}
-
-impl Task {
-    fn execution_ended(&self) -> bool {
-        !matches!(self.state.as_str(), "starting" | "running")
-    }
-}
+pub use crate::store::plans::{Plan, PlanState};
+pub use crate::store::tasks::{Task, TaskState};
 
 /// A reference from a request, if it has the shape of one (only such
 /// values reach the audit journal).
@@ -137,18 +50,13 @@ fn shaped(r: &str, prefix: &str) -> Option<String> {
     valid_ref(r, prefix).then(|| r.to_string())
 }
 
-fn put_plan(txn: &WriteTransaction, p: &Plan) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(p)?;
-    txn.open_table(tables::PLANS)?
-        .insert(p.plan_ref.as_str(), b.as_slice())?;
-    Ok(())
-}
+use crate::store::plans::put as put_plan;
+use crate::store::tasks::put as put_task;
 
-fn put_task(txn: &WriteTransaction, t: &Task) -> std::result::Result<(), StoreError> {
-    let b = codec::encode(t)?;
-    txn.open_table(tables::TASKS)?
-        .insert(t.task_ref.as_str(), b.as_slice())?;
-    Ok(())
+/// The job state a job answer names.
+fn job_state(v: &Value) -> Option<JobState> {
+    v.get("state")
+        .and_then(|s| serde_json::from_value(s.clone()).ok())
 }
 
 fn sha256_hex(b: &[u8]) -> String {
@@ -166,11 +74,6 @@ fn dotted(pointer: &str) -> String {
             .collect::<Vec<_>>()
             .join(".")
     }
-}
-
-/// Plans that can still expire.
-fn live(state: &str) -> bool {
-    matches!(state, "pending_approval" | "ready" | "approved")
 }
 
 impl Broker {
@@ -254,17 +157,17 @@ impl Broker {
     }
 
     fn get_plan(&self, plan_ref: &str) -> Result<Option<Plan>> {
-        Ok(self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::PLANS)?;
-            get_json(&t, plan_ref)
-        })?)
+        Ok(self
+            .inner
+            .store
+            .read_now(|txn| store::plans::get(txn, plan_ref))?)
     }
 
     fn get_task(&self, task_ref: &str) -> Result<Option<Task>> {
-        Ok(self.inner.store.read_now(|txn| {
-            let t = txn.open_table(tables::TASKS)?;
-            get_json(&t, task_ref)
-        })?)
+        Ok(self
+            .inner
+            .store
+            .read_now(|txn| store::tasks::get(txn, task_ref))?)
     }
 
     /// A plan of the caller's tenant (any tenant for admins).
@@ -300,14 +203,13 @@ impl Broker {
 
     /// Save a plan (re-read in the transaction: only a plan still in the
     /// state it was read in is changed) with its event.
-    async fn save_plan(&self, plan: &Plan, was: &str, ev: Event) -> Result<()> {
+    async fn save_plan(&self, plan: &Plan, was: PlanState, ev: Event) -> Result<()> {
         let p2 = plan.clone();
-        let was = was.to_string();
         let saved = self
             .inner
             .store
             .write(move |txn, chain| {
-                let now: Option<Plan> = get_json(&txn.open_table(tables::PLANS)?, &p2.plan_ref)?;
+                let now = store::plans::get(txn, &p2.plan_ref)?;
                 if now.is_some_and(|n| n.state != was) {
                     return Ok(false);
                 }
@@ -328,19 +230,19 @@ impl Broker {
 
     /// Mark a plan expired if its time is up (saved with an event).
     async fn expire(&self, p: &Principal, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
-        if plan.state == "expired" {
+        if plan.state == PlanState::Expired {
             return Ok(true);
         }
-        if !live(&plan.state) || now().1 < plan.expires_unix {
+        if !plan.state.is_live() || now().1 < plan.expires_unix {
             return Ok(false);
         }
-        let was = plan.state.clone();
-        plan.state = "expired".into();
+        let was = plan.state;
+        plan.state = PlanState::Expired;
         let mut ev = self.task_event(p, "task_plan_expired", ctx);
         ev.outcome = "ok".into();
         ev.plan_ref = Some(plan.plan_ref.clone());
         ev.task_template = Some(plan.template.clone());
-        self.save_plan(plan, &was, ev).await?;
+        self.save_plan(plan, was, ev).await?;
         Ok(true)
     }
 
@@ -549,16 +451,12 @@ impl Broker {
             .inner
             .store
             .read(move |txn| {
-                let t = txn.open_table(tables::PLANS)?;
-                let mut n = 0usize;
-                for item in t.iter()? {
-                    let (_, v) = item?;
-                    let pl: Plan = codec::decode(v.value())?;
-                    if pl.requester == m2 && live(&pl.state) && pl.expires_unix > t_now {
-                        n += 1;
-                    }
-                }
-                Ok(n)
+                Ok(store::plans::all(txn)?
+                    .iter()
+                    .filter(|pl| {
+                        pl.requester == m2 && pl.state.is_live() && pl.expires_unix > t_now
+                    })
+                    .count())
             })
             .await?;
         if open >= MAX_OPEN_PLANS {
@@ -588,9 +486,9 @@ impl Broker {
             parameters_sha256: sha256_hex(canon.as_bytes()),
             command_sha256: sha256_hex(command.as_bytes()),
             state: if t.approval_required {
-                "pending_approval".into()
+                PlanState::PendingApproval
             } else {
-                "ready".into()
+                PlanState::Ready
             },
             approval_required: t.approval_required,
             created_at: ts,
@@ -707,7 +605,7 @@ impl Broker {
                 .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);
         }
-        if plan.state != "pending_approval" {
+        if plan.state != PlanState::PendingApproval {
             return Err(self
                 .reject(
                     ev,
@@ -760,16 +658,17 @@ impl Broker {
         plan.approver = Some(me.clone());
         plan.decided_at = Some(ts.clone());
         if approve {
-            plan.state = "approved".into();
+            plan.state = PlanState::Approved;
             plan.approved_at = Some(ts);
         } else {
-            plan.state = "denied".into();
+            plan.state = PlanState::Denied;
             plan.denial_reason_sha256 = reason.map(|r| sha256_hex(r.as_bytes()));
         }
         ev.outcome = "ok".into();
         ev.approver_digest = Some(me);
         ev.reason_digest = reason.map(|r| self.inner.journal.digest("reason", r.as_bytes()));
-        self.save_plan(&plan, "pending_approval", ev).await?;
+        self.save_plan(&plan, PlanState::PendingApproval, ev)
+            .await?;
         Ok(Value::Object(self.plan_answer(&plan, ctx)))
     }
 
@@ -802,9 +701,9 @@ impl Broker {
                 .await);
         }
         let ok_state = if plan.approval_required {
-            plan.state == "approved"
+            plan.state == PlanState::Approved
         } else {
-            plan.state == "ready"
+            plan.state == PlanState::Ready
         };
         if !ok_state {
             return Err(self
@@ -859,7 +758,7 @@ impl Broker {
             profile: plan.profile.clone(),
             parameters_sha256: plan.parameters_sha256.clone(),
             command_sha256: plan.command_sha256.clone(),
-            state: "starting".into(),
+            state: TaskState::Starting,
             lease_ref: None,
             sandbox_ref: None,
             job_ref: None,
@@ -871,8 +770,8 @@ impl Broker {
             completed_at: None,
             cleanup: None,
         };
-        let was = plan.state.clone();
-        plan.state = "submitted".into();
+        let was = plan.state;
+        plan.state = PlanState::Submitted;
         plan.task_ref = Some(task.task_ref.clone());
         ev.outcome = "ok".into();
         ev.task_ref = Some(task.task_ref.clone());
@@ -887,7 +786,7 @@ impl Broker {
             .inner
             .store
             .write(move |txn, chain| {
-                let now: Option<Plan> = get_json(&txn.open_table(tables::PLANS)?, &p2.plan_ref)?;
+                let now = store::plans::get(txn, &p2.plan_ref)?;
                 if now.is_some_and(|n| n.state != was) {
                     return Ok(false);
                 }
@@ -936,7 +835,7 @@ impl Broker {
         ev.lease_ref = task.lease_ref.clone();
         ev.sandbox_ref = task.sandbox_ref.clone();
         ev.job_ref = task.job_ref.clone();
-        ev.task_state = Some(task.state.clone());
+        ev.task_state = Some(task.state.to_string());
         ev.cleanup = task.cleanup.clone();
         ev.exit_code = task.exit_code;
         ev
@@ -1018,13 +917,13 @@ impl Broker {
         match r {
             Ok(job) => {
                 task.job_ref = Some(job);
-                task.state = "running".into();
+                task.state = TaskState::Running;
                 let ev = self.save_task_event(&task, "task_started", ctx, "ok");
                 self.save_task(&task, ev).await?;
                 Ok(task)
             }
             Err(e) => {
-                task.state = "setup_failed".into();
+                task.state = TaskState::SetupFailed;
                 task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
                 let mut ev = self.save_task_event(&task, "task_setup", ctx, "error");
                 ev.error_code = Some(e.code.to_string());
@@ -1044,18 +943,12 @@ impl Broker {
             .inner
             .store
             .read(move |txn| {
-                let t = txn.open_table(tables::LEASES)?;
                 if let Some(r) = known {
-                    return get_json::<Lease>(&t, &r);
+                    return store::leases::get(txn, &r);
                 }
-                for item in t.iter()? {
-                    let (_, v) = item?;
-                    let l: Lease = codec::decode(v.value())?;
-                    if l.task_ref.as_deref() == Some(tr.as_str()) {
-                        return Ok(Some(l));
-                    }
-                }
-                Ok(None)
+                Ok(store::leases::all(txn)?
+                    .into_iter()
+                    .find(|l| l.task_ref.as_deref() == Some(tr.as_str())))
             })
             .await?)
     }
@@ -1081,8 +974,8 @@ impl Broker {
     /// Bring a task's execution state up to date (under the task's lock).
     async fn refresh_task(&self, ctx: &Ctx, mut task: Task) -> Result<Task> {
         let tp = self.task_principal(&task.tenant, None, &task.task_ref);
-        let before = task.state.clone();
-        if task.state == "starting" {
+        let before = task.state;
+        if task.state == TaskState::Starting {
             // Its setup holds the lock while it runs: this one was cut
             // short (a restart). A job it started is adopted, never re-run;
             // a sandbox without one is ended.
@@ -1103,22 +996,22 @@ impl Broker {
                     task.lease_ref = Some(l.lease_ref);
                     task.sandbox_ref = Some(l.sandbox_ref);
                     task.job_ref = Some(j.job_ref);
-                    task.state = "running".into();
+                    task.state = TaskState::Running;
                 }
                 _ => {
-                    task.state = "setup_failed".into();
+                    task.state = TaskState::SetupFailed;
                     task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
                 }
             }
         }
-        if task.state == "running" {
+        if task.state == TaskState::Running {
             let job = task.job_ref.clone().unwrap_or_default();
             match self.job_status(&tp, ctx, &job).await {
                 Ok(v) => {
-                    let state = v.get("state").and_then(Value::as_str).unwrap_or("running");
-                    task.state = match state {
-                        "lost" => "orphaned".into(),
-                        s => s.to_string(),
+                    task.state = match job_state(&v) {
+                        Some(JobState::Lost) => TaskState::Orphaned,
+                        Some(s) => s.into(),
+                        None => TaskState::Running,
                     };
                     task.exit_code = v
                         .get("exit_code")
@@ -1126,7 +1019,7 @@ impl Broker {
                         .and_then(|c| i32::try_from(c).ok());
                 }
                 Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
-                    task.state = "orphaned".into();
+                    task.state = TaskState::Orphaned;
                 }
                 Err(e) => return Err(e),
             }
@@ -1159,7 +1052,7 @@ impl Broker {
             .await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         ev.outcome = "ok".into();
-        ev.task_state = Some(task.state.clone());
+        ev.task_state = Some(task.state.to_string());
         self.inner.journal.record(ev).await?;
         let act = self.is_requester(p, &task.tenant, &task.requester);
         self.task_answer(&task, ctx, act)
@@ -1238,7 +1131,7 @@ impl Broker {
     ) -> Result<Task> {
         let mut task = self.refresh_task(ctx, task).await?;
         let tp = self.task_principal(&task.tenant, None, &task.task_ref);
-        if cancel && task.state == "running" {
+        if cancel && task.state == TaskState::Running {
             let job = task.job_ref.clone().unwrap_or_default();
             match self.cancel_job(&tp, ctx, &job).await {
                 Ok(v) => {
@@ -1247,18 +1140,18 @@ impl Broker {
                         .and_then(Value::as_i64)
                         .and_then(|c| i32::try_from(c).ok());
                     // Asked to cancel: whatever is left ends with the sandbox.
-                    task.state = match v.get("state").and_then(Value::as_str) {
-                        Some("running") | None => "cancelled".into(),
-                        Some(s) => s.to_string(),
+                    task.state = match job_state(&v) {
+                        Some(JobState::Running) | None => TaskState::Cancelled,
+                        Some(s) => s.into(),
                     };
                 }
                 Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
-                    task.state = "orphaned".into();
+                    task.state = TaskState::Orphaned;
                 }
                 Err(e) => return Err(e),
             }
         }
-        if task.state == "running" {
+        if task.state == TaskState::Running {
             return Err(self
                 .reject(
                     ev,
@@ -1271,10 +1164,12 @@ impl Broker {
         let mut result = match self.task_result_value(&task)? {
             Value::Object(m) => m,
             _ => {
-                let (outputs, evidence, validation) = match (&template, task.state.as_str()) {
-                    (Some(t), "succeeded") => self.collect_outputs(&tp, ctx, &task, t).await?,
+                let (outputs, evidence, validation) = match (&template, task.state) {
+                    (Some(t), TaskState::Succeeded) => {
+                        self.collect_outputs(&tp, ctx, &task, t).await?
+                    }
                     // Its outputs can no longer be checked as declared.
-                    (None, "succeeded") => (Map::new(), vec![], "skipped"),
+                    (None, TaskState::Succeeded) => (Map::new(), vec![], "skipped"),
                     _ => (Map::new(), vec![], "ok"),
                 };
                 let mut m = Map::new();
@@ -1301,11 +1196,11 @@ impl Broker {
         let execution = result
             .get("execution_state")
             .and_then(Value::as_str)
-            .unwrap_or("failed")
-            .to_string();
+            .and_then(TaskState::parse)
+            .unwrap_or(TaskState::Failed);
         let cleanup = self.kill_task_lease(&tp, ctx, &task).await;
         let final_state = if !validated {
-            "output_validation_failed".to_string()
+            TaskState::OutputValidationFailed
         } else {
             execution
         };
@@ -1320,14 +1215,14 @@ impl Broker {
                 .sealer
                 .seal(Value::Object(result.clone()).to_string().as_bytes())?,
         );
-        ev.task_state = Some(final_state.clone());
+        ev.task_state = Some(final_state.to_string());
         ev.cleanup = Some(cleanup.into());
         ev.exit_code = task.exit_code;
         ev.lease_ref = task.lease_ref.clone();
         ev.sandbox_ref = task.sandbox_ref.clone();
         if cleanup == "pending" {
             // No receipt until the sandbox is known to be gone.
-            task.state = "cleanup_pending".into();
+            task.state = TaskState::CleanupPending;
             ev.outcome = "error".into();
             ev.error_code = Some("cleanup_pending".into());
             self.save_task(&task, ev).await?;
@@ -1538,17 +1433,13 @@ impl Broker {
             .inner
             .store
             .read(move |txn| {
-                let tb = txn.open_table(tables::PLANS)?;
-                let mut v = vec![];
-                for item in tb.iter()? {
-                    let (_, val) = item?;
-                    let pl: Plan = codec::decode(val.value())?;
+                let mut v = store::plans::all(txn)?;
+                v.retain(|pl| {
                     let never_ran = pl.task_ref.is_none()
-                        && (pl.state == "denied" || pl.state == "expired" || live(&pl.state));
-                    if never_ran && t.saturating_sub(pl.expires_unix) > keep {
-                        v.push(pl);
-                    }
-                }
+                        && (matches!(pl.state, PlanState::Denied | PlanState::Expired)
+                            || pl.state.is_live());
+                    never_ran && t.saturating_sub(pl.expires_unix) > keep
+                });
                 Ok(v)
             })
             .await?;
@@ -1572,9 +1463,8 @@ impl Broker {
             self.inner
                 .store
                 .write(move |txn, chain| {
-                    let mut tb = txn.open_table(tables::PLANS)?;
                     for (r, ev) in refs.iter().zip(evs) {
-                        tb.remove(r.as_str())?;
+                        store::plans::remove(txn, r)?;
                         chain.append(txn, ev)?;
                     }
                     Ok(())

@@ -5,39 +5,30 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use redb::{ReadableTable, WriteTransaction};
+use redb::WriteTransaction;
 use serde_json::{Value, json};
 
-use super::leases::{Done, Lease, session_key};
+use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Event;
 use crate::auth::Principal;
 use crate::clock::now;
 use crate::cube::ErrorKind;
-use crate::store::{StoreError, codec, tables};
+use crate::store::{self, StoreError};
 
 /// Remove a killed lease and everything recorded under it.
 pub(crate) fn remove_lease_state(
     txn: &WriteTransaction,
     l: &Lease,
 ) -> std::result::Result<(), StoreError> {
-    txn.open_table(tables::LEASES)?
-        .remove(l.lease_ref.as_str())?;
-    let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
-    txn.open_table(tables::SESSIONS)?.remove(sk.as_str())?;
+    store::leases::remove(txn, l)?;
     super::jobs::delete_lease_jobs(txn, &l.lease_ref)?;
     super::checkpoints::delete_lease_checkpoints(txn, &l.lease_ref)?;
     super::ptys::delete_lease_ptys(txn, &l.lease_ref)
 }
 
 fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, StoreError> {
-    let t = txn.open_table(tables::LEASES)?;
-    let mut out = vec![];
-    for r in t.iter()? {
-        let (_, v) = r?;
-        out.push(codec::decode(v.value())?);
-    }
-    Ok(out)
+    store::leases::all(txn)
 }
 
 /// The end of a lease's keepalive budget (unix seconds): renewals keep its
@@ -158,8 +149,8 @@ impl Broker {
         self.authorize(p, "lease:status", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
         let state = match self.inner.cube.get(&l.sandbox_id).await {
-            Ok(d) => d.state,
-            Err(e) if e.kind == ErrorKind::NotFound => "gone".into(),
+            Ok(d) => LeaseState::from(d.state),
+            Err(e) if e.kind == ErrorKind::NotFound => LeaseState::Gone,
             Err(e) => return Err(backend(&e)),
         };
         let mut m = self.base(&l, ctx);
@@ -171,7 +162,7 @@ impl Broker {
             ("created_at", json!(l.created_at)),
             ("last_used_at", json!(l.last_used_at)),
             ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
-            ("recoverable", json!(state != "gone")),
+            ("recoverable", json!(state != LeaseState::Gone)),
         ] {
             m.insert(k.into(), v);
         }
@@ -309,7 +300,7 @@ impl Broker {
             let Some(prof) = self.profile(&l.profile) else {
                 continue;
             };
-            if !prof.keepalive_enabled || l.state != "running" {
+            if !prof.keepalive_enabled || l.state != LeaseState::Running {
                 continue;
             }
             let every = Duration::from_secs((prof.sandbox_timeout_seconds / 3).max(1));

@@ -8,9 +8,17 @@
 //! twice. Point lookups run inline (`read_now`: a few microseconds from the
 //! page cache); scans run on the blocking pool (`read`).
 
+pub mod checkpoints;
 pub mod codec;
 pub mod event;
+pub mod jobs;
+pub mod journal;
+pub mod leases;
+pub mod plans;
+pub mod ptys;
 pub mod tables;
+pub mod tasks;
+pub mod typed;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,0 +1,161 @@
+//! Leases (`leases_v1`) and the session index (`sessions_v1`).
+
+use redb::WriteTransaction;
+use serde::{Deserialize, Serialize};
+
+use super::StoreError;
+use super::tables;
+use super::typed::{self, ReadOps};
+
+/// A lease's state. Stored and answered as its string; the backend's own
+/// sandbox states (a refreshed status) pass through as `Other`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum LeaseState {
+    /// `running`
+    Running,
+    /// `paused`
+    Paused,
+    /// `released`: a kill whose checkpoints could not all be deleted.
+    Released,
+    /// `gone`: the backend no longer knows the sandbox.
+    Gone,
+    /// Any other state the backend reports.
+    Other(String),
+}
+
+impl LeaseState {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Released => "released",
+            Self::Gone => "gone",
+            Self::Other(s) => s,
+        }
+    }
+}
+
+impl From<String> for LeaseState {
+    fn from(s: String) -> Self {
+        match s.as_str() {
+            "running" => Self::Running,
+            "paused" => Self::Paused,
+            "released" => Self::Released,
+            "gone" => Self::Gone,
+            _ => Self::Other(s),
+        }
+    }
+}
+
+impl From<LeaseState> for String {
+    fn from(s: LeaseState) -> Self {
+        match s {
+            LeaseState::Other(s) => s,
+            other => other.as_str().to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for LeaseState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A lease as stored. The sandbox id and traffic token never leave.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Lease {
+    pub lease_ref: String,
+    pub tenant: String,
+    pub runtime: String,
+    pub session_hash: String,
+    pub profile: String,
+    pub sandbox_id: String,
+    pub sandbox_ref: String,
+    pub domain: String,
+    /// Sealed with the store's key.
+    pub traffic_token: Option<String>,
+    pub state: LeaseState,
+    pub created_at: String,
+    pub last_used_at: String,
+    pub last_used_unix: i64,
+    /// The trusted task this lease runs (schema 3): visible to that task's
+    /// calls only, never to agents directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_ref: Option<String>,
+    /// The checkpoint a fork started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<String>,
+}
+
+/// The session index key: `tenant \0 runtime \0 session_hash`.
+pub fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
+    format!("{tenant}\0{runtime}\0{hash}")
+}
+
+pub fn get(txn: &impl ReadOps, lease_ref: &str) -> Result<Option<Lease>, StoreError> {
+    txn.record(tables::LEASES, lease_ref)
+}
+
+pub fn exists(txn: &impl ReadOps, lease_ref: &str) -> Result<bool, StoreError> {
+    txn.has(tables::LEASES, lease_ref)
+}
+
+/// Every lease, by lease_ref.
+pub fn all(txn: &impl ReadOps) -> Result<Vec<Lease>, StoreError> {
+    txn.records(tables::LEASES)
+}
+
+/// The lease a session key points at.
+pub fn by_session(txn: &impl ReadOps, key: &str) -> Result<Option<Lease>, StoreError> {
+    match txn.link(tables::SESSIONS, key)? {
+        Some(r) => get(txn, &r),
+        None => Ok(None),
+    }
+}
+
+pub fn put(txn: &WriteTransaction, l: &Lease) -> Result<(), StoreError> {
+    typed::put(txn, tables::LEASES, &l.lease_ref, l)
+}
+
+/// Point a session key at a lease.
+pub fn put_session(txn: &WriteTransaction, key: &str, lease_ref: &str) -> Result<(), StoreError> {
+    typed::put_link(txn, tables::SESSIONS, key, lease_ref)
+}
+
+/// Remove the lease record and its session index entry (not what it owns).
+pub fn remove(txn: &WriteTransaction, l: &Lease) -> Result<(), StoreError> {
+    typed::remove(txn, tables::LEASES, &l.lease_ref)?;
+    let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
+    typed::remove_link(txn, tables::SESSIONS, &sk)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_keep_their_strings() {
+        for (s, w) in [
+            (LeaseState::Running, "\"running\""),
+            (LeaseState::Paused, "\"paused\""),
+            (LeaseState::Released, "\"released\""),
+            (LeaseState::Gone, "\"gone\""),
+            (LeaseState::Other("pausing".into()), "\"pausing\""),
+        ] {
+            assert_eq!(serde_json::to_string(&s).unwrap(), w);
+            assert_eq!(serde_json::from_str::<LeaseState>(w).unwrap(), s);
+        }
+    }
+
+    /// A record written before the states were typed reads back and
+    /// encodes to the same bytes.
+    #[test]
+    fn old_records_keep_their_bytes() {
+        let old = r#"{"lease_ref":"lease_00","tenant":"t","runtime":"r","session_hash":"h","profile":"p","sandbox_id":"s","sandbox_ref":"sr","domain":"d","traffic_token":null,"state":"running","created_at":"c","last_used_at":"u","last_used_unix":5,"task_ref":"task_00"}"#;
+        let l: Lease = crate::store::codec::decode(old.as_bytes()).unwrap();
+        assert_eq!(l.state, LeaseState::Running);
+        assert_eq!(crate::store::codec::encode(&l).unwrap(), old.as_bytes());
+    }
+}

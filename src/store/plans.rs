@@ -1,0 +1,122 @@
+//! Task plans (`plans_v1`).
+
+use redb::WriteTransaction;
+use serde::{Deserialize, Serialize};
+
+use super::typed::{self, ReadOps};
+use super::{StoreError, tables};
+
+/// A plan's state, stored and answered as its snake_case name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanState {
+    PendingApproval,
+    /// Needs no approval: may be submitted.
+    Ready,
+    Approved,
+    Denied,
+    Expired,
+    Submitted,
+}
+
+impl PlanState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PendingApproval => "pending_approval",
+            Self::Ready => "ready",
+            Self::Approved => "approved",
+            Self::Denied => "denied",
+            Self::Expired => "expired",
+            Self::Submitted => "submitted",
+        }
+    }
+
+    /// Plans that can still expire (open plans).
+    pub fn is_live(self) -> bool {
+        matches!(self, Self::PendingApproval | Self::Ready | Self::Approved)
+    }
+}
+
+impl std::fmt::Display for PlanState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A plan as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    pub plan_ref: String,
+    pub tenant: String,
+    /// Identity digest of who asked for it.
+    pub requester: String,
+    /// Digest of the requester's subject alone (an admin of another tenant
+    /// with the same subject is the same person).
+    #[serde(default)]
+    pub requester_subject: String,
+    pub template: String,
+    pub template_digest: String,
+    pub profile: String,
+    /// Digest of the profile's settings when the plan was made: a changed
+    /// profile changes what runs, as a changed template does.
+    #[serde(default)]
+    pub profile_digest: String,
+    /// The parameters, sealed under the store key.
+    pub parameters_sealed: String,
+    pub parameters_sha256: String,
+    pub command_sha256: String,
+    pub state: PlanState,
+    pub approval_required: bool,
+    pub created_at: String,
+    pub expires_at: String,
+    pub expires_unix: i64,
+    #[serde(default)]
+    pub approved_at: Option<String>,
+    /// Identity digest of who approved or denied it.
+    #[serde(default)]
+    pub approver: Option<String>,
+    #[serde(default)]
+    pub decided_at: Option<String>,
+    #[serde(default)]
+    pub denial_reason_sha256: Option<String>,
+    #[serde(default)]
+    pub task_ref: Option<String>,
+}
+
+pub fn get(txn: &impl ReadOps, plan_ref: &str) -> Result<Option<Plan>, StoreError> {
+    txn.record(tables::PLANS, plan_ref)
+}
+
+/// Every plan, by plan_ref.
+pub fn all(txn: &impl ReadOps) -> Result<Vec<Plan>, StoreError> {
+    txn.records(tables::PLANS)
+}
+
+pub fn put(txn: &WriteTransaction, p: &Plan) -> Result<(), StoreError> {
+    typed::put(txn, tables::PLANS, &p.plan_ref, p)
+}
+
+pub fn remove(txn: &WriteTransaction, plan_ref: &str) -> Result<(), StoreError> {
+    typed::remove(txn, tables::PLANS, plan_ref).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_keep_their_strings() {
+        for s in [
+            PlanState::PendingApproval,
+            PlanState::Ready,
+            PlanState::Approved,
+            PlanState::Denied,
+            PlanState::Expired,
+            PlanState::Submitted,
+        ] {
+            let w = format!("\"{}\"", s.as_str());
+            assert_eq!(serde_json::to_string(&s).unwrap(), w);
+            assert_eq!(serde_json::from_str::<PlanState>(&w).unwrap(), s);
+        }
+    }
+}
