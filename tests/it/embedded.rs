@@ -8,7 +8,7 @@ use cube_adapter::cube::wire::{CreateSandbox, NetworkPolicy, ProcessEvent, PtySi
 use cube_adapter::cube::{BackendConfig, CubeClient, ErrorKind, StartOptions};
 use sha2::Digest;
 
-use crate::common::{TestBackend, pids_in_ns};
+use crate::kit::{TestBackend, pids_in_ns};
 
 const MB: usize = 1024 * 1024;
 
@@ -1001,7 +1001,7 @@ async fn sandboxes_outlive_a_backend_restart() {
 
     // A second backend on the same state directory (as after a restart):
     // it re-adopts the sandbox, whose processes kept running.
-    let settings = crate::common::settings(&state);
+    let settings = crate::kit::settings(&state);
     let again = cube_adapter::embedded::Backend::open(settings, None).unwrap();
     assert_eq!(again.manager.count(), 1);
     let d = again.manager.detail(&sb.id).unwrap();
@@ -1035,8 +1035,7 @@ async fn sandboxes_outlive_a_backend_restart() {
     while std::fs::read_to_string(format!("/proc/{init}/stat")).is_ok_and(|s| !s.contains(") Z")) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let third =
-        cube_adapter::embedded::Backend::open(crate::common::settings(&state), None).unwrap();
+    let third = cube_adapter::embedded::Backend::open(crate::kit::settings(&state), None).unwrap();
     assert!(third.manager.detail(&sb2.id).is_err());
     assert!(!state.join("embedded/sandboxes").join(&sb2.id).exists());
 }
@@ -1136,7 +1135,7 @@ fn refuses_to_start_without_namespaces_unless_isolation_none() {
         - 1;
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().to_str().unwrap();
-    let bin = crate::common::BIN;
+    let bin = crate::kit::BIN;
     let out = nested_userns(
         depth,
         &[

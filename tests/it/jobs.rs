@@ -8,7 +8,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::appliance::Server;
+use crate::kit::Server;
 
 /// Poll a job's status until it leaves `running`.
 async fn wait_end(s: &Server, job: &str) -> Value {
@@ -408,7 +408,7 @@ async fn sse_read(
 /// both give exactly the bytes the job wrote, with no overlap and no gap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_output_survives_sigkill_restart_and_disconnect() {
-    use crate::appliance::ProcRig;
+    use crate::kit::ProcRig;
     let (rig, p) = ProcRig::start();
     let (http, admin) = (rig.http.clone(), rig.admin.clone());
     let post = |url: String, body: Value| rig.call(url, Some(body));
@@ -594,7 +594,7 @@ async fn revoking_the_token_ends_an_open_stream() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::OK);
-    crate::appliance::revoke(&s.state, &agent);
+    crate::kit::revoke(&s.state, &agent);
     let body = tokio::time::timeout(Duration::from_secs(30), r.text())
         .await
         .expect("the stream did not end after the token was revoked")

@@ -11,9 +11,9 @@
 )]
 
 mod appliance;
-mod common;
 mod embedded;
 mod jobs;
+mod kit;
 mod layers;
 mod mcp;
 mod ptys;

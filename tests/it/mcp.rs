@@ -4,7 +4,7 @@
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::appliance::Server;
+use crate::kit::Server;
 
 /// Run the SDK script in one mode against a running appliance.
 async fn sdk(s: &Server, mode: &str, url: &str, token: &str, approver: &str) {
@@ -19,7 +19,7 @@ enum Who<'a> {
 }
 
 async fn sdk_as(s: &Server, mode: &str, url: &str, who: Who<'_>, approver: &str) {
-    let py = crate::sdk::sdk_python();
+    let py = crate::kit::sdk_python();
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mcp_smoke.py");
     let mut cmd = tokio::process::Command::new(&py);
     let suffix = match who {
@@ -38,7 +38,7 @@ async fn sdk_as(s: &Server, mode: &str, url: &str, who: Who<'_>, approver: &str)
         .env("MCP_MODE", mode)
         .env("MCP_URL", url)
         .env("MCP_CA", s.state.join("tls/ca.pem"))
-        .env("MCP_BIN", crate::common::BIN)
+        .env("MCP_BIN", crate::kit::BIN)
         .env("MCP_API", &s.url)
         .env("MCP_APPROVER", approver)
         .output()
@@ -106,7 +106,7 @@ fn mcp_stdio_refuses_unsafe_transports() {
             "only sent over https",
         ),
     ] {
-        let mut cmd = std::process::Command::new(crate::common::BIN);
+        let mut cmd = std::process::Command::new(crate::kit::BIN);
         cmd.arg("mcp").env_clear().env("PATH", "/usr/bin:/bin");
         for (k, v) in &env {
             cmd.env(k, v);
@@ -295,7 +295,7 @@ async fn client_certificates_are_identities() {
     })
     .await;
     let dir = s.dir.path().join("laptop");
-    let out = std::process::Command::new(crate::common::BIN)
+    let out = std::process::Command::new(crate::kit::BIN)
         .args(["token", "create", "--state-dir"])
         .arg(&s.state)
         .arg("--config")
@@ -326,7 +326,7 @@ async fn client_certificates_are_identities() {
         .mode();
     assert_eq!(mode & 0o777, 0o600);
     // Never overwritten.
-    let again = std::process::Command::new(crate::common::BIN)
+    let again = std::process::Command::new(crate::kit::BIN)
         .args(["token", "create", "--state-dir"])
         .arg(&s.state)
         .args(["--config"])
@@ -443,7 +443,7 @@ async fn client_certificates_are_identities() {
         "a main-CA mTLS server refuses an identity's certificate"
     );
     // Revoked: refused.
-    crate::appliance::revoke(&s.state, &format!("cat_{id}_x"));
+    crate::kit::revoke(&s.state, &format!("cat_{id}_x"));
     let r = c
         .get(format!("{}/v1/profiles", s.url))
         .send()

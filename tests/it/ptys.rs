@@ -9,7 +9,7 @@ use futures_util::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::appliance::Server;
+use crate::kit::Server;
 
 /// A viewer: reads `output` events into `buf` until `want` appears in it
 /// (or the stream ends); returns the last SSE id seen and the events' kinds.
@@ -231,7 +231,7 @@ async fn pty_viewers_resize_reconnect_and_kill() {
 /// restart it is `lost`, and its lease and sandbox are still there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pty_is_lost_after_a_restart() {
-    let (rig, p) = crate::appliance::ProcRig::start();
+    let (rig, p) = crate::kit::ProcRig::start();
     let call = |url: String, body: Option<Value>| rig.call(url, body);
     let (_, v) = call(
         format!("{}/v1/leases/acquire", p.url),

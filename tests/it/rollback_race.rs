@@ -61,7 +61,7 @@ use cube_adapter::cube::wire::CreateSandbox;
 use cube_adapter::cube::{BackendConfig, CubeClient, SandboxAddr, StartOptions};
 use tempfile::TempDir;
 
-use crate::common::{BIN, pids_in_ns};
+use crate::kit::{BIN, pids_in_ns};
 
 const MB: usize = 1024 * 1024;
 /// Directories in the snapshot's workspace, `d00` …

@@ -2,52 +2,10 @@
 //! SDK `cubesandbox==0.7.3`, unmodified, against the standalone backend.
 
 use std::io::BufRead;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::common::BIN;
-
-/// The official SDKs the tests drive, pinned.
-const SDKS: &[&str] = &["cubesandbox==0.7.3", "mcp==2.3.0"];
-
-/// A virtualenv with the SDKs (created once, reused by later runs).
-pub fn sdk_python() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let venv = root.join("target/sdk-venv");
-    let py = venv.join("bin/python");
-    let installed = py.exists()
-        && Command::new(&py)
-            .args([
-                "-c",
-                "import importlib.metadata as m; assert m.version('cubesandbox') == '0.7.3'; assert m.version('mcp') == '2.3.0'",
-            ])
-            .status()
-            .is_ok_and(|s| s.success());
-    if !installed {
-        let st = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .expect("python3 is needed for the SDK test");
-        assert!(
-            st.success(),
-            "python3 -m venv failed (install python3-venv)"
-        );
-        let st = Command::new(&py)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(SDKS)
-            .status()
-            .unwrap();
-        assert!(st.success(), "pip install {SDKS:?} failed");
-    }
-    py
-}
+use crate::kit::{BIN, sdk_python};
 
 #[test]
 fn official_python_sdk_basic_flow() {

@@ -3,7 +3,7 @@
 use std::os::unix::net::UnixDatagram;
 use std::time::Duration;
 
-use crate::appliance::{Proc, SandboxReaper};
+use crate::kit::{Proc, SandboxReaper};
 
 /// `serve` says READY=1 once it listens, feeds the watchdog, and says
 /// STOPPING=1 when asked to stop.
@@ -66,7 +66,7 @@ fn systemd_units_verify() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd");
     let unit = std::fs::read_to_string(root.join("cube-adapter.service"))
         .unwrap()
-        .replace("/usr/bin/cube-adapter", crate::common::BIN);
+        .replace("/usr/bin/cube-adapter", crate::kit::BIN);
     let dropin = std::fs::read_to_string(root.join("embedded.conf")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let plain = dir.path().join("cube-adapter.service");
@@ -121,7 +121,7 @@ fn shipped_config_checks() {
     ] {
         let f = dir.path().join(name);
         std::fs::write(&f, body).unwrap();
-        let out = std::process::Command::new(crate::common::BIN)
+        let out = std::process::Command::new(crate::kit::BIN)
             .args(["config", "check", "--config"])
             .arg(&f)
             .env_remove("CUBE_ADAPTER_CONFIG")
@@ -138,7 +138,7 @@ fn shipped_config_checks() {
 // ---- operations (#7): reload, status, certificates, init, backup --------
 
 fn run(args: &[&str], state: &std::path::Path, config: &std::path::Path) -> std::process::Output {
-    std::process::Command::new(crate::common::BIN)
+    std::process::Command::new(crate::kit::BIN)
         .args(args)
         .arg("--state-dir")
         .arg(state)
@@ -203,7 +203,7 @@ fn status_until(
 /// service; `status` reports it all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_certificate_and_configuration() {
-    let (rig, p) = crate::appliance::ProcRig::start();
+    let (rig, p) = crate::kit::ProcRig::start();
     // The CLI reads a file of its own: the service's is made invalid below.
     let cli = rig.state.with_file_name("cli.toml");
     std::fs::write(&cli, "").unwrap();
@@ -300,7 +300,7 @@ async fn init_then_backup_and_restore() {
     let state = dir.path().join("state");
     let config = dir.path().join("config.toml");
     std::fs::write(&config, "").unwrap();
-    let _reaper = crate::appliance::SandboxReaper(state.join("embedded/sandboxes"));
+    let _reaper = crate::kit::SandboxReaper(state.join("embedded/sandboxes"));
 
     let out = run(&["status", "--json"], &state, &config);
     assert_eq!(out.status.code(), Some(3), "not initialised: {out:?}");
@@ -333,7 +333,7 @@ async fn init_then_backup_and_restore() {
     assert_eq!(listed.as_array().unwrap().len(), 1);
     let existing = dir.path().join("taken.token");
     std::fs::write(&existing, "keep me").unwrap();
-    let out = std::process::Command::new(crate::common::BIN)
+    let out = std::process::Command::new(crate::kit::BIN)
         .args(["init", "--admin-token-file"])
         .arg(&existing)
         .arg("--state-dir")
@@ -348,7 +348,7 @@ async fn init_then_backup_and_restore() {
     assert_eq!(out.status.code(), Some(1), "397-day leaf: {out:?}");
 
     // The service starts on what init made (the same admin token works).
-    let p = crate::appliance::Proc::start(&state, &config, &[]).unwrap();
+    let p = crate::kit::Proc::start(&state, &config, &[]).unwrap();
     let out = run(&["init"], &state, &config);
     assert_eq!(out.status.code(), Some(3), "init while running: {out:?}");
     let http = reqwest::Client::builder()
@@ -431,7 +431,7 @@ async fn init_then_backup_and_restore() {
         .arg(&archive)
         .arg("MANIFEST.json")
         .output()
-        .unwrap();
+        .expect("tar is needed (Debian's tar package: GNU tar)");
     assert!(out.status.success(), "{out:?}");
     let manifest: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(!restored.join("MANIFEST.json").exists());
@@ -462,7 +462,7 @@ async fn init_then_backup_and_restore() {
         .arg("-tf")
         .arg(&archive2)
         .output()
-        .unwrap();
+        .expect("tar is needed (Debian's tar package: GNU tar)");
     let names = String::from_utf8_lossy(&out.stdout);
     for n in [
         "MANIFEST.json",
@@ -506,8 +506,8 @@ async fn status_reports_a_blocked_journal() {
     let state = dir.path().join("state");
     let config = dir.path().join("config.toml");
     std::fs::write(&config, "").unwrap();
-    let _reaper = crate::appliance::SandboxReaper(state.join("embedded/sandboxes"));
-    let mut p = crate::appliance::Proc::start(
+    let _reaper = crate::kit::SandboxReaper(state.join("embedded/sandboxes"));
+    let mut p = crate::kit::Proc::start(
         &state,
         &config,
         &[("CUBE_ADAPTER_FAILPOINT", "after_intent")],
@@ -545,7 +545,7 @@ async fn status_reports_a_blocked_journal() {
     assert_eq!(v["audit"]["state"], "reconciliation_required");
     assert_eq!(v["store"]["pending_intents"], 1);
 
-    let p = crate::appliance::Proc::start(&state, &config, &[]).unwrap();
+    let p = crate::kit::Proc::start(&state, &config, &[]).unwrap();
     let out = run(&["status", "--json"], &state, &config);
     assert_eq!(out.status.code(), Some(1), "running, not ready: {out:?}");
     let v = json_of(&out);

@@ -8,8 +8,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sha2::Digest;
 
-use crate::appliance::{Server, code};
-use crate::common::BIN;
+use crate::kit::{BIN, Server, code};
 
 /// The task templates the tests use, in the configuration's shape.
 pub fn templates() -> Value {
@@ -545,7 +544,7 @@ async fn trusted_task_from_plan_to_verified_receipt() {
         .arg(&rf)
         .arg(hex::encode(&key))
         .output()
-        .unwrap();
+        .expect("python3 is needed (Debian's python3 package)");
     assert!(
         py.status.success(),
         "{}",
@@ -765,7 +764,7 @@ async fn trusted_task_cancel_deny_expire_and_bad_outputs() {
 /// the change is seen across a restart of a real `serve` process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_template_invalidates_its_plans() {
-    let (rig, p) = crate::appliance::ProcRig::start();
+    let (rig, p) = crate::kit::ProcRig::start();
     let write_config = |argv: &str| {
         std::fs::write(
             &rig.config,
@@ -942,13 +941,13 @@ async fn a_changed_template_invalidates_its_plans() {
     )
     .unwrap();
     p.child.wait().unwrap();
-    let e = crate::appliance::Proc::start(&rig.state, &rig.config, &[])
+    let e = crate::kit::Proc::start(&rig.state, &rig.config, &[])
         .err()
         .unwrap();
     assert!(e.contains("whole element"), "{e}");
 }
 
-fn token(rig: &crate::appliance::ProcRig, args: &[&str]) -> String {
+fn token(rig: &crate::kit::ProcRig, args: &[&str]) -> String {
     let out = std::process::Command::new(BIN)
         .args(["token", "create", "--state-dir"])
         .arg(&rig.state)
@@ -966,8 +965,8 @@ fn token(rig: &crate::appliance::ProcRig, args: &[&str]) -> String {
 }
 
 async fn call(
-    rig: &crate::appliance::ProcRig,
-    p: &crate::appliance::Proc,
+    rig: &crate::kit::ProcRig,
+    p: &crate::kit::Proc,
     token: &str,
     path: &str,
     body: Value,
@@ -1294,7 +1293,7 @@ async fn gc_prunes_plans_that_never_ran() {
 /// that would break a template is refused and changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_swaps_profiles_templates_and_principals() {
-    let (rig, p) = crate::appliance::ProcRig::start();
+    let (rig, p) = crate::kit::ProcRig::start();
     let tokens = rig.state.with_file_name("principals.json");
     let (tok_a, tok_b) = (
         "token-a-0123456789abcdefghij",

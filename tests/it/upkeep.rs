@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::appliance::Server;
+use crate::kit::Server;
 
 async fn acquire(s: &Server, session: &str, profile: &str) -> String {
     let (st, v) = s
@@ -74,7 +74,7 @@ async fn keepalive_keeps_sandboxes_with_running_jobs() {
     assert_eq!(r["state"], "running", "{r}");
     assert_eq!(r["jobs"][0]["state"], "succeeded");
     // The renewals are in the journal, as the appliance's own actions.
-    let out = std::process::Command::new(crate::common::BIN)
+    let out = std::process::Command::new(crate::kit::BIN)
         .args(["audit", "export", "--state-dir"])
         .arg(&s.state)
         .output()

@@ -1,5 +1,6 @@
-//! Test kit: an embedded backend served over mTLS on 127.0.0.1:0, and a
-//! `CubeClient` configured with the generated CA and client certificate.
+//! The standalone embedded backend in-process: served over mTLS on
+//! 127.0.0.1:0, with a `CubeClient` configured with the generated CA and
+//! client certificate; and helpers to look at host processes.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use cube_adapter::cube::{BackendConfig, CubeClient, SandboxAddr, Secret};
 use cube_adapter::embedded::{Backend, Isolation, Limits, Settings};
 use tempfile::TempDir;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_cube-adapter");
+use super::BIN;
 
 pub struct TestBackend {
     pub dir: TempDir,
@@ -19,6 +20,9 @@ pub struct TestBackend {
     pub ca_pem: Vec<u8>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     reaper: tokio::task::JoinHandle<()>,
+    /// The backend's `sandboxes` directory (under the state directory the
+    /// test configured), ended on drop.
+    sandboxes: PathBuf,
 }
 
 pub fn settings(dir: &std::path::Path) -> Settings {
@@ -46,6 +50,7 @@ impl TestBackend {
         let dir = tempfile::tempdir().unwrap();
         let mut s = settings(dir.path());
         tweak(&mut s);
+        let sandboxes = s.state_dir.join("sandboxes");
         let backend = Backend::open(s, None).unwrap();
         let ca = cube_adapter::tls::LocalCa::load_or_create(&dir.path().join("tls")).unwrap();
         let names = vec!["localhost".to_string(), "127.0.0.1".to_string()];
@@ -84,6 +89,7 @@ impl TestBackend {
             ca_pem: ca.cert_pem.into_bytes(),
             shutdown: Some(tx),
             reaper,
+            sandboxes,
         }
     }
 
@@ -108,37 +114,8 @@ impl Drop for TestBackend {
             let _ = tx.send(());
         }
         self.reaper.abort();
-        // Sandboxes outlive the backend by design: end the ones a test left
-        // (thawed first: a paused sandbox's tasks die only once thawed).
-        for d in std::fs::read_dir(self.dir.path().join("embedded/sandboxes"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let groups: Vec<std::path::PathBuf> = std::fs::read(d.path().join("meta.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-                .and_then(|m| m.get("groups").and_then(|g| g.as_object()).cloned())
-                .map(|g| {
-                    g.values()
-                        .filter_map(|v| v.as_str().map(std::path::PathBuf::from))
-                        .collect()
-                })
-                .unwrap_or_default();
-            for g in &groups {
-                let _ = std::fs::write(g.join("cgroup.freeze"), "0");
-                let _ = std::fs::write(g.join("freezer.state"), "THAWED");
-            }
-            if let Ok(b) = std::fs::read(d.path().join("init.json"))
-                && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
-                && let Some(pid) = v.get("pid").and_then(|p| p.as_i64())
-            {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
+        // Sandboxes outlive the backend by design: end the ones a test left.
+        super::end_sandboxes(&self.sandboxes);
     }
 }
 

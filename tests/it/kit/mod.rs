@@ -1,0 +1,29 @@
+//! The test kit every area module uses:
+//! - `backend`: `TestBackend` (the embedded backend in-process over mTLS)
+//!   and host-process helpers (`is_zombie`, `pids_in_ns`);
+//! - `server`: `Server` (the appliance in-process), `raw_request`, `code`;
+//! - `rig`: `Proc` and `ProcRig` (real `serve` processes), `revoke`;
+//! - `python`: `sdk_python` (the SDK virtualenv, made once under a lock);
+//! - `sandboxes`: `end_sandboxes` (what every `Drop` here uses to end the
+//!   sandboxes a test left) and `SandboxReaper`;
+//! - `tmpfs`: `Tmpfs` (a size-limited tmpfs, root only).
+//!
+//! What a test needs from the host (root, python3, systemd-analyze, tar…)
+//! fails loudly when missing: nothing here skips.
+
+pub mod backend;
+pub mod python;
+pub mod rig;
+pub mod sandboxes;
+pub mod server;
+pub mod tmpfs;
+
+pub use backend::{TestBackend, pids_in_ns, settings};
+pub use python::sdk_python;
+pub use rig::{Proc, ProcRig, revoke};
+pub use sandboxes::{SandboxReaper, end_sandboxes};
+pub use server::{Server, code, raw_request};
+pub use tmpfs::Tmpfs;
+
+/// The `cube-adapter` binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_cube-adapter");

@@ -1,0 +1,152 @@
+//! Real `cube-adapter serve` processes: `Proc` (one process on 127.0.0.1:0
+//! and its URL), `ProcRig` (a state directory, its first process and an
+//! admin client; its sandboxes are ended on drop), and `revoke` (a token,
+//! through the CLI).
+
+use std::path::PathBuf;
+
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use super::{BIN, SandboxReaper};
+
+/// A state directory for `serve` processes, and a client for them (made
+/// once the first process has created the CA and the admin token).
+pub struct ProcRig {
+    _reaper: SandboxReaper,
+    pub state: PathBuf,
+    pub config: PathBuf,
+    pub http: reqwest::Client,
+    pub admin: String,
+    _dir: tempfile::TempDir,
+}
+
+impl ProcRig {
+    /// A fresh state directory and a first `serve` process on it.
+    pub fn start() -> (Self, Proc) {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, "").unwrap();
+        let reaper = SandboxReaper(state.join("embedded/sandboxes"));
+        let p = Proc::start(&state, &config, &[]).unwrap();
+        let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+            .build()
+            .unwrap();
+        let admin = std::fs::read_to_string(state.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        let rig = Self {
+            _reaper: reaper,
+            state,
+            config,
+            http,
+            admin,
+            _dir: dir,
+        };
+        (rig, p)
+    }
+
+    /// SIGKILL a process and start another on the same state.
+    pub fn kill_and_restart(&self, mut p: Proc) -> Proc {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p.child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        p.child.wait().unwrap();
+        Proc::start(&self.state, &self.config, &[]).unwrap()
+    }
+
+    /// POST (with a body) or GET (without) as the admin.
+    pub async fn call(&self, url: String, body: Option<Value>) -> (StatusCode, Value) {
+        self.call_as(&self.admin, url, body).await
+    }
+
+    /// As `call`, with another token.
+    pub async fn call_as(
+        &self,
+        token: &str,
+        url: String,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let r = match body {
+            Some(b) => self.http.post(url).bearer_auth(token).json(&b),
+            None => self.http.get(url).bearer_auth(token),
+        };
+        let r = r.send().await.unwrap();
+        let st = r.status();
+        (st, r.json::<Value>().await.unwrap_or(Value::Null))
+    }
+}
+
+/// Revoke a token (by its id) through the CLI.
+pub fn revoke(state: &std::path::Path, token: &str) {
+    let id = token.split('_').nth(1).unwrap().to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["token", "revoke", "--state-dir"])
+        .arg(state)
+        .arg(&id)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A `cube-adapter serve` process on 127.0.0.1:0 and its URL.
+pub struct Proc {
+    pub child: std::process::Child,
+    pub url: String,
+}
+
+impl Proc {
+    pub fn start(
+        state: &std::path::Path,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+    ) -> Result<Self, String> {
+        use std::io::BufRead;
+        let mut cmd = std::process::Command::new(BIN);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(state)
+            .arg("--config")
+            .arg(config)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if !line.starts_with("cube-adapter listening on ") {
+            let out = child.wait_with_output().unwrap();
+            return Err(format!("{line}{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        // Keep draining both pipes: a server whose stdout is closed would
+        // fail its next print.
+        let mut stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        Ok(Self {
+            url: line.trim().rsplit(' ').next().unwrap().to_string(),
+            child,
+        })
+    }
+
+    pub fn stop(mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}

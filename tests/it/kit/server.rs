@@ -1,0 +1,213 @@
+//! The appliance in-process: `cube_adapter::app::serve` on 127.0.0.1:0 with
+//! a fresh state directory, a TLS client trusting its generated CA, and the
+//! admin token; plus `raw_request` (bytes over TLS) and `code` (an error
+//! answer's `error.code`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cube_adapter::config::Config;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use super::BIN;
+
+pub struct Server {
+    pub dir: tempfile::TempDir,
+    pub url: String,
+    pub http: reqwest::Client,
+    pub admin: String,
+    pub state: PathBuf,
+    /// The embedded backend's state directory as configured
+    /// (`embedded.state_dir`, else `STATE/embedded`): its sandboxes are
+    /// ended on drop.
+    embedded: PathBuf,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Server {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(tweak: impl FnOnce(&mut Config)) -> Self {
+        Self::start_full(tweak, Default::default()).await
+    }
+
+    pub async fn start_full(
+        tweak: impl FnOnce(&mut Config),
+        secrets: cube_adapter::app::EnvSecrets,
+    ) -> Self {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config {
+            state_dir: dir.path().join("state"),
+            profiles: cube_adapter::config::shipped_profiles(),
+            ..Config::default()
+        };
+        tweak(&mut cfg);
+        let state = cfg.state_dir.clone();
+        let embedded = cfg
+            .embedded
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| state.join("embedded"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let task = tokio::spawn(cube_adapter::app::serve(
+            cfg,
+            secrets,
+            listener,
+            PathBuf::from(BIN),
+            move |s| {
+                let _ = started_tx.send(s.clone());
+            },
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        let started = loop {
+            if let Ok(s) = started_rx.try_recv() {
+                break s;
+            }
+            if task.is_finished() {
+                panic!("server failed to start: {:?}", task.await);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        };
+        let ca = std::fs::read(&started.ca_file).unwrap();
+        let tls = cube_adapter::tls::client_config(Some(&ca), None).unwrap();
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
+            .build()
+            .unwrap();
+        let admin = std::fs::read_to_string(state.join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        Self {
+            dir,
+            url: started.url,
+            http,
+            admin,
+            state,
+            embedded,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        // `serve` closes the store before it returns: the file is free.
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+
+    pub async fn post(&self, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn get(&self, token: &str, path: &str) -> (StatusCode, Value) {
+        let r = self
+            .http
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        let s = r.status();
+        (s, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Issue a token through the CLI (reaches the running server's admin socket).
+    pub fn token(&self, args: &[&str]) -> String {
+        let out = std::process::Command::new(BIN)
+            .args(["token", "create", "--state-dir"])
+            .arg(&self.state)
+            .arg("--config")
+            .arg(self.empty_config())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "token create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let t = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(t.lines().count(), 1, "the token alone on stdout");
+        t.trim().to_string()
+    }
+
+    /// An empty config file, so that no host config is read.
+    pub fn empty_config(&self) -> PathBuf {
+        let p = self.dir.path().join("empty.toml");
+        if !p.exists() {
+            std::fs::write(&p, "").unwrap();
+        }
+        p
+    }
+
+    pub async fn acquire(&self, token: &str, session: &str) -> String {
+        let (s, v) = self
+            .post(
+                token,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": session}),
+            )
+            .await;
+        assert_eq!(s, StatusCode::OK, "{v}");
+        v["lease_ref"].as_str().unwrap().to_string()
+    }
+
+    pub fn sandboxes(&self) -> usize {
+        std::fs::read_dir(self.embedded.join("sandboxes"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        super::end_sandboxes(&self.embedded.join("sandboxes"));
+    }
+}
+
+/// Send raw bytes over TLS and return what comes back first.
+pub async fn raw_request(s: &Server, req: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ca = std::fs::read(s.state.join("tls/ca.pem")).unwrap();
+    let cfg = cube_adapter::tls::client_config(Some(&ca), None).unwrap();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let addr = s.url.trim_start_matches("https://").to_string();
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let name = rustls_pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(name, tcp).await.unwrap();
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tls.read(&mut buf).await.unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// The `error.code` of an error answer (`""` if none).
+pub fn code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("")
+}
