@@ -1239,3 +1239,106 @@ async fn long_state_directory_paths_work() {
     );
     t.client.kill(&sb.id).await.unwrap();
 }
+
+/// A rollback that cannot stop every process of the sandbox refuses and
+/// changes nothing. The test makes one process unkillable for the backend:
+/// it moves it into a frozen cgroup of the test's own (a cgroup v1 freezer
+/// delivers SIGKILL only on thaw), so every hold round finds it still
+/// there. With cgroup v2, where a frozen task dies of SIGKILL, the same
+/// rollback must instead succeed and leave only init and agent.
+#[tokio::test]
+async fn a_rollback_that_cannot_hold_the_sandbox_changes_nothing() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    t.client
+        .upload(&sb, "/workspace/marker", b"from the snapshot".to_vec())
+        .await
+        .unwrap();
+    let snap = t.client.create_snapshot(&sb.id, None).await.unwrap();
+    t.client
+        .upload(&sb, "/workspace/marker", b"after the snapshot".to_vec())
+        .await
+        .unwrap();
+    let _bg = t.client.start(&sb, &sh("exec sleep 600")).await.unwrap();
+    let init = t.backend.manager.init_pid(&sb.id).unwrap();
+    let ns = std::fs::read_link(format!("/proc/{init}/ns/pid")).unwrap();
+    let sleeper = {
+        let mut found = None;
+        for _ in 0..200 {
+            found = pids_in_ns(&ns).into_iter().find(|p| {
+                std::fs::read(format!("/proc/{p}/cmdline"))
+                    .is_ok_and(|c| c.starts_with(b"sleep\x00600"))
+            });
+            if found.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        found.expect("the sleeper never started")
+    };
+
+    let v1 = std::path::Path::new("/sys/fs/cgroup/freezer/tasks").exists();
+    let group = if v1 {
+        std::path::PathBuf::from(format!(
+            "/sys/fs/cgroup/freezer/cube-adapter-test-frozen-{}",
+            std::process::id()
+        ))
+    } else {
+        std::path::PathBuf::from(format!(
+            "/sys/fs/cgroup/cube-adapter-test-frozen-{}",
+            std::process::id()
+        ))
+    };
+    std::fs::create_dir_all(&group).unwrap();
+    std::fs::write(group.join("cgroup.procs"), sleeper.to_string())
+        .expect("move the sleeper into the test's cgroup (needs root and cgroups)");
+    if v1 {
+        std::fs::write(group.join("freezer.state"), "FROZEN").unwrap();
+    } else {
+        std::fs::write(group.join("cgroup.freeze"), "1").unwrap();
+    }
+
+    let r = t.client.rollback(&sb.id, &snap.snapshot_id).await;
+    let marker = t
+        .client
+        .download(&sb, "/workspace/marker", MB)
+        .await
+        .unwrap();
+    // Let the sleeper go (thawed, it dies of the SIGKILL it holds) and
+    // remove the test's group.
+    if v1 {
+        std::fs::write(group.join("freezer.state"), "THAWED").unwrap();
+    } else {
+        std::fs::write(group.join("cgroup.freeze"), "0").unwrap();
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(sleeper),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    for _ in 0..200 {
+        if std::fs::remove_dir(&group).is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if v1 {
+        let e = r.expect_err("the rollback went ahead with a process it could not stop");
+        assert_eq!(e.kind, ErrorKind::Conflict, "{e:?}");
+        assert!(
+            e.message.contains("nothing restored"),
+            "unclear refusal: {}",
+            e.message
+        );
+        assert_eq!(
+            marker, b"after the snapshot",
+            "a refused rollback changed files"
+        );
+        // The sandbox runs on: init and agent were let go.
+        let out = t.client.run(&sb, &sh("echo alive"), MB).await.unwrap();
+        assert_eq!(out.stdout, b"alive\n");
+    } else {
+        r.expect("with cgroup v2 a frozen task dies of SIGKILL: the rollback must succeed");
+        assert_eq!(marker, b"from the snapshot");
+    }
+    t.client.kill(&sb.id).await.unwrap();
+}
