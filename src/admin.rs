@@ -145,7 +145,7 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
         Request::TokenCreate {
             principal,
             description,
-        } => match auth::new_token(principal, description) {
+        } => match auth::new_token(principal, description, authn.clock()) {
             Ok((token, rec)) => match auth::store_token(store, rec).await {
                 Ok(()) => vec![json!({"ok": true, "token": token})],
                 Err(e) => err(e.to_string()),
@@ -158,7 +158,7 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
             ],
             Err(e) => err(e.to_string()),
         },
-        Request::User { op } => match crate::auth::users::user_op(store, op).await {
+        Request::User { op } => match crate::auth::users::user_op(store, op, authn.clock()).await {
             Ok(v) => {
                 // A changed password, a disabled or removed user: at once.
                 authn.clear_cache();
@@ -176,7 +176,7 @@ async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde
                 Err(e) => err(e),
             }
         }
-        Request::TokenRevoke { id } => match auth::revoke_token(store, &id).await {
+        Request::TokenRevoke { id } => match auth::revoke_token(store, &id, authn.clock()).await {
             Ok(found) => {
                 authn.clear_cache();
                 vec![json!({"ok": true, "revoked": found})]

@@ -110,7 +110,11 @@ pub async fn serve(
 
 /// The first start's admin token: issued and written to `file` (0600) when
 /// the store has no token and `file` does not exist; `None` otherwise.
-pub(crate) async fn bootstrap_admin(store: &Store, file: &Path) -> anyhow::Result<Option<PathBuf>> {
+pub(crate) async fn bootstrap_admin(
+    store: &Store,
+    file: &Path,
+    clock: &crate::clock::Clock,
+) -> anyhow::Result<Option<PathBuf>> {
     if !auth::list_tokens(store)
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .is_empty()
@@ -128,7 +132,7 @@ pub(crate) async fn bootstrap_admin(store: &Store, file: &Path) -> anyhow::Resul
         task_templates: vec!["*".into()],
         task: None,
     };
-    let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()))
+    let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()), clock)
         .map_err(|e| anyhow::anyhow!(e))?;
     auth::store_token(store, rec)
         .await
@@ -148,6 +152,8 @@ pub async fn serve_with(
     reload: Reload,
 ) -> anyhow::Result<()> {
     let cfg = Arc::new(cfg);
+    // The system clock unless an in-process test set a manual one.
+    let clock = cfg.clock.clone();
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("create {}", cfg.state_dir.display()))?;
     // Absolute from here on: sandboxes mask it by path.
@@ -160,8 +166,9 @@ pub async fn serve_with(
     let store = Store::open(&state).map_err(|e| anyhow::anyhow!("{e}"))?;
     let key = random_key(&state.join("hmac.key"))?;
     let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let lost = crate::broker::ptys::mark_lost(&store)
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .with_clock(clock.clone());
+    let lost = crate::broker::ptys::mark_lost(&store, &clock)
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     if lost > 0 {
@@ -172,15 +179,16 @@ pub async fn serve_with(
     }
 
     // TLS: the appliance's own CA, keys sealed under the store key.
-    let ca = Arc::new(LocalCa::load_or_create_sealed(
+    let ca = Arc::new(LocalCa::load_or_create_clocked(
         &state.join("tls"),
         Some(store.sealer.clone()),
+        clock.clone(),
     )?);
     let addr = listener.local_addr()?;
     let names = crate::tls::server_names(&cfg.server_names, addr);
     // Reissued when it no longer covers the names or expires soon; swapped
     // in place on reload.
-    let (spem, skey, _) = ca.server_leaf("server", &names, crate::clock::now().1)?;
+    let (spem, skey, _) = ca.server_leaf("server", &names, clock.unix())?;
     let served = Arc::new(SwappableCert::new(crate::tls::certified_key(
         &spem,
         skey.as_bytes(),
@@ -188,15 +196,16 @@ pub async fn serve_with(
     // Client certificates of the identity CA (a CA of its own: the internal
     // mTLS to the embedded backend trusts only the main CA) may stand for
     // an identity (`token create --client-cert`); none is required.
-    let identity_ca = crate::tls::LocalCa::load_or_create_sealed(
+    let identity_ca = crate::tls::LocalCa::load_or_create_clocked(
         &state.join(crate::tls::IDENTITY_CA_DIR),
         Some(store.sealer.clone()),
+        clock.clone(),
     )?;
     let server_tls =
         crate::tls::server_config_swappable(served.clone(), Some(identity_ca.cert_pem.as_bytes()))?;
 
     // First start: a bootstrap admin token, written once.
-    let admin_token_file = bootstrap_admin(&store, &state.join("admin.token")).await?;
+    let admin_token_file = bootstrap_admin(&store, &state.join("admin.token"), &clock).await?;
 
     // Fixed principals: the shared token and the reference principals file.
     let mut shared = vec![];
@@ -220,7 +229,8 @@ pub async fn serve_with(
         ));
     }
     let file = crate::ops::tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
-    let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots);
+    let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots)
+        .with_clock(clock.clone());
 
     // The backend: configured, or the embedded one on loopback with mTLS.
     // Tasks that end when `stop` is cancelled, and tasks that are aborted.
@@ -317,7 +327,15 @@ pub async fn serve_with(
     };
     let signer = crate::broker::receipts::Signer::load_or_create(&state, &store.sealer, hs_key)
         .map_err(|e| anyhow::anyhow!(e))?;
-    let broker = Broker::new(cfg.clone(), store.clone(), journal, cube, key, signer);
+    let broker = Broker::new(
+        cfg.clone(),
+        store.clone(),
+        journal,
+        cube,
+        key,
+        signer,
+        clock.clone(),
+    );
     let admin_authn = authn.clone();
     let st = AppState {
         broker: broker.clone(),
@@ -359,7 +377,7 @@ pub async fn serve_with(
         state: state.clone(),
         url: format!("{scheme}://{addr}"),
         backend: backend_desc.clone(),
-        started_at: crate::clock::now().0,
+        started_at: clock.text(),
     });
     abortable.push(
         crate::admin::serve(&state.join("admin.sock"), store.clone(), admin_authn, ops)

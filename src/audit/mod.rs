@@ -42,10 +42,6 @@ pub enum AuditError {
     Blocked,
 }
 
-fn now_ts() -> String {
-    crate::clock::now().0
-}
-
 fn new_id() -> String {
     crate::ids::random_hex(16)
 }
@@ -57,6 +53,8 @@ pub struct Journal {
     mode: AuditMode,
     blocked: Arc<AtomicBool>,
     key: Arc<[u8]>,
+    /// Events' timestamps (the system clock unless `with_clock`).
+    clock: crate::clock::Clock,
 }
 
 /// A committed intent, waiting for its outcome.
@@ -84,7 +82,19 @@ impl Journal {
             mode,
             blocked: Arc::new(AtomicBool::new(!pending.is_empty())),
             key: key.into(),
+            clock: crate::clock::Clock::System,
         })
+    }
+
+    /// The same journal, its events stamped by `clock`.
+    pub fn with_clock(mut self, clock: crate::clock::Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The clock that stamps this journal's events.
+    pub fn clock(&self) -> &crate::clock::Clock {
+        &self.clock
     }
 
     pub fn mode(&self) -> AuditMode {
@@ -132,7 +142,7 @@ impl Journal {
     pub fn event(&self, action: &str) -> Event {
         Event {
             event_id: new_id(),
-            ts: now_ts(),
+            ts: self.clock.text(),
             action: action.into(),
             ..Default::default()
         }
@@ -181,7 +191,7 @@ impl Journal {
     ) -> Result<T, AuditError> {
         let mut ev = intent.base.clone();
         ev.event_id = new_id();
-        ev.ts = now_ts();
+        ev.ts = self.clock.text();
         ev.phase = "outcome".into();
         ev.outcome = outcome.into();
         ev.duration_ms =

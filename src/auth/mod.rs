@@ -154,13 +154,14 @@ pub fn cert_record(
     principal: Principal,
     description: Option<String>,
     cert: &PeerCert,
+    clock: &crate::clock::Clock,
 ) -> TokenRecord {
     let fp = hex::encode(cert.0);
     TokenRecord {
         id: fp.chars().take(12).collect(),
         hash: String::new(),
         principal,
-        created_at: crate::clock::now().0,
+        created_at: clock.text(),
         revoked_at: None,
         description,
         cert_sha256: Some(fp),
@@ -181,6 +182,7 @@ fn parse_token(t: &str) -> Option<(&str, &str)> {
 pub fn new_token(
     principal: Principal,
     description: Option<String>,
+    clock: &crate::clock::Clock,
 ) -> Result<(String, TokenRecord), String> {
     let id: String = (0..6)
         .map(|_| format!("{:02x}", rand::random::<u8>()))
@@ -196,7 +198,7 @@ pub fn new_token(
         .hash_password(token.as_bytes(), &salt)
         .map_err(|e| e.to_string())?
         .to_string();
-    let created_at = crate::clock::now().0;
+    let created_at = clock.text();
     Ok((
         token,
         TokenRecord {
@@ -244,7 +246,12 @@ pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), 
 }
 
 /// Mark a token revoked. Returns false when no such token exists.
-pub async fn revoke_token(store: &Store, id: &str) -> Result<bool, StoreError> {
+pub async fn revoke_token(
+    store: &Store,
+    id: &str,
+    clock: &crate::clock::Clock,
+) -> Result<bool, StoreError> {
+    let now = clock.text();
     let id = id
         .trim_start_matches(TOKEN_PREFIX)
         .split('_')
@@ -257,7 +264,7 @@ pub async fn revoke_token(store: &Store, id: &str) -> Result<bool, StoreError> {
                 return Ok(false);
             };
             if rec.revoked_at.is_none() {
-                rec.revoked_at = Some(crate::clock::now().0);
+                rec.revoked_at = Some(now);
             }
             typed::put(txn, tables::TOKENS, &id, &rec)?;
             Ok(true)
@@ -424,6 +431,9 @@ pub struct Authenticator {
     basic: Arc<tokio::sync::Semaphore>,
     /// Recent failed sign-ins per user name.
     failures: Arc<Mutex<HashMap<String, (u32, Instant)>>>,
+    /// Wall-clock time for what the authenticator records (the system
+    /// clock unless `with_clock`); cache and throttle windows are `Instant`s.
+    clock: crate::clock::Clock,
     /// Keys the Basic cache entries (a password's plain hash is never
     /// kept), made at start.
     basic_key: Arc<[u8; 32]>,
@@ -506,7 +516,19 @@ impl Authenticator {
             basic: Arc::new(tokio::sync::Semaphore::new(1)),
             failures: Arc::default(),
             basic_key: Arc::new(rand::random()),
+            clock: crate::clock::Clock::System,
         }
+    }
+
+    /// The same authenticator with `clock` for wall-clock time.
+    pub fn with_clock(mut self, clock: crate::clock::Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Its clock (token records' `created_at`, `revoked_at`).
+    pub fn clock(&self) -> &crate::clock::Clock {
+        &self.clock
     }
 
     /// Replace the principals file's identities (a reload): the old ones
@@ -816,7 +838,7 @@ mod tests {
 
     #[test]
     fn token_shape() {
-        let (t, rec) = new_token(p(&["*"]), None).unwrap();
+        let (t, rec) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
         let (id, _) = parse_token(&t).unwrap();
         assert_eq!(id, rec.id);
         assert!(rec.hash.starts_with("$argon2id$"));

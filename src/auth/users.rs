@@ -111,8 +111,12 @@ pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreEr
 }
 
 /// Carry out one operation; the answer is what the CLI prints.
-pub async fn user_op(store: &Store, op: UserOp) -> Result<Value, String> {
-    let now = crate::clock::now().0;
+pub async fn user_op(
+    store: &Store,
+    op: UserOp,
+    clock: &crate::clock::Clock,
+) -> Result<Value, String> {
+    let now = clock.text();
     match op {
         UserOp::List => {
             let v: Vec<UserInfo> = store

@@ -8,7 +8,6 @@ use serde_json::{Value, json};
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
-use crate::clock::now;
 use crate::cube::ErrorKind;
 use crate::store::{self, StoreError};
 
@@ -160,7 +159,7 @@ impl Broker {
                         tenant,
                         snapshot_id: snap.snapshot_id,
                         name,
-                        created_at: now().0,
+                        created_at: b.now().0,
                     };
                     let c2 = c.clone();
                     Ok(Done::new(c).persist(move |txn| put(txn, &c2)))

@@ -21,7 +21,6 @@ use serde_json::{Value, json};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
-use crate::clock::now;
 use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
 use crate::store::{self, StoreError};
 
@@ -237,14 +236,14 @@ impl Probe {
 
 impl Probe {
     /// Bring `job` up to what this probe saw; true if anything changed.
-    fn apply(&self, job: &mut Job) -> bool {
+    fn apply(&self, job: &mut Job, clock: &crate::clock::Clock) -> bool {
         let (state, rc) = self.state(job);
         if state == job.state && rc == job.exit_code {
             return false;
         }
         job.state = state;
         job.exit_code = rc;
-        job.updated_at = now().0;
+        job.updated_at = clock.text();
         true
     }
 }
@@ -396,7 +395,7 @@ impl Broker {
         let mut updated = vec![];
         for mut j in jobs.into_iter().filter(|j| !j.is_terminal()) {
             let pr = probe(self, addr, &j, (0, 0), (0, 0)).await?;
-            if pr.apply(&mut j) {
+            if pr.apply(&mut j, self.clock()) {
                 updated.push(j);
             } else {
                 running += 1;
@@ -520,7 +519,7 @@ impl Broker {
                                 ),
                             )
                         })?;
-                    let (ts, _) = now();
+                    let (ts, _) = b.now();
                     let job = Job {
                         job_ref,
                         lease_ref: l.lease_ref.clone(),
@@ -583,7 +582,7 @@ impl Broker {
                     let pr = probe(&b, &addr, &job, out, err).await?;
                     let bytes = (pr.stdout.len() + pr.stderr.len()) as u64;
                     let mut done = Done::new(());
-                    if pr.apply(&mut job) {
+                    if pr.apply(&mut job, b.clock()) {
                         let j2 = job.clone();
                         done = done.persist(move |txn| save_job(txn, &j2));
                     }
@@ -730,13 +729,13 @@ impl Broker {
                         // Wait (briefly) for the runner to record the end.
                         for _ in 0..30 {
                             let pr = probe(&b, &addr, &job, (0, 0), (0, 0)).await?;
-                            pr.apply(&mut job);
+                            pr.apply(&mut job, b.clock());
                             if job.is_terminal() {
                                 break;
                             }
                             tokio::time::sleep(Duration::from_millis(100)).await;
                         }
-                        job.updated_at = now().0;
+                        job.updated_at = b.now().0;
                     }
                     let j2 = job.clone();
                     Ok(Done::new(job).persist(move |txn| save_job(txn, &j2)))
@@ -802,7 +801,7 @@ impl Broker {
             (c.stderr_offset, c.max_bytes),
         )
         .await?;
-        if pr.apply(&mut job) {
+        if pr.apply(&mut job, self.clock()) {
             let j2 = job.clone();
             self.inner
                 .store

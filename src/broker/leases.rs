@@ -55,8 +55,6 @@ pub(crate) struct Want {
     pub task_ref: Option<String>,
 }
 
-use crate::clock::now;
-
 /// State written in an effect's outcome transaction.
 pub(crate) type Persist =
     Box<dyn FnOnce(&WriteTransaction) -> std::result::Result<(), StoreError> + Send>;
@@ -343,7 +341,7 @@ impl Broker {
                     )
                     .await);
             }
-            let (ts, unix) = now();
+            let (ts, unix) = self.now();
             l.last_used_at = ts;
             l.last_used_unix = unix;
             let action = ev.action.clone();
@@ -453,7 +451,7 @@ impl Broker {
                     return Err(err);
                 }
             };
-            let (ts, unix) = now();
+            let (ts, unix) = this.now();
             let sealed = match &created.traffic_access_token {
                 Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
                     Ok(s) => Some(s),
@@ -675,7 +673,7 @@ impl Broker {
                 Err(e) if e.kind == ErrorKind::NotFound => l.state = LeaseState::Gone,
                 Err(e) => return Err(backend(&e)),
             }
-            let (ts, unix) = now();
+            let (ts, unix) = self.now();
             l.last_used_at = ts;
             l.last_used_unix = unix;
             let l2 = l.clone();
@@ -685,7 +683,7 @@ impl Broker {
                 .await?;
         }
         let prof = self.profile(&l.profile).unwrap_or_default();
-        let idle = now().1 - l.last_used_unix;
+        let idle = self.now().1 - l.last_used_unix;
         let expires = i64::try_from(prof.lease_idle_ttl_seconds)
             .unwrap_or(i64::MAX)
             .saturating_sub(idle)
@@ -795,7 +793,7 @@ impl Broker {
                 touch,
             }) => {
                 if touch {
-                    let (ts, unix) = now();
+                    let (ts, unix) = self.now();
                     l.last_used_at = ts;
                     l.last_used_unix = unix;
                     l.state = LeaseState::Running;

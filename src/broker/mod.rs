@@ -69,6 +69,8 @@ pub(crate) struct Inner {
     pub ptys: ptys::Hubs,
     /// Signs trusted tasks' receipts.
     pub receipts: receipts::Signer,
+    /// Wall-clock time: expiry, idle TTLs, budgets, timestamps.
+    pub clock: crate::clock::Clock,
 }
 
 /// A policy checked and compiled, ready to swap in.
@@ -88,6 +90,7 @@ impl Broker {
         cube: CubeClient,
         key: Vec<u8>,
         receipts: receipts::Signer,
+        clock: crate::clock::Clock,
     ) -> Self {
         let policy = compile_policy(cfg.clone()).unwrap_or_else(|e| {
             // Checked when the configuration loaded; plans of it fail.
@@ -108,8 +111,19 @@ impl Broker {
                 tracker: tokio_util::task::TaskTracker::new(),
                 ptys: ptys::Hubs::default(),
                 receipts,
+                clock,
             }),
         }
+    }
+
+    /// The broker's clock.
+    pub fn clock(&self) -> &crate::clock::Clock {
+        &self.inner.clock
+    }
+
+    /// Now, as text and as Unix seconds (the broker's clock).
+    pub(crate) fn now(&self) -> (String, i64) {
+        self.inner.clock.stamp()
     }
 
     /// Wait (at most `limit`) for effects in flight to record their outcome.
@@ -229,17 +243,31 @@ impl Broker {
     }
 }
 
-/// Test-only failpoints, set with `CUBE_ADAPTER_FAILPOINT=<name>`: the
-/// process kills itself (SIGKILL) at the named point. `after_intent`: right
-/// after an intent is committed, before the backend is called. Used by the
-/// crash tests; never set it in production.
+/// Test-only failpoints, set with `CUBE_ADAPTER_FAILPOINT=<name>` (read
+/// once, at the first failpoint reached): the process kills itself
+/// (SIGKILL) at the named point. `after_intent`: right after an intent is
+/// committed, before the backend is called. Used by the crash tests; never
+/// set it in production.
+///
+/// Compiled in with the `failpoints` feature, and in debug builds (the
+/// binary `cargo test` builds and the integration tests run: the default
+/// `cargo test --locked` needs no flag). Release builds without the feature
+/// have an empty function and never read `CUBE_ADAPTER_FAILPOINT`.
+#[cfg(any(feature = "failpoints", debug_assertions))]
 pub(crate) fn failpoint(name: &str) {
-    if std::env::var("CUBE_ADAPTER_FAILPOINT").is_ok_and(|v| v == name) {
+    static SET: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let set = SET.get_or_init(|| std::env::var("CUBE_ADAPTER_FAILPOINT").ok());
+    if set.as_deref() == Some(name) {
         eprintln!("failpoint {name}: killing this process");
         let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
         std::process::abort();
     }
 }
+
+/// Without failpoints: nothing.
+#[cfg(not(any(feature = "failpoints", debug_assertions)))]
+#[inline(always)]
+pub(crate) fn failpoint(_name: &str) {}
 
 pub(crate) struct LockGuard {
     broker: Broker,

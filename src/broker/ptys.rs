@@ -16,7 +16,6 @@ use serde_json::{Value, json};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
 use crate::auth::Principal;
-use crate::clock::now;
 use crate::cube::envd::decode_data;
 use crate::cube::wire::{ProcessEvent, PtySize};
 use crate::cube::{ErrorKind, StartOptions};
@@ -90,7 +89,10 @@ pub(crate) fn delete_lease_ptys(
 
 /// Mark every PTY recorded as running `lost` (at start: their terminals
 /// belonged to the previous process). Returns how many.
-pub async fn mark_lost(store: &crate::store::Store) -> std::result::Result<usize, StoreError> {
+pub async fn mark_lost(
+    store: &crate::store::Store,
+    clock: &crate::clock::Clock,
+) -> std::result::Result<usize, StoreError> {
     let running: Vec<Pty> = store.read_now(|txn| {
         let mut all = crate::store::ptys::all(txn)?;
         all.retain(Pty::is_running);
@@ -98,7 +100,7 @@ pub async fn mark_lost(store: &crate::store::Store) -> std::result::Result<usize
     })?;
     let n = running.len();
     if n > 0 {
-        let ts = now().0;
+        let ts = clock.text();
         store
             .write(move |txn, _| {
                 for mut p in running {
@@ -330,7 +332,7 @@ impl Broker {
                     };
                     o.envs.insert("TERM".into(), "xterm-256color".into());
                     let stream = b.inner.cube.start(&addr, &o).await.map_err(|e| backend(&e))?;
-                    let (ts, _) = now();
+                    let (ts, _) = b.now();
                     let pty = Pty {
                         pty_ref,
                         lease_ref: l.lease_ref.clone(),
@@ -397,7 +399,7 @@ impl Broker {
                 } else {
                     PtyState::Exited
                 },
-                now().0,
+                b.now().0,
             );
             let _ = b
                 .inner
@@ -533,7 +535,7 @@ impl Broker {
                         .map_err(|e| backend(&e))?;
                     pty.rows = rows;
                     pty.cols = cols;
-                    pty.updated_at = now().0;
+                    pty.updated_at = b.now().0;
                     Ok(pty)
                 },
             )
@@ -563,7 +565,7 @@ impl Broker {
                     // asked for here is `cancelled`.
                     pty.state = PtyState::Cancelled;
                     pty.exit_code = Some(137);
-                    pty.updated_at = now().0;
+                    pty.updated_at = b.now().0;
                     Ok(pty)
                 },
             )

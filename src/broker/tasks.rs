@@ -23,7 +23,7 @@ use super::leases::{FileOp, Lease, MAX_COMMAND, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result};
 use crate::audit::event::Event;
 use crate::auth::Principal;
-use crate::clock::{format_unix, now};
+use crate::clock::format_unix;
 use crate::config::TaskTemplate;
 use crate::config::tasks::{Expose, OutputFormat, canonical};
 use crate::store;
@@ -233,7 +233,7 @@ impl Broker {
         if plan.state == PlanState::Expired {
             return Ok(true);
         }
-        if !plan.state.is_live() || now().1 < plan.expires_unix {
+        if !plan.state.is_live() || self.now().1 < plan.expires_unix {
             return Ok(false);
         }
         let was = plan.state;
@@ -446,7 +446,7 @@ impl Broker {
         // One requester's open plans are bounded (each holds up to 256 KiB).
         let me = self.identity(p);
         let _quota = self.lock(format!("plans:{me}")).await;
-        let (m2, t_now) = (me.clone(), now().1);
+        let (m2, t_now) = (me.clone(), self.now().1);
         let open = self
             .inner
             .store
@@ -470,7 +470,7 @@ impl Broker {
                 )
                 .await);
         }
-        let (ts, unix) = now();
+        let (ts, unix) = self.now();
         let ttl = i64::try_from(t.plan_ttl_seconds).unwrap_or(i64::MAX);
         let expires_unix = unix.saturating_add(ttl);
         let plan = Plan {
@@ -654,7 +654,7 @@ impl Broker {
                 .await);
         }
         self.inner.journal.check()?;
-        let (ts, _) = now();
+        let (ts, _) = self.now();
         plan.approver = Some(me.clone());
         plan.decided_at = Some(ts.clone());
         if approve {
@@ -745,7 +745,7 @@ impl Broker {
         if sha256_hex(command.as_bytes()) != plan.command_sha256 {
             return Err(self.reject(ev, Self::changed()).await);
         }
-        let (ts, _) = now();
+        let (ts, _) = self.now();
         let task = Task {
             task_ref: new_ref("task"),
             plan_ref: plan.plan_ref.clone(),
@@ -894,7 +894,7 @@ impl Broker {
                 // Known from here on, so a restart finds and ends it.
                 task.lease_ref = Some(lease.lease_ref.clone());
                 task.sandbox_ref = Some(lease.sandbox_ref.clone());
-                task.updated_at = now().0;
+                task.updated_at = self.now().0;
                 let t2 = task.clone();
                 self.inner
                     .store
@@ -913,7 +913,7 @@ impl Broker {
             }
             Err(e) => Err(e),
         };
-        task.updated_at = now().0;
+        task.updated_at = self.now().0;
         match r {
             Ok(job) => {
                 task.job_ref = Some(job);
@@ -1025,7 +1025,7 @@ impl Broker {
             }
         }
         if task.state != before {
-            task.updated_at = now().0;
+            task.updated_at = self.now().0;
             let ev = self.save_task_event(&task, "task_state", ctx, "ok");
             self.save_task(&task, ev).await?;
         }
@@ -1206,7 +1206,7 @@ impl Broker {
         };
         result.insert("state".into(), json!(final_state));
         result.insert("cleanup".into(), json!(cleanup));
-        let (ts, _) = now();
+        let (ts, _) = self.now();
         task.updated_at = ts.clone();
         task.cleanup = Some(cleanup.into());
         task.result_sealed = Some(
@@ -1427,7 +1427,7 @@ impl Broker {
     /// expiry (each with an event in the same transaction). Returns how
     /// many went.
     pub(crate) async fn prune_plans(&self) -> Result<u64> {
-        let t = now().1;
+        let t = self.now().1;
         let keep = i64::try_from(self.config().plan_retention_seconds).unwrap_or(i64::MAX);
         let old: Vec<Plan> = self
             .inner

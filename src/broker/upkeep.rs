@@ -12,7 +12,6 @@ use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Event;
 use crate::auth::Principal;
-use crate::clock::now;
 use crate::cube::ErrorKind;
 use crate::store::{self, StoreError};
 
@@ -96,7 +95,7 @@ impl Broker {
             return Err(Broker::profile_gone(&l));
         };
         let until = keepalive_until(&l, prof.max_keepalive_seconds);
-        let left = until.saturating_sub(now().1);
+        let left = until.saturating_sub(self.now().1);
         if left <= 0 {
             return Err(self
                 .reject(
@@ -207,7 +206,7 @@ impl Broker {
         let Some(l) = self.get_lease(lease_ref).await? else {
             return Ok(false);
         };
-        if now().1 - l.last_used_unix < self.idle_ttl(&l) {
+        if self.now().1 - l.last_used_unix < self.idle_ttl(&l) {
             return Ok(false);
         }
         let intent = self
@@ -243,7 +242,7 @@ impl Broker {
             tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not prune task plans");
         }
         let leases = self.inner.store.read(all_leases).await?;
-        let t = now().1;
+        let t = self.now().1;
         let (mut collected, mut failed) = (0, 0);
         for l in leases {
             if t - l.last_used_unix < self.idle_ttl(&l) {
@@ -291,7 +290,7 @@ impl Broker {
             return Ok(0);
         }
         let leases = self.inner.store.read(all_leases).await?;
-        let t = now().1;
+        let t = self.now().1;
         let mut renewed = 0;
         let live: std::collections::HashSet<String> =
             leases.iter().map(|l| l.lease_ref.clone()).collect();

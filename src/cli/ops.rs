@@ -125,12 +125,13 @@ pub fn init(args: InitArgs) -> Exit {
         crate::app::random_key(&state.join("hmac.key"))?;
         let ca = LocalCa::load_or_create_sealed(&state.join("tls"), Some(store.sealer.clone()))?;
         let names = crate::tls::server_names(&cfg.server_names, cfg.listen);
-        let (pem, _, reissued) = ca.server_leaf("server", &names, crate::clock::now().1)?;
+        let (pem, _, reissued) = ca.server_leaf("server", &names, ca.clock().unix())?;
         let info = crate::tls::cert_info(&pem)?;
         let file = token_file
             .map(Path::to_path_buf)
             .unwrap_or_else(|| state.join("admin.token"));
-        let token = crate::app::bootstrap_admin(&store, &file).await?;
+        let token =
+            crate::app::bootstrap_admin(&store, &file, &crate::clock::Clock::System).await?;
         let summary = store.read_now(crate::ops::summarize)?;
         Ok::<_, anyhow::Error>((ca.fingerprint(), info, reissued, token, summary))
     });

@@ -167,7 +167,8 @@ pub fn create(req: TokenCreateArgs) -> Exit {
                 Err(c) => return c,
             };
             let r = rt.block_on(async {
-                let (token, rec) = auth::new_token(principal, req.description)?;
+                let (token, rec) =
+                    auth::new_token(principal, req.description, &crate::clock::Clock::System)?;
                 auth::store_token(&store, rec)
                     .await
                     .map_err(|e| e.to_string())?;
@@ -271,7 +272,7 @@ pub fn revoke(args: TokenRevokeArgs) -> Exit {
                 Ok(r) => r,
                 Err(c) => return c,
             };
-            match rt.block_on(auth::revoke_token(&store, id)) {
+            match rt.block_on(auth::revoke_token(&store, id, &crate::clock::Clock::System)) {
                 Ok(f) => f,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -348,7 +349,7 @@ fn cert_identity_create(
             return Exit::State;
         }
     };
-    let rec = auth::cert_record(principal, description, &fp);
+    let rec = auth::cert_record(principal, description, &fp, &crate::clock::Clock::System);
     let id = rec.id.clone();
     let stored = match access {
         Access::Socket(p) => {

@@ -200,7 +200,11 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
                 Ok(r) => r,
                 Err(c) => return c,
             };
-            rt.block_on(crate::auth::users::user_op(&store, op))
+            rt.block_on(crate::auth::users::user_op(
+                &store,
+                op,
+                &crate::clock::Clock::System,
+            ))
         }
     };
     let v = match out {

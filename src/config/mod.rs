@@ -50,6 +50,12 @@ pub struct Config {
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
     pub receipts: ReceiptsSection,
+    /// Where the appliance's wall-clock time comes from: the system clock;
+    /// in-process tests put a manual one here (`crate::clock::ManualClock`).
+    /// Not configurable: never read from a file, and kept across reloads
+    /// (the components hold the clock `app::serve` gave them).
+    #[serde(skip)]
+    pub clock: crate::clock::Clock,
 }
 
 /// Signed execution receipts.
@@ -215,6 +221,7 @@ impl Default for Config {
             tasks: BTreeMap::new(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
+            clock: crate::clock::Clock::System,
         }
     }
 }
@@ -279,7 +286,11 @@ impl Config {
                 "INSECURE_PLAIN_HTTP" => cfg.insecure_plain_http = parse_bool(k, v)?,
                 // Read elsewhere (secrets, clients of the appliance).
                 "TOKEN" | "TOKEN_FILE" | "URL" | "CA_FILE" | "CLIENT_CERT_FILE"
-                | "CLIENT_KEY_FILE" | "PROFILE" | "RUNTIME" | "FAILPOINT" => {}
+                | "CLIENT_KEY_FILE" | "PROFILE" | "RUNTIME" => {}
+                "FAILPOINT" if cfg!(any(feature = "failpoints", debug_assertions)) => {}
+                "FAILPOINT" => warnings.push(format!(
+                    "{k} ignored: this build has no failpoints (the `failpoints` feature)"
+                )),
                 _ => warnings.push(format!("unknown environment variable {k} ignored")),
             }
         }

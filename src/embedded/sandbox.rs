@@ -184,7 +184,7 @@ pub struct Manager {
 }
 
 pub fn now_unix() -> i64 {
-    OffsetDateTime::now_utc().unix_timestamp()
+    crate::clock::system_now().unix_timestamp()
 }
 
 pub fn rfc3339(unix: i64) -> String {
@@ -195,7 +195,7 @@ pub fn rfc3339(unix: i64) -> String {
 }
 
 fn now_rfc3339() -> String {
-    OffsetDateTime::now_utc()
+    crate::clock::system_now()
         .format(&Rfc3339)
         .unwrap_or_default()
 }

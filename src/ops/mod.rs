@@ -74,10 +74,6 @@ pub struct Reloader {
     reloading: Mutex<()>,
 }
 
-fn now_unix() -> i64 {
-    crate::clock::now().1
-}
-
 /// Top-level keys whose values differ between two configurations.
 pub fn changed_keys(a: &Config, b: &Config) -> Vec<String> {
     let (Ok(Value::Object(a)), Ok(Value::Object(b))) =
@@ -139,7 +135,7 @@ impl Reloader {
         tracing::error!(error = %error, "reload refused; nothing changed");
         self.remember(ReloadReport {
             ok: false,
-            at: crate::clock::now().0,
+            at: self.ca.clock().text(),
             error: Some(error),
             applied: vec![],
             restart_required: vec![],
@@ -182,10 +178,14 @@ impl Reloader {
             .cloned()
             .collect();
         let names = crate::tls::server_names(&new.server_names, self.addr);
-        let (pem, key, reissued) = match self.ca.server_leaf("server", &names, now_unix()) {
-            Ok(x) => x,
-            Err(e) => return self.refused(format!("server certificate: {e}")),
-        };
+        let (pem, key, reissued) =
+            match self
+                .ca
+                .server_leaf("server", &names, self.ca.clock().unix())
+            {
+                Ok(x) => x,
+                Err(e) => return self.refused(format!("server certificate: {e}")),
+            };
         let (ck, info) = match (
             crate::tls::certified_key(&pem, key.as_bytes()),
             crate::tls::cert_info(&pem),
@@ -252,7 +252,7 @@ impl Reloader {
         }
         self.remember(ReloadReport {
             ok: true,
-            at: crate::clock::now().0,
+            at: self.ca.clock().text(),
             error: None,
             applied,
             restart_required,
@@ -484,7 +484,7 @@ impl Service {
                 Err(e) => json!({"error": e.to_string()}),
             }
         };
-        let now = now_unix();
+        let now = self.broker.clock().unix();
         let cert = self.reloader.current_cert().ok().map(|c| {
             let days = c.days_left(now);
             json!({"certificate": c, "days_left": days})

@@ -55,6 +55,9 @@ pub struct LocalCa {
     pub cert_pem: String,
     pub dir: PathBuf,
     sealer: Option<crate::secrets::Sealer>,
+    /// Validity dates and renewal come from here (the system clock unless
+    /// `with_clock` says otherwise).
+    clock: crate::clock::Clock,
 }
 
 const SEALED: &str = "sealed:";
@@ -104,7 +107,7 @@ fn read_key(sealer: Option<&crate::secrets::Sealer>, path: &Path) -> Result<Stri
     }
 }
 
-fn ca_params() -> Result<CertificateParams, TlsError> {
+fn ca_params(now: time::OffsetDateTime) -> Result<CertificateParams, TlsError> {
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, "cube-adapter local CA");
@@ -116,7 +119,6 @@ fn ca_params() -> Result<CertificateParams, TlsError> {
         KeyUsagePurpose::CrlSign,
         KeyUsagePurpose::DigitalSignature,
     ];
-    let now = time::OffsetDateTime::now_utc();
     p.not_before = now - time::Duration::days(1);
     p.not_after = now + time::Duration::days(3650);
     Ok(p)
@@ -133,6 +135,16 @@ impl LocalCa {
         dir: &Path,
         sealer: Option<crate::secrets::Sealer>,
     ) -> Result<Self, TlsError> {
+        Self::load_or_create_clocked(dir, sealer, crate::clock::Clock::System)
+    }
+
+    /// As `load_or_create_sealed`, with validity dates (a new CA's, every
+    /// leaf's) and renewal decided by `clock`.
+    pub fn load_or_create_clocked(
+        dir: &Path,
+        sealer: Option<crate::secrets::Sealer>,
+        clock: crate::clock::Clock,
+    ) -> Result<Self, TlsError> {
         std::fs::create_dir_all(dir).map_err(io(format!("create {}", dir.display())))?;
         let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
@@ -143,14 +155,15 @@ impl LocalCa {
             let key = KeyPair::from_pem(&key_pem)?;
             return Ok(Self {
                 key,
-                params: ca_params()?,
+                params: ca_params(clock.now())?,
                 cert_pem,
                 dir: dir.to_path_buf(),
                 sealer,
+                clock,
             });
         }
         let key = KeyPair::generate()?;
-        let params = ca_params()?;
+        let params = ca_params(clock.now())?;
         let cert = params.self_signed(&key)?;
         write_key(sealer.as_ref(), &key_path, &key.serialize_pem())?;
         write_private(&cert_path, cert.pem().as_bytes(), 0o644)?;
@@ -160,7 +173,13 @@ impl LocalCa {
             cert_pem: cert.pem(),
             dir: dir.to_path_buf(),
             sealer,
+            clock,
         })
+    }
+
+    /// The clock that dates this CA's certificates.
+    pub fn clock(&self) -> &crate::clock::Clock {
+        &self.clock
     }
 
     /// SHA-256 fingerprint of the CA certificate (`AA:BB:…`).
@@ -202,7 +221,7 @@ impl LocalCa {
         } else {
             ExtendedKeyUsagePurpose::ClientAuth
         }];
-        let now = time::OffsetDateTime::now_utc();
+        let now = self.clock.now();
         p.not_before = now - time::Duration::hours(1);
         p.not_after = now + time::Duration::days(days);
         let key = KeyPair::generate()?;
@@ -240,7 +259,7 @@ impl LocalCa {
             std::fs::read(&cert)
                 .ok()
                 .and_then(|pem| cert_info(&pem).ok())
-                .is_none_or(|i| i.days_left(crate::clock::now().1) <= RENEW_DAYS)
+                .is_none_or(|i| i.days_left(self.clock.unix()) <= RENEW_DAYS)
         };
         if !(cert.exists() && key.exists()) || expiring() {
             let (c, k) = match server_names {
@@ -572,6 +591,31 @@ pub fn server_names(extra: &[String], addr: std::net::SocketAddr) -> Vec<String>
 mod tests {
     use super::*;
 
+    /// A CA given a manual clock dates its leaves by it and renews them
+    /// when that clock, not the real one, says they expire.
+    #[test]
+    fn a_manual_clock_dates_and_renews_leaves() {
+        install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let start = time::OffsetDateTime::from_unix_timestamp(1_900_000_000).unwrap();
+        let m = crate::clock::ManualClock::new(start);
+        let ca = LocalCa::load_or_create_clocked(dir.path(), None, m.clone().into()).unwrap();
+        let (cert, _) = ca.leaf_files("client", None).unwrap();
+        let first = std::fs::read(&cert).unwrap();
+        let info = cert_info(&first).unwrap();
+        assert_eq!(info.not_after_unix, 1_900_000_000 + 397 * 86_400);
+        m.advance(time::Duration::days(397 - RENEW_DAYS - 1));
+        ca.leaf_files("client", None).unwrap();
+        assert_eq!(std::fs::read(&cert).unwrap(), first, "fresh: kept");
+        m.advance(time::Duration::days(2));
+        ca.leaf_files("client", None).unwrap();
+        let renewed = cert_info(&std::fs::read(&cert).unwrap()).unwrap();
+        assert_eq!(
+            renewed.not_after_unix,
+            m.now().unix_timestamp() + 397 * 86_400
+        );
+    }
+
     /// A leaf with `RENEW_DAYS` or fewer left is reissued by `leaf_files`;
     /// a fresh one is kept; `server_leaf` also reissues for new names.
     #[test]
@@ -585,7 +629,7 @@ mod tests {
         assert_eq!(std::fs::read(&cert).unwrap(), first, "fresh: kept");
         // An expiring one in its place.
         let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.not_after = time::OffsetDateTime::now_utc() + time::Duration::days(RENEW_DAYS - 1);
+        p.not_after = crate::clock::system_now() + time::Duration::days(RENEW_DAYS - 1);
         let key = KeyPair::generate().unwrap();
         let old = p
             .signed_by(&key, &Issuer::from_params(&ca.params, &ca.key))

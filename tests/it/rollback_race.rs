@@ -46,8 +46,10 @@
 //!   HTTP status with a message: the raw endpoint is called so the status is
 //!   seen as is, and a transport failure fails the test), and the sandbox
 //!   must still run commands.
-//! - Bounded: at most 200 attempts or 75 s of attempts, whichever comes
-//!   first; at least 30 attempts and one successful rollback are required,
+//! - Bounded: at most 200 attempts or 90 s of attempts, whichever comes
+//!   first; at least 20 attempts (the code before the fix escaped in about
+//!   one attempt in four: 20 clean ones by chance is 0.4%; an unloaded
+//!   machine makes 100 or more) and one successful rollback are required,
 //!   so neither a hang nor a rollback that always refuses passes.
 
 use std::collections::BTreeMap;
@@ -78,8 +80,8 @@ const POPULATION: usize = 200;
 const MAX_PROCS: usize = 4096;
 const MAX_ATTEMPTS: usize = 200;
 /// Rollback attempts start only within this much time.
-const BUDGET: Duration = Duration::from_secs(75);
-const MIN_ATTEMPTS: usize = 30;
+const BUDGET: Duration = Duration::from_secs(90);
+const MIN_ATTEMPTS: usize = 20;
 /// The backend's CPU: `QUOTA_US` every `PERIOD_US`.
 const QUOTA_US: u64 = 2_000;
 const PERIOD_US: u64 = 10_000;
