@@ -373,9 +373,7 @@ pub fn ctx(request_id: Option<&str>) -> Result<Ctx, ApiError> {
             })
         }
         None => Ok(Ctx {
-            request_id: (0..8)
-                .map(|_| format!("{:02x}", rand::random::<u8>()))
-                .collect(),
+            request_id: crate::ids::random_hex(8),
         }),
     }
 }

@@ -184,9 +184,7 @@ pub fn new_token(
     description: Option<String>,
     clock: &crate::clock::Clock,
 ) -> Result<(String, TokenRecord), String> {
-    let id: String = (0..6)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect();
+    let id = crate::ids::random_hex(6);
     let secret: [u8; 32] = rand::random();
     let token = format!(
         "{TOKEN_PREFIX}{id}_{}",

@@ -562,9 +562,7 @@ pub(crate) fn sha256_file(p: &Path) -> std::io::Result<String> {
 /// few hundred MB/s). The copy is then opened on its own, which replays
 /// redb's crash recovery, closed cleanly, and its audit chain is verified.
 pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
-    let id: String = (0..6)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect();
+    let id = crate::ids::random_hex(6);
     let dir = state.join(format!("backup-{id}"));
     {
         use std::os::unix::fs::DirBuilderExt;

@@ -1,0 +1,348 @@
+//! Acquiring a lease: idempotent per tenant + runtime + HMAC(session_key),
+//! within the tenant's quotas, creating the sandbox when none is reusable.
+
+use super::*;
+
+impl Broker {
+    /// `POST /v1/leases/acquire`.
+    pub async fn acquire(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        runtime: &str,
+        session: &str,
+        profile: Option<&str>,
+    ) -> Result<Value> {
+        let (l, reused) = self
+            .acquire_lease(p, ctx, runtime, session, profile, None)
+            .await?;
+        Ok(self.lease_answer(&l, reused, ctx))
+    }
+
+    /// Acquire with every check of `POST /v1/leases/acquire`; `task_ref`
+    /// marks a lease that belongs to a trusted task.
+    pub(crate) async fn acquire_lease(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        runtime: &str,
+        session: &str,
+        profile: Option<&str>,
+        task_ref: Option<&str>,
+    ) -> Result<(Lease, bool)> {
+        let profile_name = profile.unwrap_or("offline-code").to_string();
+        let mut ev = self.event(p, "acquire", ctx);
+        ev.runtime = Some(runtime.to_string());
+        ev.profile = Some(profile_name.clone());
+        ev.task_ref = task_ref.map(str::to_string);
+        self.authorize(p, "lease:acquire", &ev).await?;
+        if !RUNTIMES.contains(&runtime) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::InvalidRuntime,
+                        format!("runtime must be one of {}", RUNTIMES.join(", ")),
+                    ),
+                )
+                .await);
+        }
+        if !p.allows_runtime(runtime) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::RuntimeDenied,
+                        format!("runtime {runtime} is not allowed for this identity"),
+                    ),
+                )
+                .await);
+        }
+        if session.len() > MAX_SESSION_KEY {
+            return Err(Error::new(
+                Code::ValueTooLarge,
+                format!("session_key is longer than {MAX_SESSION_KEY} bytes"),
+            ));
+        }
+        if session.trim().is_empty() {
+            return Err(Error::new(
+                Code::InvalidRequest,
+                "session_key must not be empty",
+            ));
+        }
+        let denied = || {
+            Error::new(
+                Code::ProfileDenied,
+                format!("profile {profile_name} is not available to this identity"),
+            )
+        };
+        let Some(prof) = self.profile(&profile_name) else {
+            return Err(self.reject(ev, denied()).await);
+        };
+        if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {
+            return Err(self.reject(ev, denied()).await);
+        }
+        let hash: String = self
+            .hmac_hex(&[p.tenant.as_bytes(), session.as_bytes()])
+            .chars()
+            .take(24)
+            .collect();
+        let want = Want {
+            tenant: p.tenant.clone(),
+            runtime: runtime.to_string(),
+            hash,
+            profile: profile_name,
+            prof,
+            snapshot: None,
+            task_ref: task_ref.map(str::to_string),
+        };
+        self.lease_for_session(p, ctx, ev, want).await
+    }
+
+    /// The session's lease, or a new one (quota permitting) created under
+    /// an audit intent and recorded with the session index in its outcome.
+    pub(crate) async fn lease_for_session(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        mut ev: Event,
+        want: Want,
+    ) -> Result<(Lease, bool)> {
+        let Want {
+            tenant,
+            runtime,
+            hash,
+            profile: profile_name,
+            prof,
+            snapshot,
+            task_ref,
+        } = want;
+        ev.session_digest = Some(hash.clone());
+        let skey = session_key(&tenant, &runtime, &hash);
+        let _session_lock = self.lock(format!("session:{skey}")).await;
+
+        // Reuse.
+        let sk = skey.clone();
+        let existing: Option<Lease> = self
+            .inner
+            .store
+            .read(move |txn| store::leases::by_session(txn, &sk))
+            .await?;
+        if let Some(mut l) = existing {
+            if let Some((_, ckpt)) = &snapshot
+                && l.forked_from.as_ref() != Some(ckpt)
+            {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            Code::ForkConflict,
+                            "this branch is a fork of another checkpoint; name another branch",
+                        ),
+                    )
+                    .await);
+            }
+            if l.task_ref != task_ref {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            Code::ProfileConflict,
+                            "this session key belongs to a trusted task's sandbox; use another",
+                        ),
+                    )
+                    .await);
+            }
+            if l.profile != profile_name {
+                return Err(self
+                    .reject(
+                        ev,
+                        Error::new(
+                            Code::ProfileConflict,
+                            format!("this session already has a lease with profile {}; release it first to use {profile_name}", l.profile),
+                        ),
+                    )
+                    .await);
+            }
+            let (ts, unix) = self.now();
+            l.last_used_at = ts;
+            l.last_used_unix = unix;
+            let action = ev.action.clone();
+            let mut ev2 = self.lease_event(p, &action, ctx, &l);
+            ev2.outcome = "ok".into();
+            ev2.reused = Some(true);
+            ev2.phase = "event".into();
+            ev2.checkpoint_ref = ev.checkpoint_ref.clone();
+            ev2.task_ref = ev.task_ref.clone();
+            let l2 = l.clone();
+            self.inner
+                .store
+                .write(move |txn, chain| {
+                    put_lease(txn, &l2)?;
+                    chain.append(txn, ev2)?;
+                    Ok(())
+                })
+                .await?;
+            return Ok((l, true));
+        }
+
+        // Quota, across the tenant's leases.
+        let _tenant_lock = self.lock(format!("tenant:{tenant}")).await;
+        let t2 = tenant.clone();
+        let active = self
+            .inner
+            .store
+            .read(move |txn| {
+                let n = store::leases::all(txn)?
+                    .iter()
+                    .filter(|l| l.tenant == t2)
+                    .count();
+                Ok(u32::try_from(n).unwrap_or(u32::MAX))
+            })
+            .await?;
+        if active >= prof.max_active_leases_per_tenant {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::LeaseQuotaExceeded,
+                        format!(
+                            "the tenant already has {active} active leases (limit {})",
+                            prof.max_active_leases_per_tenant
+                        ),
+                    ),
+                )
+                .await);
+        }
+
+        let intent = self.inner.journal.intent(ev).await?;
+        // From here the effect runs to its recorded outcome even if the
+        // client goes away (the task is drained at shutdown).
+        let b = self.clone();
+        let task = self.inner.tracker.spawn(async move {
+            let this = &b;
+            let p_tenant = tenant;
+            let purpose = if snapshot.is_some() {
+                "agent-adapter-fork"
+            } else {
+                "agent-adapter"
+            };
+            let mut metadata: std::collections::BTreeMap<String, String> = [
+                ("runtime".to_string(), runtime.to_string()),
+                ("purpose".to_string(), purpose.to_string()),
+                (
+                    "tenant".to_string(),
+                    this.inner.journal.digest("tenant", p_tenant.as_bytes()),
+                ),
+                ("session".to_string(), hash.clone()),
+                ("policy".to_string(), profile_name.clone()),
+            ]
+            .into();
+            if let Some((_, ckpt)) = &snapshot {
+                metadata.insert("checkpoint".into(), ckpt.clone());
+            }
+            let req = CreateSandbox {
+                template_id: prof.template.clone(),
+                timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
+                lifecycle: Some(Lifecycle {
+                    on_timeout: Some(prof.lifecycle.on_timeout.clone()),
+                    auto_resume: Some(prof.lifecycle.auto_resume),
+                }),
+                allow_internet_access: Some(prof.allow_internet_access),
+                network: Some(NetworkPolicy {
+                    allow_public_traffic: Some(false),
+                    ..Default::default()
+                }),
+                metadata: metadata.into_iter().collect(),
+                ..Default::default()
+            };
+            let created = match &snapshot {
+                None => this.inner.cube.create(&req).await,
+                Some((snap, _)) => this.inner.cube.create_from_snapshot(snap, req).await,
+            };
+            let created = match created {
+                Ok(s) => s,
+                Err(e) => {
+                    let err = match e.kind {
+                        ErrorKind::NotFound if snapshot.is_some() => Error::new(
+                            Code::CheckpointNotFound,
+                            "the checkpoint's snapshot is gone",
+                        ),
+                        _ => backend(&e),
+                    };
+                    this.fail(intent, &err).await?;
+                    return Err(err);
+                }
+            };
+            let (ts, unix) = this.now();
+            let sealed = match &created.traffic_access_token {
+                Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        // Cannot keep the token: do not keep the sandbox.
+                        tracing::error!(error = %e, "sealing a traffic token failed");
+                        let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                        let err =
+                            Error::new(Code::ExecutionFailed, "the sandbox could not be recorded");
+                        this.fail(intent, &err).await?;
+                        return Err(err);
+                    }
+                },
+                None => None,
+            };
+            let lease = Lease {
+                lease_ref: new_ref("lease"),
+                tenant: p_tenant.clone(),
+                runtime: runtime.to_string(),
+                session_hash: hash,
+                profile: profile_name,
+                sandbox_ref: created.sandbox_id.chars().take(8).collect(),
+                sandbox_id: created.sandbox_id.clone(),
+                domain: created.domain.clone(),
+                traffic_token: sealed,
+                state: LeaseState::Running,
+                created_at: ts.clone(),
+                last_used_at: ts,
+                last_used_unix: unix,
+                task_ref,
+                forked_from: snapshot.as_ref().map(|(_, c)| c.clone()),
+            };
+            let l2 = lease.clone();
+            let lref = lease.lease_ref.clone();
+            let sref = lease.sandbox_ref.clone();
+            let forked = snapshot.is_some();
+            let stored = this
+                .inner
+                .journal
+                .outcome(
+                    intent,
+                    "ok",
+                    |e| {
+                        // A fork's event keeps its source lease.
+                        if forked {
+                            e.fork_lease_ref = Some(lref);
+                        } else {
+                            e.lease_ref = Some(lref);
+                            e.sandbox_ref = Some(sref);
+                        }
+                        e.reused = Some(false);
+                    },
+                    move |txn| {
+                        put_lease(txn, &l2)?;
+                        store::leases::put_session(txn, &skey, &l2.lease_ref)
+                    },
+                )
+                .await;
+            if let Err(e) = stored {
+                // Not recorded: do not leave an untracked sandbox behind.
+                let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                return Err(e.into());
+            }
+            Ok::<Lease, Error>(lease)
+        });
+        let lease = task
+            .await
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
+        Ok((lease, false))
+    }
+}

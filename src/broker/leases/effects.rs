@@ -1,0 +1,127 @@
+//! The intent → effect → outcome machinery every change to a lease's
+//! sandbox runs under: the effect runs in a drained task of its own, so a
+//! committed intent always gets its outcome.
+
+use super::*;
+
+impl Broker {
+    /// Run one effect on a lease's sandbox under intent/outcome.
+    ///
+    /// Once the intent is committed, the effect and its outcome run in a
+    /// task of their own: a client that disconnects, or a shutdown (which
+    /// drains these tasks), never leaves an intent without its outcome.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn effect<T, F, Fut>(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        action: &str,
+        scope: &str,
+        fill: impl FnOnce(&mut Event),
+        run: F,
+    ) -> Result<(Lease, T)>
+    where
+        T: Send + 'static,
+        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
+    {
+        let ev = self.event(p, action, ctx);
+        self.authorize(p, scope, &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        self.effect_on(p, ctx, l, action, fill, None, run).await
+    }
+
+    /// As `effect`, on a lease already looked up (and authorized), holding
+    /// `hold` (a lock) until the outcome is committed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn effect_on<T, F, Fut>(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        l: Lease,
+        action: &str,
+        fill: impl FnOnce(&mut Event),
+        hold: Option<crate::broker::LockGuard>,
+        run: F,
+    ) -> Result<(Lease, T)>
+    where
+        T: Send + 'static,
+        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
+    {
+        let mut ev = self.lease_event(p, action, ctx, &l);
+        // A profile a reload removed does not fall back to defaults (which
+        // could be looser): its leases only release.
+        if self.profile(&l.profile).is_none() {
+            return Err(self.reject(ev, Self::profile_gone(&l)).await);
+        }
+        fill(&mut ev);
+        let addr = self.addr(&l)?;
+        let intent = self.inner.journal.intent(ev).await?;
+        crate::broker::failpoint("after_intent");
+        let b = self.clone();
+        let task = self.inner.tracker.spawn(async move {
+            let r = run(b.clone(), l.clone(), addr).await;
+            let r = b.finish(intent, l, r).await;
+            drop(hold);
+            r
+        });
+        task.await
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
+    }
+
+    /// Record an effect's outcome; on success, touch the lease in the same
+    /// transaction (if it still exists: a concurrent kill wins).
+    async fn finish<T>(
+        &self,
+        intent: Intent,
+        mut l: Lease,
+        r: Result<Done<T>>,
+    ) -> Result<(Lease, T)> {
+        match r {
+            Ok(Done {
+                value: t,
+                exit_code: exit,
+                bytes,
+                persist,
+                touch,
+            }) => {
+                if touch {
+                    let (ts, unix) = self.now();
+                    l.last_used_at = ts;
+                    l.last_used_unix = unix;
+                    l.state = LeaseState::Running;
+                }
+                let l2 = l.clone();
+                self.inner
+                    .journal
+                    .outcome(
+                        intent,
+                        "ok",
+                        |e| {
+                            e.exit_code = exit;
+                            e.bytes = bytes;
+                        },
+                        move |txn| {
+                            let exists = store::leases::exists(txn, &l2.lease_ref)?;
+                            if exists && touch {
+                                put_lease(txn, &l2)?;
+                            }
+                            // Nothing is recorded under a lease that is gone.
+                            match persist {
+                                Some(f) if exists => f(txn),
+                                _ => Ok(()),
+                            }
+                        },
+                    )
+                    .await?;
+                Ok((l, t))
+            }
+            Err(e) => {
+                self.fail(intent, &e).await?;
+                Err(e)
+            }
+        }
+    }
+}

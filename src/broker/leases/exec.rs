@@ -1,0 +1,89 @@
+//! Running a command in a lease's sandbox (`POST /v1/leases/{ref}/exec`).
+
+use super::*;
+
+impl Broker {
+    /// `POST /v1/leases/{ref}/exec`.
+    pub async fn exec(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        command: &str,
+        cwd: Option<&str>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Value> {
+        let cwd = self.command_and_cwd(p, ctx, "exec", command, cwd).await?;
+        if timeout_ms == Some(0) {
+            return Err(Error::new(
+                Code::InvalidTimeout,
+                "timeout_ms must be at least 1",
+            ));
+        }
+        let cmd_digest = self.inner.journal.digest("command", command.as_bytes());
+        let command = command.to_string();
+        let ((l, out), ms) = {
+            let started = std::time::Instant::now();
+            let r = self
+                .effect(
+                    p,
+                    ctx,
+                    lease_ref,
+                    "exec",
+                    "exec:run",
+                    |e| e.command_digest = Some(cmd_digest),
+                    move |b: Broker, l: Lease, addr| async move {
+                        let cap = b
+                            .profile(&l.profile)
+                            .map(|p| p.max_command_seconds)
+                            .unwrap_or(120)
+                            * 1000;
+                        let ms = timeout_ms.unwrap_or(60_000).min(cap);
+                        let mut o = StartOptions::shell(&command);
+                        o.cwd = Some(cwd.clone());
+                        o.timeout = Some(Duration::from_millis(ms));
+                        let started = std::time::Instant::now();
+                        let out =
+                            b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(|e| {
+                                match e.kind {
+                                    ErrorKind::InvalidArgument => Error::new(
+                                        Code::InvalidPath,
+                                        "the working directory does not exist",
+                                    ),
+                                    _ => backend(&e),
+                                }
+                            })?;
+                        // Killed at its deadline: the reference's 504 `timeout`.
+                        if out.status == "signal: killed"
+                            && started.elapsed() >= Duration::from_millis(ms)
+                        {
+                            return Err(Error::new(
+                                Code::Timeout,
+                                format!("the command did not finish within {ms} ms"),
+                            ));
+                        }
+                        let code = out.exit_code;
+                        Ok(Done::new(out).exit_code(code))
+                    },
+                )
+                .await?;
+            (r, started.elapsed().as_millis())
+        };
+        let mut m = self.base(&l, ctx);
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        m.insert("exit_code".into(), json!(out.exit_code));
+        m.insert("stdout".into(), json!(text(&out.stdout)));
+        m.insert("stderr".into(), json!(text(&out.stderr)));
+        let (so, se) = (
+            out.truncated && out.stdout.len() >= MAX_OUTPUT,
+            out.truncated && out.stderr.len() >= MAX_OUTPUT,
+        );
+        m.insert("stdout_truncated".into(), json!(so));
+        m.insert("stderr_truncated".into(), json!(se));
+        m.insert(
+            "duration_ms".into(),
+            json!(u64::try_from(ms).unwrap_or(u64::MAX)),
+        );
+        Ok(Value::Object(m))
+    }
+}

@@ -1,0 +1,198 @@
+//! A lease's life after acquire: listing, status, and release (pause or
+//! kill) with its effect.
+
+use super::*;
+
+impl Broker {
+    /// `GET /v1/leases`.
+    pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+        let ev = self.event(p, "lease_list", ctx);
+        self.authorize(p, "lease:list", &ev).await?;
+        let tenant = p.tenant.clone();
+        let admin = p.is_admin();
+        let mut leases: Vec<Lease> = self
+            .inner
+            .store
+            .read(move |txn| {
+                let mut v = store::leases::all(txn)?;
+                // A trusted task's lease is the task's, not the agent's.
+                v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
+                Ok(v)
+            })
+            .await?;
+        leases.sort_by(|a, b| {
+            b.created_at
+                .cmp(&a.created_at)
+                .then(b.lease_ref.cmp(&a.lease_ref))
+        });
+        let items: Vec<Value> = leases
+            .iter()
+            .map(|l| {
+                json!({
+                    "lease_ref": l.lease_ref, "sandbox_ref": l.sandbox_ref,
+                    "tenant": if admin { Value::String(l.tenant.clone()) } else { Value::Null },
+                    "runtime": l.runtime, "profile": l.profile, "state": l.state,
+                    "created_at": l.created_at, "last_used_at": l.last_used_at,
+                })
+            })
+            .collect();
+        Ok(json!({ "leases": items }))
+    }
+
+    /// `GET|POST /v1/leases/{ref}/status`.
+    pub async fn lease_status(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        refresh: bool,
+    ) -> Result<Value> {
+        let ev = self.event(p, "status", ctx);
+        self.authorize(p, "lease:status", &ev).await?;
+        let mut l = self.owned_lease(p, lease_ref).await?;
+        if refresh {
+            self.inner.journal.check()?;
+            match self.inner.cube.get(&l.sandbox_id).await {
+                Ok(d) => l.state = LeaseState::from(d.state),
+                Err(e) if e.kind == ErrorKind::NotFound => l.state = LeaseState::Gone,
+                Err(e) => return Err(backend(&e)),
+            }
+            let (ts, unix) = self.now();
+            l.last_used_at = ts;
+            l.last_used_unix = unix;
+            let l2 = l.clone();
+            self.inner
+                .store
+                .write(move |txn, _| put_lease(txn, &l2))
+                .await?;
+        }
+        let prof = self.profile(&l.profile).unwrap_or_default();
+        let idle = self.now().1 - l.last_used_unix;
+        let expires = i64::try_from(prof.lease_idle_ttl_seconds)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(idle)
+            .max(0);
+        let mut m = self.base(&l, ctx);
+        for (k, v) in [
+            ("lease_ref", json!(l.lease_ref)),
+            ("runtime", json!(l.runtime)),
+            ("profile", json!(l.profile)),
+            ("state", json!(l.state)),
+            ("created_at", json!(l.created_at)),
+            ("last_used_at", json!(l.last_used_at)),
+            ("expires_in_seconds", json!(expires)),
+            ("volume_attached", json!(false)),
+            ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
+            (
+                "checkpoints",
+                json!(self.checkpoints_summary(&l.lease_ref)?),
+            ),
+            ("recoverable", json!(true)),
+        ] {
+            m.insert(k.into(), v);
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/leases/{ref}/release` (`pause` or `kill`).
+    pub async fn release(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+        action: &str,
+    ) -> Result<Value> {
+        if action != "pause" && action != "kill" {
+            return Err(Error::new(
+                Code::InvalidAction,
+                "action must be pause or kill",
+            ));
+        }
+        let ev = self.event(p, "release", ctx);
+        self.authorize(p, "lease:release", &ev).await?;
+        let l = self.owned_lease(p, lease_ref).await?;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        // Looked up again under the lock: a concurrent release may have won.
+        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let mut ev = self.lease_event(p, "release", ctx, &l);
+        ev.release_action = Some(action.to_string());
+        let intent = self.inner.journal.intent(ev).await?;
+        // From here the release runs to its recorded outcome even if the
+        // client goes away (drained at shutdown).
+        let b = self.clone();
+        let kill = action == "kill";
+        let l2 = l.clone();
+        let task = self.inner.tracker.spawn(async move {
+            let _lock = lock;
+            b.release_effect(intent, l2, kill).await
+        });
+        task.await
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
+        let mut m = self.base(&l, ctx);
+        m.insert("action".into(), json!(action));
+        Ok(Value::Object(m))
+    }
+
+    /// The effect of a release, after its intent: pause or kill, the
+    /// checkpoints' snapshots, and the outcome with the lease's new state.
+    async fn release_effect(&self, intent: Intent, l: Lease, kill: bool) -> Result<()> {
+        let r = if !kill {
+            match self.inner.cube.pause(&l.sandbox_id).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind == ErrorKind::Conflict => Ok(()), // already paused
+                Err(e) => Err(backend(&e)),
+            }
+        } else {
+            match self.inner.cube.kill(&l.sandbox_id).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind == ErrorKind::NotFound => Ok(()), // already gone
+                Err(e) => Err(backend(&e)),
+            }
+        };
+        // Killed: its checkpoints go too. If one cannot be deleted, the lease
+        // stays (as `released`) so that the release can be retried.
+        let r = match r {
+            Ok(()) if kill => match self.delete_lease_snapshots(&l.lease_ref).await {
+                Err(e) => {
+                    let mut l2 = l.clone();
+                    l2.state = LeaseState::Released;
+                    self.inner
+                        .journal
+                        .outcome(
+                            intent,
+                            "error",
+                            |ev| ev.error_code = Some(e.code.to_string()),
+                            move |txn| put_lease(txn, &l2),
+                        )
+                        .await?;
+                    return Err(e);
+                }
+                Ok(()) => Ok(()),
+            },
+            other => other,
+        };
+        if let Err(e) = r {
+            self.fail(intent, &e).await?;
+            return Err(e);
+        }
+        let mut l2 = l.clone();
+        self.inner
+            .journal
+            .outcome(
+                intent,
+                "ok",
+                |_| {},
+                move |txn| {
+                    if kill {
+                        crate::broker::upkeep::remove_lease_state(txn, &l2)?;
+                    } else {
+                        l2.state = LeaseState::Paused;
+                        put_lease(txn, &l2)?;
+                    }
+                    Ok(())
+                },
+            )
+            .await?;
+        Ok(())
+    }
+}

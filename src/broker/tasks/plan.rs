@@ -1,0 +1,421 @@
+//! Plans of trusted tasks: the templates an identity may plan, making a
+//! plan (parameters checked, nothing runs), reviewing it, an independent
+//! approver's decision, and pruning plans that never ran.
+
+use super::*;
+
+impl Broker {
+    /// `GET /v1/task-templates`: the templates this identity may plan.
+    pub async fn list_task_templates(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+        let ev = self.task_event(p, "task_templates", ctx);
+        self.authorize(p, "task:plan", &ev).await?;
+        let list: Vec<Value> = self
+            .config()
+            .tasks
+            .iter()
+            .filter(|(n, t)| p.allows_task_template(n) && p.allows_profile(&t.profile))
+            .map(|(n, t)| t.contract(n))
+            .collect();
+        Ok(json!({"task_templates": list, "request_id": ctx.request_id}))
+    }
+
+    /// `POST /v1/tasks/plan` (201): validate parameters and make a plan.
+    /// Nothing runs.
+    pub async fn plan_task(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        template: &str,
+        parameters: Option<&Value>,
+    ) -> Result<Value> {
+        let mut ev = self.task_event(p, "task_plan", ctx);
+        self.authorize(p, "task:plan", &ev).await?;
+        if !crate::config::valid_profile_name(template) {
+            return Err(Error::new(
+                Code::InvalidRequest,
+                "template must match ^[a-z][a-z0-9-]{0,62}$",
+            ));
+        }
+        ev.task_template = Some(template.to_string());
+        let denied = || {
+            Error::new(
+                Code::TaskTemplateDenied,
+                format!("task template {template} is not available to this identity"),
+            )
+        };
+        // One policy for the whole plan, however a reload goes meanwhile.
+        let policy = self.policy();
+        let Some(t) = policy
+            .cfg
+            .tasks
+            .get(template)
+            .filter(|_| p.allows_task_template(template))
+        else {
+            return Err(self.reject(ev, denied()).await);
+        };
+        ev.profile = Some(t.profile.clone());
+        let prof = policy
+            .cfg
+            .profiles
+            .get(&t.profile)
+            .cloned()
+            .unwrap_or_default();
+        if !p.allows_profile(&t.profile) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ProfileDenied,
+                        format!("profile {} is not available to this identity", t.profile),
+                    ),
+                )
+                .await);
+        }
+        if !p.allows_runtime(TASK_RUNTIME)
+            || !prof.allowed_runtimes.iter().any(|r| r == TASK_RUNTIME)
+        {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::RuntimeDenied,
+                        format!("trusted tasks run with runtime {TASK_RUNTIME}, which this identity or profile does not allow"),
+                    ),
+                )
+                .await);
+        }
+        let Some(parameters) = parameters.filter(|v| v.is_object()) else {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::InvalidParameters,
+                        "parameters must be a JSON object ($)",
+                    ),
+                )
+                .await);
+        };
+        let canon = canonical(parameters);
+        if canon.len() > MAX_PARAMETERS {
+            return Err(Error::new(
+                Code::ValueTooLarge,
+                format!("parameters are larger than {MAX_PARAMETERS} bytes"),
+            ));
+        }
+        let Some(compiled) = policy.schemas.get(template) else {
+            return Err(Error::new(
+                Code::ExecutionFailed,
+                "the task template's schema does not compile",
+            ));
+        };
+        if let Err(e) = compiled.parameters.validate(parameters) {
+            // Only where: the value itself may be sensitive.
+            let at = dotted(e.instance_path().as_str());
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::InvalidParameters,
+                        format!("parameters do not match the template's schema at {at}"),
+                    ),
+                )
+                .await);
+        }
+        let command = match t.render(parameters) {
+            Ok(c) => c,
+            Err(m) => {
+                return Err(self
+                    .reject(ev, Error::new(Code::InvalidParameters, m))
+                    .await);
+            }
+        };
+        if command.len() > MAX_COMMAND {
+            return Err(Error::new(
+                Code::ValueTooLarge,
+                format!("the rendered command is longer than {MAX_COMMAND} bytes"),
+            ));
+        }
+        self.inner.journal.check()?;
+        // One requester's open plans are bounded (each holds up to 256 KiB).
+        let me = self.identity(p);
+        let _quota = self.lock(format!("plans:{me}")).await;
+        let (m2, t_now) = (me.clone(), self.now().1);
+        let open = self
+            .inner
+            .store
+            .read(move |txn| {
+                Ok(store::plans::all(txn)?
+                    .iter()
+                    .filter(|pl| {
+                        pl.requester == m2 && pl.state.is_live() && pl.expires_unix > t_now
+                    })
+                    .count())
+            })
+            .await?;
+        if open >= MAX_OPEN_PLANS {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::PlanQuotaExceeded,
+                        format!("this identity already has {open} open plans (at most {MAX_OPEN_PLANS}); submit or let some expire"),
+                    ),
+                )
+                .await);
+        }
+        let (ts, unix) = self.now();
+        let ttl = i64::try_from(t.plan_ttl_seconds).unwrap_or(i64::MAX);
+        let expires_unix = unix.saturating_add(ttl);
+        let plan = Plan {
+            plan_ref: new_ref("plan"),
+            tenant: p.tenant.clone(),
+            requester: me,
+            requester_subject: self.subject_digest(p),
+            template: template.to_string(),
+            template_digest: t.digest(template),
+            profile: t.profile.clone(),
+            profile_digest: Self::profile_digest(&policy.cfg, &t.profile),
+            parameters_sealed: self.inner.store.sealer.seal(canon.as_bytes())?,
+            parameters_sha256: sha256_hex(canon.as_bytes()),
+            command_sha256: sha256_hex(command.as_bytes()),
+            state: if t.approval_required {
+                PlanState::PendingApproval
+            } else {
+                PlanState::Ready
+            },
+            approval_required: t.approval_required,
+            created_at: ts,
+            expires_at: format_unix(expires_unix),
+            expires_unix,
+            approved_at: None,
+            approver: None,
+            decided_at: None,
+            denial_reason_sha256: None,
+            task_ref: None,
+        };
+        let j = &self.inner.journal;
+        ev.outcome = "ok".into();
+        ev.plan_ref = Some(plan.plan_ref.clone());
+        ev.parameters_digest = Some(j.digest("parameters", canon.as_bytes()));
+        ev.command_digest = Some(j.digest("command", command.as_bytes()));
+        let p2 = plan.clone();
+        self.inner
+            .store
+            .write(move |txn, chain| {
+                put_plan(txn, &p2)?;
+                chain.append(txn, ev)?;
+                Ok(())
+            })
+            .await?;
+        Ok(Value::Object(self.plan_answer(&plan, ctx)))
+    }
+
+    /// `GET /v1/task-plans/{ref}`: the plan, the template's contract, and
+    /// for approvers the parameters.
+    pub async fn review_plan(&self, p: &Principal, ctx: &Ctx, plan_ref: &str) -> Result<Value> {
+        let mut ev = self.task_event(p, "task_plan_review", ctx);
+        ev.plan_ref = shaped(plan_ref, "plan");
+        let scope = if p.may_approve() {
+            "task:approve"
+        } else {
+            "task:status"
+        };
+        self.authorize(p, scope, &ev).await?;
+        let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
+        let mut plan = self.tenant_plan(p, plan_ref)?;
+        if !self.is_requester(p, &plan.tenant, &plan.requester) && !p.may_approve() {
+            return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
+        }
+        ev.task_template = Some(plan.template.clone());
+        if self.expire(p, ctx, &mut plan).await? {
+            return Err(self
+                .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
+                .await);
+        }
+        let Some(t) = self.plan_template(&plan) else {
+            return Err(self.reject(ev, Self::changed()).await);
+        };
+        let mut m = self.plan_answer(&plan, ctx);
+        m.insert("contract".into(), t.contract(&plan.template));
+        if p.may_approve() {
+            let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
+            let v: Value = serde_json::from_slice(&raw)
+                .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
+            m.insert("parameters".into(), v);
+        }
+        ev.outcome = "ok".into();
+        self.inner.journal.record(ev).await?;
+        Ok(Value::Object(m))
+    }
+
+    /// `POST /v1/task-plans/{ref}/approve`: an independent approver's
+    /// decision.
+    pub async fn decide_plan(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        plan_ref: &str,
+        decision: Option<&str>,
+        reason: Option<&str>,
+    ) -> Result<Value> {
+        let approve = match decision.unwrap_or("approve") {
+            "approve" => true,
+            "deny" => false,
+            _ => {
+                return Err(Error::new(
+                    Code::InvalidDecision,
+                    "decision must be approve or deny",
+                ));
+            }
+        };
+        if reason.is_some_and(|r| r.len() > MAX_REASON) {
+            return Err(Error::new(
+                Code::ValueTooLarge,
+                format!("reason is longer than {MAX_REASON} bytes"),
+            ));
+        }
+        let mut ev = self.task_event(p, if approve { "task_approve" } else { "task_deny" }, ctx);
+        ev.plan_ref = shaped(plan_ref, "plan");
+        ev.decision = Some(if approve { "approve" } else { "deny" }.into());
+        self.authorize(p, "task:approve", &ev).await?;
+        if !p.may_approve() {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ApproverRequired,
+                        "only approvers decide on task plans",
+                    ),
+                )
+                .await);
+        }
+        let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
+        let mut plan = self.tenant_plan(p, plan_ref)?;
+        ev.task_template = Some(plan.template.clone());
+        ev.profile = Some(plan.profile.clone());
+        if self.expire(p, ctx, &mut plan).await? {
+            return Err(self
+                .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
+                .await);
+        }
+        if plan.state != PlanState::PendingApproval {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::PlanNotPending,
+                        format!("the plan is {}, not pending approval", plan.state),
+                    ),
+                )
+                .await);
+        }
+        if self.plan_template(&plan).is_none() {
+            return Err(self.reject(ev, Self::changed()).await);
+        }
+        if !p.allows_task_template(&plan.template) || !p.allows_profile(&plan.profile) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::TaskTemplateDenied,
+                        format!(
+                            "task template {} is not available to this identity",
+                            plan.template
+                        ),
+                    ),
+                )
+                .await);
+        }
+        // Independence: not the requester, nor the same subject in another
+        // tenant (an admin elsewhere), unless the profile lets admins.
+        let me = self.identity(p);
+        let same_person = me == plan.requester
+            || (p.is_admin() && plan.requester_subject == self.subject_digest(p));
+        let admin_may = p.is_admin()
+            && self
+                .profile(&plan.profile)
+                .is_some_and(|pr| pr.admin_self_approval);
+        if same_person && !admin_may {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::SelfApprovalDenied,
+                        "a plan must be approved by someone other than its requester",
+                    ),
+                )
+                .await);
+        }
+        self.inner.journal.check()?;
+        let (ts, _) = self.now();
+        plan.approver = Some(me.clone());
+        plan.decided_at = Some(ts.clone());
+        if approve {
+            plan.state = PlanState::Approved;
+            plan.approved_at = Some(ts);
+        } else {
+            plan.state = PlanState::Denied;
+            plan.denial_reason_sha256 = reason.map(|r| sha256_hex(r.as_bytes()));
+        }
+        ev.outcome = "ok".into();
+        ev.approver_digest = Some(me);
+        ev.reason_digest = reason.map(|r| self.inner.journal.digest("reason", r.as_bytes()));
+        self.save_plan(&plan, PlanState::PendingApproval, ev)
+            .await?;
+        Ok(Value::Object(self.plan_answer(&plan, ctx)))
+    }
+
+    /// Delete plans that never ran, `plan_retention_seconds` past their
+    /// expiry (each with an event in the same transaction). Returns how
+    /// many went.
+    pub(crate) async fn prune_plans(&self) -> Result<u64> {
+        let t = self.now().1;
+        let keep = i64::try_from(self.config().plan_retention_seconds).unwrap_or(i64::MAX);
+        let old: Vec<Plan> = self
+            .inner
+            .store
+            .read(move |txn| {
+                let mut v = store::plans::all(txn)?;
+                v.retain(|pl| {
+                    let never_ran = pl.task_ref.is_none()
+                        && (matches!(pl.state, PlanState::Denied | PlanState::Expired)
+                            || pl.state.is_live());
+                    never_ran && t.saturating_sub(pl.expires_unix) > keep
+                });
+                Ok(v)
+            })
+            .await?;
+        let n = old.len() as u64;
+        for chunk in old.chunks(256) {
+            let j = &self.inner.journal;
+            let evs: Vec<Event> = chunk
+                .iter()
+                .map(|pl| {
+                    let mut ev = j.event("task_plan_pruned");
+                    ev.phase = "event".into();
+                    ev.outcome = "ok".into();
+                    ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+                    ev.tenant_digest = Some(j.digest("tenant", pl.tenant.as_bytes()));
+                    ev.plan_ref = Some(pl.plan_ref.clone());
+                    ev.task_template = Some(pl.template.clone());
+                    ev
+                })
+                .collect();
+            let refs: Vec<String> = chunk.iter().map(|pl| pl.plan_ref.clone()).collect();
+            self.inner
+                .store
+                .write(move |txn, chain| {
+                    for (r, ev) in refs.iter().zip(evs) {
+                        store::plans::remove(txn, r)?;
+                        chain.append(txn, ev)?;
+                    }
+                    Ok(())
+                })
+                .await?;
+        }
+        if n > 0 {
+            tracing::info!(plans = n, "gc: pruned plans that never ran");
+        }
+        Ok(n)
+    }
+}
