@@ -122,10 +122,7 @@ impl<T> Done<T> {
 }
 
 pub(crate) fn new_ref(prefix: &str) -> String {
-    let h: String = (0..10)
-        .map(|_| format!("{:02x}", rand::random::<u8>()))
-        .collect();
-    format!("{prefix}_{h}")
+    format!("{prefix}_{}", crate::ids::random_hex(10))
 }
 
 use crate::store::leases::put as put_lease;
