@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use cube_adapter::clock::ManualClock;
 use cube_adapter::config::{Config, TaskTemplate};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -634,7 +635,12 @@ fn wc_script() -> String {
 /// no approval.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trusted_task_cancel_deny_expire_and_bad_outputs() {
-    let s = Server::start_with(configure).await;
+    let clock = ManualClock::starting_now();
+    let s = Server::start_with(|c| {
+        configure(c);
+        c.clock = clock.clone().into();
+    })
+    .await;
     let alice = s.token(&[
         "--tenant",
         "acme",
@@ -716,7 +722,7 @@ async fn trusted_task_cancel_deny_expire_and_bad_outputs() {
         )
         .await;
     let pr = plan["plan_ref"].as_str().unwrap();
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    clock.advance(time::Duration::milliseconds(2100));
     let (st, v) = s
         .post(&bob, &format!("/v1/task-plans/{pr}/approve"), json!({}))
         .await;
@@ -1160,8 +1166,10 @@ fn the_documented_template_checks() {
 /// same profile, idle as long, is collected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_waits_for_a_trusted_task() {
+    let clock = ManualClock::starting_now();
     let s = Server::start_with(|c| {
         configure(c);
+        c.clock = clock.clone().into();
         c.gc_interval_seconds = 0;
         let p = c.profiles.get_mut("trusted").unwrap();
         p.lease_idle_ttl_seconds = 1;
@@ -1198,7 +1206,7 @@ async fn gc_waits_for_a_trusted_task() {
         .await;
     assert_eq!(st, StatusCode::ACCEPTED, "{task}");
     let tr = task["task_ref"].as_str().unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    clock.advance(time::Duration::milliseconds(1500));
     let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["collected"], 1, "only the ordinary lease: {v}");
@@ -1251,8 +1259,10 @@ async fn open_plans_are_bounded_per_identity() {
 /// event); plans that ran stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_prunes_plans_that_never_ran() {
+    let clock = ManualClock::starting_now();
     let s = Server::start_with(|c| {
         configure(c);
+        c.clock = clock.clone().into();
         c.gc_interval_seconds = 0;
         c.plan_retention_seconds = 0;
     })
@@ -1273,7 +1283,7 @@ async fn gc_prunes_plans_that_never_ran() {
         )
         .await;
     let pr = plan["plan_ref"].as_str().unwrap().to_string();
-    tokio::time::sleep(Duration::from_millis(2100)).await;
+    clock.advance(time::Duration::milliseconds(2100));
     let (st, _) = s.get(&alice, &format!("/v1/task-plans/{pr}")).await;
     assert_eq!(st, StatusCode::CONFLICT, "expired, still there");
     let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;

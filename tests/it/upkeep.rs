@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use cube_adapter::clock::ManualClock;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -86,7 +87,9 @@ async fn keepalive_keeps_sandboxes_with_running_jobs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_is_capped_profiles_listed_and_idle_leases_collected() {
+    let clock = ManualClock::starting_now();
     let s = Server::start_with(|c| {
+        c.clock = clock.clone().into();
         c.gc_interval_seconds = 0;
         c.profiles
             .get_mut("offline-code")
@@ -110,7 +113,7 @@ async fn renewal_is_capped_profiles_listed_and_idle_leases_collected() {
     assert_eq!(st, StatusCode::OK, "{v}");
     assert!(v["timeout_seconds"].as_u64().unwrap() <= 2, "{v}");
     assert_eq!(v["capped"], true);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    clock.advance(time::Duration::milliseconds(2500));
     let (st, v) = s
         .post(&s.admin, &format!("/v1/leases/{lease}/renew"), json!({}))
         .await;
@@ -185,7 +188,7 @@ async fn renewal_is_capped_profiles_listed_and_idle_leases_collected() {
     let (st, v) = s.post(&agent, "/v1/admin/gc", json!({})).await;
     assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
     assert_eq!(v["error"]["code"], "admin_required");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    clock.advance(time::Duration::milliseconds(1500));
     let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["collected"], 1, "{v}");
@@ -221,7 +224,9 @@ fn snapshots(s: &Server) -> usize {
 /// with their lease by release-kill and by GC (the reference leaked them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_roll_back_and_go_with_their_lease() {
+    let clock = ManualClock::starting_now();
     let s = Server::start_with(|c| {
+        c.clock = clock.clone().into();
         c.gc_interval_seconds = 0;
         let p = c.profiles.get_mut("checkpoint-code").unwrap();
         p.checkpoints_enabled = true;
@@ -346,7 +351,7 @@ async fn checkpoints_roll_back_and_go_with_their_lease() {
     assert_eq!(snapshots(&s), 1);
 
     // GC of the idle lease takes its checkpoint with it.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    clock.advance(time::Duration::milliseconds(2500));
     let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["collected"], 1, "{v}");
