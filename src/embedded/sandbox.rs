@@ -1050,18 +1050,21 @@ impl Manager {
         };
         let staging = dir.join("restore");
         let st = staging.clone();
-        tokio::task::spawn_blocking(move || stage(&data, &st, &shift))
-            .await
-            .map_err(|e| internal("rollback", e))?
-            .map_err(|e| {
-                let _ = tree::remove_tree(&staging);
-                match e.kind() {
-                    std::io::ErrorKind::InvalidInput => {
-                        BackendError::Conflict(format!("rollback refused, nothing restored: {e}"))
-                    }
-                    _ => internal("rollback: copying the snapshot, nothing restored", e),
-                }
-            })?;
+        tokio::task::spawn_blocking(move || {
+            let staged = stage(&data, &st, &shift);
+            if staged.is_err() {
+                let _ = tree::remove_tree(&st);
+            }
+            staged
+        })
+        .await
+        .map_err(|e| internal("rollback", e))?
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => {
+                BackendError::Conflict(format!("rollback refused, nothing restored: {e}"))
+            }
+            _ => internal("rollback: copying the snapshot, nothing restored", e),
+        })?;
         let held = match meta.tree().hold().await {
             Ok(h) => h,
             Err(why) => {

@@ -408,39 +408,24 @@ impl Drop for Backend {
         if let Some(g) = self.slow.take() {
             remove_group(g.dir());
         }
-        // Sandboxes outlive their backend by design: end them (killing an
-        // init ends its whole pid namespace, attackers included; frozen
-        // tasks only die once thawed) and remove their cgroups.
-        for d in std::fs::read_dir(self.dir.path().join("embedded/sandboxes"))
+        // Sandboxes outlive their backend by design: end them (the kit
+        // thaws and kills each init, which ends its pid namespace,
+        // attackers included), then remove their cgroups.
+        let sandboxes = self.dir.path().join("embedded/sandboxes");
+        crate::kit::end_sandboxes(&sandboxes);
+        for d in std::fs::read_dir(&sandboxes)
             .into_iter()
             .flatten()
             .flatten()
         {
-            let groups: Vec<PathBuf> = ["", "pids", "memory", "cpu", "freezer"]
-                .iter()
-                .map(|h| {
-                    Path::new("/sys/fs/cgroup")
-                        .join(h)
-                        .join("cube-adapter")
-                        .join(d.file_name())
-                })
-                .filter(|g| g.is_dir())
-                .collect();
-            for g in &groups {
-                let _ = std::fs::write(g.join("freezer.state"), "THAWED");
-                let _ = std::fs::write(g.join("cgroup.freeze"), "0");
-            }
-            if let Ok(b) = std::fs::read(d.path().join("init.json"))
-                && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&b)
-                && let Some(pid) = v.get("pid").and_then(|p| p.as_i64())
-            {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            for g in &groups {
-                remove_group(g);
+            for h in ["", "pids", "memory", "cpu", "freezer"] {
+                let g = Path::new("/sys/fs/cgroup")
+                    .join(h)
+                    .join("cube-adapter")
+                    .join(d.file_name());
+                if g.is_dir() {
+                    remove_group(&g);
+                }
             }
         }
     }
