@@ -1,17 +1,25 @@
 //! The local admin socket (`STATE/admin.sock`, 0600): while `serve` holds
 //! the store, operator commands reach it here. One protocol: one JSON
-//! [`Request`] per connection (tagged by `cmd`), JSON lines back. Requests
-//! about identities and the journal are answered here; those about the
-//! service itself (status, reload, certificate, backup) by the [`Service`]
-//! that `serve` hands in (`ops::Service`).
+//! [`Request`] per connection (tagged by `cmd`), and [`Response`] lines back
+//! (tagged by `answer`), both through one codec ([`encode`], [`decode`]).
+//! Requests about identities and the journal are answered here; those about
+//! the service itself (status, reload, certificate, backup) by the
+//! [`Service`] that `serve` hands in (`ops::Service`); the types of those
+//! answers (reload report, store summary, backup manifest) are defined
+//! here, with the protocol, and `ops` re-exports them.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+use crate::auth::users::UserAnswer;
 use crate::auth::{self, Authenticator, Principal, TokenRecord};
 use crate::store::Store;
+use crate::store::event::Event;
+use crate::tls::CertInfo;
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
@@ -47,13 +55,80 @@ pub enum Request {
     Backup,
 }
 
+/// One answer line. Every request gets one answer, except `AuditExport`:
+/// an `AuditEvent` per event, then `AuditCount`. A refused or failed
+/// request gets one `Error` instead. (No `Debug`: `Token` holds a secret.)
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "answer", rename_all = "snake_case")]
+pub enum Response {
+    Error {
+        message: String,
+    },
+    /// `TokenCreate`: the token, shown this once.
+    Token {
+        token: String,
+    },
+    /// `TokenList`.
+    Tokens {
+        tokens: Vec<TokenInfo>,
+    },
+    /// `User`: what the operation did (the listing for `UserOp::List`).
+    User {
+        user: UserAnswer,
+    },
+    /// `CertIdentityCreate`.
+    Done,
+    /// `TokenRevoke`: whether the token existed.
+    Revoked {
+        found: bool,
+    },
+    /// `AuditVerify`: the chain holds (`audit::Verified`, which is not
+    /// `Deserialize`, as JSON).
+    AuditVerify {
+        result: serde_json::Value,
+    },
+    /// `AuditExport`: one event.
+    AuditEvent {
+        event: Box<Event>,
+    },
+    /// `AuditExport`: the last line, how many events came before it.
+    AuditCount {
+        count: u64,
+    },
+    /// `Status`: the status document (`status --json`).
+    Status {
+        status: serde_json::Value,
+    },
+    /// `Reload`: applied or refused (`report.ok`).
+    Reload {
+        report: ReloadReport,
+    },
+    /// `CertRenew`: the certificate now served.
+    Certificate {
+        info: CertInfo,
+    },
+    /// `Backup`: the copy's directory (in the state directory) and manifest.
+    Backup {
+        dir: PathBuf,
+        manifest: Manifest,
+    },
+}
+
+impl Response {
+    pub fn error(message: impl std::fmt::Display) -> Self {
+        Self::Error {
+            message: message.to_string(),
+        }
+    }
+}
+
 /// The running service's answers to the requests about itself.
 pub trait Service: Send + Sync {
     /// Answer `Status`, `Reload`, `CertRenew` or `Backup`.
     fn handle(
         &self,
         req: Request,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<serde_json::Value>> + Send + '_>>;
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + '_>>;
 }
 
 /// A token as listed: everything but the hash.
@@ -81,6 +156,72 @@ impl From<TokenRecord> for TokenInfo {
         }
     }
 }
+
+// ------------------------------------- what the service answers about itself
+
+/// What one reload did.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// False when the reload was refused: nothing changed.
+    pub ok: bool,
+    pub at: String,
+    pub error: Option<String>,
+    /// What was applied (`certificate`, reloadable keys that changed).
+    pub applied: Vec<String>,
+    /// Keys whose new value waits for a restart.
+    pub restart_required: Vec<String>,
+    /// Whether a new server certificate was issued.
+    pub reissued: bool,
+    pub certificate: Option<CertInfo>,
+}
+
+/// What the store holds, in one read transaction.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct StoreSummary {
+    pub schema_version: u64,
+    pub instance_id: String,
+    /// Sequence number of the last audit event (events are numbered from 1
+    /// without gaps; `audit verify` checks it).
+    pub audit_last_seq: u64,
+    pub pending_intents: u64,
+    /// Leases by state (`running`, `paused`, …).
+    pub leases: BTreeMap<String, u64>,
+    pub active_leases: u64,
+    pub tokens_active: u64,
+    pub tokens_revoked: u64,
+}
+
+/// What a backup holds, written as `MANIFEST.json` in it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Manifest {
+    pub format: u32,
+    pub version: String,
+    pub created_at: String,
+    pub summary: StoreSummary,
+    /// `audit verify` on the copy.
+    pub audit_events: u64,
+    pub audit_head: String,
+    pub state_redb_bytes: u64,
+    pub state_redb_sha256: String,
+}
+
+// ------------------------------------------------------------- the codec
+
+/// The codec, both ways: a request or an answer as one JSON line.
+pub fn encode(v: &impl Serialize) -> Vec<u8> {
+    let mut b = serde_json::to_vec(v)
+        .or_else(|e| serde_json::to_vec(&Response::error(format!("cannot encode: {e}"))))
+        .unwrap_or_default();
+    b.push(b'\n');
+    b
+}
+
+/// The codec, both ways: one line back into a request or an answer.
+pub fn decode<T: DeserializeOwned>(line: &str) -> Result<T, serde_json::Error> {
+    serde_json::from_str(line)
+}
+
+// ------------------------------------------------------------ the two ends
 
 /// Serve the socket until the task is dropped.
 pub async fn serve(
@@ -111,22 +252,18 @@ pub async fn serve(
                 if BufReader::new(r).read_line(&mut line).await.is_err() {
                     return;
                 }
-                let out = match serde_json::from_str::<Request>(&line) {
+                let out = match decode::<Request>(&line) {
                     Ok(
                         req @ (Request::Status
                         | Request::Reload
                         | Request::CertRenew
                         | Request::Backup),
-                    ) => ops.handle(req).await,
+                    ) => vec![ops.handle(req).await],
                     Ok(req) => handle(req, &store, &authn).await,
-                    Err(e) => {
-                        vec![serde_json::json!({"ok": false, "error": format!("bad request: {e}")})]
-                    }
+                    Err(e) => vec![Response::error(format!("bad request: {e}"))],
                 };
-                for v in out {
-                    let mut b = serde_json::to_vec(&v).unwrap_or_default();
-                    b.push(b'\n');
-                    if w.write_all(&b).await.is_err() {
+                for r in out {
+                    if w.write_all(&encode(&r)).await.is_err() {
                         return;
                     }
                 }
@@ -135,100 +272,131 @@ pub async fn serve(
     }))
 }
 
-async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<serde_json::Value> {
-    use serde_json::json;
-    let err = |e: String| vec![json!({"ok": false, "error": e})];
+async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<Response> {
     match req {
-        Request::Status | Request::Reload | Request::CertRenew | Request::Backup => {
-            err("a request about the service reached the identity handler".into())
+        Request::AuditExport { since } => export(store, since)
+            .await
+            .unwrap_or_else(|e| vec![Response::error(e)]),
+        req => vec![
+            answer(req, store, authn)
+                .await
+                .unwrap_or_else(Response::error),
+        ],
+    }
+}
+
+/// The one answer to a request about identities or the journal.
+async fn answer(req: Request, store: &Store, authn: &Authenticator) -> Result<Response, String> {
+    Ok(match req {
+        Request::Status
+        | Request::Reload
+        | Request::CertRenew
+        | Request::Backup
+        | Request::AuditExport { .. } => {
+            return Err("this request has no single answer from the identity handler".into());
         }
         Request::TokenCreate {
             principal,
             description,
-        } => match auth::new_token(principal, description, authn.clock()) {
-            Ok((token, rec)) => match auth::store_token(store, rec).await {
-                Ok(()) => vec![json!({"ok": true, "token": token})],
-                Err(e) => err(e.to_string()),
-            },
-            Err(e) => err(e),
-        },
-        Request::TokenList => match auth::list_tokens(store) {
-            Ok(v) => vec![
-                json!({"ok": true, "tokens": v.into_iter().map(TokenInfo::from).collect::<Vec<_>>()}),
-            ],
-            Err(e) => err(e.to_string()),
-        },
-        Request::User { op } => match crate::auth::users::user_op(store, op, authn.clock()).await {
-            Ok(v) => {
-                // A changed password, a disabled or removed user: at once.
-                authn.clear_cache();
-                let mut m = json!({"ok": true});
-                if let (Some(m), serde_json::Value::Object(v)) = (m.as_object_mut(), v) {
-                    m.extend(v);
-                }
-                vec![m]
-            }
-            Err(e) => err(e),
-        },
-        Request::CertIdentityCreate { record } => {
-            match auth::store_cert_identity(store, record).await {
-                Ok(()) => vec![json!({"ok": true})],
-                Err(e) => err(e),
-            }
+        } => {
+            let (token, rec) = auth::new_token(principal, description, authn.clock())?;
+            auth::store_token(store, rec)
+                .await
+                .map_err(|e| e.to_string())?;
+            Response::Token { token }
         }
-        Request::TokenRevoke { id } => match auth::revoke_token(store, &id, authn.clock()).await {
-            Ok(found) => {
-                authn.clear_cache();
-                vec![json!({"ok": true, "revoked": found})]
-            }
-            Err(e) => err(e.to_string()),
+        Request::TokenList => Response::Tokens {
+            tokens: auth::list_tokens(store)
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .map(TokenInfo::from)
+                .collect(),
         },
+        Request::User { op } => {
+            let user = auth::users::user_op(store, op, authn.clock()).await?;
+            // A changed password, a disabled or removed user: at once.
+            authn.clear_cache();
+            Response::User { user }
+        }
+        Request::CertIdentityCreate { record } => {
+            auth::store_cert_identity(store, record).await?;
+            Response::Done
+        }
+        Request::TokenRevoke { id } => {
+            let found = auth::revoke_token(store, &id, authn.clock())
+                .await
+                .map_err(|e| e.to_string())?;
+            authn.clear_cache();
+            Response::Revoked { found }
+        }
         // Whole-journal reads run on the blocking pool.
         Request::AuditVerify => {
             let store = store.clone();
-            match tokio::task::spawn_blocking(move || crate::audit::verify(&store)).await {
-                Ok(Ok(v)) => vec![json!({"ok": true, "result": v})],
-                Ok(Err(e)) => err(e),
-                Err(e) => err(e.to_string()),
+            let v = tokio::task::spawn_blocking(move || crate::audit::verify(&store))
+                .await
+                .map_err(|e| e.to_string())??;
+            Response::AuditVerify {
+                result: serde_json::to_value(v).map_err(|e| e.to_string())?,
             }
         }
-        Request::AuditExport { since } => {
-            let store = store.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                let mut out = vec![];
-                crate::audit::export(&store, since, |e| {
-                    out.push(json!({"event": e}));
-                    Ok(())
-                })
-                .map(|n| {
-                    out.push(json!({"ok": true, "count": n}));
-                    out
-                })
-            })
-            .await;
-            match r {
-                Ok(Ok(out)) => out,
-                Ok(Err(e)) => err(e),
-                Err(e) => err(e.to_string()),
-            }
-        }
-    }
+    })
 }
 
-/// Send one request to a running service.
-pub fn call(path: &Path, req: &impl Serialize) -> Result<Vec<serde_json::Value>, String> {
+/// `AuditExport`: every event from `since` on, then their count.
+async fn export(store: &Store, since: u64) -> Result<Vec<Response>, String> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut out = vec![];
+        let count = crate::audit::export(&store, since, |e| {
+            out.push(Response::AuditEvent {
+                event: Box::new(e.clone()),
+            });
+            Ok(())
+        })?;
+        out.push(Response::AuditCount { count });
+        Ok(out)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Send one request to a running service; its answers.
+pub fn call(path: &Path, req: &Request) -> Result<Vec<Response>, String> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)
         .map_err(|e| format!("cannot reach the service at {}: {e}", path.display()))?;
-    let mut b = serde_json::to_vec(req).map_err(|e| e.to_string())?;
-    b.push(b'\n');
-    s.write_all(&b).map_err(|e| e.to_string())?;
+    s.write_all(&encode(req)).map_err(|e| e.to_string())?;
     let mut out = vec![];
     for line in std::io::BufReader::new(s).lines() {
         let line = line.map_err(|e| e.to_string())?;
-        out.push(
-            serde_json::from_str(&line).map_err(|e| format!("bad answer from the service: {e}"))?,
-        );
+        out.push(decode(&line).map_err(|e| format!("bad answer from the service: {e}"))?);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_are_tagged_lines_that_read_back() {
+        let b = encode(&Response::Revoked { found: true });
+        assert_eq!(b, b"{\"answer\":\"revoked\",\"found\":true}\n");
+        let line = std::str::from_utf8(&b).unwrap();
+        assert!(matches!(
+            decode(line.trim_end()),
+            Ok(Response::Revoked { found: true })
+        ));
+        assert!(matches!(
+            decode(&String::from_utf8(encode(&Response::Done)).unwrap()),
+            Ok(Response::Done)
+        ));
+        let e = Response::error("no such token");
+        assert!(matches!(
+            decode(std::str::from_utf8(&encode(&e)).unwrap()),
+            Ok(Response::Error { message }) if message == "no such token"
+        ));
+        let r: Request = decode(std::str::from_utf8(&encode(&Request::Status)).unwrap()).unwrap();
+        assert!(matches!(r, Request::Status));
+    }
 }

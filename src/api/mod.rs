@@ -79,12 +79,12 @@ fn err(code: Code, msg: impl Into<String>) -> ApiError {
 pub(crate) type R = Result<Response, ApiError>;
 
 /// 200 with a JSON body.
-pub(crate) fn ok(v: serde_json::Value) -> R {
+pub(crate) fn ok(v: impl serde::Serialize) -> R {
     Ok(axum::Json(v).into_response())
 }
 
 /// A status code with a JSON body (201, 202).
-pub(crate) fn with_status(status: StatusCode, v: serde_json::Value) -> R {
+pub(crate) fn with_status(status: StatusCode, v: impl serde::Serialize) -> R {
     Ok((status, axum::Json(v)).into_response())
 }
 
@@ -94,7 +94,9 @@ pub(crate) fn header_ctx(h: &axum::http::HeaderMap) -> Result<Ctx, ApiError> {
 }
 
 /// An optional integer field: absent or null gives `None`; otherwise an
-/// integer in `range`, or 400 with `code` and `message`.
+/// integer in `range`, or 400 with `code` and `message`. As in JSON Schema,
+/// a number with a zero fraction is an integer (`2.0` is 2; exact up to
+/// 2^53, and beyond that as near as an f64 is).
 pub(crate) fn int_in(
     v: Option<&serde_json::Value>,
     range: std::ops::RangeInclusive<u64>,
@@ -105,6 +107,11 @@ pub(crate) fn int_in(
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(v) => v
             .as_u64()
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(f))
+                    .map(|f| f as u64)
+            })
             .filter(|n| range.contains(n))
             .map(Some)
             .ok_or_else(|| err(code, message.to_string())),

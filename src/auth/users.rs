@@ -6,7 +6,6 @@
 
 use argon2::password_hash::{PasswordHasher, SaltString};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 
 use super::Principal;
 use crate::store::typed::{self, ReadOps};
@@ -62,6 +61,18 @@ pub enum UserOp {
     List,
 }
 
+/// What a [`UserOp`] did: `{"users": […]}`, `{"added": name}`, …
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UserAnswer {
+    /// `List`.
+    Users(Vec<UserInfo>),
+    Added(String),
+    /// `Passwd` and `SetDisabled`.
+    Changed(String),
+    Removed(String),
+}
+
 /// `^[a-z][a-z0-9._-]{0,63}$`: a name that fits a URL, a log line and a
 /// subject.
 pub fn valid_name(n: &str) -> bool {
@@ -110,12 +121,12 @@ pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreEr
     store.read_now(|txn| txn.record(tables::USERS, name))
 }
 
-/// Carry out one operation; the answer is what the CLI prints.
+/// Carry out one operation; the CLI prints the listing.
 pub async fn user_op(
     store: &Store,
     op: UserOp,
     clock: &crate::clock::Clock,
-) -> Result<Value, String> {
+) -> Result<UserAnswer, String> {
     let now = clock.text();
     match op {
         UserOp::List => {
@@ -125,7 +136,7 @@ pub async fn user_op(
                     Ok(all.into_iter().map(UserInfo::from).collect())
                 })
                 .map_err(|e| e.to_string())?;
-            Ok(json!({"users": v}))
+            Ok(UserAnswer::Users(v))
         }
         UserOp::Add { principal, hash } => {
             check_hash(&hash)?;
@@ -152,7 +163,7 @@ pub async fn user_op(
                 .await
                 .map_err(|e| e.to_string())?;
             if added {
-                Ok(json!({"added": name}))
+                Ok(UserAnswer::Added(name))
             } else {
                 Err(format!("a user named {name} exists already"))
             }
@@ -178,7 +189,7 @@ pub async fn user_op(
                 .await
                 .map_err(|e| e.to_string())?;
             if removed {
-                Ok(json!({"removed": name}))
+                Ok(UserAnswer::Removed(name))
             } else {
                 Err(format!("no user named {name}"))
             }
@@ -190,7 +201,7 @@ async fn change(
     store: &Store,
     name: &str,
     f: impl FnOnce(&mut UserRecord) + Send + 'static,
-) -> Result<Value, String> {
+) -> Result<UserAnswer, String> {
     let n2 = name.to_string();
     let found = store
         .write(move |txn, _| {
@@ -204,7 +215,7 @@ async fn change(
         .await
         .map_err(|e| e.to_string())?;
     if found {
-        Ok(json!({"changed": name}))
+        Ok(UserAnswer::Changed(name.to_string()))
     } else {
         Err(format!("no user named {name}"))
     }

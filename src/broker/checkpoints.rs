@@ -3,8 +3,8 @@
 //! release-kill and by GC, where the reference leaked them).
 
 use redb::WriteTransaction;
-use serde_json::{Value, json};
 
+use super::dto::{self, Executor};
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
@@ -15,17 +15,6 @@ use crate::store::{self, StoreError};
 pub const MAX_NAME: usize = 128;
 
 pub use crate::store::checkpoints::Checkpoint;
-
-/// A checkpoint as listed.
-trait Summary {
-    fn summary(&self) -> Value;
-}
-
-impl Summary for Checkpoint {
-    fn summary(&self) -> Value {
-        json!({"checkpoint_ref": self.checkpoint_ref, "name": self.name, "created_at": self.created_at})
-    }
-}
 
 use crate::store::checkpoints::{put, remove};
 
@@ -92,24 +81,28 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         lease_ref: &str,
-    ) -> Result<Value> {
+    ) -> Result<dto::CheckpointList> {
         let ev = self.event(p, "checkpoint_list", ctx);
         self.authorize(p, "checkpoint:list", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let mut m = self.base(&l, ctx);
-        m.insert(
-            "checkpoints".into(),
-            json!(self.checkpoints_summary(&l.lease_ref)?),
-        );
-        Ok(Value::Object(m))
+        Ok(dto::CheckpointList {
+            checkpoints: self.checkpoints_summary(&l.lease_ref)?,
+            executor: Executor::default(),
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+        })
     }
 
-    pub(crate) fn checkpoints_summary(&self, lease_ref: &str) -> Result<Vec<Value>> {
+    /// A lease's checkpoints as listed, oldest first.
+    pub(crate) fn checkpoints_summary(
+        &self,
+        lease_ref: &str,
+    ) -> Result<Vec<dto::CheckpointSummary>> {
         let cs = self
             .inner
             .store
             .read_now(|txn| lease_checkpoints(txn, lease_ref))?;
-        Ok(cs.iter().map(Checkpoint::summary).collect())
+        Ok(cs.iter().map(dto::CheckpointSummary::from).collect())
     }
 
     /// `POST /v1/leases/{ref}/checkpoints` (201).
@@ -119,7 +112,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         name: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<dto::CheckpointCreated> {
         if let Some(n) = name
             && (n.is_empty() || n.len() > MAX_NAME)
         {
@@ -166,11 +159,14 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("checkpoint_ref".into(), json!(c.checkpoint_ref));
-        m.insert("name".into(), json!(c.name));
-        m.insert("created_at".into(), json!(c.created_at));
-        Ok(Value::Object(m))
+        Ok(dto::CheckpointCreated {
+            checkpoint_ref: c.checkpoint_ref,
+            created_at: c.created_at,
+            executor: Executor::default(),
+            name: c.name,
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+        })
     }
 
     /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/rollback`.
@@ -180,7 +176,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         checkpoint_ref: &str,
-    ) -> Result<Value> {
+    ) -> Result<dto::RollbackResponse> {
         let ev = self.event(p, "checkpoint_rollback", ctx);
         self.authorize(p, "checkpoint:rollback", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
@@ -212,10 +208,13 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
-        m.insert("state".into(), json!(super::leases::LeaseState::Running));
-        Ok(Value::Object(m))
+        Ok(dto::RollbackResponse {
+            checkpoint_ref: checkpoint_ref.to_string(),
+            executor: Executor::default(),
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+            state: super::leases::LeaseState::Running,
+        })
     }
 
     /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/delete`.
@@ -225,7 +224,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         checkpoint_ref: &str,
-    ) -> Result<Value> {
+    ) -> Result<dto::CheckpointDeleted> {
         let ev = self.event(p, "checkpoint_delete", ctx);
         self.authorize(p, "checkpoint:delete", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
@@ -249,10 +248,13 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("checkpoint_ref".into(), json!(checkpoint_ref));
-        m.insert("deleted".into(), json!(true));
-        Ok(Value::Object(m))
+        Ok(dto::CheckpointDeleted {
+            checkpoint_ref: checkpoint_ref.to_string(),
+            deleted: true,
+            executor: Executor::default(),
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+        })
     }
 
     /// `POST /v1/leases/{ref}/checkpoints/{ckpt}/fork` (201): a new lease
@@ -266,7 +268,7 @@ impl Broker {
         lease_ref: &str,
         checkpoint_ref: &str,
         branch: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<dto::ForkResponse> {
         if let Some(b) = branch
             && (b.trim().is_empty() || b.len() > MAX_NAME || b.contains('\0'))
         {
@@ -321,13 +323,20 @@ impl Broker {
             task_ref: None,
         };
         let (fork, reused) = self.lease_for_session(p, ctx, ev, want).await?;
-        let mut v = self.lease_answer(&fork, reused, ctx);
-        if let Some(m) = v.as_object_mut() {
-            m.insert("checkpoint_ref".into(), json!(c.checkpoint_ref));
-            m.insert("source_lease_ref".into(), json!(l.lease_ref));
-            m.insert("branch".into(), json!(branch));
-        }
-        Ok(v)
+        let a = self.lease_answer(&fork, reused, ctx);
+        Ok(dto::ForkResponse {
+            branch,
+            checkpoint_ref: c.checkpoint_ref,
+            executor: a.executor,
+            lease_ref: a.lease_ref,
+            persistent_workspace: a.persistent_workspace,
+            profile: a.profile,
+            request_id: a.request_id,
+            reused: a.reused,
+            sandbox_ref: a.sandbox_ref,
+            source_lease_ref: l.lease_ref,
+            state: a.state,
+        })
     }
 
     /// Delete every snapshot of a lease at the backend (before the lease's

@@ -148,6 +148,9 @@ codes! {
     TaskNotReady = "task_not_ready", CONFLICT, Rejected, None;
     TaskRunning = "task_running", CONFLICT, Rejected, None;
     ReceiptNotReady = "receipt_not_ready", CONFLICT, Rejected, None;
+    /// Input or a resize for a PTY that has ended (or was lost at a
+    /// restart): the request was fine, the terminal is gone.
+    PtyNotRunning = "pty_not_running", CONFLICT, Rejected, None;
     ForkConflict = "fork_conflict", CONFLICT, Rejected, None;
 
     // 413

@@ -16,10 +16,11 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use redb::WriteTransaction;
-use serde_json::{Value, json};
+use serde_json::Value;
 
+use super::dto::{self, Executor, JobAnswer, OutputEncoding};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
-use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
 use crate::store::{self, StoreError};
@@ -132,32 +133,6 @@ exit 0
 "#;
 
 pub use crate::store::jobs::{Job, JobState};
-
-/// What a job answers.
-trait Fields {
-    fn fields(&self, sandbox_ref: &str) -> serde_json::Map<String, Value>;
-}
-
-impl Fields for Job {
-    fn fields(&self, sandbox_ref: &str) -> serde_json::Map<String, Value> {
-        let mut m = serde_json::Map::new();
-        for (k, v) in [
-            ("executor", json!(EXECUTOR)),
-            ("sandbox_ref", json!(sandbox_ref)),
-            ("lease_ref", json!(self.lease_ref)),
-            ("job_ref", json!(self.job_ref)),
-            ("state", json!(self.state)),
-            ("exit_code", json!(self.exit_code)),
-            ("cancelled", json!(self.cancelled)),
-            ("timed_out", json!(self.state == JobState::TimedOut)),
-            ("created_at", json!(self.created_at)),
-            ("updated_at", json!(self.updated_at)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        m
-    }
-}
 
 use crate::store::jobs::put as put_job;
 
@@ -423,7 +398,7 @@ impl Broker {
         lease_ref: &str,
         command: &str,
         cwd: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<dto::JobStarted> {
         let cwd = self
             .command_and_cwd(p, ctx, "job_start", command, cwd)
             .await?;
@@ -543,11 +518,14 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("job_ref".into(), json!(job.job_ref));
-        m.insert("lease_ref".into(), json!(job.lease_ref));
-        m.insert("state".into(), json!(job.state));
-        Ok(Value::Object(m))
+        Ok(dto::JobStarted {
+            executor: Executor::default(),
+            job_ref: job.job_ref,
+            lease_ref: job.lease_ref,
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+            state: job.state,
+        })
     }
 
     /// One audited read of a job (status and output), saving a changed state.
@@ -601,13 +579,11 @@ impl Broker {
     }
 
     /// `GET|POST /v1/jobs/{ref}/status`.
-    pub async fn job_status(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+    pub async fn job_status(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<JobAnswer> {
         let (job, lease, _) = self
             .job_read(p, ctx, job_ref, "job_status", (0, 0), (0, 0))
             .await?;
-        let mut m = job.fields(&lease.sandbox_ref);
-        m.insert("request_id".into(), json!(ctx.request_id));
-        Ok(Value::Object(m))
+        Ok(JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id))
     }
 
     /// `POST /v1/jobs/{ref}/output`: the reference's fragment paging, or
@@ -618,7 +594,7 @@ impl Broker {
         ctx: &Ctx,
         job_ref: &str,
         req: OutputRequest,
-    ) -> Result<Value> {
+    ) -> Result<dto::JobOutput> {
         match req {
             OutputRequest::Fragment { offset, max_bytes } => {
                 let (job, lease, pr) = self
@@ -642,21 +618,29 @@ impl Broker {
                     .min(bytes.len());
                 let end = start.saturating_add(max_bytes).min(bytes.len());
                 let chunk = bytes.get(start..end).unwrap_or_default();
-                let mut m = job.fields(&lease.sandbox_ref);
-                m.insert("request_id".into(), json!(ctx.request_id));
-                m.insert("offset".into(), json!(offset));
-                m.insert("next_offset".into(), json!(end));
-                m.insert("eof".into(), json!(end >= bytes.len() && job.is_terminal()));
-                m.insert("data".into(), json!(String::from_utf8_lossy(chunk)));
-                m.insert("encoding".into(), json!("json-fragment"));
                 // As in the reference, the fragment holds the first MiB of
                 // each stream; say so when there is more (use the cursors).
                 let limit = COMPAT_LIMIT as u64;
-                m.insert(
-                    "truncated".into(),
-                    json!(pr.out_size > limit || pr.err_size > limit),
-                );
-                Ok(Value::Object(m))
+                let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+                Ok(dto::JobOutput::Fragment(dto::JobOutputFragment {
+                    cancelled: a.cancelled,
+                    created_at: a.created_at,
+                    data: String::from_utf8_lossy(chunk).into_owned(),
+                    encoding: OutputEncoding::JsonFragment,
+                    eof: end >= bytes.len() && job.is_terminal(),
+                    executor: a.executor,
+                    exit_code: a.exit_code,
+                    job_ref: a.job_ref,
+                    lease_ref: a.lease_ref,
+                    next_offset: end as u64,
+                    offset,
+                    request_id: a.request_id,
+                    sandbox_ref: a.sandbox_ref,
+                    state: a.state,
+                    timed_out: a.timed_out,
+                    truncated: pr.out_size > limit || pr.err_size > limit,
+                    updated_at: a.updated_at,
+                }))
             }
             OutputRequest::Cursors(c) => {
                 let (job, lease, pr) = self
@@ -669,8 +653,6 @@ impl Broker {
                         (c.stderr_offset, c.max_bytes),
                     )
                     .await?;
-                let mut m = job.fields(&lease.sandbox_ref);
-                m.insert("request_id".into(), json!(ctx.request_id));
                 let (on, en) = (
                     c.stdout_offset + pr.stdout.len() as u64,
                     c.stderr_offset + pr.stderr.len() as u64,
@@ -678,24 +660,33 @@ impl Broker {
                 // The state was read before the ranges: a job that had ended
                 // then has all its output in the files.
                 let eof = job.is_terminal() && on >= pr.out_size && en >= pr.err_size;
-                for (k, v) in [
-                    ("stdout_offset", json!(c.stdout_offset)),
-                    ("stderr_offset", json!(c.stderr_offset)),
-                    ("stdout_base64", json!(B64.encode(&pr.stdout))),
-                    ("stderr_base64", json!(B64.encode(&pr.stderr))),
-                    ("stdout_next_offset", json!(on)),
-                    ("stderr_next_offset", json!(en)),
-                    ("eof", json!(eof)),
-                ] {
-                    m.insert(k.into(), v);
-                }
-                Ok(Value::Object(m))
+                let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+                Ok(dto::JobOutput::Cursors(dto::JobOutputCursors {
+                    cancelled: a.cancelled,
+                    created_at: a.created_at,
+                    eof,
+                    executor: a.executor,
+                    exit_code: a.exit_code,
+                    job_ref: a.job_ref,
+                    lease_ref: a.lease_ref,
+                    request_id: a.request_id,
+                    sandbox_ref: a.sandbox_ref,
+                    state: a.state,
+                    stderr_base64: B64.encode(&pr.stderr),
+                    stderr_next_offset: en,
+                    stderr_offset: c.stderr_offset,
+                    stdout_base64: B64.encode(&pr.stdout),
+                    stdout_next_offset: on,
+                    stdout_offset: c.stdout_offset,
+                    timed_out: a.timed_out,
+                    updated_at: a.updated_at,
+                }))
             }
         }
     }
 
     /// `POST /v1/jobs/{ref}/cancel`: end the job's process group.
-    pub async fn cancel_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+    pub async fn cancel_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<JobAnswer> {
         let ev = self.event(p, "job_cancel", ctx);
         self.authorize(p, "job:cancel", &ev).await?;
         let (job, lease) = self.owned_job(p, job_ref).await?;
@@ -742,38 +733,46 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = job.fields(&lease.sandbox_ref);
-        m.insert("request_id".into(), json!(ctx.request_id));
-        Ok(Value::Object(m))
+        Ok(JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id))
     }
 
     /// `GET /v1/jobs/{ref}/recover`: where the job is and what state it is
     /// in, after a restart or a lost connection.
-    pub async fn recover_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Value> {
+    pub async fn recover_job(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        job_ref: &str,
+    ) -> Result<dto::JobRecovery> {
         let (job, lease, pr) = self
             .job_read(p, ctx, job_ref, "job_recover", (0, 0), (0, 0))
             .await?;
-        let mut m = job.fields(&lease.sandbox_ref);
-        m.insert("request_id".into(), json!(ctx.request_id));
-        m.insert("stdout_bytes".into(), json!(pr.out_size));
-        m.insert("stderr_bytes".into(), json!(pr.err_size));
-        m.insert("recoverable".into(), json!(job.state != JobState::Lost));
-        Ok(Value::Object(m))
+        let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+        Ok(dto::JobRecovery {
+            cancelled: a.cancelled,
+            created_at: a.created_at,
+            executor: a.executor,
+            exit_code: a.exit_code,
+            job_ref: a.job_ref,
+            lease_ref: a.lease_ref,
+            recoverable: job.state != JobState::Lost,
+            request_id: a.request_id,
+            sandbox_ref: a.sandbox_ref,
+            state: a.state,
+            stderr_bytes: pr.err_size,
+            stdout_bytes: pr.out_size,
+            timed_out: a.timed_out,
+            updated_at: a.updated_at,
+        })
     }
 
     /// The jobs of a lease as status shows them (stored states).
-    pub(crate) fn jobs_summary(&self, lease_ref: &str) -> Result<Vec<Value>> {
+    pub(crate) fn jobs_summary(&self, lease_ref: &str) -> Result<Vec<dto::JobSummary>> {
         let jobs = self
             .inner
             .store
             .read_now(|txn| lease_jobs(txn, lease_ref))?;
-        Ok(jobs
-            .iter()
-            .map(|j| {
-                json!({"job_ref": j.job_ref, "state": j.state, "exit_code": j.exit_code,
-                       "created_at": j.created_at, "updated_at": j.updated_at})
-            })
-            .collect())
+        Ok(jobs.iter().map(dto::JobSummary::from).collect())
     }
 
     /// One poll for the event stream: the job and the new output from the

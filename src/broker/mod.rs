@@ -5,6 +5,7 @@
 
 pub mod checkpoints;
 pub mod code;
+pub mod dto;
 pub mod error;
 pub mod jobs;
 pub mod leases;

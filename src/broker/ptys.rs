@@ -11,10 +11,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use redb::WriteTransaction;
-use serde_json::{Value, json};
 
+use super::dto::{self, PtyAnswer};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
-use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
 use crate::cube::envd::decode_data;
 use crate::cube::wire::{ProcessEvent, PtySize};
@@ -27,33 +27,6 @@ pub const RETAIN: usize = 1024 * 1024;
 pub const MAX_INPUT: usize = 256 * 1024;
 
 pub use crate::store::ptys::{Pty, PtyState};
-
-/// What a PTY answers.
-trait Fields {
-    fn fields(&self, sandbox_ref: &str, ctx: &Ctx) -> serde_json::Map<String, Value>;
-}
-
-impl Fields for Pty {
-    fn fields(&self, sandbox_ref: &str, ctx: &Ctx) -> serde_json::Map<String, Value> {
-        let mut m = serde_json::Map::new();
-        for (k, v) in [
-            ("executor", json!(EXECUTOR)),
-            ("sandbox_ref", json!(sandbox_ref)),
-            ("lease_ref", json!(self.lease_ref)),
-            ("pty_ref", json!(self.pty_ref)),
-            ("state", json!(self.state)),
-            ("exit_code", json!(self.exit_code)),
-            ("rows", json!(self.rows)),
-            ("cols", json!(self.cols)),
-            ("created_at", json!(self.created_at)),
-            ("updated_at", json!(self.updated_at)),
-            ("request_id", json!(ctx.request_id)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        m
-    }
-}
 
 pub(crate) use crate::store::ptys::put as put_pty;
 
@@ -279,7 +252,7 @@ impl Broker {
         rows: u32,
         cols: u32,
         cwd: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<PtyAnswer> {
         check_size(rows, cols)?;
         let cwd = match cwd {
             Some(c) => self.checked_path(p, ctx, "pty_create", c).await?,
@@ -353,7 +326,7 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
     }
 
     /// Read a PTY's output into its hub until it ends; then record the end.
@@ -420,11 +393,11 @@ impl Broker {
     }
 
     /// `GET /v1/ptys/{ref}/status`.
-    pub async fn pty_status(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<Value> {
+    pub async fn pty_status(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<PtyAnswer> {
         let ev = self.event(p, "pty_status", ctx);
         self.authorize(p, "pty:status", &ev).await?;
         let (pty, l) = self.owned_pty(p, pty_ref).await?;
-        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
     }
 
     /// One audited action on a running PTY's process.
@@ -476,7 +449,7 @@ impl Broker {
         ctx: &Ctx,
         pty_ref: &str,
         data: Vec<u8>,
-    ) -> Result<Value> {
+    ) -> Result<PtyAnswer> {
         if data.len() > MAX_INPUT {
             return Err(Error::new(
                 Code::ValueTooLarge,
@@ -493,7 +466,7 @@ impl Broker {
                 Some(n),
                 move |b, pty, addr| async move {
                     if !pty.is_running() {
-                        return Err(Error::new(Code::InvalidRequest, "the PTY is not running"));
+                        return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));
                     }
                     b.inner
                         .cube
@@ -504,7 +477,7 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
     }
 
     /// `POST /v1/ptys/{ref}/resize`.
@@ -515,7 +488,7 @@ impl Broker {
         pty_ref: &str,
         rows: u32,
         cols: u32,
-    ) -> Result<Value> {
+    ) -> Result<PtyAnswer> {
         check_size(rows, cols)?;
         let (pty, l) = self
             .pty_action(
@@ -526,7 +499,7 @@ impl Broker {
                 None,
                 move |b, mut pty, addr| async move {
                     if !pty.is_running() {
-                        return Err(Error::new(Code::InvalidRequest, "the PTY is not running"));
+                        return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));
                     }
                     b.inner
                         .cube
@@ -540,11 +513,11 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
     }
 
     /// `POST /v1/ptys/{ref}/kill`.
-    pub async fn pty_kill(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<Value> {
+    pub async fn pty_kill(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<PtyAnswer> {
         let (pty, l) = self
             .pty_action(
                 p,
@@ -570,7 +543,7 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(Value::Object(pty.fields(&l.sandbox_ref, ctx)))
+        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
     }
 
     /// Open a PTY's event stream (audited once): its current record and hub.
@@ -604,7 +577,7 @@ impl Broker {
         offset: u64,
         max: usize,
         wait: std::time::Duration,
-    ) -> Result<Value> {
+    ) -> Result<dto::PtyOutput> {
         let ev = self.event(p, "pty_output", ctx);
         self.authorize(p, "pty:events", &ev).await?;
         let (_, l) = self.owned_pty(p, pty_ref).await?;
@@ -628,7 +601,6 @@ impl Broker {
         let pty = self
             .get_pty(pty_ref)?
             .ok_or_else(|| Error::new(Code::PtyNotFound, "no such PTY"))?;
-        let mut m = pty.fields(&l.sandbox_ref, ctx);
         let (from, bytes, missed, eof) = match chunk {
             Some(c) => (c.from, c.bytes, c.missed, c.ended),
             // Not running in this process: nothing more will come.
@@ -636,19 +608,25 @@ impl Broker {
         };
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
-        for (k, v) in [
-            ("offset", json!(from)),
-            ("next_offset", json!(from + bytes.len() as u64)),
-            ("content_base64", json!(b64)),
-            ("encoding", json!("base64")),
-            (
-                "missed",
-                json!(missed.map(|(a, b)| json!({"from": a, "to": b}))),
-            ),
-            ("eof", json!(eof)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        Ok(Value::Object(m))
+        let a = PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id);
+        Ok(dto::PtyOutput {
+            cols: a.cols,
+            content_base64: b64,
+            created_at: a.created_at,
+            encoding: dto::OutputEncoding::Base64,
+            eof,
+            executor: a.executor,
+            exit_code: a.exit_code,
+            lease_ref: a.lease_ref,
+            missed: missed.map(|(from, to)| dto::Missed { from, to }),
+            next_offset: from + bytes.len() as u64,
+            offset: from,
+            pty_ref: a.pty_ref,
+            request_id: a.request_id,
+            rows: a.rows,
+            sandbox_ref: a.sandbox_ref,
+            state: a.state,
+            updated_at: a.updated_at,
+        })
     }
 }

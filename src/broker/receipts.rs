@@ -117,10 +117,15 @@ impl Signer {
         })
     }
 
-    /// `{alg, kid, public_key}` of the Ed25519 key.
-    pub fn public_key(&self) -> Value {
+    /// `{alg, crv, kid, public_key}` of the Ed25519 key.
+    pub fn public_key(&self) -> super::dto::PublicKey {
         let public = self.ed.public_key().as_ref();
-        json!({"alg": "EdDSA", "crv": "Ed25519", "kid": ed_kid(public), "public_key": B64URL.encode(public)})
+        super::dto::PublicKey {
+            alg: "EdDSA".into(),
+            crv: "Ed25519".into(),
+            kid: ed_kid(public),
+            public_key: B64URL.encode(public),
+        }
     }
 
     /// The signed envelope of `payload`.

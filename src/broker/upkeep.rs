@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use redb::WriteTransaction;
-use serde_json::{Value, json};
 
+use super::dto::{self, Executor};
 use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Event;
@@ -39,37 +39,38 @@ fn keepalive_until(l: &Lease, max_keepalive: u64) -> i64 {
 
 impl Broker {
     /// `GET /v1/profiles`: the profiles this caller may acquire with.
-    pub async fn list_profiles(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+    pub async fn list_profiles(&self, p: &Principal, ctx: &Ctx) -> Result<dto::ProfileList> {
         let ev = self.event(p, "profiles", ctx);
         self.authorize(p, "lease:acquire", &ev).await?;
-        let items: Vec<Value> = self
+        let profiles = self
             .config()
             .profiles
             .iter()
             .filter(|(name, _)| p.allows_profile(name))
-            .map(|(name, pr)| {
-                let runtimes: Vec<&String> = pr
+            .map(|(name, pr)| dto::ProfileInfo {
+                allow_internet_access: pr.allow_internet_access,
+                allowed_runtimes: pr
                     .allowed_runtimes
                     .iter()
                     .filter(|r| p.allows_runtime(r))
-                    .collect();
-                json!({
-                    "name": name,
-                    "allowed_runtimes": runtimes,
-                    "sandbox_timeout_seconds": pr.sandbox_timeout_seconds,
-                    "max_command_seconds": pr.max_command_seconds,
-                    "lease_idle_ttl_seconds": pr.lease_idle_ttl_seconds,
-                    "max_active_leases_per_tenant": pr.max_active_leases_per_tenant,
-                    "max_jobs_per_lease": pr.max_jobs_per_lease,
-                    "allow_internet_access": pr.allow_internet_access,
-                    "checkpoints_enabled": pr.checkpoints_enabled,
-                    "keepalive_enabled": pr.keepalive_enabled,
-                    "ptys_enabled": pr.ptys_enabled,
-                    "max_keepalive_seconds": pr.max_keepalive_seconds,
-                })
+                    .cloned()
+                    .collect(),
+                checkpoints_enabled: pr.checkpoints_enabled,
+                keepalive_enabled: pr.keepalive_enabled,
+                lease_idle_ttl_seconds: pr.lease_idle_ttl_seconds,
+                max_active_leases_per_tenant: pr.max_active_leases_per_tenant,
+                max_command_seconds: pr.max_command_seconds,
+                max_jobs_per_lease: pr.max_jobs_per_lease,
+                max_keepalive_seconds: pr.max_keepalive_seconds,
+                name: name.clone(),
+                ptys_enabled: pr.ptys_enabled,
+                sandbox_timeout_seconds: pr.sandbox_timeout_seconds,
             })
             .collect();
-        Ok(json!({"profiles": items, "request_id": ctx.request_id}))
+        Ok(dto::ProfileList {
+            profiles,
+            request_id: ctx.request_id.clone(),
+        })
     }
 
     /// `POST /v1/leases/{ref}/renew`: extend the sandbox's timeout, at most
@@ -81,7 +82,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         seconds: Option<u64>,
-    ) -> Result<Value> {
+    ) -> Result<dto::RenewResponse> {
         if seconds == Some(0) {
             return Err(Error::new(
                 Code::InvalidRequest,
@@ -130,20 +131,25 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        m.insert("lease_ref".into(), json!(l.lease_ref));
-        m.insert("timeout_seconds".into(), json!(secs));
-        m.insert("capped".into(), json!(secs < want));
-        m.insert(
-            "keepalive_until".into(),
-            json!(crate::clock::format_unix(until)),
-        );
-        Ok(Value::Object(m))
+        Ok(dto::RenewResponse {
+            capped: secs < want,
+            executor: Executor::default(),
+            keepalive_until: crate::clock::format_unix(until),
+            lease_ref: l.lease_ref,
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+            timeout_seconds: secs,
+        })
     }
 
     /// `GET /v1/leases/{ref}/recover`: the lease, its sandbox's state as the
     /// backend sees it now, and its jobs. Nothing is re-run or rebuilt.
-    pub async fn recover_lease(&self, p: &Principal, ctx: &Ctx, lease_ref: &str) -> Result<Value> {
+    pub async fn recover_lease(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        lease_ref: &str,
+    ) -> Result<dto::LeaseRecovery> {
         let ev = self.event(p, "lease_recover", ctx);
         self.authorize(p, "lease:status", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
@@ -152,20 +158,19 @@ impl Broker {
             Err(e) if e.kind == ErrorKind::NotFound => LeaseState::Gone,
             Err(e) => return Err(backend(&e)),
         };
-        let mut m = self.base(&l, ctx);
-        for (k, v) in [
-            ("lease_ref", json!(l.lease_ref)),
-            ("runtime", json!(l.runtime)),
-            ("profile", json!(l.profile)),
-            ("state", json!(state)),
-            ("created_at", json!(l.created_at)),
-            ("last_used_at", json!(l.last_used_at)),
-            ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
-            ("recoverable", json!(state != LeaseState::Gone)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        Ok(Value::Object(m))
+        Ok(dto::LeaseRecovery {
+            created_at: l.created_at,
+            executor: Executor::default(),
+            jobs: self.jobs_summary(&l.lease_ref)?,
+            last_used_at: l.last_used_at,
+            lease_ref: l.lease_ref,
+            profile: l.profile,
+            recoverable: state != LeaseState::Gone,
+            request_id: ctx.request_id.clone(),
+            runtime: l.runtime,
+            sandbox_ref: l.sandbox_ref,
+            state,
+        })
     }
 
     /// An audit event for the appliance's own actions on a lease.
@@ -264,7 +269,7 @@ impl Broker {
     }
 
     /// `POST /v1/admin/gc`: run GC now (admin role and `admin:gc`).
-    pub async fn admin_gc(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+    pub async fn admin_gc(&self, p: &Principal, ctx: &Ctx) -> Result<dto::GcResponse> {
         let ev = self.event(p, "admin_gc", ctx);
         if !p.is_admin() {
             return Err(self
@@ -276,7 +281,11 @@ impl Broker {
         }
         self.authorize(p, "admin:gc", &ev).await?;
         let (collected, failed) = self.gc().await?;
-        Ok(json!({"collected": collected, "failed": failed, "request_id": ctx.request_id}))
+        Ok(dto::GcResponse {
+            collected,
+            failed,
+            request_id: ctx.request_id.clone(),
+        })
     }
 
     /// Renew the sandboxes of leases with running jobs or PTYs, when their profile

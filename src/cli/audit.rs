@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 
 use super::common::{Access, Common, access, runtime, socket_call};
 use super::{EXIT_CODES, Exit};
-use crate::admin::{self, Request};
+use crate::admin::{self, Request, Response};
 
 #[derive(Subcommand)]
 pub enum AuditCommand {
@@ -97,15 +97,10 @@ pub fn verify(args: AuditVerifyArgs) -> Exit {
     let r = match access(&state) {
         Err(c) => return c,
         Ok(Access::Socket(p)) => match admin::call(&p, &Request::AuditVerify) {
-            Ok(out) => match out.first() {
-                Some(v) if v.get("ok").and_then(|o| o.as_bool()) == Some(true) => {
-                    Ok(v.get("result").cloned().unwrap_or_default())
-                }
-                Some(v) => Err(v
-                    .get("error")
-                    .and_then(|e| e.as_str())
-                    .unwrap_or("unknown error")
-                    .to_string()),
+            Ok(out) => match out.into_iter().next() {
+                Some(Response::AuditVerify { result }) => Ok(result),
+                Some(Response::Error { message }) => Err(message),
+                Some(_) => Err("bad answer from the service".into()),
                 None => Err("no answer from the service".into()),
             },
             Err(e) => {
@@ -141,12 +136,17 @@ pub fn export(args: AuditExportArgs) -> Exit {
     match access(&state) {
         Err(c) => c,
         Ok(Access::Socket(p)) => match socket_call(&p, &Request::AuditExport { since }) {
-            Ok(lines) => {
-                for v in lines {
-                    if let Some(e) = v.get("event")
-                        && writeln!(out, "{e}").is_err()
-                    {
-                        return Exit::Failed;
+            Ok(answers) => {
+                for r in answers {
+                    if let Response::AuditEvent { event } = r {
+                        // Through a `Value`: keys sorted, as this path has
+                        // always printed them.
+                        let line = serde_json::to_value(&event)
+                            .map(|v| v.to_string())
+                            .unwrap_or_default();
+                        if writeln!(out, "{line}").is_err() {
+                            return Exit::Failed;
+                        }
                     }
                 }
                 Exit::Ok

@@ -5,13 +5,12 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use serde_json::Value;
 
 use super::Exit;
 use super::common::{
-    Common, Reach, adopt_owner, ask, not_initialised, open_stopped, reach, runtime,
+    Common, Reach, adopt_owner, ask, not_initialised, open_stopped, reach, runtime, unexpected,
 };
-use crate::admin::Request;
+use crate::admin::{Request, Response};
 use crate::ops::Manifest;
 
 #[derive(Args)]
@@ -124,24 +123,11 @@ pub fn backup(args: BackupArgs) -> Exit {
     }
     let (dir, manifest, live) = match reach(state) {
         Reach::Running(sock) => match ask(&sock, &Request::Backup) {
-            Ok(v) => {
-                let dir = v
-                    .get("dir")
-                    .and_then(Value::as_str)
-                    .map(PathBuf::from)
-                    .filter(|d| d.starts_with(state));
-                let m = v
-                    .get("manifest")
-                    .cloned()
-                    .and_then(|m| serde_json::from_value::<Manifest>(m).ok());
-                match (dir, m) {
-                    (Some(d), Some(m)) => (d, m, true),
-                    _ => {
-                        eprintln!("error: bad answer from the service");
-                        return Exit::Failed;
-                    }
-                }
+            // The copy must be in the state directory: it is removed below.
+            Ok(Response::Backup { dir, manifest }) if dir.starts_with(state) => {
+                (dir, manifest, true)
             }
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Reach::Stopped => {

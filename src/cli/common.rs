@@ -5,10 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-
 use super::Exit;
-use crate::admin::{self, Request};
+use crate::admin::{self, Request, Response};
 use crate::config::{Config, Flags};
 use crate::store::{Store, StoreError};
 
@@ -116,20 +114,35 @@ pub fn access(state: &Path) -> Result<Access, Exit> {
     }
 }
 
-/// One `admin::Request` to the running service; its answer lines.
-pub fn socket_call(path: &Path, req: &Request) -> Result<Vec<Value>, Exit> {
+/// One `admin::Request` to the running service; its answers, or an exit
+/// code (3 when it cannot be reached, 1 when it answers with an error).
+pub fn socket_call(path: &Path, req: &Request) -> Result<Vec<Response>, Exit> {
     let out = admin::call(path, req).map_err(|e| {
         eprintln!("error: {e}");
         Exit::State
     })?;
-    if let Some(err) = out
-        .iter()
-        .find_map(|v| v.get("error").and_then(|e| e.as_str()))
-    {
-        eprintln!("error: {err}");
+    if let Some(message) = out.iter().find_map(|r| match r {
+        Response::Error { message } => Some(message),
+        _ => None,
+    }) {
+        eprintln!("error: {message}");
         return Err(Exit::Failed);
     }
     Ok(out)
+}
+
+/// The one answer to a request (3 when there is none).
+pub fn ask(path: &Path, req: &Request) -> Result<Response, Exit> {
+    socket_call(path, req)?.into_iter().next().ok_or_else(|| {
+        eprintln!("error: no answer from the service");
+        Exit::State
+    })
+}
+
+/// An answer of another kind than the request calls for: exit 1.
+pub fn unexpected(_: Response) -> Exit {
+    eprintln!("error: bad answer from the service");
+    Exit::Failed
 }
 
 // ------------------------ the socket first, then the store (init, status, cert, backup)
@@ -145,29 +158,6 @@ pub fn reach(state: &Path) -> Reach {
     match std::os::unix::net::UnixStream::connect(&sock) {
         Ok(_) => Reach::Running(sock),
         Err(_) => Reach::Stopped,
-    }
-}
-
-/// One request about the service to the running service; its answer, or
-/// an exit code.
-pub fn ask(sock: &Path, req: &crate::admin::Request) -> Result<Value, Exit> {
-    let out = crate::admin::call(sock, req).map_err(|e| {
-        eprintln!("error: {e}");
-        Exit::State
-    })?;
-    match out.into_iter().next() {
-        Some(v) if v.get("ok").and_then(Value::as_bool) == Some(true) => Ok(v),
-        Some(v) => {
-            eprintln!(
-                "error: {}",
-                v.get("error").and_then(Value::as_str).unwrap_or("refused")
-            );
-            Err(Exit::Failed)
-        }
-        None => {
-            eprintln!("error: no answer from the service");
-            Err(Exit::State)
-        }
     }
 }
 

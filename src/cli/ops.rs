@@ -10,9 +10,10 @@ use serde_json::{Value, json};
 
 use super::common::{
     Common, Reach, adopt_owner, ask, not_initialised, open_stopped, print_json, reach, runtime,
+    unexpected,
 };
 use super::{EXIT_CODES, Exit};
-use crate::admin::Request;
+use crate::admin::{Request, Response};
 use crate::ops::StoreSummary;
 use crate::tls::{CertInfo, LocalCa};
 
@@ -325,7 +326,8 @@ pub fn status(args: StatusArgs) -> Exit {
     };
     let v = match reach(&cfg.state_dir) {
         Reach::Running(sock) => match ask(&sock, &Request::Status) {
-            Ok(v) => v.get("status").cloned().unwrap_or_default(),
+            Ok(Response::Status { status }) => status,
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Reach::Stopped => match offline_status(&cfg.state_dir) {
@@ -419,17 +421,8 @@ pub fn cert_renew(args: CertRenewArgs) -> Exit {
     let state = &cfg.state_dir;
     let (info, live) = match reach(state) {
         Reach::Running(sock) => match ask(&sock, &Request::CertRenew) {
-            Ok(v) => match v
-                .get("certificate")
-                .cloned()
-                .and_then(|c| serde_json::from_value::<CertInfo>(c).ok())
-            {
-                Some(i) => (i, true),
-                None => {
-                    eprintln!("error: bad answer from the service");
-                    return Exit::Failed;
-                }
-            },
+            Ok(Response::Certificate { info }) => (info, true),
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Reach::Stopped => {

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 
-use super::common::{Access, Common, access, runtime, socket_call};
+use super::common::{Access, Common, access, ask, runtime, unexpected};
 use super::{EXIT_CODES, Exit};
-use crate::admin::{Request, TokenInfo};
+use crate::admin::{Request, Response, TokenInfo};
 use crate::auth::{self, Principal, Role};
 
 #[derive(Subcommand)]
@@ -146,19 +146,15 @@ pub fn create(req: TokenCreateArgs) -> Exit {
     }
     let token = match access(&state) {
         Err(c) => return c,
-        Ok(Access::Socket(p)) => match socket_call(
+        Ok(Access::Socket(p)) => match ask(
             &p,
             &Request::TokenCreate {
                 principal,
                 description: req.description,
             },
         ) {
-            Ok(out) => out
-                .first()
-                .and_then(|v| v.get("token"))
-                .and_then(|t| t.as_str())
-                .unwrap_or("")
-                .to_string(),
+            Ok(Response::Token { token }) => token,
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Ok(Access::Store(store)) => {
@@ -198,12 +194,9 @@ pub fn list(args: TokenListArgs) -> Exit {
     };
     let tokens: Vec<TokenInfo> = match access(&state) {
         Err(c) => return c,
-        Ok(Access::Socket(p)) => match socket_call(&p, &Request::TokenList) {
-            Ok(out) => out
-                .first()
-                .and_then(|v| v.get("tokens").cloned())
-                .and_then(|t| serde_json::from_value(t).ok())
-                .unwrap_or_default(),
+        Ok(Access::Socket(p)) => match ask(&p, &Request::TokenList) {
+            Ok(Response::Tokens { tokens }) => tokens,
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Ok(Access::Store(store)) => match auth::list_tokens(&store) {
@@ -257,16 +250,11 @@ pub fn revoke(args: TokenRevokeArgs) -> Exit {
     };
     let found = match access(&state) {
         Err(c) => return c,
-        Ok(Access::Socket(p)) => {
-            match socket_call(&p, &Request::TokenRevoke { id: id.to_string() }) {
-                Ok(out) => out
-                    .first()
-                    .and_then(|v| v.get("revoked"))
-                    .and_then(|b| b.as_bool())
-                    .unwrap_or(false),
-                Err(c) => return c,
-            }
-        }
+        Ok(Access::Socket(p)) => match ask(&p, &Request::TokenRevoke { id: id.to_string() }) {
+            Ok(Response::Revoked { found }) => found,
+            Ok(r) => return unexpected(r),
+            Err(c) => return c,
+        },
         Ok(Access::Store(store)) => {
             let rt = match runtime() {
                 Ok(r) => r,
@@ -352,9 +340,11 @@ fn cert_identity_create(
     let rec = auth::cert_record(principal, description, &fp, &crate::clock::Clock::System);
     let id = rec.id.clone();
     let stored = match access {
-        Access::Socket(p) => {
-            socket_call(&p, &Request::CertIdentityCreate { record: rec }).map(|_| ())
-        }
+        Access::Socket(p) => match ask(&p, &Request::CertIdentityCreate { record: rec }) {
+            Ok(Response::Done) => Ok(()),
+            Ok(r) => Err(unexpected(r)),
+            Err(c) => Err(c),
+        },
         Access::Store(store) => {
             let rt = match runtime() {
                 Ok(r) => r,

@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 
 use super::Exit;
-use super::common::{Access, Common, access, runtime, socket_call};
-use crate::admin::Request;
-use crate::auth::users::{UserOp, hash_password, valid_name};
+use super::common::{Access, Common, access, ask, runtime, unexpected};
+use crate::admin::{Request, Response};
+use crate::auth::users::{UserAnswer, UserOp, hash_password, valid_name};
 use crate::auth::{Principal, Role};
 
 #[derive(Subcommand)]
@@ -188,11 +188,11 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
         Ok(s) => s,
         Err(c) => return c,
     };
-    let listing = matches!(op, UserOp::List);
-    let out: Result<serde_json::Value, String> = match access(&state) {
+    let answer = match access(&state) {
         Err(c) => return c,
-        Ok(Access::Socket(p)) => match socket_call(&p, &Request::User { op }) {
-            Ok(out) => Ok(out.into_iter().next().unwrap_or_default()),
+        Ok(Access::Socket(p)) => match ask(&p, &Request::User { op }) {
+            Ok(Response::User { user }) => user,
+            Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
         Ok(Access::Store(store)) => {
@@ -200,61 +200,51 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
                 Ok(r) => r,
                 Err(c) => return c,
             };
-            rt.block_on(crate::auth::users::user_op(
+            match rt.block_on(crate::auth::users::user_op(
                 &store,
                 op,
                 &crate::clock::Clock::System,
-            ))
+            )) {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Exit::Failed;
+                }
+            }
         }
     };
-    let v = match out {
-        Ok(v) if v.get("ok") == Some(&serde_json::Value::Bool(false)) => {
-            eprintln!(
-                "error: {}",
-                v.get("error").and_then(|e| e.as_str()).unwrap_or("refused")
-            );
-            return Exit::Failed;
-        }
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return Exit::Failed;
-        }
-    };
-    if !listing {
+    let UserAnswer::Users(users) = answer else {
         return Exit::Ok;
-    }
-    let users = v.get("users").cloned().unwrap_or_default();
+    };
     if list_json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&users).unwrap_or_default()
-        );
+        // Through a `Value`: keys sorted, as `user list --json` has always
+        // printed them.
+        let v = serde_json::to_value(&users).unwrap_or_default();
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Exit::Ok;
     }
     println!(
         "{:<20} {:<16} {:<24} {:<10} PASSWORD CHANGED",
         "NAME", "TENANT", "ROLES", "STATE"
     );
-    for u in users.as_array().into_iter().flatten() {
-        let at = |p: &str| u.pointer(p).cloned().unwrap_or_default();
-        let roles: Vec<String> = at("/principal/roles")
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|r| r.as_str().map(str::to_string))
+    for u in users {
+        let roles: Vec<String> = u
+            .principal
+            .roles
+            .iter()
+            .map(|r| format!("{r:?}").to_lowercase())
             .collect();
         println!(
             "{:<20} {:<16} {:<24} {:<10} {}",
-            at("/name").as_str().unwrap_or(""),
-            at("/principal/tenant").as_str().unwrap_or(""),
+            u.name,
+            u.principal.tenant,
             roles.join(","),
-            if at("/disabled_at").is_null() {
+            if u.disabled_at.is_none() {
                 "active"
             } else {
                 "disabled"
             },
-            at("/password_changed_at").as_str().unwrap_or("")
+            u.password_changed_at
         );
     }
     Exit::Ok

@@ -11,15 +11,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::admin::Response;
 use crate::broker::Broker;
 use crate::config::{Config, Flags};
 use crate::store::{Store, StoreError, codec, tables};
 use crate::tls::{CertInfo, LocalCa, SwappableCert};
 
-pub use crate::admin::Request;
+// What the service answers is the admin protocol's.
+pub use crate::admin::{Manifest, ReloadReport, Request, StoreSummary};
 
 /// Where `serve` re-reads its configuration from on reload.
 #[derive(Debug, Clone, Default)]
@@ -42,22 +44,6 @@ pub const RELOADABLE: &[&str] = &[
     "tasks",
     "plan_retention_seconds",
 ];
-
-/// What one reload did.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ReloadReport {
-    /// False when the reload was refused: nothing changed.
-    pub ok: bool,
-    pub at: String,
-    pub error: Option<String>,
-    /// What was applied (`certificate`, reloadable keys that changed).
-    pub applied: Vec<String>,
-    /// Keys whose new value waits for a restart.
-    pub restart_required: Vec<String>,
-    /// Whether a new server certificate was issued.
-    pub reissued: bool,
-    pub certificate: Option<CertInfo>,
-}
 
 /// Reloads the running service's certificate and reloadable settings.
 pub struct Reloader {
@@ -305,22 +291,6 @@ pub fn spawn_sighup(reloader: Arc<Reloader>) -> std::io::Result<tokio::task::Joi
     }))
 }
 
-/// What the store holds, in one read transaction.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct StoreSummary {
-    pub schema_version: u64,
-    pub instance_id: String,
-    /// Sequence number of the last audit event (events are numbered from 1
-    /// without gaps; `audit verify` checks it).
-    pub audit_last_seq: u64,
-    pub pending_intents: u64,
-    /// Leases by state (`running`, `paused`, …).
-    pub leases: BTreeMap<String, u64>,
-    pub active_leases: u64,
-    pub tokens_active: u64,
-    pub tokens_revoked: u64,
-}
-
 fn table_missing(e: &redb::TableError) -> bool {
     matches!(e, redb::TableError::TableDoesNotExist(_))
 }
@@ -405,37 +375,42 @@ impl crate::admin::Service for Service {
     fn handle(
         &self,
         req: Request,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<Value>> + Send + '_>> {
-        Box::pin(self.answer(req))
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + '_>> {
+        Box::pin(async move { self.answer(req).await.unwrap_or_else(Response::error) })
     }
 }
 
 impl Service {
-    async fn answer(&self, req: Request) -> Vec<Value> {
-        let err = |e: String| vec![json!({"ok": false, "error": e})];
-        match req {
-            Request::Status => vec![json!({"ok": true, "status": self.status().await})],
+    async fn answer(&self, req: Request) -> Result<Response, String> {
+        Ok(match req {
+            Request::Status => Response::Status {
+                status: self.status().await,
+            },
             Request::Reload => {
                 let r = self.reloader.clone();
-                match tokio::task::spawn_blocking(move || r.reload()).await {
-                    Ok(rep) => vec![json!({"ok": rep.ok, "reload": rep, "error": rep.error})],
-                    Err(e) => err(e.to_string()),
+                Response::Reload {
+                    report: tokio::task::spawn_blocking(move || r.reload())
+                        .await
+                        .map_err(|e| e.to_string())?,
                 }
             }
             Request::CertRenew => {
                 let r = self.reloader.clone();
-                match tokio::task::spawn_blocking(move || r.renew()).await {
-                    Ok(Ok(info)) => vec![json!({"ok": true, "certificate": info})],
-                    Ok(Err(e)) => err(e),
-                    Err(e) => err(e.to_string()),
+                Response::Certificate {
+                    info: tokio::task::spawn_blocking(move || r.renew())
+                        .await
+                        .map_err(|e| e.to_string())??,
                 }
             }
-            Request::Backup => match snapshot(&self.store, &self.state).await {
-                Ok(s) => vec![json!({"ok": true, "dir": s.dir, "manifest": s.manifest})],
-                Err(e) => err(e),
-            },
-            _ => err("not a request about the service".into()),
-        }
+            Request::Backup => {
+                let s = snapshot(&self.store, &self.state).await?;
+                Response::Backup {
+                    dir: s.dir,
+                    manifest: s.manifest,
+                }
+            }
+            _ => return Err("not a request about the service".into()),
+        })
     }
 
     /// The status document (`cube-adapter status --json`).
@@ -510,20 +485,6 @@ impl Service {
             "last_reload": self.reloader.last(),
         })
     }
-}
-
-/// What a backup holds, written as `MANIFEST.json` in it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Manifest {
-    pub format: u32,
-    pub version: String,
-    pub created_at: String,
-    pub summary: StoreSummary,
-    /// `audit verify` on the copy.
-    pub audit_events: u64,
-    pub audit_head: String,
-    pub state_redb_bytes: u64,
-    pub state_redb_sha256: String,
 }
 
 /// A consistent copy of the store in a directory of the state dir.

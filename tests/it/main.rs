@@ -20,5 +20,6 @@ mod ptys;
 mod rollback_race;
 mod sdk;
 mod service;
+mod spec;
 mod tasks;
 mod upkeep;

@@ -207,7 +207,11 @@ async fn pty_viewers_resize_reconnect_and_kill() {
             json!({"data": "x"}),
         )
         .await;
-    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(
+        (st, crate::kit::code(&v)),
+        (StatusCode::CONFLICT, "pty_not_running"),
+        "{v}"
+    );
 
     // Kill: cancelled.
     let (_, v) = s

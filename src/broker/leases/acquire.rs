@@ -12,7 +12,7 @@ impl Broker {
         runtime: &str,
         session: &str,
         profile: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<dto::LeaseAnswer> {
         let (l, reused) = self
             .acquire_lease(p, ctx, runtime, session, profile, None)
             .await?;

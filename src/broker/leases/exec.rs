@@ -12,7 +12,7 @@ impl Broker {
         command: &str,
         cwd: Option<&str>,
         timeout_ms: Option<u64>,
-    ) -> Result<Value> {
+    ) -> Result<dto::ExecResponse> {
         let cwd = self.command_and_cwd(p, ctx, "exec", command, cwd).await?;
         if timeout_ms == Some(0) {
             return Err(Error::new(
@@ -69,21 +69,17 @@ impl Broker {
                 .await?;
             (r, started.elapsed().as_millis())
         };
-        let mut m = self.base(&l, ctx);
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        m.insert("exit_code".into(), json!(out.exit_code));
-        m.insert("stdout".into(), json!(text(&out.stdout)));
-        m.insert("stderr".into(), json!(text(&out.stderr)));
-        let (so, se) = (
-            out.truncated && out.stdout.len() >= MAX_OUTPUT,
-            out.truncated && out.stderr.len() >= MAX_OUTPUT,
-        );
-        m.insert("stdout_truncated".into(), json!(so));
-        m.insert("stderr_truncated".into(), json!(se));
-        m.insert(
-            "duration_ms".into(),
-            json!(u64::try_from(ms).unwrap_or(u64::MAX)),
-        );
-        Ok(Value::Object(m))
+        Ok(dto::ExecResponse {
+            duration_ms: u64::try_from(ms).unwrap_or(u64::MAX),
+            executor: Executor::default(),
+            exit_code: out.exit_code,
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref.clone(),
+            stderr: text(&out.stderr),
+            stderr_truncated: out.truncated && out.stderr.len() >= MAX_OUTPUT,
+            stdout: text(&out.stdout),
+            stdout_truncated: out.truncated && out.stdout.len() >= MAX_OUTPUT,
+        })
     }
 }

@@ -11,7 +11,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         op: FileOp,
-    ) -> Result<Value> {
+    ) -> Result<dto::FileAnswer> {
         let (action, scope, path) = match &op {
             FileOp::Read { path } => ("read", "file:read", path),
             FileOp::Write { path, .. } => ("write", "file:write", path),
@@ -71,7 +71,8 @@ impl Broker {
         };
         let path2 = path.clone();
         let dest2 = dest.clone();
-        let (l, (result, _)) = self
+        let request_id = ctx.request_id.clone();
+        let (_, (result, _)) = self
             .effect(
                 p,
                 ctx,
@@ -83,66 +84,195 @@ impl Broker {
                     e.destination_digest = dd;
                     e.content_sha256 = content_sha;
                 },
-                move |b: Broker, _l: Lease, addr| async move {
+                move |b: Broker, l: Lease, addr| async move {
                     let c = &b.inner.cube;
+                    let (executor, sandbox_ref) = (Executor::default(), l.sandbox_ref);
                     let nf = |e: crate::cube::CubeError, code: Code| match e.kind {
                         ErrorKind::NotFound => Error::new(code, "no such file or directory"),
-                        ErrorKind::InvalidArgument => Error::new(Code::InvalidPath, "the path is not usable for this operation"),
-                        ErrorKind::Conflict => Error::new(Code::AlreadyExists, "the path already exists"),
+                        ErrorKind::InvalidArgument => Error::new(
+                            Code::InvalidPath,
+                            "the path is not usable for this operation",
+                        ),
+                        ErrorKind::Conflict => {
+                            Error::new(Code::AlreadyExists, "the path already exists")
+                        }
                         _ => backend(&e),
                     };
-                    let r: (Value, Option<u64>) = match op {
+                    let r: (dto::FileAnswer, Option<u64>) = match op {
                         FileOp::Read { .. } => {
-                            let st = c.stat(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
+                            let st = c
+                                .stat(&addr, &path2)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
                             if st.is_dir() {
-                                return Err(Error::new(Code::InvalidPath, "the path is a directory"));
+                                return Err(Error::new(
+                                    Code::InvalidPath,
+                                    "the path is a directory",
+                                ));
                             }
                             // Only the first MAX_READ bytes are fetched, however large the file.
-                            let (data, truncated) = c.download_prefix(&addr, &path2, MAX_READ).await.map_err(|e| nf(e, Code::PathNotFound))?;
+                            let (data, truncated) = c
+                                .download_prefix(&addr, &path2, MAX_READ)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
                             let n = data.len() as u64;
-                            (json!({"path": path2, "content": String::from_utf8_lossy(&data), "truncated": truncated}), Some(n))
+                            (
+                                dto::FileAnswer::Read(dto::ReadResponse {
+                                    content: String::from_utf8_lossy(&data).into_owned(),
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                    truncated,
+                                }),
+                                Some(n),
+                            )
                         }
                         FileOp::Write { content, .. } => {
                             let n = content.len();
-                            c.upload(&addr, &path2, content.into_bytes()).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "bytes": n}), Some(n as u64))
+                            c.upload(&addr, &path2, content.into_bytes())
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Write(dto::WriteResponse {
+                                    bytes: n as u64,
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                Some(n as u64),
+                            )
                         }
                         FileOp::List { .. } => {
-                            let entries = c.list_dir(&addr, &path2, 1).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            let v: Vec<Value> = entries.iter().take(MAX_LIST).map(entry_json).collect();
-                            (json!({"path": path2, "entries": v}), None)
+                            let entries = c
+                                .list_dir(&addr, &path2, 1)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            let entries = entries
+                                .iter()
+                                .take(MAX_LIST)
+                                .map(dto::Entry::from)
+                                .collect();
+                            (
+                                dto::FileAnswer::List(dto::ListResponse {
+                                    entries,
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                None,
+                            )
                         }
                         FileOp::Stat { .. } => {
-                            let e = c.stat(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "entry": entry_json(&e)}), None)
+                            let e = c
+                                .stat(&addr, &path2)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Entry(dto::EntryResponse {
+                                    entry: dto::Entry::from(&e),
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                None,
+                            )
                         }
                         FileOp::Mkdir { .. } => {
-                            let e = c.make_dir(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "entry": entry_json(&e)}), None)
+                            let e = c
+                                .make_dir(&addr, &path2)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Entry(dto::EntryResponse {
+                                    entry: dto::Entry::from(&e),
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                None,
+                            )
                         }
                         FileOp::Remove { .. } => {
-                            c.remove(&addr, &path2).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "removed": true}), None)
+                            c.remove(&addr, &path2)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Remove(dto::RemoveResponse {
+                                    executor,
+                                    path: path2,
+                                    removed: true,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                None,
+                            )
                         }
                         FileOp::Move { .. } => {
                             let d = dest2.unwrap_or_default();
-                            let e = c.rename(&addr, &path2, &d).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "destination": d, "entry": entry_json(&e)}), None)
+                            let e = c
+                                .rename(&addr, &path2, &d)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Move(dto::MoveResponse {
+                                    destination: d,
+                                    entry: dto::Entry::from(&e),
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                }),
+                                None,
+                            )
                         }
                         FileOp::Upload { .. } => {
                             let data = upload.unwrap_or_default();
                             let n = data.len();
                             let sha = hex::encode(sha2::Sha256::digest(&data));
-                            c.upload(&addr, &path2, data).await.map_err(|e| nf(e, Code::PathNotFound))?;
-                            (json!({"path": path2, "bytes": n, "sha256": sha}), Some(n as u64))
+                            c.upload(&addr, &path2, data)
+                                .await
+                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                            (
+                                dto::FileAnswer::Upload(dto::UploadResponse {
+                                    bytes: n as u64,
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                    sha256: sha,
+                                }),
+                                Some(n as u64),
+                            )
                         }
                         FileOp::Download { .. } => {
-                            let data = c.download(&addr, &path2, MAX_ARTIFACT).await.map_err(|e| match e.kind {
-                                ErrorKind::TooLarge => Error::new(Code::ArtifactTooLarge, format!("artifacts are limited to {MAX_ARTIFACT} bytes")),
-                                _ => nf(e, Code::ArtifactNotFound),
-                            })?;
+                            let data = c.download(&addr, &path2, MAX_ARTIFACT).await.map_err(
+                                |e| match e.kind {
+                                    ErrorKind::TooLarge => Error::new(
+                                        Code::ArtifactTooLarge,
+                                        format!("artifacts are limited to {MAX_ARTIFACT} bytes"),
+                                    ),
+                                    _ => nf(e, Code::ArtifactNotFound),
+                                },
+                            )?;
                             let sha = hex::encode(sha2::Sha256::digest(&data));
-                            (json!({"path": path2, "bytes": data.len(), "sha256": sha, "content_base64": B64.encode(&data)}), Some(data.len() as u64))
+                            let n = data.len() as u64;
+                            (
+                                dto::FileAnswer::Download(dto::DownloadResponse {
+                                    bytes: n,
+                                    content_base64: B64.encode(&data),
+                                    executor,
+                                    path: path2,
+                                    request_id,
+                                    sandbox_ref,
+                                    sha256: sha,
+                                }),
+                                Some(n),
+                            )
                         }
                     };
                     let bytes = r.1;
@@ -150,11 +280,7 @@ impl Broker {
                 },
             )
             .await?;
-        let mut m = self.base(&l, ctx);
-        if let Value::Object(extra) = result {
-            m.extend(extra);
-        }
-        Ok(Value::Object(m))
+        Ok(result)
     }
 }
 
@@ -191,17 +317,4 @@ pub enum FileOp {
     Download {
         path: String,
     },
-}
-
-/// The listing fields the reference exposes (nothing else).
-fn entry_json(e: &crate::cube::wire::EntryInfo) -> Value {
-    let kind = match e.kind.as_str() {
-        "FILE_TYPE_DIRECTORY" => "dir",
-        "FILE_TYPE_FILE" => "file",
-        _ => "other",
-    };
-    json!({
-        "name": e.name, "path": e.path, "type": kind, "size": e.size, "mode": e.mode,
-        "permissions": e.permissions, "modified_time": e.modified_time, "is_dir": e.is_dir(),
-    })
 }

@@ -5,7 +5,7 @@ use super::*;
 
 impl Broker {
     /// `GET /v1/leases`.
-    pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+    pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<dto::LeaseList> {
         let ev = self.event(p, "lease_list", ctx);
         self.authorize(p, "lease:list", &ev).await?;
         let tenant = p.tenant.clone();
@@ -25,18 +25,20 @@ impl Broker {
                 .cmp(&a.created_at)
                 .then(b.lease_ref.cmp(&a.lease_ref))
         });
-        let items: Vec<Value> = leases
-            .iter()
-            .map(|l| {
-                json!({
-                    "lease_ref": l.lease_ref, "sandbox_ref": l.sandbox_ref,
-                    "tenant": if admin { Value::String(l.tenant.clone()) } else { Value::Null },
-                    "runtime": l.runtime, "profile": l.profile, "state": l.state,
-                    "created_at": l.created_at, "last_used_at": l.last_used_at,
-                })
+        let leases = leases
+            .into_iter()
+            .map(|l| dto::LeaseItem {
+                created_at: l.created_at,
+                last_used_at: l.last_used_at,
+                lease_ref: l.lease_ref,
+                profile: l.profile,
+                runtime: l.runtime,
+                sandbox_ref: l.sandbox_ref,
+                state: l.state,
+                tenant: admin.then_some(l.tenant),
             })
             .collect();
-        Ok(json!({ "leases": items }))
+        Ok(dto::LeaseList { leases })
     }
 
     /// `GET|POST /v1/leases/{ref}/status`.
@@ -46,7 +48,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         refresh: bool,
-    ) -> Result<Value> {
+    ) -> Result<dto::LeaseStatus> {
         let ev = self.event(p, "status", ctx);
         self.authorize(p, "lease:status", &ev).await?;
         let mut l = self.owned_lease(p, lease_ref).await?;
@@ -72,26 +74,22 @@ impl Broker {
             .unwrap_or(i64::MAX)
             .saturating_sub(idle)
             .max(0);
-        let mut m = self.base(&l, ctx);
-        for (k, v) in [
-            ("lease_ref", json!(l.lease_ref)),
-            ("runtime", json!(l.runtime)),
-            ("profile", json!(l.profile)),
-            ("state", json!(l.state)),
-            ("created_at", json!(l.created_at)),
-            ("last_used_at", json!(l.last_used_at)),
-            ("expires_in_seconds", json!(expires)),
-            ("volume_attached", json!(false)),
-            ("jobs", json!(self.jobs_summary(&l.lease_ref)?)),
-            (
-                "checkpoints",
-                json!(self.checkpoints_summary(&l.lease_ref)?),
-            ),
-            ("recoverable", json!(true)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        Ok(Value::Object(m))
+        Ok(dto::LeaseStatus {
+            checkpoints: self.checkpoints_summary(&l.lease_ref)?,
+            created_at: l.created_at,
+            executor: Executor::default(),
+            expires_in_seconds: expires,
+            jobs: self.jobs_summary(&l.lease_ref)?,
+            last_used_at: l.last_used_at,
+            lease_ref: l.lease_ref,
+            profile: l.profile,
+            recoverable: true,
+            request_id: ctx.request_id.clone(),
+            runtime: l.runtime,
+            sandbox_ref: l.sandbox_ref,
+            state: l.state,
+            volume_attached: false,
+        })
     }
 
     /// `POST /v1/leases/{ref}/release` (`pause` or `kill`).
@@ -101,13 +99,17 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
         action: &str,
-    ) -> Result<Value> {
-        if action != "pause" && action != "kill" {
-            return Err(Error::new(
-                Code::InvalidAction,
-                "action must be pause or kill",
-            ));
-        }
+    ) -> Result<dto::ReleaseResponse> {
+        let release_action = match action {
+            "pause" => dto::ReleaseAction::Pause,
+            "kill" => dto::ReleaseAction::Kill,
+            _ => {
+                return Err(Error::new(
+                    Code::InvalidAction,
+                    "action must be pause or kill",
+                ));
+            }
+        };
         let ev = self.event(p, "release", ctx);
         self.authorize(p, "lease:release", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
@@ -128,9 +130,12 @@ impl Broker {
         });
         task.await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
-        let mut m = self.base(&l, ctx);
-        m.insert("action".into(), json!(action));
-        Ok(Value::Object(m))
+        Ok(dto::ReleaseResponse {
+            action: release_action,
+            executor: Executor::default(),
+            request_id: ctx.request_id.clone(),
+            sandbox_ref: l.sandbox_ref,
+        })
     }
 
     /// The effect of a release, after its intent: pause or kill, the

@@ -12,11 +12,11 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use redb::WriteTransaction;
-use serde_json::{Value, json};
 use sha2::Digest;
 
+use super::dto::{self, Executor};
 use super::paths;
-use super::{Broker, Code, Ctx, EXECUTOR, Error, Result, error::backend};
+use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::Intent;
 use crate::audit::event::Event;
 use crate::auth::Principal;
@@ -184,14 +184,6 @@ impl Broker {
         ev
     }
 
-    pub(crate) fn base(&self, l: &Lease, ctx: &Ctx) -> serde_json::Map<String, Value> {
-        let mut m = serde_json::Map::new();
-        m.insert("executor".into(), json!(EXECUTOR));
-        m.insert("sandbox_ref".into(), json!(l.sandbox_ref));
-        m.insert("request_id".into(), json!(ctx.request_id));
-        m
-    }
-
     pub(crate) fn profile_gone(l: &Lease) -> Error {
         Error::new(
             Code::ProfileDenied,
@@ -202,17 +194,17 @@ impl Broker {
         )
     }
 
-    pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> Value {
-        json!({
-            "executor": EXECUTOR,
-            "lease_ref": l.lease_ref,
-            "sandbox_ref": l.sandbox_ref,
-            "profile": l.profile,
-            "reused": reused,
-            "state": l.state,
-            "persistent_workspace": false,
-            "request_id": ctx.request_id,
-        })
+    pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> dto::LeaseAnswer {
+        dto::LeaseAnswer {
+            executor: Executor::default(),
+            lease_ref: l.lease_ref.clone(),
+            persistent_workspace: false,
+            profile: l.profile.clone(),
+            request_id: ctx.request_id.clone(),
+            reused,
+            sandbox_ref: l.sandbox_ref.clone(),
+            state: l.state.clone(),
+        }
     }
 
     /// Apply the path policy; a denied path is recorded as `rejected`.

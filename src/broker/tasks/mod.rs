@@ -25,6 +25,7 @@
 use serde_json::{Map, Value, json};
 use sha2::Digest;
 
+use super::dto;
 use super::leases::{FileOp, Lease, MAX_COMMAND, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result};
 use crate::audit::event::Event;
@@ -63,11 +64,6 @@ use crate::store::plans::put as put_plan;
 use crate::store::tasks::put as put_task;
 
 /// The job state a job answer names.
-fn job_state(v: &Value) -> Option<JobState> {
-    v.get("state")
-        .and_then(|s| serde_json::from_value(s.clone()).ok())
-}
-
 fn sha256_hex(b: &[u8]) -> String {
     hex::encode(sha2::Sha256::digest(b))
 }
@@ -255,58 +251,41 @@ impl Broker {
         Ok(true)
     }
 
-    fn plan_answer(&self, plan: &Plan, ctx: &Ctx) -> Map<String, Value> {
-        let mut m = Map::new();
-        for (k, v) in [
-            ("plan_ref", json!(plan.plan_ref)),
-            ("task_template", json!(plan.template)),
-            ("template_sha256", json!(plan.template_digest)),
-            ("parameters_sha256", json!(plan.parameters_sha256)),
-            ("command_sha256", json!(plan.command_sha256)),
-            ("profile", json!(plan.profile)),
-            ("state", json!(plan.state)),
-            ("approval_required", json!(plan.approval_required)),
-            ("created_at", json!(plan.created_at)),
-            ("expires_at", json!(plan.expires_at)),
-            ("approved_at", json!(plan.approved_at)),
-            ("decided_at", json!(plan.decided_at)),
-            ("task_ref", json!(plan.task_ref)),
-            ("request_id", json!(ctx.request_id)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        m
+    fn plan_answer(&self, plan: &Plan, ctx: &Ctx) -> dto::PlanAnswer {
+        dto::PlanAnswer::new(plan, &ctx.request_id)
     }
 
     /// A task's fields; its result and receipt once they exist, when
     /// `with_result` (callers who may act on it).
-    fn task_answer(&self, t: &Task, ctx: &Ctx, with_result: bool) -> Result<Value> {
-        let mut m = Map::new();
-        for (k, v) in [
-            ("task_ref", json!(t.task_ref)),
-            ("plan_ref", json!(t.plan_ref)),
-            ("task_template", json!(t.template)),
-            ("template_sha256", json!(t.template_digest)),
-            ("profile", json!(t.profile)),
-            ("state", json!(t.state)),
-            ("sandbox_ref", json!(t.sandbox_ref)),
-            ("exit_code", json!(t.exit_code)),
-            ("created_at", json!(t.created_at)),
-            ("updated_at", json!(t.updated_at)),
-            ("completed_at", json!(t.completed_at)),
-            ("cleanup", json!(t.cleanup)),
-            ("execution_ended", json!(t.execution_ended())),
-            ("result_ready", json!(t.result_sealed.is_some())),
-            ("receipt_ready", json!(t.receipt.is_some())),
-            ("request_id", json!(ctx.request_id)),
-        ] {
-            m.insert(k.into(), v);
-        }
-        if with_result && t.result_sealed.is_some() {
-            m.insert("result".into(), self.task_result_value(t)?);
-            m.insert("receipt".into(), t.receipt.clone().unwrap_or(Value::Null));
-        }
-        Ok(Value::Object(m))
+    fn task_answer(&self, t: &Task, ctx: &Ctx, with_result: bool) -> Result<dto::TaskAnswer> {
+        let (result, receipt) = if with_result && t.result_sealed.is_some() {
+            (
+                Some(self.task_result_value(t)?),
+                Some(t.receipt.clone().unwrap_or(Value::Null)),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(dto::TaskAnswer {
+            cleanup: t.cleanup.clone(),
+            completed_at: t.completed_at.clone(),
+            created_at: t.created_at.clone(),
+            execution_ended: t.execution_ended(),
+            exit_code: t.exit_code,
+            plan_ref: t.plan_ref.clone(),
+            profile: t.profile.clone(),
+            receipt,
+            receipt_ready: t.receipt.is_some(),
+            request_id: ctx.request_id.clone(),
+            result,
+            result_ready: t.result_sealed.is_some(),
+            sandbox_ref: t.sandbox_ref.clone(),
+            state: t.state,
+            task_ref: t.task_ref.clone(),
+            task_template: t.template.clone(),
+            template_sha256: t.template_digest.clone(),
+            updated_at: t.updated_at.clone(),
+        })
     }
 
     fn task_result_value(&self, t: &Task) -> Result<Value> {
@@ -434,15 +413,11 @@ impl Broker {
             let job = task.job_ref.clone().unwrap_or_default();
             match self.job_status(&tp, ctx, &job).await {
                 Ok(v) => {
-                    task.state = match job_state(&v) {
-                        Some(JobState::Lost) => TaskState::Orphaned,
-                        Some(s) => s.into(),
-                        None => TaskState::Running,
+                    task.state = match v.state {
+                        JobState::Lost => TaskState::Orphaned,
+                        s => s.into(),
                     };
-                    task.exit_code = v
-                        .get("exit_code")
-                        .and_then(Value::as_i64)
-                        .and_then(|c| i32::try_from(c).ok());
+                    task.exit_code = v.exit_code;
                 }
                 Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
                     task.state = TaskState::Orphaned;

@@ -6,17 +6,24 @@ use super::*;
 
 impl Broker {
     /// `GET /v1/task-templates`: the templates this identity may plan.
-    pub async fn list_task_templates(&self, p: &Principal, ctx: &Ctx) -> Result<Value> {
+    pub async fn list_task_templates(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+    ) -> Result<dto::TaskTemplateList> {
         let ev = self.task_event(p, "task_templates", ctx);
         self.authorize(p, "task:plan", &ev).await?;
-        let list: Vec<Value> = self
+        let task_templates = self
             .config()
             .tasks
             .iter()
             .filter(|(n, t)| p.allows_task_template(n) && p.allows_profile(&t.profile))
-            .map(|(n, t)| t.contract(n))
+            .map(|(n, t)| dto::TaskTemplateContract::new(n, t))
             .collect();
-        Ok(json!({"task_templates": list, "request_id": ctx.request_id}))
+        Ok(dto::TaskTemplateList {
+            request_id: ctx.request_id.clone(),
+            task_templates,
+        })
     }
 
     /// `POST /v1/tasks/plan` (201): validate parameters and make a plan.
@@ -27,7 +34,7 @@ impl Broker {
         ctx: &Ctx,
         template: &str,
         parameters: Option<&Value>,
-    ) -> Result<Value> {
+    ) -> Result<dto::PlanAnswer> {
         let mut ev = self.task_event(p, "task_plan", ctx);
         self.authorize(p, "task:plan", &ev).await?;
         if !crate::config::valid_profile_name(template) {
@@ -207,12 +214,17 @@ impl Broker {
                 Ok(())
             })
             .await?;
-        Ok(Value::Object(self.plan_answer(&plan, ctx)))
+        Ok(self.plan_answer(&plan, ctx))
     }
 
     /// `GET /v1/task-plans/{ref}`: the plan, the template's contract, and
     /// for approvers the parameters.
-    pub async fn review_plan(&self, p: &Principal, ctx: &Ctx, plan_ref: &str) -> Result<Value> {
+    pub async fn review_plan(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        plan_ref: &str,
+    ) -> Result<dto::PlanReview> {
         let mut ev = self.task_event(p, "task_plan_review", ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         let scope = if p.may_approve() {
@@ -235,17 +247,22 @@ impl Broker {
         let Some(t) = self.plan_template(&plan) else {
             return Err(self.reject(ev, Self::changed()).await);
         };
-        let mut m = self.plan_answer(&plan, ctx);
-        m.insert("contract".into(), t.contract(&plan.template));
-        if p.may_approve() {
+        let contract = dto::TaskTemplateContract::new(&plan.template, &t);
+        let parameters = if p.may_approve() {
             let raw = self.inner.store.sealer.open(&plan.parameters_sealed)?;
             let v: Value = serde_json::from_slice(&raw)
                 .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
-            m.insert("parameters".into(), v);
-        }
+            Some(v)
+        } else {
+            None
+        };
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
-        Ok(Value::Object(m))
+        Ok(dto::PlanReview::new(
+            self.plan_answer(&plan, ctx),
+            contract,
+            parameters,
+        ))
     }
 
     /// `POST /v1/task-plans/{ref}/approve`: an independent approver's
@@ -257,7 +274,7 @@ impl Broker {
         plan_ref: &str,
         decision: Option<&str>,
         reason: Option<&str>,
-    ) -> Result<Value> {
+    ) -> Result<dto::PlanAnswer> {
         let approve = match decision.unwrap_or("approve") {
             "approve" => true,
             "deny" => false,
@@ -362,7 +379,7 @@ impl Broker {
         ev.reason_digest = reason.map(|r| self.inner.journal.digest("reason", r.as_bytes()));
         self.save_plan(&plan, PlanState::PendingApproval, ev)
             .await?;
-        Ok(Value::Object(self.plan_answer(&plan, ctx)))
+        Ok(self.plan_answer(&plan, ctx))
     }
 
     /// Delete plans that never ran, `plan_retention_seconds` past their

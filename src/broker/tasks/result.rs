@@ -6,7 +6,12 @@ use super::*;
 
 impl Broker {
     /// `GET|POST /v1/tasks/{ref}/status`.
-    pub async fn task_status(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
+    pub async fn task_status(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        task_ref: &str,
+    ) -> Result<dto::TaskAnswer> {
         let mut ev = self.task_event(p, "task_status", ctx);
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:status", &ev).await?;
@@ -33,12 +38,22 @@ impl Broker {
 
     /// `POST /v1/tasks/{ref}/result`: validate outputs, kill the sandbox,
     /// sign the receipt. Idempotent once signed.
-    pub async fn task_result(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
+    pub async fn task_result(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        task_ref: &str,
+    ) -> Result<dto::TaskAnswer> {
         self.finalize(p, ctx, task_ref, false).await
     }
 
     /// `POST /v1/tasks/{ref}/cancel`: cancel the job, then finalize.
-    pub async fn cancel_task(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
+    pub async fn cancel_task(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        task_ref: &str,
+    ) -> Result<dto::TaskAnswer> {
         self.finalize(p, ctx, task_ref, true).await
     }
 
@@ -48,7 +63,7 @@ impl Broker {
         ctx: &Ctx,
         task_ref: &str,
         cancel: bool,
-    ) -> Result<Value> {
+    ) -> Result<dto::TaskAnswer> {
         let (action, scope) = if cancel {
             ("task_cancel", "task:cancel")
         } else {
@@ -108,14 +123,11 @@ impl Broker {
             let job = task.job_ref.clone().unwrap_or_default();
             match self.cancel_job(&tp, ctx, &job).await {
                 Ok(v) => {
-                    task.exit_code = v
-                        .get("exit_code")
-                        .and_then(Value::as_i64)
-                        .and_then(|c| i32::try_from(c).ok());
+                    task.exit_code = v.exit_code;
                     // Asked to cancel: whatever is left ends with the sandbox.
-                    task.state = match job_state(&v) {
-                        Some(JobState::Running) | None => TaskState::Cancelled,
-                        Some(s) => s.into(),
+                    task.state = match v.state {
+                        JobState::Running => TaskState::Cancelled,
+                        s => s.into(),
                     };
                 }
                 Err(e) if matches!(e.code, Code::JobNotFound | Code::LeaseNotFound) => {
@@ -293,13 +305,13 @@ impl Broker {
                 }
             };
             let data = match got {
-                Ok(v) => v
-                    .get("content_base64")
-                    .and_then(Value::as_str)
-                    .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
-                    .ok_or_else(|| {
-                        Error::new(Code::InvalidArtifact, "an output could not be read")
-                    })?,
+                Ok(v) => match v {
+                    dto::FileAnswer::Download(d) => base64::engine::general_purpose::STANDARD
+                        .decode(d.content_base64)
+                        .ok(),
+                    _ => None,
+                }
+                .ok_or_else(|| Error::new(Code::InvalidArtifact, "an output could not be read"))?,
                 Err(e) if matches!(e.code, Code::ArtifactNotFound | Code::InvalidPath) => {
                     missing(&mut ev, o.required.then_some("missing"));
                     all_ok &= !o.required;
@@ -375,7 +387,12 @@ impl Broker {
     }
 
     /// `GET|POST /v1/tasks/{ref}/receipt`.
-    pub async fn task_receipt(&self, p: &Principal, ctx: &Ctx, task_ref: &str) -> Result<Value> {
+    pub async fn task_receipt(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        task_ref: &str,
+    ) -> Result<dto::ReceiptResponse> {
         let mut ev = self.task_event(p, "task_receipt", ctx);
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:receipt", &ev).await?;
@@ -393,11 +410,15 @@ impl Broker {
         };
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
-        Ok(json!({"task_ref": task.task_ref, "receipt": r, "request_id": ctx.request_id}))
+        Ok(dto::ReceiptResponse {
+            receipt: r,
+            request_id: ctx.request_id.clone(),
+            task_ref: task.task_ref,
+        })
     }
 
     /// `GET /v1/receipts/public-key`: the key receipts are signed with.
-    pub fn receipt_public_key(&self) -> Value {
+    pub fn receipt_public_key(&self) -> dto::PublicKey {
         self.inner.receipts.public_key()
     }
 }

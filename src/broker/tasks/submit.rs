@@ -6,7 +6,12 @@ use super::*;
 impl Broker {
     /// `POST /v1/task-plans/{ref}/submit` (202): run an approved (or
     /// ready) plan. Idempotent: a submitted plan answers with its task.
-    pub async fn submit_plan(&self, p: &Principal, ctx: &Ctx, plan_ref: &str) -> Result<Value> {
+    pub async fn submit_plan(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        plan_ref: &str,
+    ) -> Result<dto::TaskAnswer> {
         let mut ev = self.task_event(p, "task_submit", ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         self.authorize(p, "task:submit", &ev).await?;
@@ -196,14 +201,7 @@ impl Broker {
                     .await?;
                 self.start_job(&tp, ctx, &lease.lease_ref, command, Some(&t.command.cwd))
                     .await
-                    .and_then(|v| {
-                        v.get("job_ref")
-                            .and_then(Value::as_str)
-                            .map(str::to_string)
-                            .ok_or_else(|| {
-                                Error::new(Code::ExecutionFailed, "the task's job did not start")
-                            })
-                    })
+                    .map(|v| v.job_ref)
             }
             Err(e) => Err(e),
         };

@@ -377,27 +377,11 @@ async fn download(
                 format!("path '{shown}' does not exist"),
             );
         }
-        Err(e) => {
-            return http_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("error reading '{shown}': {e}"),
-            );
-        }
+        Err(e) => return io_http_error(&e, &shown),
     }
     let file = match tokio::fs::File::open(&r.real).await {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-            return http_error(
-                StatusCode::FORBIDDEN,
-                format!("permission denied: '{shown}'"),
-            );
-        }
-        Err(e) => {
-            return http_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("error opening '{shown}': {e}"),
-            );
-        }
+        Err(e) => return io_http_error(&e, &shown),
     };
     let len = file.metadata().await.map(|m| m.len()).ok();
     let name = r
@@ -565,6 +549,7 @@ where
     Ok(serde_json::json!({"path": shown, "name": name, "type": "file"}))
 }
 
+/// A file transfer's I/O error as the envd HTTP status CubeSandbox gives.
 fn io_http_error(e: &std::io::Error, shown: &str) -> Response {
     match e.kind() {
         std::io::ErrorKind::StorageFull => http_error(
@@ -579,10 +564,18 @@ fn io_http_error(e: &std::io::Error, shown: &str) -> Response {
             StatusCode::FORBIDDEN,
             format!("read-only file system: '{shown}'"),
         ),
-        _ => http_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("error writing '{shown}': {e}"),
-        ),
+        std::io::ErrorKind::NotFound => {
+            http_error(StatusCode::NOT_FOUND, format!("'{shown}': {e}"))
+        }
+        // The path cannot be used so: a name too long, a file where a
+        // directory is needed, a directory where a file is.
+        std::io::ErrorKind::InvalidFilename
+        | std::io::ErrorKind::InvalidInput
+        | std::io::ErrorKind::NotADirectory
+        | std::io::ErrorKind::IsADirectory => {
+            http_error(StatusCode::BAD_REQUEST, format!("'{shown}': {e}"))
+        }
+        _ => http_error(StatusCode::INTERNAL_SERVER_ERROR, format!("'{shown}': {e}")),
     }
 }
 

@@ -56,6 +56,20 @@ impl RpcError {
                 "resource_exhausted",
                 format!("{what}: no space left on device"),
             ),
+            // What the request asks cannot be done to this path: a name
+            // too long, a file where a directory is needed or the other
+            // way round, a mount point, a move across file systems.
+            std::io::ErrorKind::InvalidFilename | std::io::ErrorKind::InvalidInput => {
+                Self::invalid(format!("{what}: {e}"))
+            }
+            std::io::ErrorKind::NotADirectory
+            | std::io::ErrorKind::IsADirectory
+            | std::io::ErrorKind::DirectoryNotEmpty
+            | std::io::ErrorKind::ResourceBusy
+            | std::io::ErrorKind::CrossesDevices
+            | std::io::ErrorKind::ReadOnlyFilesystem => {
+                Self::new("failed_precondition", format!("{what}: {e}"))
+            }
             _ => Self::internal(format!("{what}: {e}")),
         }
     }

@@ -3,7 +3,9 @@
 //!   and host-process helpers (`is_zombie`, `pids_in_ns`);
 //! - `server`: `Server` (the appliance in-process), `raw_request`, `code`;
 //! - `rig`: `Proc` and `ProcRig` (real `serve` processes), `revoke`;
-//! - `python`: `sdk_python` (the SDK virtualenv, made once under a lock);
+//! - `python`: `sdk_python`, `spec_tools` (the SDK and schemathesis
+//!   virtualenvs, each made once under a lock);
+//! - `spec`: `docs/openapi.yaml` as an oracle for answers;
 //! - `sandboxes`: `end_sandboxes` (what every `Drop` here uses to end the
 //!   sandboxes a test left) and `SandboxReaper`;
 //! - `tmpfs`: `Tmpfs` (a size-limited tmpfs, root only).
@@ -16,10 +18,11 @@ pub mod python;
 pub mod rig;
 pub mod sandboxes;
 pub mod server;
+pub mod spec;
 pub mod tmpfs;
 
 pub use backend::{TestBackend, pids_in_ns, settings};
-pub use python::sdk_python;
+pub use python::{sdk_python, spec_tools};
 pub use rig::{Proc, ProcRig, revoke};
 pub use sandboxes::{SandboxReaper, end_sandboxes};
 pub use server::{Server, code, raw_request};

@@ -1,9 +1,11 @@
-//! The Python the SDK tests drive: a virtualenv `target/sdk-venv` with the
-//! official SDKs, pinned. Made once: one thread per process makes (or
-//! checks) it while the others wait (`OnceLock`), and one process at a time
-//! (an exclusive `flock` on `target/sdk-venv.lock`), so tests that call
-//! `sdk_python` at once, in one test binary or several, never build it
-//! concurrently.
+//! The Python the tests drive, in two virtualenvs with pinned packages from
+//! PyPI: `target/sdk-venv` (the official SDKs) and `target/spec-venv`
+//! (schemathesis, which checks the appliance against `docs/openapi.yaml`).
+//! Each is made once: one thread per process makes (or checks) it while
+//! the others wait (`OnceLock`), and one process at a time (an exclusive
+//! `flock` on `target/<name>.lock`), so tests that need one at once, in one
+//! test binary or several, never build it concurrently. `.ci/run` makes
+//! both up front with the same pins.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,38 +14,57 @@ use std::sync::OnceLock;
 use nix::fcntl::{Flock, FlockArg};
 
 /// The official SDKs the tests drive, pinned.
-const SDKS: &[&str] = &["cubesandbox==0.7.3", "mcp==2.3.0"];
+const SDKS: &[(&str, &str)] = &[("cubesandbox", "0.7.3"), ("mcp", "2.3.0")];
 
-/// The venv's python, with the SDKs (created once, reused by later runs).
+/// The property-based API tester, pinned.
+const SPEC_TOOLS: &[(&str, &str)] = &[("schemathesis", "4.32.5")];
+
+/// The SDK venv's python (created once, reused by later runs).
 pub fn sdk_python() -> PathBuf {
     static PY: OnceLock<PathBuf> = OnceLock::new();
-    PY.get_or_init(|| {
-        let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
-        std::fs::create_dir_all(&target).unwrap();
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(target.join("sdk-venv.lock"))
-            .unwrap();
-        // Held until the venv is ready; released when dropped (also on a panic).
-        let _lock = Flock::lock(lock, FlockArg::LockExclusive)
-            .map_err(|(_, e)| e)
-            .expect("flock target/sdk-venv.lock");
-        make_venv(&target.join("sdk-venv"))
+    PY.get_or_init(|| venv("sdk-venv", SDKS)).clone()
+}
+
+/// The schemathesis venv's `bin` directory.
+pub fn spec_tools() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        venv("spec-venv", SPEC_TOOLS)
+            .parent()
+            .unwrap()
+            .to_path_buf()
     })
     .clone()
 }
 
-/// Make the venv at `venv` unless it already has the pinned SDKs.
-fn make_venv(venv: &Path) -> PathBuf {
+/// `target/<name>` with `pins` installed; its python.
+fn venv(name: &str, pins: &[(&str, &str)]) -> PathBuf {
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(target.join(format!("{name}.lock")))
+        .unwrap();
+    // Held until the venv is ready; released when dropped (also on a panic).
+    let _lock = Flock::lock(lock, FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .unwrap_or_else(|e| panic!("flock target/{name}.lock: {e}"));
+    make_venv(&target.join(name), pins)
+}
+
+/// Make the venv at `venv` unless it already has `pins`.
+fn make_venv(venv: &Path, pins: &[(&str, &str)]) -> PathBuf {
     let py = venv.join("bin/python");
+    let check = pins
+        .iter()
+        .map(|(p, v)| format!("assert m.version('{p}') == '{v}'"))
+        .collect::<Vec<_>>()
+        .join("; ");
     let installed = py.exists()
         && Command::new(&py)
-            .args([
-                "-c",
-                "import importlib.metadata as m; assert m.version('cubesandbox') == '0.7.3'; assert m.version('mcp') == '2.3.0'",
-            ])
+            .args(["-c", &format!("import importlib.metadata as m; {check}")])
             .status()
             .is_ok_and(|s| s.success());
     if !installed {
@@ -51,11 +72,14 @@ fn make_venv(venv: &Path) -> PathBuf {
             .args(["-m", "venv"])
             .arg(venv)
             .status()
-            .expect("python3 is needed for the SDK tests (install python3 and python3-venv)");
+            .expect(
+                "python3 is needed for the Python-driven tests (install python3 and python3-venv)",
+            );
         assert!(
             st.success(),
             "python3 -m venv failed (install python3-venv)"
         );
+        let specs: Vec<String> = pins.iter().map(|(p, v)| format!("{p}=={v}")).collect();
         let st = Command::new(&py)
             .args([
                 "-m",
@@ -64,10 +88,10 @@ fn make_venv(venv: &Path) -> PathBuf {
                 "--quiet",
                 "--disable-pip-version-check",
             ])
-            .args(SDKS)
+            .args(&specs)
             .status()
             .unwrap();
-        assert!(st.success(), "pip install {SDKS:?} failed");
+        assert!(st.success(), "pip install {specs:?} failed");
     }
     py
 }

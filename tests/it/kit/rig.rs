@@ -74,13 +74,11 @@ impl ProcRig {
         url: String,
         body: Option<Value>,
     ) -> (StatusCode, Value) {
-        let r = match body {
-            Some(b) => self.http.post(url).bearer_auth(token).json(&b),
-            None => self.http.get(url).bearer_auth(token),
+        let (method, r) = match body {
+            Some(b) => ("POST", self.http.post(url).bearer_auth(token).json(&b)),
+            None => ("GET", self.http.get(url).bearer_auth(token)),
         };
-        let r = r.send().await.unwrap();
-        let st = r.status();
-        (st, r.json::<Value>().await.unwrap_or(Value::Null))
+        super::spec::answer(method, r.send().await.unwrap()).await
     }
 }
 

@@ -109,6 +109,8 @@ impl Server {
         }
     }
 
+    /// POST a JSON body; the status and JSON answer, checked against
+    /// `docs/openapi.yaml` (`kit::spec`).
     pub async fn post(&self, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
         let r = self
             .http
@@ -118,10 +120,10 @@ impl Server {
             .send()
             .await
             .unwrap();
-        let s = r.status();
-        (s, r.json().await.unwrap_or(Value::Null))
+        super::spec::answer("POST", r).await
     }
 
+    /// GET; the status and JSON answer, checked as `post`'s.
     pub async fn get(&self, token: &str, path: &str) -> (StatusCode, Value) {
         let r = self
             .http
@@ -130,8 +132,7 @@ impl Server {
             .send()
             .await
             .unwrap();
-        let s = r.status();
-        (s, r.json().await.unwrap_or(Value::Null))
+        super::spec::answer("GET", r).await
     }
 
     /// Issue a token through the CLI (reaches the running server's admin socket).
