@@ -56,8 +56,10 @@ pub enum Request {
 }
 
 /// One answer line. Every request gets one answer, except `AuditExport`:
-/// an `AuditEvent` per event, then `AuditCount`. A refused or failed
-/// request gets one `Error` instead. (No `Debug`: `Token` holds a secret.)
+/// an `AuditEvent` per event, streamed as the journal is read, then
+/// `AuditCount`. A refused or failed request gets one `Error` instead; an
+/// export that fails part way ends with an `Error` in place of the count.
+/// (No `Debug`: `Token` holds a secret.)
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "answer", rename_all = "snake_case")]
 pub enum Response {
@@ -258,31 +260,19 @@ pub async fn serve(
                         | Request::Reload
                         | Request::CertRenew
                         | Request::Backup),
-                    ) => vec![ops.handle(req).await],
-                    Ok(req) => handle(req, &store, &authn).await,
-                    Err(e) => vec![Response::error(format!("bad request: {e}"))],
-                };
-                for r in out {
-                    if w.write_all(&encode(&r)).await.is_err() {
-                        return;
+                    ) => ops.handle(req).await,
+                    Ok(Request::AuditExport { since }) => {
+                        return export(&store, since, &mut w).await;
                     }
-                }
+                    Ok(req) => answer(req, &store, &authn)
+                        .await
+                        .unwrap_or_else(Response::error),
+                    Err(e) => Response::error(format!("bad request: {e}")),
+                };
+                let _ = w.write_all(&encode(&out)).await;
             });
         }
     }))
-}
-
-async fn handle(req: Request, store: &Store, authn: &Authenticator) -> Vec<Response> {
-    match req {
-        Request::AuditExport { since } => export(store, since)
-            .await
-            .unwrap_or_else(|e| vec![Response::error(e)]),
-        req => vec![
-            answer(req, store, authn)
-                .await
-                .unwrap_or_else(Response::error),
-        ],
-    }
 }
 
 /// The one answer to a request about identities or the journal.
@@ -342,35 +332,116 @@ async fn answer(req: Request, store: &Store, authn: &Authenticator) -> Result<Re
     })
 }
 
-/// `AuditExport`: every event from `since` on, then their count.
-async fn export(store: &Store, since: u64) -> Result<Vec<Response>, String> {
+/// Events an export reads in one read transaction and sends as one chunk
+/// of answer lines (a few hundred KiB).
+const EXPORT_BATCH: usize = 1024;
+/// Chunks read ahead of the socket. With the one being read and the one
+/// being written, an export never holds more than `EXPORT_AHEAD + 2`
+/// chunks, however long the journal and however slow the reader.
+const EXPORT_AHEAD: usize = 2;
+
+/// `AuditExport`: every event from `since` up to the last one at the
+/// start, then their count, written as they are read. One task of the
+/// blocking pool reads the journal in batches, each in its own read
+/// transaction (events never change once written, so batches by sequence
+/// number up to a last one fixed first make one consistent export), and
+/// sends them through a bounded channel to the writer: a slow reader holds
+/// the export back instead of buffering it, and one that goes away stops
+/// it. (One thread for the whole export also keeps its allocations in one
+/// allocator arena.)
+async fn export(store: &Store, since: u64, w: &mut (impl tokio::io::AsyncWrite + Unpin)) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(EXPORT_AHEAD);
     let store = store.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut out = vec![];
-        let count = crate::audit::export(&store, since, |e| {
-            out.push(Response::AuditEvent {
-                event: Box::new(e.clone()),
-            });
-            Ok(())
-        })?;
-        out.push(Response::AuditCount { count });
-        Ok(out)
-    })
-    .await
-    .map_err(|e| e.to_string())?
+    let reading = tokio::task::spawn_blocking(move || {
+        if let Err(e) = read_export(&store, since, &tx) {
+            // The stream ends with the error in place of the count.
+            let _ = tx.blocking_send(encode(&Response::error(e)));
+        }
+    });
+    while let Some(chunk) = rx.recv().await {
+        if w.write_all(&chunk).await.is_err() {
+            break;
+        }
+    }
+    // A reader gone: the next send fails, which ends the reading side.
+    drop(rx);
+    let _ = reading.await;
+    let _ = w.flush().await;
 }
 
-/// Send one request to a running service; its answers.
-pub fn call(path: &Path, req: &Request) -> Result<Vec<Response>, String> {
+/// The reading side of [`export`] (on the blocking pool): chunks of
+/// encoded `AuditEvent` lines, then the `AuditCount` line. `Ok` too when
+/// the writer went away.
+fn read_export(
+    store: &Store,
+    since: u64,
+    tx: &tokio::sync::mpsc::Sender<Vec<u8>>,
+) -> Result<(), String> {
+    let to = store
+        .read_now(crate::audit::last_seq)
+        .map_err(|e| e.to_string())?;
+    let mut from = since;
+    let mut count = 0u64;
+    loop {
+        let mut chunk = Vec::with_capacity(EXPORT_BATCH * 512);
+        let last = store
+            .read_now(|txn| {
+                crate::audit::read_batch(txn, from, to, EXPORT_BATCH, |ev| {
+                    let line = Response::AuditEvent {
+                        event: Box::new(ev),
+                    };
+                    serde_json::to_writer(&mut chunk, &line)
+                        .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
+                    chunk.push(b'\n');
+                    count += 1;
+                    Ok(())
+                })
+            })
+            .map_err(|e| e.to_string())?;
+        let Some(last) = last else { break };
+        if tx.blocking_send(chunk).is_err() {
+            return Ok(());
+        }
+        match last.checked_add(1) {
+            Some(next) if last < to => from = next,
+            _ => break,
+        }
+    }
+    let _ = tx.blocking_send(encode(&Response::AuditCount { count }));
+    Ok(())
+}
+
+/// Send one request to a running service and hand `each` its answers one
+/// by one, as they arrive (an export is never held whole); the first error
+/// `each` returns stops the call.
+pub fn call_each(
+    path: &Path,
+    req: &Request,
+    mut each: impl FnMut(Response) -> Result<(), String>,
+) -> Result<(), String> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)
         .map_err(|e| format!("cannot reach the service at {}: {e}", path.display()))?;
     s.write_all(&encode(req)).map_err(|e| e.to_string())?;
-    let mut out = vec![];
-    for line in std::io::BufReader::new(s).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        out.push(decode(&line).map_err(|e| format!("bad answer from the service: {e}"))?);
+    let mut r = std::io::BufReader::new(s);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+            return Ok(());
+        }
+        each(decode(&line).map_err(|e| format!("bad answer from the service: {e}"))?)?;
     }
+}
+
+/// Send one request to a running service; its answers (all of them: for
+/// requests with one answer; an export goes through [`call_each`]).
+pub fn call(path: &Path, req: &Request) -> Result<Vec<Response>, String> {
+    let mut out = vec![];
+    call_each(path, req, |r| {
+        out.push(r);
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -398,5 +469,96 @@ mod tests {
         ));
         let r: Request = decode(std::str::from_utf8(&encode(&Request::Status)).unwrap()).unwrap();
         assert!(matches!(r, Request::Status));
+    }
+
+    async fn journal_of(n: u64) -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store
+            .write(move |txn, chain| {
+                for i in 0..n {
+                    chain.append(
+                        txn,
+                        Event {
+                            action: format!("a{i}"),
+                            ..Default::default()
+                        },
+                    )?;
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        (dir, store)
+    }
+
+    /// The export through a pipe far smaller than one batch: every event,
+    /// in order, from `since` on, then the count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn export_streams_every_event_in_order_then_the_count() {
+        use tokio::io::AsyncReadExt;
+        let n = 3 * EXPORT_BATCH as u64 + 17;
+        let (_dir, store) = journal_of(n).await;
+        for since in [0, 1, 2, EXPORT_BATCH as u64 + 1, n, n + 1] {
+            let (mut w, mut r) = tokio::io::duplex(1024);
+            let st = store.clone();
+            let server = tokio::spawn(async move { export(&st, since, &mut w).await });
+            let mut text = String::new();
+            r.read_to_string(&mut text).await.unwrap();
+            server.await.unwrap();
+            let lines: Vec<Response> = text.lines().map(|l| decode(l).unwrap()).collect();
+            let first = since.max(1);
+            let want = (n + 1).saturating_sub(first);
+            assert_eq!(lines.len() as u64, want + 1, "since {since}");
+            for (k, line) in lines.iter().enumerate() {
+                let k = k as u64;
+                match line {
+                    Response::AuditEvent { event } if k < want => {
+                        assert_eq!(event.seq, first + k);
+                        assert_eq!(event.action, format!("a{}", first + k - 1));
+                    }
+                    Response::AuditCount { count } if k == want => assert_eq!(*count, want),
+                    _ => panic!("line {k} of the export from {since}"),
+                }
+            }
+        }
+    }
+
+    /// A reader that goes away part way ends the export (the service is not
+    /// left reading the journal into a buffer nobody takes).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_export_whose_reader_goes_away_stops() {
+        use tokio::io::AsyncBufReadExt;
+        let (_dir, store) = journal_of(4 * EXPORT_BATCH as u64).await;
+        let (mut w, r) = tokio::io::duplex(1024);
+        let st = store.clone();
+        let server = tokio::spawn(async move { export(&st, 1, &mut w).await });
+        let mut r = tokio::io::BufReader::new(r);
+        let mut line = String::new();
+        r.read_line(&mut line).await.unwrap();
+        assert!(matches!(decode(&line), Ok(Response::AuditEvent { .. })));
+        drop(r);
+        tokio::time::timeout(std::time::Duration::from_secs(30), server)
+            .await
+            .expect("the export stops when its reader goes away")
+            .unwrap();
+    }
+
+    /// A journal that cannot be read: the export is one `Error` line.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_export_that_cannot_read_ends_with_an_error() {
+        use tokio::io::AsyncReadExt;
+        let (_dir, store) = journal_of(3).await;
+        store.close().await;
+        let (mut w, mut r) = tokio::io::duplex(1024);
+        let server = tokio::spawn(async move { export(&store, 1, &mut w).await });
+        let mut text = String::new();
+        r.read_to_string(&mut text).await.unwrap();
+        server.await.unwrap();
+        let lines: Vec<Response> = text.lines().map(|l| decode(l).unwrap()).collect();
+        assert!(
+            matches!(lines.as_slice(), [Response::Error { .. }]),
+            "{text}"
+        );
     }
 }

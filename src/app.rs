@@ -229,8 +229,11 @@ pub async fn serve_with(
         ));
     }
     let file = crate::ops::tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
+    // Sign-in blocks (repeated failures) are audited, one event per block.
+    let (block_tx, block_rx) = tokio::sync::mpsc::channel(256);
     let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots)
-        .with_clock(clock.clone());
+        .with_clock(clock.clone())
+        .with_block_reports(block_tx);
 
     // The backend: configured, or the embedded one on loopback with mTLS.
     // Tasks that end when `stop` is cancelled, and tasks that are aborted.
@@ -336,6 +339,11 @@ pub async fn serve_with(
         signer,
         clock.clone(),
     );
+    background.push(tokio::spawn(audit_blocks(
+        broker.journal().clone(),
+        block_rx,
+        stop.clone(),
+    )));
     let admin_authn = authn.clone();
     let st = AppState {
         broker: broker.clone(),
@@ -397,7 +405,8 @@ pub async fn serve_with(
     });
     let upkeep = tokio_util::sync::CancellationToken::new();
     broker.spawn_upkeep(upkeep.clone());
-    let r = crate::server::serve(listener, app, tls, shutdown).await;
+    let limits = crate::server::Limits::from_config(&cfg.connections);
+    let r = crate::server::serve_with_limits(listener, app, tls, limits, shutdown).await;
     upkeep.cancel();
     // Let effects in flight record their outcome before the store closes.
     if !broker.drain(std::time::Duration::from_secs(30)).await {
@@ -424,4 +433,38 @@ pub async fn serve_with(
     // Last: the writer commits what is queued and the file is released.
     store.close().await;
     r.context("serve")
+}
+
+/// Record each sign-in block in the journal: who was blocked (a digest of
+/// the token id or user name, none when a whole address is), from where
+/// (a digest of the address), for how long. One event per block, however
+/// many attempts it then refuses.
+async fn audit_blocks(
+    journal: crate::audit::Journal,
+    mut rx: tokio::sync::mpsc::Receiver<crate::auth::throttle::Blocked>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use crate::auth::throttle::Credential;
+    loop {
+        let b = tokio::select! {
+            _ = stop.cancelled() => return,
+            b = rx.recv() => match b {
+                Some(b) => b,
+                None => return,
+            },
+        };
+        let mut ev = journal.event("sign_in_throttled");
+        ev.outcome = "rejected".into();
+        ev.error_code = Some("sign_in_throttled".into());
+        ev.identity_digest = match &b.credential {
+            Some(Credential::Token(id)) => Some(journal.digest("token_id", id.as_bytes())),
+            Some(Credential::User(name)) => Some(journal.digest("user", name.as_bytes())),
+            Some(Credential::Unknown) | None => None,
+        };
+        ev.note_digest = Some(journal.digest("source", b.source.ip().to_string().as_bytes()));
+        ev.duration_ms = Some(u64::try_from(b.for_.as_millis()).unwrap_or(u64::MAX));
+        if let Err(e) = journal.record(ev).await {
+            tracing::warn!(error = %e, "a sign-in block was not audited");
+        }
+    }
 }

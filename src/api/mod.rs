@@ -44,12 +44,13 @@ pub struct Metrics {
     pub errors_5xx: AtomicU64,
 }
 
-/// The error envelope: `{"error": {"code", "message"}}`.
-pub struct ApiError(pub Error);
+/// The error envelope: `{"error": {"code", "message"}}`; with a
+/// `Retry-After` of its own (seconds) or the code's.
+pub struct ApiError(pub Error, pub Option<u64>);
 
 impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
-        Self(e)
+        Self(e, None)
     }
 }
 
@@ -63,7 +64,7 @@ impl IntoResponse for ApiError {
             axum::Json(json!({"error": {"code": code, "message": self.0.message}})),
         )
             .into_response();
-        if let Some(secs) = code.retry_after() {
+        if let Some(secs) = self.1.or(code.retry_after().map(u64::from)) {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
@@ -72,7 +73,7 @@ impl IntoResponse for ApiError {
 }
 
 fn err(code: Code, msg: impl Into<String>) -> ApiError {
-    ApiError(Error::new(code, msg))
+    ApiError(Error::new(code, msg), None)
 }
 
 /// A handler's result.
@@ -194,7 +195,7 @@ impl StreamAuth {
             return true;
         }
         self.checked = std::time::Instant::now();
-        let ok = identify_by(&self.auth, self.authz.as_deref(), self.cert.as_ref())
+        let ok = identify_by(&self.auth, self.authz.as_deref(), self.cert.as_ref(), None)
             .await
             .is_ok();
         if ok {
@@ -223,7 +224,13 @@ pub async fn identify(
     let authz = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    identify_by(auth, authz, extensions.get::<crate::auth::PeerCert>()).await
+    identify_by(
+        auth,
+        authz,
+        extensions.get::<crate::auth::PeerCert>(),
+        extensions.get::<crate::auth::Source>().copied(),
+    )
+    .await
 }
 
 /// `identify` from the `Authorization` header's value and the
@@ -233,6 +240,7 @@ pub(crate) async fn identify_by(
     auth: &Authenticator,
     authz: Option<&str>,
     cert: Option<&crate::auth::PeerCert>,
+    source: Option<crate::auth::Source>,
 ) -> Result<Principal, ApiError> {
     let authz = authz.map(str::trim).filter(|a| !a.is_empty());
     let basic = authz.and_then(|a| {
@@ -249,7 +257,7 @@ pub(crate) async fn identify_by(
             return Err(err(Code::Unauthorized, "malformed Basic credentials"));
         };
         (
-            auth.authenticate_basic(name, password).await,
+            auth.authenticate_basic(name, password, source).await,
             "invalid user name or password",
         )
     } else if let Some(a) = authz {
@@ -264,7 +272,10 @@ pub(crate) async fn identify_by(
                 "Authorization must be Bearer (a token) or Basic (a user)",
             ));
         }
-        (auth.authenticate(token).await, "invalid bearer token")
+        (
+            auth.authenticate(token, source).await,
+            "invalid bearer token",
+        )
     } else if let Some(c) = cert {
         (
             auth.authenticate_cert(c).await,
@@ -279,9 +290,14 @@ pub(crate) async fn identify_by(
     match r {
         Ok(p) => Ok(p),
         Err(AuthError::Unauthorized) => Err(err(Code::Unauthorized, what)),
-        Err(AuthError::Throttled) => Err(err(
-            Code::SignInThrottled,
-            "too many sign-in attempts for this user (or the sign-in queue is full); retry in a minute",
+        Err(AuthError::Throttled(secs)) => Err(ApiError(
+            Error::new(
+                Code::SignInThrottled,
+                format!(
+                    "too many failed sign-ins with these credentials from this address (or the sign-in queue is full); retry in {secs} s"
+                ),
+            ),
+            Some(secs),
         )),
         Err(AuthError::Unavailable) => Err(err(
             Code::AuditUnavailable,

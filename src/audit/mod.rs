@@ -297,7 +297,10 @@ pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), S
     Ok((n, expect - 1, prev))
 }
 
-/// Events with `seq >= since`, in order.
+/// Events with `seq >= since`, in order, in one read transaction (the
+/// CLI on a stopped store; the running service reads in batches,
+/// [`read_batch`]). Each event is handed to `out` as it is read: memory
+/// stays flat however long the journal.
 pub fn export(
     store: &Store,
     since: u64,
@@ -314,6 +317,54 @@ pub fn export(
             Ok(n)
         })
         .map_err(|e| e.to_string())
+}
+
+/// One exported event as `audit export` prints it: one JSON object, keys
+/// sorted (through a `Value`, as the export has always printed them), no
+/// newline. Both paths (through the service, on the store) print this.
+pub fn export_line(ev: &Event) -> String {
+    serde_json::to_value(ev)
+        .map(|v| v.to_string())
+        .unwrap_or_default()
+}
+
+/// The sequence number of the last event (0: none yet).
+pub fn last_seq(txn: &redb::ReadTransaction) -> Result<u64, StoreError> {
+    use redb::ReadableTable;
+    match txn.open_table(crate::store::tables::AUDIT) {
+        Ok(t) => Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0)),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// At most `limit` events with `from <= seq <= to`, in order, each handed
+/// to `out`; the sequence number of the last one handed (`None`: none in
+/// the range). Events are never changed once written, so batches read in
+/// successive read transactions, up to a `to` fixed first ([`last_seq`]),
+/// make one consistent export.
+pub fn read_batch(
+    txn: &redb::ReadTransaction,
+    from: u64,
+    to: u64,
+    limit: usize,
+    mut out: impl FnMut(Event) -> Result<(), StoreError>,
+) -> Result<Option<u64>, StoreError> {
+    if from > to || limit == 0 {
+        return Ok(None);
+    }
+    let t = match txn.open_table(crate::store::tables::AUDIT) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut last = None;
+    for item in t.range(from..=to)?.take(limit) {
+        let (k, v) = item?;
+        out(crate::store::codec::decode(v.value())?)?;
+        last = Some(k.value());
+    }
+    Ok(last)
 }
 
 /// Resolve pending intents (offline): each gets a `reconciled` outcome

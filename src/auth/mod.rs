@@ -1,16 +1,25 @@
 //! Identity: who is calling, and what they may do.
 //!
-//! Bearer tokens issued by `cube-adapter token create` are stored as argon2
-//! hashes; verification runs on the blocking pool behind a semaphore, and a
-//! verified token is cached (by its SHA-256) for a minute. The reference
-//! adapter's `CUBE_ADAPTER_TOKENS_FILE` principals and shared
-//! `CUBE_ADAPTER_TOKEN` are accepted too (compared in constant time).
+//! Bearer tokens issued by `cube-adapter token create` are high-entropy
+//! secrets: their records keep an HMAC-SHA-256 of the token under the
+//! store's token key (`Store::token_key`, sealed at rest), checked in
+//! constant time in microseconds and without memory of its own. People's
+//! passwords (HTTP Basic, `users`) stay argon2id, checked on one dedicated
+//! thread with a reused memory block (`argon`), so memory does not grow
+//! with the number of attempts. A verified credential is cached (by its
+//! SHA-256) for a minute. The reference adapter's `CUBE_ADAPTER_TOKENS_FILE`
+//! principals and shared `CUBE_ADAPTER_TOKEN` are accepted too (compared in
+//! constant time).
+//!
+//! Token records from before schema 4 hold an argon2id hash. They are
+//! rekeyed on their first successful use (checked on the argon2 thread,
+//! then the record's hash is rewritten under the token key): the plaintext
+//! token is never kept, so no one-off step at start could rewrite them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
@@ -19,6 +28,8 @@ use subtle::ConstantTimeEq;
 use crate::store::typed::{self, ReadOps};
 use crate::store::{Store, StoreError, tables};
 
+mod argon;
+pub mod throttle;
 pub mod users;
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -43,6 +54,80 @@ impl std::str::FromStr for Role {
             )),
         }
     }
+}
+
+/// What every role may read: listings, statuses, outputs, receipts.
+pub const READ_ACTIONS: &[&str] = &[
+    "lease:list",
+    "lease:status",
+    "job:status",
+    "job:output",
+    "pty:status",
+    "pty:events",
+    "checkpoint:list",
+    "file:read",
+    "file:list",
+    "file:stat",
+    "task:status",
+    "task:receipt",
+];
+
+/// What an agent does with its leases, besides reading.
+pub const AGENT_ACTIONS: &[&str] = &[
+    "lease:*",
+    "exec:*",
+    "file:*",
+    "job:*",
+    "pty:*",
+    "checkpoint:*",
+    "task:plan",
+    "task:submit",
+    "task:result",
+    "task:cancel",
+];
+
+impl Role {
+    /// The action scopes this role gets when none are given: an auditor
+    /// reads, an approver decides on task plans and reads, an agent works
+    /// its leases and plans tasks, an admin may do everything.
+    pub fn default_actions(self) -> Vec<&'static str> {
+        match self {
+            Role::Admin => vec!["*"],
+            Role::Auditor => READ_ACTIONS.to_vec(),
+            Role::Approver => {
+                let mut v = vec!["task:approve"];
+                v.extend_from_slice(READ_ACTIONS);
+                v
+            }
+            Role::Agent => {
+                let mut v = AGENT_ACTIONS.to_vec();
+                v.extend_from_slice(READ_ACTIONS);
+                v
+            }
+        }
+    }
+}
+
+/// The default action scopes of a set of roles: the union of each role's
+/// (`*` alone if any role grants everything), without repeats, and
+/// without scopes a family wildcard in the set already covers.
+pub fn default_actions(roles: &[Role]) -> Vec<String> {
+    let all: Vec<&str> = roles.iter().flat_map(|r| r.default_actions()).collect();
+    if all.contains(&"*") {
+        return vec!["*".into()];
+    }
+    let families: Vec<&str> = all.iter().filter_map(|a| a.strip_suffix(":*")).collect();
+    let mut out: Vec<String> = vec![];
+    for a in all {
+        let covered = !a.ends_with(":*")
+            && a.split(':')
+                .next()
+                .is_some_and(|fam| families.contains(&fam));
+        if !covered && !out.iter().any(|o| o == a) {
+            out.push(a.to_string());
+        }
+    }
+    out
 }
 
 /// An authenticated caller.
@@ -128,7 +213,9 @@ impl Principal {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TokenRecord {
     pub id: String,
-    /// argon2id PHC string.
+    /// `hmac-sha256:<hex>` of the token under the store's token key; an
+    /// argon2id PHC string in records from before schema 4 (until the
+    /// token's next use rewrites it); empty for a certificate identity.
     pub hash: String,
     pub principal: Principal,
     pub created_at: String,
@@ -178,40 +265,79 @@ fn parse_token(t: &str) -> Option<(&str, &str)> {
         .then_some((id, secret))
 }
 
-/// Make a new token: the plaintext (shown once) and its record.
+/// How a keyed token hash starts (`hmac-sha256:<hex>`).
+pub const KEYED_PREFIX: &str = "hmac-sha256:";
+
+/// HMAC-SHA-256 of `token` under `key`.
+fn keyed(key: &[u8; 32], token: &str) -> Option<[u8; 32]> {
+    let mut m = <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(key).ok()?;
+    hmac::Mac::update(&mut m, token.as_bytes());
+    Some(hmac::Mac::finalize(m).into_bytes().into())
+}
+
+/// A record's `hash` for `token` under `key`.
+fn keyed_hash(key: &[u8; 32], token: &str) -> Option<String> {
+    keyed(key, token).map(|h| format!("{KEYED_PREFIX}{}", hex::encode(h)))
+}
+
+/// Whether `token` matches a keyed `hash` (constant time).
+fn keyed_matches(key: &[u8; 32], token: &str, hash: &str) -> bool {
+    let (Some(hex_part), Some(mine)) = (hash.strip_prefix(KEYED_PREFIX), keyed(key, token)) else {
+        return false;
+    };
+    hex::decode(hex_part).is_ok_and(|stored| bool::from(stored.as_slice().ct_eq(&mine)))
+}
+
+/// A token made but not stored yet: `store_token` keys its hash under the
+/// store's token key. (No `Debug`: it holds the token.)
+pub struct NewToken {
+    record: TokenRecord,
+    token: String,
+}
+
+impl NewToken {
+    pub fn id(&self) -> &str {
+        &self.record.id
+    }
+}
+
+/// Make a new token: the plaintext (shown once) and what `store_token`
+/// keeps of it.
 pub fn new_token(
     principal: Principal,
     description: Option<String>,
     clock: &crate::clock::Clock,
-) -> Result<(String, TokenRecord), String> {
+) -> Result<(String, NewToken), String> {
     let id = crate::ids::random_hex(6);
     let secret: [u8; 32] = rand::random();
     let token = format!(
         "{TOKEN_PREFIX}{id}_{}",
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
     );
-    let salt_bytes: [u8; 16] = rand::random();
-    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| e.to_string())?;
-    let hash = argon2::Argon2::default()
-        .hash_password(token.as_bytes(), &salt)
-        .map_err(|e| e.to_string())?
-        .to_string();
     let created_at = clock.text();
     Ok((
-        token,
-        TokenRecord {
-            id,
-            hash,
-            principal,
-            created_at,
-            revoked_at: None,
-            description,
-            cert_sha256: None,
+        token.clone(),
+        NewToken {
+            record: TokenRecord {
+                id,
+                hash: String::new(),
+                principal,
+                created_at,
+                revoked_at: None,
+                description,
+                cert_sha256: None,
+            },
+            token,
         },
     ))
 }
 
-pub async fn store_token(store: &Store, rec: TokenRecord) -> Result<(), StoreError> {
+/// Store a new token's record, its hash keyed under the store's token key.
+pub async fn store_token(store: &Store, new: NewToken) -> Result<(), StoreError> {
+    let key = store.token_key()?;
+    let mut rec = new.record;
+    rec.hash = keyed_hash(&key, &new.token)
+        .ok_or_else(|| StoreError::Corrupt("the token key is unusable".into()))?;
     store
         .write(move |txn, _| typed::put(txn, tables::TOKENS, &rec.id, &rec))
         .await
@@ -399,10 +525,11 @@ pub enum AuthError {
     Unauthorized,
     #[error("identity store unavailable")]
     Unavailable,
-    /// Too many sign-in attempts (a user's failures, or the sign-in queue
-    /// is full): retry later.
+    /// Too many sign-in attempts (this credential's or this address's
+    /// failures, or the sign-in queue is full): retry after the seconds
+    /// given.
     #[error("too many sign-in attempts")]
-    Throttled,
+    Throttled(u64),
 }
 
 struct Cached {
@@ -423,12 +550,19 @@ pub struct Authenticator {
     /// began before a revocation never caches what it found.
     generation: Arc<std::sync::atomic::AtomicU64>,
     inflight: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
+    /// Tokens from before schema 4 waiting for their (argon2) check.
     hashing: Arc<tokio::sync::Semaphore>,
-    /// Password checks (HTTP Basic) have a queue of their own, so that
-    /// guessing cannot starve token checks.
+    /// Password checks (HTTP Basic): one at a time, so that guessing
+    /// cannot fill the argon2 queue before old tokens' checks.
     basic: Arc<tokio::sync::Semaphore>,
-    /// Recent failed sign-ins per user name.
-    failures: Arc<Mutex<HashMap<String, (u32, Instant)>>>,
+    /// The argon2 thread (passwords, and tokens from before schema 4).
+    argon: Arc<argon::Pool>,
+    /// The store's token key, read at the first token check.
+    token_key: Arc<std::sync::OnceLock<[u8; 32]>>,
+    /// Failed sign-ins per credential and source address (`throttle`).
+    throttle: Arc<throttle::Throttle>,
+    /// Where the blocks the throttle starts are reported (to be audited).
+    blocks: Option<tokio::sync::mpsc::Sender<throttle::Blocked>>,
     /// Wall-clock time for what the authenticator records (the system
     /// clock unless `with_clock`); cache and throttle windows are `Instant`s.
     clock: crate::clock::Clock,
@@ -437,10 +571,11 @@ pub struct Authenticator {
     basic_key: Arc<[u8; 32]>,
 }
 
-/// A user name's failed sign-ins allowed per window before it is refused
-/// without a check (429) until the window ends.
-pub const MAX_FAILURES: u32 = 5;
-pub const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+pub use throttle::{MAX_FAILURES, Source};
+
+/// The source of a sign-in that did not come over the network (counted
+/// together).
+const UNKNOWN_SOURCE: Source = Source::UNSPECIFIED;
 /// How long a password check waits for its turn before answering 429.
 const BASIC_WAIT: Duration = Duration::from_secs(2);
 
@@ -468,32 +603,13 @@ impl Drop for FlightTicket {
     }
 }
 
-/// Whether `secret` matches an argon2 PHC string (blocking: tens of ms).
-fn matches_hash(hash: &str, secret: &[u8]) -> bool {
-    PasswordHash::new(hash)
-        .map(|h| {
-            argon2::Argon2::default()
-                .verify_password(secret, &h)
-                .is_ok()
-        })
-        .unwrap_or(false)
-}
-
-/// A PHC string to check against when a user is unknown or disabled, so
-/// that the answer takes as long as for a known one (made once).
-fn dummy_hash() -> &'static str {
-    static H: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    H.get_or_init(|| {
-        users::hash_password("cube-adapter: no such user, but the same cost").unwrap_or_default()
-    })
-}
-
 const CACHE_TTL: Duration = Duration::from_secs(60);
 const CACHE_MAX: usize = 10_000;
 
 impl Authenticator {
     /// `shared`: the shared token's principal; `file`: the principals
-    /// file's.
+    /// file's; `hashing_slots`: how many checks of tokens from before
+    /// schema 4 may wait for the argon2 thread at once.
     pub fn new(
         store: Store,
         shared: Vec<(String, Principal)>,
@@ -512,9 +628,36 @@ impl Authenticator {
             inflight: Arc::default(),
             hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
             basic: Arc::new(tokio::sync::Semaphore::new(1)),
-            failures: Arc::default(),
+            // Room for every permit of both semaphores: a check never
+            // finds the queue full.
+            argon: Arc::new(argon::Pool::start(hashing_slots.max(1) + 1)),
+            token_key: Arc::default(),
+            throttle: Arc::default(),
+            blocks: None,
             basic_key: Arc::new(rand::random()),
             clock: crate::clock::Clock::System,
+        }
+    }
+
+    /// The same authenticator, reporting each sign-in block it starts to
+    /// `tx` (the service audits them; a full channel drops the report).
+    pub fn with_block_reports(mut self, tx: tokio::sync::mpsc::Sender<throttle::Blocked>) -> Self {
+        self.blocks = Some(tx);
+        self
+    }
+
+    /// Count a failed sign-in; report the blocks it starts.
+    fn failed(&self, source: Source, cred: &throttle::Credential) {
+        for b in self.throttle.failed(source, cred) {
+            tracing::warn!(
+                source = %b.source.ip(),
+                seconds = b.for_.as_secs(),
+                credential = b.credential.is_some(),
+                "sign-ins blocked after repeated failures"
+            );
+            if let Some(tx) = &self.blocks {
+                let _ = tx.try_send(b);
+            }
         }
     }
 
@@ -588,21 +731,44 @@ impl Authenticator {
         }
     }
 
-    pub async fn authenticate(&self, token: &str) -> Result<Principal, AuthError> {
+    /// A bearer token's principal. `source` (the client's address) is
+    /// throttled: failures for one token id from one address, and any
+    /// failures from one address, are refused for a while (`throttle`); a
+    /// token already verified is not.
+    pub async fn authenticate(
+        &self,
+        token: &str,
+        source: Option<Source>,
+    ) -> Result<Principal, AuthError> {
+        let source = source.unwrap_or(UNKNOWN_SOURCE);
+        let cred = match parse_token(token) {
+            Some((id, _)) => throttle::Credential::Token(id.to_string()),
+            None => throttle::Credential::Unknown,
+        };
         if token.is_empty() || token.len() > 512 {
+            self.failed(source, &cred);
             return Err(AuthError::Unauthorized);
         }
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
         if let Some(p) = self.cached(&key) {
             return Ok(p);
         }
+        self.throttle
+            .admit(source, &cred)
+            .map_err(AuthError::Throttled)?;
         // One verification per token at a time: concurrent requests with the
         // same token wait for it and then hit the cache, instead of each
         // running argon2 (19 MiB and tens of milliseconds apiece).
         let generation = self.generation();
         let ticket = self.flight(key);
         let _turn = ticket.flight.lock().await;
-        self.verify_uncached(token, key, generation).await
+        let r = self.verify_uncached(token, key, generation).await;
+        match &r {
+            Ok(_) => self.throttle.succeeded(source, &cred),
+            Err(AuthError::Unauthorized) => self.failed(source, &cred),
+            Err(_) => {}
+        }
+        r
     }
 
     fn cached(&self, key: &[u8; 32]) -> Option<Principal> {
@@ -637,17 +803,22 @@ impl Authenticator {
     }
 
     /// A user's principal, for HTTP Basic credentials: a known, enabled
-    /// user and their password. Password checks (argon2) run one at a time
-    /// on a queue of their own, waiting at most `BASIC_WAIT` (else 429); a
-    /// name with `MAX_FAILURES` failures in `FAILURE_WINDOW` is refused
-    /// without a check until the window ends; an unknown or disabled name
-    /// costs the same check as a known one.
+    /// user and their password. Password checks (argon2, on the argon2
+    /// thread) run one at a time, waiting at most `BASIC_WAIT` (else 429); a
+    /// name that failed `MAX_FAILURES` times from this `source` is refused
+    /// from there without a check for a while (`throttle`), not from
+    /// elsewhere; an unknown or disabled name costs the same check as a
+    /// known one.
     pub async fn authenticate_basic(
         &self,
         name: &str,
         password: &str,
+        source: Option<Source>,
     ) -> Result<Principal, AuthError> {
+        let source = source.unwrap_or(UNKNOWN_SOURCE);
+        let cred = throttle::Credential::User(name.to_string());
         if !users::valid_name(name) || password.is_empty() || password.len() > 1024 {
+            self.failed(source, &cred);
             return Err(AuthError::Unauthorized);
         }
         let key: [u8; 32] = {
@@ -664,13 +835,9 @@ impl Authenticator {
         if let Some(p) = self.cached(&key) {
             return Ok(p);
         }
-        let throttled = |f: &HashMap<String, (u32, Instant)>| {
-            f.get(name)
-                .is_some_and(|(n, since)| *n >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW)
-        };
-        if throttled(&self.failures.lock().unwrap_or_else(|p| p.into_inner())) {
-            return Err(AuthError::Throttled);
-        }
+        self.throttle
+            .admit(source, &cred)
+            .map_err(AuthError::Throttled)?;
         let generation = self.generation();
         let ticket = self.flight(key);
         let _turn = ticket.flight.lock().await;
@@ -682,33 +849,19 @@ impl Authenticator {
             .filter(|u| u.disabled_at.is_none());
         let _permit = tokio::time::timeout(BASIC_WAIT, self.basic.acquire())
             .await
-            .map_err(|_| AuthError::Throttled)?
+            .map_err(|_| AuthError::Throttled(BASIC_WAIT.as_secs().max(1)))?
             .map_err(|_| AuthError::Unavailable)?;
+        // An unknown or disabled name: the dummy check, same cost.
         let hash = rec.as_ref().map(|u| u.hash.clone());
-        let pw = password.to_string();
-        let ok = tokio::task::spawn_blocking(move || {
-            let hash = hash.unwrap_or_else(|| dummy_hash().to_string());
-            matches_hash(&hash, pw.as_bytes())
-        })
-        .await
-        .map_err(|_| AuthError::Unavailable)?;
-        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let ok = self.argon.verify(hash, password.as_bytes()).await?;
         match rec {
             Some(u) if ok => {
-                f.remove(name);
-                drop(f);
+                self.throttle.succeeded(source, &cred);
                 self.remember(key, &u.principal, generation);
                 Ok(u.principal)
             }
             _ => {
-                if f.len() >= CACHE_MAX {
-                    f.retain(|_, (_, since)| since.elapsed() < FAILURE_WINDOW);
-                }
-                let e = f.entry(name.to_string()).or_insert((0, Instant::now()));
-                if e.1.elapsed() >= FAILURE_WINDOW {
-                    *e = (0, Instant::now());
-                }
-                e.0 += 1;
+                self.failed(source, &cred);
                 Err(AuthError::Unauthorized)
             }
         }
@@ -753,20 +906,73 @@ impl Authenticator {
         let rec = rec
             .filter(|r| r.revoked_at.is_none() && r.cert_sha256.is_none())
             .ok_or(AuthError::Unauthorized)?;
-        let _permit = self
-            .hashing
-            .acquire()
-            .await
-            .map_err(|_| AuthError::Unavailable)?;
-        let token = token.to_string();
-        let hash = rec.hash.clone();
-        let ok = tokio::task::spawn_blocking(move || matches_hash(&hash, token.as_bytes()))
-            .await
-            .map_err(|_| AuthError::Unavailable)?;
-        if ok {
-            Ok(rec.principal)
-        } else {
-            Err(AuthError::Unauthorized)
+        let key = self.token_key()?;
+        if rec.hash.starts_with(KEYED_PREFIX) {
+            return if keyed_matches(&key, token, &rec.hash) {
+                Ok(rec.principal)
+            } else {
+                Err(AuthError::Unauthorized)
+            };
+        }
+        // A record from before schema 4: argon2 once, then rekeyed.
+        let ok = {
+            let _permit = self
+                .hashing
+                .acquire()
+                .await
+                .map_err(|_| AuthError::Unavailable)?;
+            self.argon
+                .verify(Some(rec.hash.clone()), token.as_bytes())
+                .await?
+        };
+        if !ok {
+            return Err(AuthError::Unauthorized);
+        }
+        self.rekey(&rec, &key, token).await;
+        Ok(rec.principal)
+    }
+
+    /// The store's token key (read once).
+    fn token_key(&self) -> Result<[u8; 32], AuthError> {
+        if let Some(k) = self.token_key.get() {
+            return Ok(*k);
+        }
+        let k = self.store.token_key().map_err(|e| {
+            tracing::error!(error = %e, "cannot read the token key");
+            AuthError::Unavailable
+        })?;
+        Ok(*self.token_key.get_or_init(|| k))
+    }
+
+    /// Rewrite an old token record's argon2 hash under the token key, if
+    /// the record still holds that hash (a revocation in between is kept).
+    /// A failure is logged: the token stays valid, and the next use tries
+    /// again.
+    async fn rekey(&self, rec: &TokenRecord, key: &[u8; 32], token: &str) {
+        let Some(new) = keyed_hash(key, token) else {
+            return;
+        };
+        let (id, old) = (rec.id.clone(), rec.hash.clone());
+        let r = self
+            .store
+            .write(move |txn, _| {
+                let Some(mut cur): Option<TokenRecord> = txn.record(tables::TOKENS, &id)? else {
+                    return Ok(false);
+                };
+                if cur.hash != old {
+                    return Ok(false);
+                }
+                cur.hash = new;
+                typed::put(txn, tables::TOKENS, &id, &cur)?;
+                Ok(true)
+            })
+            .await;
+        match r {
+            Ok(true) => tracing::info!(token.id = %rec.id, "token record rekeyed (schema 4)"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(token.id = %rec.id, error = %e, "token record not rekeyed; the next use tries again");
+            }
         }
     }
 }
@@ -836,10 +1042,146 @@ mod tests {
 
     #[test]
     fn token_shape() {
-        let (t, rec) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
+        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
         let (id, _) = parse_token(&t).unwrap();
-        assert_eq!(id, rec.id);
-        assert!(rec.hash.starts_with("$argon2id$"));
-        assert!(!rec.hash.contains(&t));
+        assert_eq!(id, new.id());
+        let key = [7u8; 32];
+        let h = keyed_hash(&key, &t).unwrap();
+        assert!(h.starts_with(KEYED_PREFIX) && !h.contains(&t));
+        assert!(keyed_matches(&key, &t, &h));
+        assert!(!keyed_matches(&[8u8; 32], &t, &h), "another key");
+        assert!(!keyed_matches(&key, &format!("{t}x"), &h));
+        assert!(!keyed_matches(
+            &key,
+            &t,
+            "$argon2id$v=19$m=19456,t=2,p=1$x$y"
+        ));
+        assert!(!keyed_matches(&key, &t, &h[..h.len() - 2]), "truncated");
+    }
+
+    #[tokio::test]
+    async fn tokens_keyed_and_old_records_rekeyed() {
+        use argon2::password_hash::{PasswordHasher, SaltString};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let authn = Authenticator::new(store.clone(), vec![], vec![], 2);
+        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
+        store_token(&store, new).await.unwrap();
+        let rec = &list_tokens(&store).unwrap()[0];
+        assert!(rec.hash.starts_with(KEYED_PREFIX), "{}", rec.hash);
+        assert_eq!(authn.authenticate(&t, None).await.unwrap().subject, "s");
+        let wrong = format!(
+            "{}{}",
+            &t[..t.len() - 1],
+            if t.ends_with('A') { 'B' } else { 'A' }
+        );
+        assert_eq!(
+            authn.authenticate(&wrong, None).await,
+            Err(AuthError::Unauthorized)
+        );
+        // An old record: argon2id of the token, as before schema 4.
+        let old = format!("{TOKEN_PREFIX}0123456789ab_{}", "x".repeat(43));
+        let salt = SaltString::encode_b64(b"0123456789abcdef").unwrap();
+        let phc = argon2::Argon2::default()
+            .hash_password(old.as_bytes(), &salt)
+            .unwrap()
+            .to_string();
+        let rec = TokenRecord {
+            id: "0123456789ab".into(),
+            hash: phc.clone(),
+            principal: p(&["task:*"]),
+            created_at: "then".into(),
+            revoked_at: None,
+            description: None,
+            cert_sha256: None,
+        };
+        store
+            .write(move |txn, _| typed::put(txn, tables::TOKENS, &rec.id, &rec))
+            .await
+            .unwrap();
+        let bad = format!("{TOKEN_PREFIX}0123456789ab_{}", "y".repeat(43));
+        assert_eq!(
+            authn.authenticate(&bad, None).await,
+            Err(AuthError::Unauthorized)
+        );
+        let stored: TokenRecord = store
+            .read_now(|txn| txn.record(tables::TOKENS, "0123456789ab"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored.hash, phc, "a failed check rewrites nothing");
+        assert_eq!(
+            authn.authenticate(&old, None).await.unwrap().actions,
+            ["task:*"]
+        );
+        let stored: TokenRecord = store
+            .read_now(|txn| txn.record(tables::TOKENS, "0123456789ab"))
+            .unwrap()
+            .unwrap();
+        assert!(
+            stored.hash.starts_with(KEYED_PREFIX),
+            "rekeyed: {}",
+            stored.hash
+        );
+        // Checked by its keyed hash from now on (a fresh authenticator has
+        // no cache).
+        let again = Authenticator::new(store.clone(), vec![], vec![], 2);
+        assert!(again.authenticate(&old, None).await.is_ok());
+        assert_eq!(
+            again.authenticate(&bad, None).await,
+            Err(AuthError::Unauthorized)
+        );
+        store.close().await;
+    }
+
+    #[test]
+    fn role_defaults() {
+        let d = |r: &[Role]| default_actions(r);
+        let q = |r: &[Role], a: &str| {
+            Principal {
+                roles: r.to_vec(),
+                actions: d(r),
+                ..p(&[])
+            }
+            .allows_action(a)
+        };
+        for a in ["lease:status", "job:output", "task:status", "task:receipt"] {
+            assert!(q(&[Role::Auditor], a), "{a}");
+        }
+        for a in [
+            "lease:acquire",
+            "exec:run",
+            "file:write",
+            "task:approve",
+            "task:plan",
+            "checkpoint:rollback",
+        ] {
+            assert!(!q(&[Role::Auditor], a), "auditor: {a}");
+        }
+        assert!(q(&[Role::Approver], "task:approve") && q(&[Role::Approver], "lease:list"));
+        for a in ["lease:acquire", "exec:run", "task:submit", "job:start"] {
+            assert!(!q(&[Role::Approver], a), "approver: {a}");
+        }
+        for a in [
+            "lease:acquire",
+            "exec:run",
+            "file:write",
+            "job:start",
+            "pty:create",
+            "task:plan",
+            "task:submit",
+            "task:status",
+        ] {
+            assert!(q(&[Role::Agent], a), "agent: {a}");
+        }
+        assert!(!q(&[Role::Agent], "task:approve") && !q(&[Role::Agent], "admin:gc"));
+        assert_eq!(d(&[Role::Admin, Role::Auditor]), ["*"]);
+        let both = d(&[Role::Agent, Role::Approver]);
+        assert!(
+            both.contains(&"task:approve".to_string()) && both.contains(&"lease:*".to_string())
+        );
+        assert!(
+            !both.contains(&"lease:status".to_string()),
+            "covered by lease:*: {both:?}"
+        );
     }
 }

@@ -492,60 +492,6 @@ pub async fn audit(writers: &[usize], events_per_writer: usize) -> anyhow::Resul
     Ok(report)
 }
 
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-struct ServeProc {
-    child: std::process::Child,
-    url: String,
-}
-
-fn spawn_serve(launcher: &Path, state: &Path, config: &Path) -> anyhow::Result<ServeProc> {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(launcher)
-        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
-        .arg(state)
-        .arg("--config")
-        .arg(config)
-        .stdout(std::process::Stdio::piped())
-        .stderr(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(state.with_extension("log"))?,
-        )
-        .spawn()?;
-    let mut reader = std::io::BufReader::new(
-        child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("no stdout"))?,
-    );
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
-    let url = line.trim().rsplit(' ').next().unwrap_or("").to_string();
-    anyhow::ensure!(url.starts_with("https://"), "serve did not start: {line}");
-    Ok(ServeProc { child, url })
-}
-
-fn stop_serve(mut p: ServeProc) {
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(p.child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    let _ = p.child.wait();
-}
-
 /// `bench memory` and `bench startup`: a real `serve` process.
 pub async fn memory_and_startup(
     launcher: &Path,
@@ -561,7 +507,7 @@ pub async fn memory_and_startup(
     )?;
     let state = dir.join("state");
     let mut report = Report::new("memory and startup");
-    let p = spawn_serve(launcher, &state, &config)?;
+    let p = super::ServeProc::start(launcher, &state, &config)?;
     let ca = std::fs::read(state.join("tls/ca.pem"))?;
     let http = reqwest::Client::builder()
         .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
@@ -581,7 +527,7 @@ pub async fn memory_and_startup(
     };
     ready(http.clone(), p.url.clone()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let idle = rss_kb(p.child.id());
+    let idle = super::rss_kib(p.pid());
     report.figures.insert("RSS idle (KiB)".into(), idle as f64);
     // Many live leases (each a real sandbox of the embedded backend), in two
     // halves: the second half's growth is the per-lease cost, without the
@@ -616,10 +562,10 @@ pub async fn memory_and_startup(
     let half = leases / 2;
     acquire_range(0, half).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let mid = rss_kb(p.child.id());
+    let mid = super::rss_kib(p.pid());
     acquire_range(half, leases).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let loaded = rss_kb(p.child.id());
+    let loaded = super::rss_kib(p.pid());
     report
         .figures
         .insert(format!("RSS with {half} live leases (KiB)"), mid as f64);
@@ -635,15 +581,15 @@ pub async fn memory_and_startup(
         "RSS per live lease, average (KiB)".into(),
         (loaded.saturating_sub(idle)) as f64 / leases.max(1) as f64,
     );
-    stop_serve(p);
+    p.stop();
     // Startup on the existing state directory (its sandboxes are re-adopted).
     let mut times = vec![];
     for _ in 0..starts {
         let t = Instant::now();
-        let p = spawn_serve(launcher, &state, &config)?;
+        let p = super::ServeProc::start(launcher, &state, &config)?;
         ready(http.clone(), p.url.clone()).await;
         times.push(t.elapsed());
-        stop_serve(p);
+        p.stop();
     }
     report.results.push(Summary::of(
         &format!("start to /readyz ready ({leases} sandboxes to re-adopt)"),

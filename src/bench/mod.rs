@@ -5,7 +5,7 @@
 //! client: sandbox create → exec → kill cycles, and exec round-trips on a
 //! live sandbox.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,89 @@ use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
 use crate::embedded::{Backend, Isolation, Limits, Settings};
 
 pub mod appliance;
+pub mod export;
+pub mod identities;
+
+/// `VmRSS` and its peak `VmHWM` of a process, in KiB (0 when unreadable).
+pub fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// `VmRSS` of a process, in KiB (0 when unreadable).
+pub fn rss_kib(pid: u32) -> u64 {
+    memory_kib(pid).0
+}
+
+/// A real `cube-adapter serve` process on 127.0.0.1:0 (its log next to
+/// the state directory), stopped with SIGTERM by `stop` or on drop.
+pub struct ServeProc {
+    child: std::process::Child,
+    pub url: String,
+}
+
+impl ServeProc {
+    pub fn start(launcher: &Path, state: &Path, config: &Path) -> anyhow::Result<Self> {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(launcher)
+            .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(state)
+            .arg("--config")
+            .arg(config)
+            .stdout(std::process::Stdio::piped())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(state.with_extension("log"))?,
+            )
+            .spawn()?;
+        let mut reader = std::io::BufReader::new(
+            child
+                .stdout
+                .take()
+                .ok_or_else(|| anyhow::anyhow!("no stdout"))?,
+        );
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
+        let url = line.trim().rsplit(' ').next().unwrap_or("").to_string();
+        let p = Self { child, url };
+        anyhow::ensure!(p.url.starts_with("https://"), "serve did not start: {line}");
+        Ok(p)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its `VmRSS` and `VmHWM` (KiB).
+    pub fn memory(&self) -> (u64, u64) {
+        memory_kib(self.pid())
+    }
+
+    pub fn stop(self) {}
+}
+
+impl Drop for ServeProc {
+    fn drop(&mut self) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let _ = self.child.wait();
+    }
+}
 
 /// Latency summary of one measured step.
 #[derive(Debug, Clone, Serialize)]
@@ -136,6 +219,12 @@ pub async fn all(
             "memory",
             appliance::memory_and_startup(launcher, 1000, 10).await?,
         ),
+        // Smaller than their own defaults (those take ten minutes more).
+        (
+            "identities",
+            identities::identities(launcher, 1000, 2000, 8).await?,
+        ),
+        ("export", export::export(launcher, 200_000, 3).await?),
     ];
     for (name, r) in &reports {
         r.print();

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::common::{Access, Common, access, runtime, socket_call};
+use super::common::{Access, Common, access, runtime, socket_each};
 use super::{EXIT_CODES, Exit};
 use crate::admin::{self, Request, Response};
 
@@ -131,31 +131,45 @@ pub fn export(args: AuditExportArgs) -> Exit {
         Ok(s) => s,
         Err(c) => return c,
     };
+    // Each event is printed as it arrives (or is read): nothing is held
+    // but a buffer of output.
     let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    match access(&state) {
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    let code = match access(&state) {
         Err(c) => c,
-        Ok(Access::Socket(p)) => match socket_call(&p, &Request::AuditExport { since }) {
-            Ok(answers) => {
-                for r in answers {
-                    if let Response::AuditEvent { event } = r {
-                        // Through a `Value`: keys sorted, as this path has
-                        // always printed them.
-                        let line = serde_json::to_value(&event)
-                            .map(|v| v.to_string())
-                            .unwrap_or_default();
-                        if writeln!(out, "{line}").is_err() {
-                            return Exit::Failed;
-                        }
-                    }
+        Ok(Access::Socket(p)) => {
+            let (mut printed, mut count) = (0u64, None);
+            let r = socket_each(&p, &Request::AuditExport { since }, |r| match r {
+                Response::AuditEvent { event } => {
+                    writeln!(out, "{}", crate::audit::export_line(&event))
+                        .map_err(|e| format!("write: {e}"))?;
+                    printed += 1;
+                    Ok(())
                 }
-                Exit::Ok
+                Response::AuditCount { count: n } => {
+                    count = Some(n);
+                    Ok(())
+                }
+                _ => Err("bad answer from the service".into()),
+            });
+            match (r, count) {
+                (Err(c), _) => c,
+                (Ok(()), Some(n)) if n == printed => Exit::Ok,
+                (Ok(()), Some(n)) => {
+                    eprintln!("error: the service counted {n} events and sent {printed}");
+                    Exit::Failed
+                }
+                (Ok(()), None) => {
+                    eprintln!(
+                        "error: the export ended after {printed} events, before its end (did the service stop?)"
+                    );
+                    Exit::Failed
+                }
             }
-            Err(c) => c,
-        },
+        }
         Ok(Access::Store(store)) => {
             match crate::audit::export(&store, since, |e| {
-                writeln!(out, "{}", serde_json::to_string(e).unwrap_or_default())
+                writeln!(out, "{}", crate::audit::export_line(e))
             }) {
                 Ok(_) => Exit::Ok,
                 Err(e) => {
@@ -163,6 +177,13 @@ pub fn export(args: AuditExportArgs) -> Exit {
                     Exit::Store
                 }
             }
+        }
+    };
+    match out.flush() {
+        Ok(()) => code,
+        Err(e) => {
+            eprintln!("error: write: {e}");
+            Exit::Failed
         }
     }
 }

@@ -74,6 +74,30 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// RSS of a real `serve` process with many agents, each holding its
+    /// own token and a lease, and after many failed HTTP Basic sign-ins
+    /// with random names.
+    Identities {
+        #[arg(long, default_value_t = 1000)]
+        tokens: usize,
+        #[arg(long, default_value_t = 10_000)]
+        sign_ins: usize,
+        /// Sign-ins in flight at once.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// RSS of a real `serve` process while `audit export` streams a large
+    /// journal through its admin socket, several times over.
+    Export {
+        #[arg(long, default_value_t = 1_000_000)]
+        events: u64,
+        #[arg(long, default_value_t = 3)]
+        exports: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The embedded backend through the cube client over mTLS: sandbox
     /// create → exec → kill cycles and exec round-trips on a live sandbox.
     Backend {
@@ -156,6 +180,28 @@ pub fn run(b: BenchCommand) -> Exit {
         ),
         BenchCommand::Jobs { mib, rounds, json } => (
             rt.block_on(appliance::job_output(&launcher, mib, rounds)),
+            json,
+        ),
+        BenchCommand::Identities {
+            tokens,
+            sign_ins,
+            concurrency,
+            json,
+        } => (
+            rt.block_on(bench::identities::identities(
+                &launcher,
+                tokens,
+                sign_ins,
+                concurrency,
+            )),
+            json,
+        ),
+        BenchCommand::Export {
+            events,
+            exports,
+            json,
+        } => (
+            rt.block_on(bench::export::export(&launcher, events, exports)),
             json,
         ),
         BenchCommand::Memory {

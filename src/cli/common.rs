@@ -131,6 +131,41 @@ pub fn socket_call(path: &Path, req: &Request) -> Result<Vec<Response>, Exit> {
     Ok(out)
 }
 
+/// One `admin::Request` to the running service, its answers handed to
+/// `each` as they arrive (nothing is collected); an exit code as
+/// [`socket_call`]'s (3 when it cannot be reached, 1 when it answers with an
+/// error, 1 when `each` fails: its message is printed).
+pub fn socket_each(
+    path: &Path,
+    req: &Request,
+    mut each: impl FnMut(Response) -> Result<(), String>,
+) -> Result<(), Exit> {
+    // Which side failed: the service's answer, `each`, or the socket.
+    let mut failed = None;
+    let r = admin::call_each(path, req, |r| {
+        let e = match r {
+            Response::Error { message } => message,
+            r => match each(r) {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            },
+        };
+        failed = Some(e.clone());
+        Err(e)
+    });
+    match (r, failed) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(message)) => {
+            eprintln!("error: {message}");
+            Err(Exit::Failed)
+        }
+        (Err(e), None) => {
+            eprintln!("error: {e}");
+            Err(Exit::State)
+        }
+    }
+}
+
 /// The one answer to a request (3 when there is none).
 pub fn ask(path: &Path, req: &Request) -> Result<Response, Exit> {
     socket_call(path, req)?.into_iter().next().ok_or_else(|| {

@@ -15,7 +15,11 @@ use crate::auth::{self, Principal, Role};
 pub enum TokenCommand {
     /// Issue a bearer token; prints the token alone on stdout.
     ///
-    /// The token is shown once (only its argon2 hash is kept). Works while
+    /// The token is shown once (only a keyed hash of it is kept). Without
+    /// --action, the roles give the scopes: an agent its lease, exec, file,
+    /// job, PTY, checkpoint and task-planning actions and reads; an approver
+    /// task decisions (task:approve) and reads; an auditor reads only; an
+    /// admin everything. Works while
     /// the service runs (through its admin socket) and while it is
     /// stopped. Exit 2 for an invalid tenant, role or runtime.
     #[command(after_help = EXIT_CODES)]
@@ -47,7 +51,8 @@ pub struct TokenCreateArgs {
     /// Allowed profile (repeatable; default: any).
     #[arg(long = "profile")]
     pub profiles: Vec<String>,
-    /// Allowed action scope, e.g. exec:run, file:*, task:* (repeatable; default: *).
+    /// Allowed action scope, e.g. exec:run, file:*, task:* (repeatable;
+    /// default: the roles' scopes, see above).
     #[arg(long = "action")]
     pub actions: Vec<String>,
     /// Deny every action (an explicit empty scope list).
@@ -120,13 +125,13 @@ pub fn create(req: TokenCreateArgs) -> Exit {
     let principal = Principal {
         subject: req.subject.unwrap_or_else(|| req.tenant.clone()),
         tenant: req.tenant,
-        roles,
+        roles: roles.clone(),
         runtimes: (!req.runtimes.is_empty()).then_some(req.runtimes),
         profiles: (!req.profiles.is_empty()).then_some(req.profiles),
         actions: if req.no_actions {
             vec![]
         } else if req.actions.is_empty() {
-            vec!["*".into()]
+            auth::default_actions(&roles)
         } else {
             req.actions
         },
@@ -215,8 +220,8 @@ pub fn list(args: TokenListArgs) -> Exit {
         return Exit::Ok;
     }
     println!(
-        "{:<14} {:<16} {:<20} {:<24} {:<10} CREATED",
-        "ID", "TENANT", "SUBJECT", "ROLES", "STATE"
+        "{:<14} {:<16} {:<20} {:<24} {:<10} {:<20} SCOPES",
+        "ID", "TENANT", "SUBJECT", "ROLES", "STATE", "CREATED"
     );
     for t in tokens {
         let roles: Vec<String> = t
@@ -226,7 +231,7 @@ pub fn list(args: TokenListArgs) -> Exit {
             .map(|r| format!("{r:?}").to_lowercase())
             .collect();
         println!(
-            "{:<14} {:<16} {:<20} {:<24} {:<10} {}",
+            "{:<14} {:<16} {:<20} {:<24} {:<10} {:<20} {}",
             t.id,
             t.principal.tenant,
             t.principal.subject,
@@ -236,7 +241,8 @@ pub fn list(args: TokenListArgs) -> Exit {
             } else {
                 "active"
             },
-            t.created_at
+            t.created_at,
+            effective_scopes(&t.principal)
         );
     }
     Exit::Ok
@@ -385,4 +391,16 @@ fn cert_identity_create(
     );
     println!("{id}");
     Exit::Ok
+}
+
+/// What a principal may do, as `token list` shows it: `*` for an admin
+/// (whatever its list says), `(none)` for an empty list, else the scopes.
+fn effective_scopes(p: &Principal) -> String {
+    if p.is_admin() {
+        "*".into()
+    } else if p.actions.is_empty() {
+        "(none)".into()
+    } else {
+        p.actions.join(",")
+    }
 }

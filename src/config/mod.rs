@@ -40,7 +40,9 @@ pub struct Config {
     pub embedded: EmbeddedSection,
     /// Profiles by name; the shipped ones unless the file defines any.
     pub profiles: BTreeMap<String, Profile>,
-    /// Concurrent argon2 verifications.
+    /// Old-format (argon2) token checks that may wait for the argon2
+    /// thread at once (tokens issued since schema 4 are verified by HMAC
+    /// and never wait; see docs/operations.md, "Upgrading to schema 4").
     pub hashing_slots: usize,
     /// How often idle leases are collected (0: only by `POST /v1/admin/gc`).
     pub gc_interval_seconds: u64,
@@ -50,12 +52,78 @@ pub struct Config {
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
     pub receipts: ReceiptsSection,
+    /// Limits on the HTTPS listener's client connections.
+    pub connections: ConnectionsSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
     /// in-process tests put a manual one here (`crate::clock::ManualClock`).
     /// Not configurable: never read from a file, and kept across reloads
     /// (the components hold the clock `app::serve` gave them).
     #[serde(skip)]
     pub clock: crate::clock::Clock,
+}
+
+/// Limits on the client connections of the HTTPS listener (`[connections]`;
+/// `src/server.rs` applies them, `docs/security.md` explains them).
+/// A change needs a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConnectionsSection {
+    /// Open client connections at most, all addresses together. Connections
+    /// over a cap are served `/healthz` and `/readyz` only (a small reserve:
+    /// `HEALTH_RESERVE` in `server.rs`). Lowered at start to half the
+    /// process's open-file limit when that is smaller.
+    pub max_total: usize,
+    /// Open connections at most from one source address (an IPv6 client:
+    /// its /64). Loopback clients all share 127.0.0.1 and count only
+    /// toward `max_total` (which also bounds this one).
+    pub max_per_address: usize,
+    /// How long a client has to send a complete request head: from the end
+    /// of the TLS handshake for the first request, from its first byte for
+    /// the next ones.
+    pub header_read_timeout_seconds: u64,
+    /// How long a keep-alive connection may wait for its next request. A
+    /// request being answered (an event stream, a long exec) is never idle.
+    pub idle_timeout_seconds: u64,
+    /// How long a handler waits for the next piece of a request body before
+    /// the request fails (a stall, not a total: large bodies sent steadily
+    /// are never cut).
+    pub body_read_timeout_seconds: u64,
+}
+
+impl Default for ConnectionsSection {
+    fn default() -> Self {
+        Self {
+            max_total: 1024,
+            max_per_address: 256,
+            header_read_timeout_seconds: 10,
+            idle_timeout_seconds: 60,
+            body_read_timeout_seconds: 30,
+        }
+    }
+}
+
+impl ConnectionsSection {
+    fn validate(&self) -> Result<(), String> {
+        if self.max_total == 0 || self.max_per_address == 0 {
+            return Err("connections: max_total and max_per_address must be at least 1".into());
+        }
+        for (k, v) in [
+            (
+                "header_read_timeout_seconds",
+                self.header_read_timeout_seconds,
+            ),
+            ("idle_timeout_seconds", self.idle_timeout_seconds),
+            ("body_read_timeout_seconds", self.body_read_timeout_seconds),
+        ] {
+            // A day at most: longer is no timeout, and keeps deadlines in range.
+            if !(1..=86_400).contains(&v) {
+                return Err(format!(
+                    "connections: {k} must be between 1 and 86400 (got {v})"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Signed execution receipts.
@@ -221,6 +289,7 @@ impl Default for Config {
             tasks: BTreeMap::new(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
+            connections: ConnectionsSection::default(),
             clock: crate::clock::Clock::System,
         }
     }
@@ -352,6 +421,7 @@ impl Config {
                 ));
             }
         }
+        self.connections.validate()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;
@@ -415,6 +485,32 @@ mod tests {
                 .unwrap_err()
                 .contains("loopback")
         );
+        std::fs::write(
+            &f,
+            "[connections]\nmax_total = 10\nheader_read_timeout_seconds = 2\n",
+        )
+        .unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        assert_eq!(c.connections.max_total, 10);
+        assert_eq!(c.connections.header_read_timeout_seconds, 2);
+        assert_eq!(
+            c.connections.idle_timeout_seconds,
+            ConnectionsSection::default().idle_timeout_seconds
+        );
+        for (bad, why) in [
+            ("max_total = 0", "at least 1"),
+            ("max_per_address = 0", "at least 1"),
+            ("idle_timeout_seconds = 0", "idle_timeout_seconds"),
+            (
+                "body_read_timeout_seconds = 86401",
+                "body_read_timeout_seconds",
+            ),
+            ("max_idle = 1", "max_idle"),
+        ] {
+            std::fs::write(&f, format!("[connections]\n{bad}\n")).unwrap();
+            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
         assert!(
             Config::load(
                 Some(&dir.path().join("missing.toml")),

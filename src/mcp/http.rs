@@ -80,7 +80,7 @@ pub fn router(st: AppState, v1: Router, hosts: Vec<String>) -> Router {
 
 /// A 401 with the envelope and the challenge MCP clients look for.
 fn unauthorized(message: &str) -> Response {
-    let mut r = ApiError(Error::new(Code::Unauthorized, message.to_string())).into_response();
+    let mut r = ApiError(Error::new(Code::Unauthorized, message.to_string()), None).into_response();
     r.headers_mut().insert(
         axum::http::header::WWW_AUTHENTICATE,
         axum::http::HeaderValue::from_static("Bearer"),
@@ -131,7 +131,7 @@ async fn guarded(g: Guard, req: Request, next: Next) -> Response {
     } else if req.method() == axum::http::Method::POST
         && g.live_sessions(&who).await >= MAX_SESSIONS_PER_IDENTITY
     {
-        return ApiError(Error::new(
+        return ApiError::from(Error::new(
             Code::SessionQuotaExceeded,
             format!(
                 "this identity already holds {MAX_SESSIONS_PER_IDENTITY} MCP sessions; \

@@ -558,7 +558,13 @@ pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
 
 /// Open a copied store on its own (recovery), verify its chain, close it.
 pub fn check_copy(path: &Path) -> Result<Manifest, String> {
-    let db = redb::Database::create(path).map_err(|e| format!("open the copy: {e}"))?;
+    // A small page cache: reading the whole chain of a large copy must not
+    // grow the running service by the size of the file (redb's default
+    // cache is 1 GiB, and the memory stays with the process).
+    let db = redb::Database::builder()
+        .set_cache_size(4 * 1024 * 1024)
+        .create(path)
+        .map_err(|e| format!("open the copy: {e}"))?;
     let (summary, (events, _, head)) = {
         use redb::ReadableDatabase;
         let txn = db.begin_read().map_err(|e| e.to_string())?;

@@ -172,6 +172,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// `meta` key of the sealed token key.
+const TOKEN_KEY: &str = "token_key";
+
 /// Largest number of queued writes committed together.
 const MAX_BATCH: usize = 512;
 
@@ -206,7 +209,7 @@ impl Store {
         };
         set_mode(&path, 0o600);
         let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
-        let chain = migrate(&db)?;
+        let chain = migrate(&db, &sealer)?;
         let db = Arc::new(db);
         let (tx, rx) = mpsc::channel::<Job>(4096);
         let stats = Arc::new(Stats::default());
@@ -347,6 +350,22 @@ impl Store {
         let txn = self.db()?.begin_read()?;
         f(&txn)
     }
+
+    /// The key bearer tokens are verified under (HMAC-SHA-256): made with
+    /// the store (schema 4), kept in `meta` sealed under the store key.
+    pub fn token_key(&self) -> Result<[u8; 32], StoreError> {
+        let sealed: String = self.read_now(|txn| {
+            let meta = txn.open_table(tables::META)?;
+            let v = meta
+                .get(TOKEN_KEY)?
+                .ok_or_else(|| StoreError::Corrupt("meta has no token key".into()))?;
+            codec::decode(v.value())
+        })?;
+        let raw = self.sealer.open(&sealed)?;
+        raw.as_slice()
+            .try_into()
+            .map_err(|_| StoreError::Corrupt("the token key is not 32 bytes".into()))
+    }
 }
 
 fn set_mode(p: &Path, mode: u32) {
@@ -361,8 +380,9 @@ fn begin(db: &Database) -> Result<WriteTransaction, StoreError> {
     Ok(txn)
 }
 
-/// Create tables, check and record the schema version, load the chain head.
-fn migrate(db: &Database) -> Result<Chain, StoreError> {
+/// Create tables, check and record the schema version, make the token key
+/// (schema 4), load the chain head.
+fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
     let txn = begin(db)?;
     let found = {
         let meta = txn.open_table(tables::META)?;
@@ -379,7 +399,9 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
             });
         }
         Some(v) if v < tables::SCHEMA_VERSION => {
-            // Every step so far only adds tables (created below).
+            // Every step so far only adds tables (created below) and, for
+            // 4, the token key (below); token records are rekeyed one by
+            // one as they are used (see `auth`).
             tracing::info!(
                 from = v,
                 to = tables::SCHEMA_VERSION,
@@ -399,6 +421,15 @@ fn migrate(db: &Database) -> Result<Chain, StoreError> {
             )?;
             let instance = crate::ids::random_hex(16);
             meta.insert("instance_id", codec::encode(&instance)?.as_slice())?;
+        }
+    }
+    // Schema 4: the key bearer tokens are verified under (HMAC-SHA-256),
+    // sealed under the store key like every other secret at rest.
+    {
+        let mut meta = txn.open_table(tables::META)?;
+        if meta.get(TOKEN_KEY)?.is_none() {
+            let sealed = sealer.seal(&crate::ids::random_bytes(32))?;
+            meta.insert(TOKEN_KEY, codec::encode(&sealed)?.as_slice())?;
         }
     }
     // Versions 1 to 3 only create tables: opening them is the whole step.

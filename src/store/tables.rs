@@ -4,11 +4,13 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 3;
+pub const SCHEMA_VERSION: u64 = 4;
 
-/// `schema_version`, `instance_id`, audit chain head.
+/// `schema_version`, `instance_id`, audit chain head, the sealed token key
+/// (schema 4).
 pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-/// Token id → token record (argon2 hash, scopes).
+/// Token id → token record (keyed hash, or an argon2 hash until first use
+/// after schema 4; scopes).
 pub const TOKENS: TableDefinition<&str, &[u8]> = TableDefinition::new("tokens_v1");
 /// lease_ref → lease record.
 pub const LEASES: TableDefinition<&str, &[u8]> = TableDefinition::new("leases_v1");

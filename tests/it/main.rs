@@ -11,7 +11,10 @@
 )]
 
 mod appliance;
+mod connections;
 mod embedded;
+mod export;
+mod identities;
 mod jobs;
 mod kit;
 mod layers;

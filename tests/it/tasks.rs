@@ -106,7 +106,7 @@ async fn wait_ended(s: &Server, token: &str, task: &str) -> Value {
     panic!("task {task} did not end");
 }
 
-fn audit_export(s: &Server) -> String {
+pub(crate) fn audit_export(s: &Server) -> String {
     let out = std::process::Command::new(BIN)
         .args(["audit", "export", "--state-dir"])
         .arg(&s.state)

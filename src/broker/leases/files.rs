@@ -165,27 +165,13 @@ impl Broker {
                                 None,
                             )
                         }
-                        FileOp::Stat { .. } => {
-                            let e = c
-                                .stat(&addr, &path2)
-                                .await
-                                .map_err(|e| nf(e, Code::PathNotFound))?;
-                            (
-                                dto::FileAnswer::Entry(dto::EntryResponse {
-                                    entry: dto::Entry::from(&e),
-                                    executor,
-                                    path: path2,
-                                    request_id,
-                                    sandbox_ref,
-                                }),
-                                None,
-                            )
-                        }
-                        FileOp::Mkdir { .. } => {
-                            let e = c
-                                .make_dir(&addr, &path2)
-                                .await
-                                .map_err(|e| nf(e, Code::PathNotFound))?;
+                        FileOp::Stat { .. } | FileOp::Mkdir { .. } => {
+                            let e = if matches!(op, FileOp::Stat { .. }) {
+                                c.stat(&addr, &path2).await
+                            } else {
+                                c.make_dir(&addr, &path2).await
+                            }
+                            .map_err(|e| nf(e, Code::PathNotFound))?;
                             (
                                 dto::FileAnswer::Entry(dto::EntryResponse {
                                     entry: dto::Entry::from(&e),

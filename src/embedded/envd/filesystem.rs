@@ -271,12 +271,12 @@ pub fn remove(r: &Resolved) -> Result<(), RpcError> {
     match std::fs::symlink_metadata(&r.real) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(RpcError::from_io(&e, &r.shown.to_string_lossy())),
-        Ok(m) if m.is_dir() => {
-            std::fs::remove_dir_all(&r.real).map_err(|e| RpcError::internal(format!("remove: {e}")))
-        }
-        Ok(_) => {
-            std::fs::remove_file(&r.real).map_err(|e| RpcError::internal(format!("remove: {e}")))
-        }
+        // A mount point (`/workspace` itself) is emptied and then refused
+        // as busy: a failed precondition, not a failure of the agent.
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&r.real)
+            .map_err(|e| RpcError::from_io(&e, &r.shown.to_string_lossy())),
+        Ok(_) => std::fs::remove_file(&r.real)
+            .map_err(|e| RpcError::from_io(&e, &r.shown.to_string_lossy())),
     }
 }
 

@@ -1,0 +1,263 @@
+//! Refusing guesses without locking people out.
+//!
+//! Failed sign-ins are counted per credential *and source address*: a
+//! token id (bearer tokens are `cat_<id>_<secret>`) or a user name (HTTP
+//! Basic), together with where the attempt came from. [`MAX_FAILURES`] in
+//! [`WINDOW`] block that pair for a while; each block in a row doubles the
+//! next one, up to [`MAX_BLOCK`]. Someone guessing a person's password, or
+//! a known token's secret, from one place cannot lock that person or agent
+//! out elsewhere. Every failure from a source, whatever it named, also
+//! counts for the source: [`MAX_SOURCE_FAILURES`] in a window block all
+//! sign-ins from it that are not already verified (loopback is exempt:
+//! on a jump host every local agent shares it; so is "no address", the
+//! re-checks of open event streams).
+//!
+//! A blocked attempt is refused before any check with 429
+//! `sign_in_throttled` and `Retry-After`; a credential already verified
+//! (and cached) keeps working. The start of each block is reported once
+//! ([`Blocked`]) so that it is audited once, not per guess. HTTP Basic has a
+//! global ceiling on top: one password check at a time, each waiting at
+//! most a moment for its turn (`Authenticator::authenticate_basic`).
+//!
+//! Memory is bounded: at most [`MAX_ENTRIES`] keys; past it, what is
+//! neither blocked nor recent goes first.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The window failures are counted in.
+pub const WINDOW: Duration = Duration::from_secs(60);
+/// Failures of one credential from one source per window before a block.
+pub const MAX_FAILURES: u32 = 5;
+/// Failures of any credential from one source per window before a block.
+pub const MAX_SOURCE_FAILURES: u32 = 50;
+/// The longest block (blocks in a row double from one [`WINDOW`]).
+pub const MAX_BLOCK: Duration = Duration::from_secs(15 * 60);
+/// Keys kept at most.
+pub const MAX_ENTRIES: usize = 10_000;
+
+/// Where a request comes from (an IPv6 client by its /64, an IPv4-mapped
+/// address as IPv4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Source(IpAddr);
+
+impl Source {
+    /// No address (a sign-in that did not come over the network).
+    pub const UNSPECIFIED: Source = Source(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+
+    pub fn new(ip: IpAddr) -> Self {
+        let ip = match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => {
+                    let s = v6.segments();
+                    IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+                }
+            },
+            v4 => v4,
+        };
+        Self(ip)
+    }
+
+    pub fn ip(&self) -> IpAddr {
+        self.0
+    }
+}
+
+/// What a sign-in attempt names.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Credential {
+    /// A bearer token's id.
+    Token(String),
+    /// An HTTP Basic user name.
+    User(String),
+    /// Nothing that could be told apart (a malformed token).
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Source(Source),
+    Pair(Credential, Source),
+}
+
+#[derive(Debug)]
+struct Entry {
+    failures: u32,
+    since: Instant,
+    blocked_until: Option<Instant>,
+    /// Blocks in a row (reset after a quiet [`MAX_BLOCK`]).
+    strikes: u32,
+    last: Instant,
+}
+
+/// A block that has just begun: audited once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Blocked {
+    /// The credential blocked, or `None` when the whole source is.
+    pub credential: Option<Credential>,
+    pub source: Source,
+    pub for_: Duration,
+}
+
+/// Counts failures; decides refusals.
+#[derive(Debug, Default)]
+pub struct Throttle {
+    map: Mutex<HashMap<Key, Entry>>,
+}
+
+impl Throttle {
+    /// Whether an attempt may be checked: `Err(seconds to wait)` while its
+    /// credential from this source, or the source, is blocked.
+    pub fn admit(&self, source: Source, cred: &Credential) -> Result<(), u64> {
+        let now = Instant::now();
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let wait = [Key::Source(source), Key::Pair(cred.clone(), source)]
+            .iter()
+            .filter_map(|k| map.get(k)?.blocked_until)
+            .filter(|until| *until > now)
+            .map(|until| until - now)
+            .max();
+        match wait {
+            Some(w) => Err(w.as_secs() + u64::from(w.subsec_nanos() > 0)),
+            None => Ok(()),
+        }
+    }
+
+    /// Count a failed attempt; the blocks it starts.
+    pub fn failed(&self, source: Source, cred: &Credential) -> Vec<Blocked> {
+        let now = Instant::now();
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= MAX_ENTRIES {
+            map.retain(|_, e| e.blocked_until.is_some_and(|u| u > now) || now - e.last < WINDOW);
+            if map.len() >= MAX_ENTRIES {
+                map.retain(|_, e| e.blocked_until.is_some_and(|u| u > now));
+            }
+        }
+        let mut started = vec![];
+        let mut keys = vec![];
+        if cred != &Credential::Unknown {
+            keys.push((Key::Pair(cred.clone(), source), MAX_FAILURES));
+        }
+        if !source.ip().is_loopback() && !source.ip().is_unspecified() {
+            keys.push((Key::Source(source), MAX_SOURCE_FAILURES));
+        }
+        for (key, max) in keys {
+            let e = map.entry(key.clone()).or_insert(Entry {
+                failures: 0,
+                since: now,
+                blocked_until: None,
+                strikes: 0,
+                last: now,
+            });
+            if now - e.last >= MAX_BLOCK {
+                e.strikes = 0;
+            }
+            e.last = now;
+            if e.blocked_until.is_some_and(|u| u > now) {
+                continue;
+            }
+            if now - e.since >= WINDOW {
+                e.failures = 0;
+                e.since = now;
+            }
+            e.failures += 1;
+            if e.failures >= max {
+                let for_ = WINDOW.saturating_mul(1 << e.strikes.min(4)).min(MAX_BLOCK);
+                e.blocked_until = Some(now + for_);
+                e.strikes += 1;
+                e.failures = 0;
+                e.since = now + for_;
+                started.push(Blocked {
+                    credential: match key {
+                        Key::Pair(c, _) => Some(c),
+                        Key::Source(_) => None,
+                    },
+                    source,
+                    for_,
+                });
+            }
+        }
+        started
+    }
+
+    /// A successful check: the credential's failures from this source are
+    /// forgotten (the source's are not).
+    pub fn succeeded(&self, source: Source, cred: &Credential) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.remove(&Key::Pair(cred.clone(), source));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn src(s: &str) -> Source {
+        Source::new(s.parse().unwrap_or(IpAddr::from([0, 0, 0, 0])))
+    }
+
+    #[test]
+    fn a_pair_is_blocked_but_not_the_credential_elsewhere() {
+        let t = Throttle::default();
+        let (a, b) = (src("192.0.2.1"), src("192.0.2.2"));
+        let alice = Credential::User("alice".into());
+        for _ in 0..MAX_FAILURES - 1 {
+            assert!(t.failed(a, &alice).is_empty());
+            assert_eq!(t.admit(a, &alice), Ok(()));
+        }
+        let started = t.failed(a, &alice);
+        assert_eq!(started.len(), 1);
+        assert_eq!(started[0].for_, WINDOW);
+        let wait = t.admit(a, &alice).unwrap_err();
+        assert!((59..=60).contains(&wait), "{wait}");
+        // Alice from elsewhere, and others from the attacker's address.
+        assert_eq!(t.admit(b, &alice), Ok(()));
+        assert_eq!(t.admit(a, &Credential::User("bob".into())), Ok(()));
+    }
+
+    #[test]
+    fn a_source_guessing_many_names_is_blocked_except_on_loopback() {
+        let t = Throttle::default();
+        let a = src("198.51.100.7");
+        let mut blocked = 0;
+        for i in 0..MAX_SOURCE_FAILURES {
+            blocked += t.failed(a, &Credential::User(format!("u{i}"))).len();
+        }
+        assert_eq!(blocked, 1, "one block: the source's");
+        assert!(t.admit(a, &Credential::User("new".into())).is_err());
+        let lo = src("127.0.0.1");
+        for i in 0..MAX_SOURCE_FAILURES * 2 {
+            t.failed(lo, &Credential::User(format!("u{i}")));
+        }
+        assert_eq!(t.admit(lo, &Credential::User("new".into())), Ok(()));
+    }
+
+    #[test]
+    fn success_forgets_and_ipv6_counts_by_prefix() {
+        let t = Throttle::default();
+        let a = src("2001:db8:1:2::1");
+        let b = src("2001:db8:1:2::ffff");
+        assert_eq!(a, b);
+        assert_eq!(src("::ffff:192.0.2.1"), src("192.0.2.1"));
+        let tok = Credential::Token("abc".into());
+        for _ in 0..MAX_FAILURES - 1 {
+            t.failed(a, &tok);
+        }
+        t.succeeded(b, &tok);
+        assert!(t.failed(a, &tok).is_empty(), "the count started over");
+    }
+
+    #[test]
+    fn memory_is_bounded() {
+        let t = Throttle::default();
+        let lo = src("127.0.0.1");
+        for i in 0..MAX_ENTRIES * 2 {
+            t.failed(lo, &Credential::User(format!("n{i}")));
+        }
+        let n = t.map.lock().map(|m| m.len()).unwrap_or(0);
+        assert!(n <= MAX_ENTRIES, "{n}");
+    }
+}

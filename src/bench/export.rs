@@ -1,0 +1,242 @@
+//! `bench export`: the memory of a real `serve` process while
+//! `cube-adapter audit export` streams a long journal through its admin
+//! socket. The journal is written directly through the store (the service
+//! stopped), then the service is started on it and the export goes through
+//! the CLI, as an operator runs it. VmRSS is sampled from /proc while the
+//! exports run and after each: it should stay flat (the export is streamed
+//! in bounded batches), whatever the number of events.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::Report;
+use crate::audit::event::Event;
+use crate::store::Store;
+
+/// Events per write transaction while filling the journal.
+const FILL_BATCH: u64 = 10_000;
+
+/// How often RSS is sampled during an export.
+const SAMPLE_EVERY: Duration = Duration::from_millis(20);
+
+/// Append `events` events to the journal of the (stopped) store in
+/// `state`, shaped as an agent's exec outcomes are (digests, refs, a
+/// duration, an exit code): the journal a busy appliance leaves.
+pub async fn fill_journal(state: &Path, events: u64) -> anyhow::Result<()> {
+    let store = Store::open(state)?;
+    let mut done = 0u64;
+    while done < events {
+        let n = FILL_BATCH.min(events - done);
+        let first = done;
+        store
+            .write(move |txn, chain| {
+                for i in first..first + n {
+                    chain.append(txn, sample_event(i))?;
+                }
+                Ok(())
+            })
+            .await?;
+        done += n;
+    }
+    store.close().await;
+    Ok(())
+}
+
+fn sample_event(i: u64) -> Event {
+    let hex = |tag: &str| format!("{:032x}", (u128::from(i) << 8) | tag.len() as u128);
+    Event {
+        event_id: format!("{:032x}", u128::from(i) + (1 << 100)),
+        ts: format!("2025-01-01T00:00:{:02}.{:06}Z", i % 60, i % 1_000_000),
+        operation_id: Some(hex("operation")),
+        phase: "outcome".into(),
+        action: "exec".into(),
+        outcome: if i.is_multiple_of(7) { "error" } else { "ok" }.into(),
+        runtime: Some("mcp".into()),
+        tenant_digest: Some(hex("tenant")),
+        identity_digest: Some(hex("identity")),
+        session_digest: Some(hex("session")),
+        profile: Some("offline-code".into()),
+        request_id: Some(format!("req-{i:016x}")),
+        lease_ref: Some(format!("lease_{:020x}", i / 100)),
+        sandbox_ref: Some(format!("{:08x}", i / 100)),
+        duration_ms: Some(i % 5000),
+        command_digest: Some(hex("command")),
+        exit_code: Some(i32::from(i.is_multiple_of(7))),
+        ..Default::default()
+    }
+}
+
+pub use super::rss_kib;
+
+/// What one export did, and the service's memory meanwhile.
+pub struct ExportRun {
+    pub lines: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// The highest VmRSS of the service while the export ran (KiB).
+    pub service_peak_kib: u64,
+    /// The highest VmRSS of the `audit export` process itself (KiB).
+    pub client_peak_kib: u64,
+}
+
+/// Run `launcher audit export` on `state` to its end (its output counted,
+/// not kept), sampling the RSS of the service `service_pid` and of the
+/// export itself as it runs.
+pub async fn run_export(
+    launcher: &Path,
+    state: &Path,
+    config: &Path,
+    service_pid: u32,
+) -> anyhow::Result<ExportRun> {
+    let t0 = Instant::now();
+    let mut child = std::process::Command::new(launcher)
+        .args(["audit", "export", "--state-dir"])
+        .arg(state)
+        .arg("--config")
+        .arg(config)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let client_pid = child.id();
+    let mut stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+    let count = tokio::task::spawn_blocking(move || -> std::io::Result<(u64, u64)> {
+        use std::io::Read;
+        let (mut lines, mut bytes) = (0u64, 0u64);
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = stdout.read(&mut buf)?;
+            if n == 0 {
+                return Ok((lines, bytes));
+            }
+            let got = buf.get(..n).unwrap_or_default();
+            lines += got.iter().filter(|b| **b == b'\n').count() as u64;
+            bytes += n as u64;
+        }
+    });
+    let (mut service_peak_kib, mut client_peak_kib) = (0u64, 0u64);
+    while !count.is_finished() {
+        service_peak_kib = service_peak_kib.max(rss_kib(service_pid));
+        client_peak_kib = client_peak_kib.max(rss_kib(client_pid));
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+    let (lines, bytes) = count.await??;
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await??;
+    anyhow::ensure!(
+        out.status.success(),
+        "audit export failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(ExportRun {
+        lines,
+        bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+        service_peak_kib,
+        client_peak_kib,
+    })
+}
+
+fn tmpdir() -> PathBuf {
+    std::env::temp_dir().join(format!("cube-bench-export-{:016x}", rand::random::<u64>()))
+}
+
+/// `bench export`: fill a journal with `events` events, start `serve` on
+/// it and run `exports` exports through its admin socket, one after the
+/// other; VmRSS of the service before, during (peak) and after each.
+pub async fn export(launcher: &Path, events: u64, exports: usize) -> anyhow::Result<Report> {
+    let dir = tmpdir();
+    std::fs::create_dir_all(&dir)?;
+    let result = export_in(launcher, &dir, events, exports).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn export_in(
+    launcher: &Path,
+    dir: &Path,
+    events: u64,
+    exports: usize,
+) -> anyhow::Result<Report> {
+    let mut report = Report::new("export");
+    let config = dir.join("config.toml");
+    std::fs::write(&config, "")?;
+    let state = dir.join("state");
+    // A first start makes the state directory (keys, certificate, token).
+    super::ServeProc::start(launcher, &state, &config)?.stop();
+    let t = Instant::now();
+    fill_journal(&state, events).await?;
+    let fill = t.elapsed().as_secs_f64();
+    report.figures.insert(
+        "journal fill, events/s (store API)".into(),
+        events as f64 / fill,
+    );
+    report.figures.insert(
+        "store file (MiB)".into(),
+        std::fs::metadata(state.join("state.redb"))?.len() as f64 / 1048576.0,
+    );
+
+    let serve = super::ServeProc::start(launcher, &state, &config)?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = rss_kib(serve.pid());
+    report
+        .figures
+        .insert("service RSS idle (KiB)".into(), idle as f64);
+    let mut peak = idle;
+    let mut last_after = idle;
+    let mut expected = None;
+    for i in 1..=exports {
+        let run = match run_export(launcher, &state, &config, serve.pid()).await {
+            Ok(r) => r,
+            Err(e) => {
+                serve.stop();
+                return Err(e);
+            }
+        };
+        // Every export prints the whole journal (the first start's own
+        // events included): the same number of lines each time.
+        if *expected.get_or_insert(run.lines) != run.lines || run.lines < events {
+            serve.stop();
+            anyhow::bail!("export {i} printed {} lines of {events}", run.lines);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        last_after = rss_kib(serve.pid());
+        peak = peak.max(run.service_peak_kib);
+        let f = &mut report.figures;
+        f.insert(
+            format!("export {i}: service RSS peak (KiB)"),
+            run.service_peak_kib as f64,
+        );
+        f.insert(
+            format!("export {i}: service RSS after (KiB)"),
+            last_after as f64,
+        );
+        f.insert(
+            format!("export {i}: audit export RSS peak (KiB)"),
+            run.client_peak_kib as f64,
+        );
+        f.insert(
+            format!("export {i}: events/s"),
+            run.lines as f64 / run.seconds,
+        );
+        f.insert(
+            format!("export {i}: MB/s"),
+            run.bytes as f64 / run.seconds / 1e6,
+        );
+    }
+    serve.stop();
+    report.figures.insert(
+        "events exported per run".into(),
+        expected.unwrap_or(0) as f64,
+    );
+    report.figures.insert(
+        "service RSS growth, peak over idle (KiB)".into(),
+        peak.saturating_sub(idle) as f64,
+    );
+    report.figures.insert(
+        "service RSS growth, after the last export over idle (KiB)".into(),
+        last_after.saturating_sub(idle) as f64,
+    );
+    Ok(report)
+}
