@@ -17,8 +17,9 @@
 //!   the oldest evicted first) and served one request, `/healthz` or
 //!   `/readyz` only, under [`OVER_CAP_DEADLINE`]: health checks open a
 //!   fresh connection for each probe and are answered at the cap, while
-//!   anything else over the cap is closed unanswered. Descriptors stay
-//!   bounded: caps plus the reserve.
+//!   anything else over the cap is answered 503 `connection_limit` with
+//!   `Retry-After` and closed. Descriptors stay bounded: caps plus the
+//!   reserve.
 //!
 //! At shutdown the listener closes, every open connection is asked to end
 //! gracefully (requests in progress finish; idle keep-alive connections
@@ -341,18 +342,38 @@ async fn drive<I>(
     }
 }
 
-/// A request on a connection that is over a cap and not a health check: the
-/// connection is closed without an answer.
-#[derive(Debug)]
-struct OverCap;
+/// How long a client over a cap is asked to wait (`Retry-After`).
+const OVER_CAP_RETRY: u32 = 5;
 
-impl std::fmt::Display for OverCap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("connection over the limit: only /healthz and /readyz are served")
-    }
+/// The answer to a request on a connection over a cap that is not a health
+/// check: 503 `connection_limit` with `Retry-After`, and the connection
+/// closes (keep-alive is off over a cap).
+fn over_cap_answer(in_flight: InFlight) -> Response<Answer> {
+    let code = crate::broker::Code::ConnectionLimit;
+    let body = serde_json::json!({"error": {
+        "code": code,
+        "message": "too many open connections (from this address, or in all); only /healthz and /readyz are answered until some close",
+    }});
+    let mut r = Response::new(Answer {
+        body: Body::from(body.to_string()),
+        _in_flight: in_flight,
+    });
+    *r.status_mut() = code.status();
+    let h = r.headers_mut();
+    h.insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from(code.retry_after().unwrap_or(OVER_CAP_RETRY)),
+    );
+    h.insert(
+        axum::http::header::CACHE_CONTROL,
+        axum::http::HeaderValue::from_static("no-store"),
+    );
+    r
 }
-
-impl std::error::Error for OverCap {}
 
 fn is_health(req: &Request<Incoming>) -> bool {
     matches!(*req.method(), Method::GET | Method::HEAD)
@@ -369,11 +390,11 @@ async fn answer(
     over_cap: bool,
     body_timeout: Option<Duration>,
     activity: Arc<Activity>,
-) -> Result<Response<Answer>, OverCap> {
-    if over_cap && !is_health(&req) {
-        return Err(OverCap);
-    }
+) -> Result<Response<Answer>, std::convert::Infallible> {
     let in_flight = InFlight::begin(activity);
+    if over_cap && !is_health(&req) {
+        return Ok(over_cap_answer(in_flight));
+    }
     if let Some(pc) = peer_cert {
         req.extensions_mut().insert(pc);
     }

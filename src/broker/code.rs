@@ -184,6 +184,9 @@ codes! {
     /// The audit journal (or the store, or the identity store) is
     /// unavailable.
     AuditUnavailable = "audit_unavailable", SERVICE_UNAVAILABLE, Error, Some(5);
+    /// Too many open connections (from the client's address, or in all):
+    /// the listener answers only health checks until some close.
+    ConnectionLimit = "connection_limit", SERVICE_UNAVAILABLE, Error, Some(5);
 
     // 504
     /// A backend operation or a command timed out: it may have happened.

@@ -210,14 +210,18 @@ async fn at_the_cap_health_still_answers() {
     for _ in 0..4 {
         held.push(connect(&s.url, &s.state).await);
     }
-    // Over the cap: anything but health is closed without an answer.
+    // Over the cap: anything but health is answered 503 connection_limit
+    // with Retry-After, and the connection closes.
     let mut over = connect(&s.url, &s.state).await;
     let req = format!(
         "GET /v1/profiles HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\nconnection: close\r\n\r\n",
         s.admin
     );
     over.write_all(req.as_bytes()).await.unwrap();
-    assert_eq!(until_closed(&mut over, Duration::from_secs(15)).await, "");
+    let got = until_closed(&mut over, Duration::from_secs(15)).await;
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(got.to_ascii_lowercase().contains("retry-after: 5"), "{got}");
+    assert!(got.contains("\"connection_limit\""), "{got}");
 
     // Health answers, on fresh connections (as probes make them), and the
     // connection is closed after the answer.
@@ -248,7 +252,7 @@ async fn at_the_cap_health_still_answers() {
         if got.starts_with("HTTP/1.1 200") {
             break;
         }
-        assert!(got.is_empty(), "{got}");
+        assert!(got.starts_with("HTTP/1.1 503"), "{got}");
         assert!(Instant::now() < deadline, "slots never came back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
