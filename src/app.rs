@@ -354,7 +354,15 @@ pub async fn serve_with(
     let v1 = api::router(st.clone());
     let mut hosts = names.clone();
     hosts.extend(["localhost", "127.0.0.1", "::1"].map(String::from));
-    let app = crate::mcp::http::router(st, v1.clone(), hosts).merge(v1);
+    let console = crate::console::router(crate::console::ConsoleState {
+        broker: broker.clone(),
+        auth: admin_authn.clone(),
+        backend: backend_desc.clone(),
+        cert_file: ca.dir.join("server.pem"),
+    });
+    let app = crate::mcp::http::router(st, v1.clone(), hosts)
+        .merge(v1)
+        .merge(console);
     let tls = if cfg.insecure_plain_http {
         anyhow::ensure!(
             addr.ip().is_loopback(),

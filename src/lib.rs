@@ -22,6 +22,7 @@ pub mod broker;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod console;
 pub mod cube;
 pub mod embedded;
 pub mod ids;

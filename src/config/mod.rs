@@ -54,6 +54,8 @@ pub struct Config {
     pub receipts: ReceiptsSection,
     /// Limits on the HTTPS listener's client connections.
     pub connections: ConnectionsSection,
+    /// The web console (`/console`).
+    pub console: ConsoleSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
     /// in-process tests put a manual one here (`crate::clock::ManualClock`).
     /// Not configurable: never read from a file, and kept across reloads
@@ -121,6 +123,45 @@ impl ConnectionsSection {
                     "connections: {k} must be between 1 and 86400 (got {v})"
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+/// The web console (`[console]`; `src/console`, `docs/console.md`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsoleSection {
+    /// A session unused this long ends (checked to the minute).
+    pub idle_timeout_seconds: u64,
+    /// A session ends this long after sign-in, however busy.
+    pub absolute_timeout_seconds: u64,
+}
+
+impl Default for ConsoleSection {
+    fn default() -> Self {
+        Self {
+            idle_timeout_seconds: 30 * 60,
+            absolute_timeout_seconds: 12 * 3600,
+        }
+    }
+}
+
+impl ConsoleSection {
+    fn validate(&self) -> Result<(), String> {
+        // At least a minute (the idle clock is kept to the minute), at most
+        // a day idle and a week in all.
+        if !(60..=86_400).contains(&self.idle_timeout_seconds) {
+            return Err(format!(
+                "console: idle_timeout_seconds must be between 60 and 86400 (got {})",
+                self.idle_timeout_seconds
+            ));
+        }
+        if !(self.idle_timeout_seconds..=604_800).contains(&self.absolute_timeout_seconds) {
+            return Err(format!(
+                "console: absolute_timeout_seconds must be between idle_timeout_seconds ({}) and 604800 (got {})",
+                self.idle_timeout_seconds, self.absolute_timeout_seconds
+            ));
         }
         Ok(())
     }
@@ -290,6 +331,7 @@ impl Default for Config {
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
+            console: ConsoleSection::default(),
             clock: crate::clock::Clock::System,
         }
     }
@@ -422,6 +464,7 @@ impl Config {
             }
         }
         self.connections.validate()?;
+        self.console.validate()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;
@@ -519,5 +562,40 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn console_lifetimes() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "").unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        assert_eq!(c.console.idle_timeout_seconds, 1800);
+        assert_eq!(c.console.absolute_timeout_seconds, 43_200);
+        std::fs::write(
+            &f,
+            "[console]\nidle_timeout_seconds = 600\nabsolute_timeout_seconds = 3600\n",
+        )
+        .unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        assert_eq!(c.console.idle_timeout_seconds, 600);
+        assert_eq!(c.console.absolute_timeout_seconds, 3600);
+        for (bad, why) in [
+            ("idle_timeout_seconds = 59", "idle_timeout_seconds"),
+            ("idle_timeout_seconds = 86401", "idle_timeout_seconds"),
+            (
+                "idle_timeout_seconds = 7200\nabsolute_timeout_seconds = 3600",
+                "absolute_timeout_seconds",
+            ),
+            (
+                "absolute_timeout_seconds = 604801",
+                "absolute_timeout_seconds",
+            ),
+            ("idle = 1", "idle"),
+        ] {
+            std::fs::write(&f, format!("[console]\n{bad}\n")).unwrap();
+            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
     }
 }

@@ -10,6 +10,7 @@
 
 pub mod checkpoints;
 pub mod codec;
+pub mod console;
 pub mod event;
 pub mod jobs;
 pub mod journal;
@@ -401,7 +402,7 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
         Some(v) if v < tables::SCHEMA_VERSION => {
             // Every step so far only adds tables (created below) and, for
             // 4, the token key (below); token records are rekeyed one by
-            // one as they are used (see `auth`).
+            // one as they are used (see `auth`). 5 adds console sessions.
             tracing::info!(
                 from = v,
                 to = tables::SCHEMA_VERSION,
@@ -432,7 +433,9 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             meta.insert(TOKEN_KEY, codec::encode(&sealed)?.as_slice())?;
         }
     }
-    // Versions 1 to 3 only create tables: opening them is the whole step.
+    // Versions 1 to 3 and 5 only create tables: opening them is the whole
+    // step.
+    txn.open_table(tables::CONSOLE_SESSIONS)?;
     txn.open_table(tables::PLANS)?;
     txn.open_table(tables::USERS)?;
     txn.open_table(tables::TASKS)?;

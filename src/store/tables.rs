@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 4;
+pub const SCHEMA_VERSION: u64 = 5;
 
 /// `schema_version`, `instance_id`, audit chain head, the sealed token key
 /// (schema 4).
@@ -39,3 +39,7 @@ pub const PLANS: TableDefinition<&str, &[u8]> = TableDefinition::new("plans_v1")
 pub const TASKS: TableDefinition<&str, &[u8]> = TableDefinition::new("tasks_v1");
 /// user name → console/API user (argon2 password hash, principal) (schema 3).
 pub const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users_v1");
+/// digest of a console session id → console session (user, times,
+/// password fingerprint) (schema 5).
+pub const CONSOLE_SESSIONS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new("console_sessions_v1");

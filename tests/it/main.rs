@@ -12,6 +12,7 @@
 
 mod appliance;
 mod connections;
+mod console;
 mod embedded;
 mod export;
 mod identities;

@@ -1,0 +1,82 @@
+//! The web console (`/console`): server-rendered pages for approvers,
+//! auditors and admins (design.md, "console/"; `docs/console.md`).
+//!
+//! Templates live in `web/templates/` (askama, compiled in), static assets
+//! in `web/static/` (rust-embed, served under `/console/static/`). Every
+//! answer carries the browser security headers (`security_headers`); pages
+//! need a signed-in person (`session`), forms a CSRF token.
+//!
+//! So far: sign-in, sign-out and the Overview. The rest of issue 15
+//! (approvals, tasks, audit, leases, identities) builds on this.
+
+mod assets;
+mod pages;
+pub mod session;
+
+use std::path::PathBuf;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::http::{HeaderName, HeaderValue, header};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+
+use crate::auth::Authenticator;
+use crate::broker::Broker;
+
+/// What the console's handlers need. Cheap to clone.
+#[derive(Clone)]
+pub struct ConsoleState {
+    pub broker: Broker,
+    pub auth: Authenticator,
+    /// How the backend is described (`app::Started::backend`).
+    pub backend: String,
+    /// The served certificate's file (`TLS/server.pem`): its days left.
+    pub cert_file: PathBuf,
+}
+
+/// Largest form body accepted (sign-in is the largest form).
+const MAX_FORM: usize = 16 * 1024;
+
+/// `/console…`. Merged into the appliance's router by `app`.
+pub fn router(st: ConsoleState) -> Router {
+    Router::new()
+        .route("/console", get(pages::overview))
+        .route("/console/", get(pages::to_overview))
+        .route(
+            "/console/sign-in",
+            get(pages::sign_in_form).post(pages::sign_in),
+        )
+        .route("/console/sign-out", post(pages::sign_out))
+        .route("/console/static/{*path}", get(assets::serve))
+        // Unknown console pages answer as the console does (headers, HTML).
+        .route("/console/{*rest}", get(pages::not_found))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_FORM))
+        .layer(middleware::from_fn(security_headers))
+        .with_state(st)
+}
+
+/// The headers every console answer carries. `Cache-Control` is
+/// `no-store` unless the handler chose (static assets: long-lived).
+pub const SECURITY_HEADERS: &[(&str, &str)] = &[
+    (
+        "content-security-policy",
+        "default-src 'self'; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    ),
+    ("referrer-policy", "no-referrer"),
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+];
+
+async fn security_headers(req: Request, next: Next) -> Response {
+    let mut r = next.run(req).await;
+    let h = r.headers_mut();
+    for (k, v) in SECURITY_HEADERS {
+        h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+    }
+    if !h.contains_key(header::CACHE_CONTROL) {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    r
+}

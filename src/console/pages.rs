@@ -1,0 +1,496 @@
+//! The pages: sign-in, sign-out and the Overview. One askama struct per
+//! template (`web/templates/`), each with the shared [`Page`] frame.
+
+use askama::Template;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::{Extension, Form};
+use serde::Deserialize;
+
+use super::ConsoleState;
+use super::session::{self, Lifetimes, NoSession, SignedIn};
+use crate::audit::AuditError;
+use crate::auth::{AuthError, Principal, Role, Source};
+use crate::store::typed::ReadOps;
+use crate::store::{leases, plans, tables, tasks};
+
+/// The signed-in person as the page frame shows them.
+pub struct Who {
+    pub name: String,
+    pub roles: String,
+    pub csrf: String,
+}
+
+/// What every page's frame (`base.html`) needs.
+pub struct Page {
+    pub signed_in: Option<Who>,
+    /// The navigation entry of this page.
+    pub here: &'static str,
+    pub css_version: String,
+}
+
+impl Page {
+    fn new(signed_in: Option<&SignedIn>, here: &'static str) -> Self {
+        Self {
+            signed_in: signed_in.map(|s| Who {
+                name: s.name.clone(),
+                roles: roles_text(&s.principal),
+                csrf: s.csrf.clone(),
+            }),
+            here,
+            css_version: super::assets::version("console.css"),
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "sign_in.html", config = "web/askama.toml")]
+struct SignInPage {
+    page: Page,
+    csrf: String,
+    name: String,
+    message: Option<String>,
+}
+
+#[derive(Template)]
+#[template(path = "overview.html", config = "web/askama.toml")]
+struct OverviewPage {
+    page: Page,
+    scope: String,
+    ready: bool,
+    audit_ok: bool,
+    audit_state: &'static str,
+    audit_mode: &'static str,
+    backend: String,
+    cert_days: Option<i64>,
+    pending_plans: usize,
+    running_tasks: usize,
+    live_leases: usize,
+}
+
+#[derive(Template)]
+#[template(path = "error.html", config = "web/askama.toml")]
+struct ErrorPage {
+    page: Page,
+    heading: String,
+    message: String,
+}
+
+/// A rendered page with `status`; a template that fails to render is a
+/// logged 500.
+fn html(status: StatusCode, t: &impl Template) -> Response {
+    match t.render() {
+        Ok(body) => (
+            status,
+            [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+            body,
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "a console template failed to render");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                "internal error",
+            )
+                .into_response()
+        }
+    }
+}
+
+/// An error page.
+fn error_page(
+    status: StatusCode,
+    signed_in: Option<&SignedIn>,
+    heading: &str,
+    message: &str,
+) -> Response {
+    html(
+        status,
+        &ErrorPage {
+            page: Page::new(signed_in, ""),
+            heading: heading.into(),
+            message: message.into(),
+        },
+    )
+}
+
+fn unavailable() -> Response {
+    error_page(
+        StatusCode::SERVICE_UNAVAILABLE,
+        None,
+        "Unavailable",
+        "The appliance cannot serve this page now. Try again shortly.",
+    )
+}
+
+fn roles_text(p: &Principal) -> String {
+    let v: Vec<&str> = p
+        .roles
+        .iter()
+        .map(|r| match r {
+            Role::Agent => "agent",
+            Role::Approver => "approver",
+            Role::Auditor => "auditor",
+            Role::Admin => "admin",
+        })
+        .collect();
+    v.join(", ")
+}
+
+/// Approvers, auditors and admins use the console; agents do not.
+fn may_use_console(p: &Principal) -> bool {
+    p.roles
+        .iter()
+        .any(|r| matches!(r, Role::Approver | Role::Auditor | Role::Admin))
+}
+
+fn lifetimes(st: &ConsoleState) -> Lifetimes {
+    let c = st.broker.config();
+    Lifetimes {
+        idle: c.console.idle_timeout_seconds,
+        absolute: c.console.absolute_timeout_seconds,
+    }
+}
+
+fn to_sign_in(clear: bool) -> Response {
+    let mut r = Redirect::to("/console/sign-in").into_response();
+    if clear && let Ok(v) = HeaderValue::from_str(&session::clear_cookie(session::COOKIE)) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
+}
+
+/// The signed-in person allowed to use the console, or the answer to give
+/// instead (303 to sign-in, 403, 503).
+async fn signed_in(st: &ConsoleState, headers: &HeaderMap) -> Result<SignedIn, Response> {
+    let store = st.broker.journal().store();
+    let now = st.broker.clock().unix();
+    match session::current(store, headers, now, lifetimes(st)).await {
+        Ok(s) if may_use_console(&s.principal) => Ok(s),
+        Ok(s) => Err(error_page(
+            StatusCode::FORBIDDEN,
+            Some(&s),
+            "Not for your role",
+            "The console is for approvers, auditors and admins.",
+        )),
+        Err(NoSession::SignIn) => Err(to_sign_in(
+            session::cookie(headers, session::COOKIE).is_some(),
+        )),
+        Err(NoSession::Store(e)) => {
+            tracing::error!(error = %e, "console session lookup failed");
+            Err(unavailable())
+        }
+    }
+}
+
+pub async fn not_found() -> Response {
+    error_page(
+        StatusCode::NOT_FOUND,
+        None,
+        "Not found",
+        "The console has no such page.",
+    )
+}
+
+pub async fn to_overview() -> Redirect {
+    Redirect::to("/console")
+}
+
+pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let j = st.broker.journal();
+    let (audit_ok, audit_state) = match j.check() {
+        Ok(()) => (true, "ok"),
+        Err(AuditError::Blocked) => (false, "reconciliation required"),
+        Err(_) => (false, "unavailable"),
+    };
+    let store = j.store().clone();
+    // Admins see every tenant's work; everyone else their tenant's.
+    let tenant = (!who.principal.is_admin()).then(|| who.principal.tenant.clone());
+    let t2 = tenant.clone();
+    let counts = store
+        .read(move |txn| {
+            let mine = |t: &str| t2.as_deref().is_none_or(|x| x == t);
+            let pending = plans::all(txn)?
+                .iter()
+                .filter(|p| p.state == plans::PlanState::PendingApproval && mine(&p.tenant))
+                .count();
+            let all_tasks: Vec<tasks::Task> = txn.records(tables::TASKS)?;
+            let running = all_tasks
+                .iter()
+                .filter(|t| {
+                    matches!(
+                        t.state,
+                        tasks::TaskState::Starting | tasks::TaskState::Running
+                    ) && mine(&t.tenant)
+                })
+                .count();
+            let live = leases::all(txn)?
+                .iter()
+                .filter(|l| {
+                    matches!(
+                        l.state,
+                        leases::LeaseState::Running | leases::LeaseState::Paused
+                    ) && mine(&l.tenant)
+                })
+                .count();
+            Ok((pending, running, live))
+        })
+        .await;
+    let (pending_plans, running_tasks, live_leases) = match counts {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "console overview: store read failed");
+            return unavailable();
+        }
+    };
+    let now = st.broker.clock().unix();
+    let cert_days = std::fs::read(&st.cert_file)
+        .ok()
+        .and_then(|pem| crate::tls::cert_info(&pem).ok())
+        .map(|c| c.days_left(now));
+    let page = OverviewPage {
+        page: Page::new(Some(&who), "overview"),
+        scope: match tenant {
+            Some(t) => format!("tenant {t}"),
+            None => "all tenants".into(),
+        },
+        ready: j.is_ready() && !store.failed(),
+        audit_ok,
+        audit_state,
+        audit_mode: match j.mode() {
+            crate::audit::AuditMode::Required => "required",
+            crate::audit::AuditMode::BestEffort => "best effort",
+        },
+        backend: st.backend.clone(),
+        cert_days,
+        pending_plans,
+        running_tasks,
+        live_leases,
+    };
+    html(StatusCode::OK, &page)
+}
+
+/// The sign-in form, with a fresh double-submit token.
+fn sign_in_page(status: StatusCode, name: &str, message: Option<&str>) -> Response {
+    let token = session::new_token();
+    let mut r = html(
+        status,
+        &SignInPage {
+            page: Page::new(None, "sign-in"),
+            csrf: token.clone(),
+            name: name.into(),
+            message: message.map(str::to_string),
+        },
+    );
+    if let Ok(v) = HeaderValue::from_str(&session::set_cookie(
+        session::SIGN_IN_COOKIE,
+        &token,
+        session::SIGN_IN_FORM_SECONDS,
+    )) {
+        r.headers_mut().append(header::SET_COOKIE, v);
+    }
+    r
+}
+
+pub async fn sign_in_form() -> Response {
+    sign_in_page(StatusCode::OK, "", None)
+}
+
+#[derive(Deserialize)]
+pub struct SignInForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    password: String,
+}
+
+/// Record a sign-in attempt (never the password; the name as a digest).
+async fn audit_sign_in(
+    st: &ConsoleState,
+    source: Option<Source>,
+    name: &str,
+    ok: Option<(&Principal, &str)>,
+    error_code: Option<&str>,
+) -> Result<(), AuditError> {
+    let j = st.broker.journal();
+    let mut ev = j.event("console_sign_in");
+    match ok {
+        Some((p, key)) => {
+            ev.outcome = "ok".into();
+            ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
+            ev.identity_digest = Some(j.digest(
+                "identity",
+                format!("{}\0{}", p.tenant, p.subject).as_bytes(),
+            ));
+            ev.session_digest = Some(j.digest("console_session", key.as_bytes()));
+        }
+        None => {
+            ev.outcome = "rejected".into();
+            ev.identity_digest = Some(j.digest("user", name.as_bytes()));
+        }
+    }
+    ev.error_code = error_code.map(str::to_string);
+    if let Some(s) = source {
+        ev.note_digest = Some(j.digest("source", s.ip().to_string().as_bytes()));
+    }
+    j.record(ev).await
+}
+
+/// Record a refused sign-in (a failure to record is logged: the answer is
+/// a refusal either way).
+async fn refused(st: &ConsoleState, source: Option<Source>, name: &str, code: &str) {
+    if let Err(e) = audit_sign_in(st, source, name, None, Some(code)).await {
+        tracing::warn!(error = %e, "a console sign-in failure was not audited");
+    }
+}
+
+pub async fn sign_in(
+    State(st): State<ConsoleState>,
+    source: Option<Extension<Source>>,
+    headers: HeaderMap,
+    Form(f): Form<SignInForm>,
+) -> Response {
+    let source = source.map(|Extension(s)| s);
+    let expected = session::cookie(&headers, session::SIGN_IN_COOKIE).unwrap_or("");
+    if !session::same(expected, &f.csrf) {
+        return error_page(
+            StatusCode::FORBIDDEN,
+            None,
+            "Form expired",
+            "This sign-in form has expired or was not sent from the console. Open the sign-in page again.",
+        );
+    }
+    let principal = match st
+        .auth
+        .authenticate_basic(&f.name, &f.password, source)
+        .await
+    {
+        Ok(p) => p,
+        Err(AuthError::Throttled(secs)) => {
+            refused(&st, source, &f.name, "sign_in_throttled").await;
+            let mut r = sign_in_page(
+                StatusCode::TOO_MANY_REQUESTS,
+                &f.name,
+                Some("Too many attempts. Wait a little, then try again."),
+            );
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+            return r;
+        }
+        Err(AuthError::Unauthorized) => {
+            refused(&st, source, &f.name, "unauthorized").await;
+            return sign_in_page(
+                StatusCode::UNAUTHORIZED,
+                &f.name,
+                Some("Wrong user name or password."),
+            );
+        }
+        Err(AuthError::Unavailable) => return unavailable(),
+    };
+    let store = st.broker.journal().store().clone();
+    // The record the session is opened under (checked again: the
+    // password check may have come from the authenticator's cache).
+    let user = match crate::auth::users::get_user(&store, &f.name) {
+        Ok(Some(u)) if u.disabled_at.is_none() => u,
+        Ok(_) => {
+            refused(&st, source, &f.name, "unauthorized").await;
+            return sign_in_page(
+                StatusCode::UNAUTHORIZED,
+                &f.name,
+                Some("Wrong user name or password."),
+            );
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "console sign-in: user lookup failed");
+            return unavailable();
+        }
+    };
+    if !may_use_console(&principal) {
+        refused(&st, source, &f.name, "forbidden").await;
+        return error_page(
+            StatusCode::FORBIDDEN,
+            None,
+            "Not for your role",
+            "The console is for approvers, auditors and admins.",
+        );
+    }
+    let now = st.broker.clock().unix();
+    let id = match session::open(&store, &user, now, lifetimes(&st)).await {
+        Ok(id) => id,
+        Err(e) => {
+            tracing::error!(error = %e, "console sign-in: session not stored");
+            return unavailable();
+        }
+    };
+    let key = session::key_of(&id);
+    // A sign-in the journal cannot record (audit required) does not
+    // happen: the session just made is removed.
+    if let Err(e) = audit_sign_in(&st, source, &f.name, Some((&principal, &key)), None).await {
+        tracing::error!(error = %e, "console sign-in not audited: refused");
+        let _ = session::end(&store, key).await;
+        return unavailable();
+    }
+    let mut r = Redirect::to("/console").into_response();
+    let life = lifetimes(&st);
+    for c in [
+        session::set_cookie(session::COOKIE, &id, life.absolute),
+        session::clear_cookie(session::SIGN_IN_COOKIE),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&c) {
+            r.headers_mut().append(header::SET_COOKIE, v);
+        }
+    }
+    r
+}
+
+#[derive(Deserialize)]
+pub struct CsrfForm {
+    #[serde(default)]
+    csrf: String,
+}
+
+pub async fn sign_out(
+    State(st): State<ConsoleState>,
+    headers: HeaderMap,
+    Form(f): Form<CsrfForm>,
+) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    if !session::same(&who.csrf, &f.csrf) {
+        return error_page(
+            StatusCode::FORBIDDEN,
+            Some(&who),
+            "Form expired",
+            "This form was not sent from this session of the console. Reload the page and try again.",
+        );
+    }
+    let store = st.broker.journal().store().clone();
+    if let Err(e) = session::end(&store, who.key.clone()).await {
+        tracing::error!(error = %e, "console sign-out: session not removed");
+        return unavailable();
+    }
+    let j = st.broker.journal();
+    let mut ev = j.event("console_sign_out");
+    ev.outcome = "ok".into();
+    ev.tenant_digest = Some(j.digest("tenant", who.principal.tenant.as_bytes()));
+    ev.identity_digest = Some(j.digest(
+        "identity",
+        format!("{}\0{}", who.principal.tenant, who.principal.subject).as_bytes(),
+    ));
+    ev.session_digest = Some(j.digest("console_session", who.key.as_bytes()));
+    if let Err(e) = j.record(ev).await {
+        tracing::warn!(error = %e, "a console sign-out was not audited");
+    }
+    to_sign_in(true)
+}
