@@ -6,9 +6,11 @@
 //! answer carries the browser security headers (`security_headers`); pages
 //! need a signed-in person (`session`), forms a CSRF token.
 //!
-//! So far: sign-in, sign-out and the Overview. The rest of issue 15
+//! So far: sign-in, sign-out, the Overview, and Approvals (the queue,
+//! a plan's review, approve/deny). The rest of issue 15
 //! (approvals, tasks, audit, leases, identities) builds on this.
 
+mod approvals;
 mod assets;
 mod pages;
 pub mod session;
@@ -49,6 +51,9 @@ pub fn router(st: ConsoleState) -> Router {
             get(pages::sign_in_form).post(pages::sign_in),
         )
         .route("/console/sign-out", post(pages::sign_out))
+        .route("/console/approvals", get(approvals::queue))
+        .route("/console/plans/{plan_ref}", get(approvals::review))
+        .route("/console/plans/{plan_ref}/decide", post(approvals::decide))
         .route("/console/static/{*path}", get(assets::serve))
         // Unknown console pages answer as the console does (headers, HTML).
         .route("/console/{*rest}", get(pages::not_found))

@@ -31,7 +31,7 @@ pub struct Page {
 }
 
 impl Page {
-    fn new(signed_in: Option<&SignedIn>, here: &'static str) -> Self {
+    pub(super) fn new(signed_in: Option<&SignedIn>, here: &'static str) -> Self {
         Self {
             signed_in: signed_in.map(|s| Who {
                 name: s.name.clone(),
@@ -79,7 +79,7 @@ struct ErrorPage {
 
 /// A rendered page with `status`; a template that fails to render is a
 /// logged 500.
-fn html(status: StatusCode, t: &impl Template) -> Response {
+pub(super) fn html(status: StatusCode, t: &impl Template) -> Response {
     match t.render() {
         Ok(body) => (
             status,
@@ -100,7 +100,7 @@ fn html(status: StatusCode, t: &impl Template) -> Response {
 }
 
 /// An error page.
-fn error_page(
+pub(super) fn error_page(
     status: StatusCode,
     signed_in: Option<&SignedIn>,
     heading: &str,
@@ -116,7 +116,7 @@ fn error_page(
     )
 }
 
-fn unavailable() -> Response {
+pub(super) fn unavailable() -> Response {
     error_page(
         StatusCode::SERVICE_UNAVAILABLE,
         None,
@@ -164,7 +164,10 @@ fn to_sign_in(clear: bool) -> Response {
 
 /// The signed-in person allowed to use the console, or the answer to give
 /// instead (303 to sign-in, 403, 503).
-async fn signed_in(st: &ConsoleState, headers: &HeaderMap) -> Result<SignedIn, Response> {
+pub(super) async fn signed_in(
+    st: &ConsoleState,
+    headers: &HeaderMap,
+) -> Result<SignedIn, Response> {
     let store = st.broker.journal().store();
     let now = st.broker.clock().unix();
     match session::current(store, headers, now, lifetimes(st)).await {
@@ -455,7 +458,7 @@ pub async fn sign_in(
 #[derive(Deserialize)]
 pub struct CsrfForm {
     #[serde(default)]
-    csrf: String,
+    pub(super) csrf: String,
 }
 
 pub async fn sign_out(

@@ -1,11 +1,13 @@
 //! The web console (`/console`, issue 15): sign-in, sessions, CSRF, the
-//! security headers, the Overview and the static assets, over TLS against
+//! security headers, the Overview, Approvals and the static assets, over TLS against
 //! the real server. Cookies are handled by hand (no cookie jar) so each
 //! attribute can be checked.
 
 use cube_adapter::clock::ManualClock;
 use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, LOCATION, SET_COOKIE};
+
+use serde_json::{Value, json};
 
 use crate::kit::{BIN, Server};
 
@@ -478,5 +480,354 @@ async fn static_assets_are_served_and_cached() {
     assert_security_headers(r.headers(), "unknown page");
     assert_no_store(r.headers(), "unknown page");
     assert_eq!(r.headers()["content-type"], "text/html; charset=utf-8");
+    s.stop().await;
+}
+
+impl Browser {
+    async fn page(&self, path: &str, session: &str) -> (StatusCode, String) {
+        let r = self.get(path, Some(session)).await;
+        let st = r.status();
+        assert_security_headers(r.headers(), path);
+        assert_no_store(r.headers(), path);
+        (st, r.text().await.unwrap())
+    }
+
+    /// POST a decision on a plan: the answer (not followed).
+    async fn decide(
+        &self,
+        session: &str,
+        plan: &str,
+        csrf: Option<&str>,
+        decision: &str,
+        reason: &str,
+    ) -> reqwest::Response {
+        let mut fields = vec![("decision", decision), ("reason", reason)];
+        if let Some(c) = csrf {
+            fields.push(("csrf", c));
+        }
+        self.http
+            .post(format!("{}/console/plans/{plan}/decide", self.url))
+            .header("cookie", format!("{SESSION}={session}"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(form(&fields))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Decide, expect the 303 back to the review page, and follow it.
+    async fn decide_and_follow(
+        &self,
+        session: &str,
+        plan: &str,
+        csrf: &str,
+        decision: &str,
+        want: &str,
+    ) -> String {
+        let r = self
+            .decide(session, plan, Some(csrf), decision, "looked fine")
+            .await;
+        assert_eq!(r.status(), StatusCode::SEE_OTHER, "{decision} {plan}");
+        let to = r.headers()[LOCATION].to_str().unwrap().to_string();
+        assert_eq!(to, format!("/console/plans/{plan}?{want}"));
+        let (st, html) = self.page(&to, session).await;
+        assert_eq!(st, StatusCode::OK, "{html}");
+        html
+    }
+}
+
+/// A plan's state as /v1 answers it to `token`.
+async fn plan_state(s: &Server, token: &str, plan: &str) -> String {
+    let (st, v) = s.get(token, &format!("/v1/task-plans/{plan}")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    v["state"].as_str().unwrap().to_string()
+}
+
+async fn plan_word_count(s: &Server, token: &str, text: &str) -> Value {
+    let (st, v) = s
+        .post(
+            token,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": {"text": text, "repeat": 2}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    assert_eq!(v["state"], "pending_approval");
+    v
+}
+
+/// The audit events of one action with one error code.
+fn refusals<'a>(journal: &'a str, action: &str, code: &str) -> Vec<&'a str> {
+    journal
+        .lines()
+        .filter(|l| {
+            l.contains(&format!("\"action\":\"{action}\""))
+                && l.contains("\"outcome\":\"rejected\"")
+                && l.contains(&format!("\"error_code\":\"{code}\""))
+        })
+        .collect()
+}
+
+/// An agent plans; an approver of its tenant sees the plan in the queue,
+/// reviews it with its parameters and the rendered command, and approves
+/// it (CSRF required); an auditor sees the queue and the digests but no
+/// parameters and no form, and a forged decision is refused with the
+/// broker's code and audited; another tenant's approver sees nothing; a
+/// person cannot approve their own plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approvals_queue_review_and_decisions() {
+    let s = Server::start_with(crate::tasks::configure).await;
+    let agent = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent-a",
+        "--action",
+        "task:*",
+    ]);
+    user(
+        &s,
+        &["add", "alice", "--tenant", "acme", "--role", "approver"],
+    );
+    user(
+        &s,
+        &["add", "dora", "--tenant", "acme", "--role", "auditor"],
+    );
+    user(
+        &s,
+        &["add", "eve", "--tenant", "other", "--role", "approver"],
+    );
+    user(
+        &s,
+        &[
+            "add", "sam", "--tenant", "acme", "--role", "approver", "--action", "task:*",
+        ],
+    );
+    let b = Browser::new(&s);
+    let secret1 = "first secret parameter";
+    let secret2 = "second hidden parameter";
+    let p1 = plan_word_count(&s, &agent, secret1).await;
+    let plan1 = p1["plan_ref"].as_str().unwrap().to_string();
+    let clean = |html: &str, id: &str| {
+        assert_clean(html, &s, Some(id));
+        assert!(!html.contains(&agent), "the agent's token in the page");
+    };
+
+    // The approver's queue: the plan, linked, refreshing itself.
+    let alice = b.sign_in("alice").await;
+    let (st, html) = b.page("/console/approvals", &alice).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    for want in [
+        "<h1>Approvals</h1>",
+        "<meta http-equiv=\"refresh\" content=\"5\">",
+        &format!("<a href=\"/console/plans/{plan1}\">{plan1}</a>"),
+        "word-count",
+        "<td>acme</td>",
+        "<td>trusted</td>",
+        "href=\"/console/approvals\" aria-current=\"page\"",
+        "Time left",
+    ] {
+        assert!(html.contains(want), "the queue lacks {want}: {html}");
+    }
+    assert!(!html.contains(secret1), "parameters in the queue");
+    clean(&html, &alice);
+    // The Overview links to it too.
+    let (_, _, html) = b.overview(&alice).await;
+    assert!(html.contains("href=\"/console/approvals\""), "{html}");
+
+    // The review: parameters, the command as it will run, the digests.
+    let (st, html) = b.page(&format!("/console/plans/{plan1}"), &alice).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    for want in [
+        secret1,
+        "The command exactly as it will run",
+        "/bin/sh -c",
+        &format!("&#39;{secret1}&#39;"),
+        p1["command_sha256"].as_str().unwrap(),
+        p1["parameters_sha256"].as_str().unwrap(),
+        p1["template_sha256"].as_str().unwrap(),
+        "pending_approval",
+        "Outputs policy",
+        "<td>summary</td><td>json</td>",
+        "<td>echo</td><td>text</td><td>digest</td>",
+        &format!("action=\"/console/plans/{plan1}/decide\""),
+        "value=\"approve\"",
+        "value=\"deny\"",
+    ] {
+        assert!(html.contains(want), "the review lacks {want}: {html}");
+    }
+    assert!(!html.contains("You asked for this plan"), "{html}");
+    clean(&html, &alice);
+    let csrf = csrf_field(&html);
+
+    // No CSRF token, or another's: refused, nothing decided.
+    let r = b.decide(&alice, &plan1, None, "approve", "").await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert_security_headers(r.headers(), "refused decision");
+    let r = b
+        .decide(&alice, &plan1, Some("forged-token"), "approve", "")
+        .await;
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    assert_eq!(plan_state(&s, &agent, &plan1).await, "pending_approval");
+
+    // Approve: 303 back to the review, which says so; /v1 agrees.
+    let html = b
+        .decide_and_follow(&alice, &plan1, &csrf, "approve", "done=approved")
+        .await;
+    assert!(html.contains("Approved."), "{html}");
+    assert!(html.contains(">approved</dd>"), "{html}");
+    assert!(!html.contains("value=\"approve\""), "no form once decided");
+    clean(&html, &alice);
+    assert_eq!(plan_state(&s, &agent, &plan1).await, "approved");
+    let j = journal(&s);
+    assert_eq!(events(&j, "task_approve", "ok").len(), 1, "{j}");
+    assert!(!j.contains(secret1) && !j.contains("looked fine"));
+    // Gone from the queue.
+    let (_, html) = b.page("/console/approvals", &alice).await;
+    assert!(!html.contains(&plan1), "{html}");
+    assert!(html.contains("No plan is waiting for approval."), "{html}");
+    // Deciding again: the broker's code, shown on the page.
+    let html = b
+        .decide_and_follow(&alice, &plan1, &csrf, "deny", "error=plan_not_pending")
+        .await;
+    assert!(
+        html.contains("no longer pending approval") && html.contains("(plan_not_pending)"),
+        "{html}"
+    );
+
+    // The auditor: the queue and the digests, no parameters, no form.
+    let p2 = plan_word_count(&s, &agent, secret2).await;
+    let plan2 = p2["plan_ref"].as_str().unwrap().to_string();
+    let dora = b.sign_in("dora").await;
+    let (st, html) = b.page("/console/approvals", &dora).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    assert!(html.contains(&plan2), "{html}");
+    clean(&html, &dora);
+    let (st, html) = b.page(&format!("/console/plans/{plan2}"), &dora).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    assert!(
+        html.contains(p2["command_sha256"].as_str().unwrap()),
+        "{html}"
+    );
+    assert!(html.contains(p2["parameters_sha256"].as_str().unwrap()));
+    assert!(!html.contains(secret2), "parameters shown to an auditor");
+    assert!(!html.contains("The command exactly as it will run"));
+    assert!(!html.contains("/decide\""), "a decide form for an auditor");
+    assert!(
+        html.contains("shown only to people who may decide"),
+        "{html}"
+    );
+    clean(&html, &dora);
+    // /v1 answers the auditor the same: the review without parameters.
+    let r = client(&s)
+        .get(format!("{}/v1/task-plans/{plan2}", s.url))
+        .basic_auth("dora", Some(PASSWORD))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v.get("parameters").is_none() && v["state"] == "pending_approval",
+        "{v}"
+    );
+    // A forged decision: the broker's 403 code, audited as /v1 would.
+    let dora_csrf = csrf_field(&html);
+    let html = b
+        .decide_and_follow(
+            &dora,
+            &plan2,
+            &dora_csrf,
+            "approve",
+            "error=approver_required",
+        )
+        .await;
+    assert!(
+        html.contains("(approver_required)") && html.contains("look, not decide"),
+        "{html}"
+    );
+    assert_eq!(plan_state(&s, &agent, &plan2).await, "pending_approval");
+    assert_eq!(
+        refusals(&journal(&s), "task_approve", "approver_required").len(),
+        1
+    );
+
+    // Another tenant's approver: not in the queue, no such plan.
+    let eve = b.sign_in("eve").await;
+    let (st, html) = b.page("/console/approvals", &eve).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(!html.contains(&plan2) && !html.contains(&plan1), "{html}");
+    assert!(html.contains("for tenant other"), "{html}");
+    let (st, html) = b.page(&format!("/console/plans/{plan2}"), &eve).await;
+    assert_eq!(st, StatusCode::NOT_FOUND, "{html}");
+    assert!(html.contains("task_plan_not_found") && !html.contains(secret2));
+    let eve_csrf = csrf_field(&html);
+    let r = b.decide(&eve, &plan2, Some(&eve_csrf), "approve", "").await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(
+        r.headers()[LOCATION],
+        format!("/console/plans/{plan2}?error=task_plan_not_found").as_str()
+    );
+    assert_eq!(plan_state(&s, &agent, &plan2).await, "pending_approval");
+
+    // Deny with a reason.
+    let html = b
+        .decide_and_follow(&alice, &plan2, &csrf, "deny", "done=denied")
+        .await;
+    assert!(html.contains("Denied."), "{html}");
+    assert_eq!(plan_state(&s, &agent, &plan2).await, "denied");
+
+    // Self-approval: sam plans with his password, then cannot approve.
+    let r = client(&s)
+        .post(format!("{}/v1/tasks/plan", s.url))
+        .basic_auth("sam", Some(PASSWORD))
+        .json(&json!({"template": "word-count", "parameters": {"text": "mine", "repeat": 1}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let v: Value = r.json().await.unwrap();
+    let plan3 = v["plan_ref"].as_str().unwrap().to_string();
+    let sam = b.sign_in("sam").await;
+    let (_, html) = b.page("/console/approvals", &sam).await;
+    assert!(html.contains(&plan3) && html.contains("(you)"), "{html}");
+    let (st, html) = b.page(&format!("/console/plans/{plan3}"), &sam).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(html.contains("You asked for this plan"), "{html}");
+    let sam_csrf = csrf_field(&html);
+    let html = b
+        .decide_and_follow(
+            &sam,
+            &plan3,
+            &sam_csrf,
+            "approve",
+            "error=self_approval_denied",
+        )
+        .await;
+    assert!(
+        html.contains("(self_approval_denied)")
+            && html.contains("someone other than its requester must approve it"),
+        "{html}"
+    );
+    clean(&html, &sam);
+    let (_, html) = b.page(&format!("/console/plans/{plan3}"), &alice).await;
+    assert!(html.contains("pending_approval"), "{html}");
+    assert_eq!(
+        refusals(&journal(&s), "task_approve", "self_approval_denied").len(),
+        1
+    );
+
+    // Signed out: the queue and the review send to sign-in; a bad code in
+    // the query is not echoed.
+    let r = b.get("/console/approvals", None).await;
+    assert_to_sign_in(r.status(), r.headers(), "queue, signed out");
+    let (st, html) = b
+        .page(
+            &format!("/console/plans/{plan3}?error=%3Cscript%3Ex"),
+            &alice,
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(!html.contains("<script") && !html.contains("role=\"alert\""));
     s.stop().await;
 }

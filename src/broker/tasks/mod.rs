@@ -36,6 +36,7 @@ use crate::config::tasks::{Expose, OutputFormat, canonical};
 use crate::store;
 use crate::store::jobs::JobState;
 mod plan;
+pub use plan::{ConsoleReview, PendingPlan};
 mod result;
 mod submit;
 

@@ -4,6 +4,37 @@
 
 use super::*;
 
+/// A plan waiting for an approver, as the console's queue lists it.
+#[derive(Debug, Clone)]
+pub struct PendingPlan {
+    pub plan_ref: String,
+    pub tenant: String,
+    pub template: String,
+    pub profile: String,
+    /// Identity digest of who asked for it (plans keep no names).
+    pub requester: String,
+    /// Whether the person looking asked for it.
+    pub requested_by_me: bool,
+    pub created_at: String,
+    pub expires_at: String,
+    pub expires_unix: i64,
+}
+
+/// A plan's review for the console.
+#[derive(Debug, Clone)]
+pub struct ConsoleReview {
+    /// What `GET /v1/task-plans/{ref}` answers to the same person.
+    pub review: dto::PlanReview,
+    pub tenant: String,
+    /// Identity digest of who asked for it.
+    pub requester: String,
+    /// Whether the person looking asked for it.
+    pub requested_by_me: bool,
+    /// The command exactly as it will run, to those who see the
+    /// parameters (absent if it no longer matches `command_sha256`).
+    pub command: Option<String>,
+}
+
 impl Broker {
     /// `GET /v1/task-templates`: the templates this identity may plan.
     pub async fn list_task_templates(
@@ -218,13 +249,96 @@ impl Broker {
     }
 
     /// `GET /v1/task-plans/{ref}`: the plan, the template's contract, and
-    /// for approvers the parameters.
+    /// for approvers the parameters. Its requester, approvers and auditors
+    /// of its tenant, and admins, may look at it.
     pub async fn review_plan(
         &self,
         p: &Principal,
         ctx: &Ctx,
         plan_ref: &str,
     ) -> Result<dto::PlanReview> {
+        Ok(self.plan_review(p, ctx, plan_ref, false).await?.review)
+    }
+
+    /// The console's review of a plan: what `review_plan` answers (same
+    /// policy, same event), and for those who may decide on it the command
+    /// exactly as it will run (rendered from the template and parameters,
+    /// checked against the plan's `command_sha256`).
+    pub async fn review_plan_in_console(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        plan_ref: &str,
+    ) -> Result<ConsoleReview> {
+        self.plan_review(p, ctx, plan_ref, true).await
+    }
+
+    /// Whether `p` may look at the plans of its tenant (every tenant for
+    /// admins) without having asked for them: approvers and auditors.
+    fn may_see_plans(p: &Principal) -> bool {
+        p.may_approve() || p.roles.contains(&crate::auth::Role::Auditor)
+    }
+
+    /// The plans waiting for an approver that `p` may look at (its
+    /// tenant's; every tenant's for admins), oldest first. The same
+    /// authorization as `review_plan`; a refusal is audited.
+    pub async fn list_pending_plans(&self, p: &Principal, ctx: &Ctx) -> Result<Vec<PendingPlan>> {
+        let ev = self.task_event(p, "task_plan_list", ctx);
+        let scope = if p.may_approve() {
+            "task:approve"
+        } else {
+            "task:status"
+        };
+        self.authorize(p, scope, &ev).await?;
+        if !Self::may_see_plans(p) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ApproverRequired,
+                        "only approvers, auditors and admins see the approval queue",
+                    ),
+                )
+                .await);
+        }
+        let (tenant, admin, now) = (p.tenant.clone(), p.is_admin(), self.now().1);
+        let me = self.identity(p);
+        let mut v: Vec<PendingPlan> = self
+            .inner
+            .store
+            .read(move |txn| {
+                Ok(store::plans::all(txn)?
+                    .into_iter()
+                    .filter(|pl| {
+                        pl.state == PlanState::PendingApproval
+                            && pl.expires_unix > now
+                            && (admin || pl.tenant == tenant)
+                    })
+                    .map(|pl| PendingPlan {
+                        requested_by_me: pl.requester == me,
+                        plan_ref: pl.plan_ref,
+                        tenant: pl.tenant,
+                        template: pl.template,
+                        profile: pl.profile,
+                        requester: pl.requester,
+                        created_at: pl.created_at,
+                        expires_at: pl.expires_at,
+                        expires_unix: pl.expires_unix,
+                    })
+                    .collect())
+            })
+            .await?;
+        v.sort_by(|a, b| (&a.created_at, &a.plan_ref).cmp(&(&b.created_at, &b.plan_ref)));
+        Ok(v)
+    }
+
+    async fn plan_review(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        plan_ref: &str,
+        with_command: bool,
+    ) -> Result<ConsoleReview> {
         let mut ev = self.task_event(p, "task_plan_review", ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         let scope = if p.may_approve() {
@@ -235,7 +349,7 @@ impl Broker {
         self.authorize(p, scope, &ev).await?;
         let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
         let mut plan = self.tenant_plan(p, plan_ref)?;
-        if !self.is_requester(p, &plan.tenant, &plan.requester) && !p.may_approve() {
+        if !self.is_requester(p, &plan.tenant, &plan.requester) && !Self::may_see_plans(p) {
             return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
@@ -256,13 +370,23 @@ impl Broker {
         } else {
             None
         };
+        // Exactly what submit will run: the same rendering, the same check.
+        let command = match (&parameters, with_command) {
+            (Some(v), true) => t
+                .render(v)
+                .ok()
+                .filter(|c| sha256_hex(c.as_bytes()) == plan.command_sha256),
+            _ => None,
+        };
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
-        Ok(dto::PlanReview::new(
-            self.plan_answer(&plan, ctx),
-            contract,
-            parameters,
-        ))
+        Ok(ConsoleReview {
+            requested_by_me: self.identity(p) == plan.requester,
+            requester: plan.requester.clone(),
+            tenant: plan.tenant.clone(),
+            review: dto::PlanReview::new(self.plan_answer(&plan, ctx), contract, parameters),
+            command,
+        })
     }
 
     /// `POST /v1/task-plans/{ref}/approve`: an independent approver's

@@ -1,0 +1,368 @@
+//! Approvals: the queue of plans pending approval and a plan's review,
+//! with the approve/deny form. Every read and decision goes through the
+//! broker as the signed-in person (`Broker::list_pending_plans`,
+//! `review_plan_in_console`, `decide_plan`): the same policy, audit events
+//! and error codes as `/v1`. A decision is POST-redirect-GET: its outcome
+//! (or the broker's code) comes back to the review page as a query, and
+//! the page shows a fixed message for it (nothing from the query is
+//! echoed but a known code).
+
+use askama::Template;
+use axum::Form;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use serde::Deserialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use super::ConsoleState;
+use super::pages::{Page, error_page, html, signed_in};
+use super::session::{self, SignedIn};
+use crate::broker::{Code, Ctx, Error};
+
+/// How often the queue reloads itself (seconds; a meta refresh).
+pub const QUEUE_REFRESH_SECONDS: u32 = 5;
+
+/// One row of the queue.
+pub struct QueueRow {
+    pub plan_ref: String,
+    pub tenant: String,
+    pub template: String,
+    pub profile: String,
+    pub requester: String,
+    pub mine: bool,
+    pub age: String,
+    pub left: String,
+}
+
+#[derive(Template)]
+#[template(path = "approvals.html", config = "web/askama.toml")]
+struct QueuePage {
+    page: Page,
+    scope: String,
+    refresh: u32,
+    rows: Vec<QueueRow>,
+}
+
+/// One output of the template's contract.
+pub struct OutputRow {
+    pub name: String,
+    pub format: String,
+    pub expose: String,
+    pub required: bool,
+}
+
+/// The message after a decision.
+pub struct Notice {
+    pub ok: bool,
+    pub code: Option<&'static str>,
+    pub text: &'static str,
+}
+
+#[derive(Template)]
+#[template(path = "plan.html", config = "web/askama.toml")]
+struct ReviewPage {
+    page: Page,
+    notice: Option<Notice>,
+    plan_ref: String,
+    tenant: String,
+    template: String,
+    template_sha256: String,
+    description: String,
+    profile: String,
+    state: &'static str,
+    pending: bool,
+    approval_required: bool,
+    created_at: String,
+    expires_at: String,
+    left: String,
+    decided_at: Option<String>,
+    task_ref: Option<String>,
+    requester: String,
+    mine: bool,
+    command_sha256: String,
+    parameters_sha256: String,
+    outputs: Vec<OutputRow>,
+    /// Pretty JSON, to those who may decide.
+    parameters: Option<String>,
+    command: Option<String>,
+    may_decide: bool,
+    csrf: String,
+}
+
+/// A short span: `45 s`, `12 min`, `3 h 5 min`, `2 d 4 h`.
+pub fn span(secs: i64) -> String {
+    let s = secs.max(0);
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min", s / 60),
+        3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+fn unix_of(ts: &str) -> Option<i64> {
+    OffsetDateTime::parse(ts, &Rfc3339)
+        .ok()
+        .map(|t| t.unix_timestamp())
+}
+
+/// An identity digest, shortened for a table (the whole one in `title`).
+fn short(d: &str) -> String {
+    d.chars().take(12).collect()
+}
+
+fn ctx() -> Ctx {
+    Ctx {
+        request_id: crate::ids::random_hex(8),
+    }
+}
+
+/// The broker's refusal as a page: its status, its code and message.
+fn refused(who: &SignedIn, e: &Error) -> Response {
+    if e.code.status().is_server_error() {
+        tracing::error!(code = e.code.as_str(), "console: the broker failed");
+    }
+    error_page(
+        e.code.status(),
+        Some(who),
+        "Refused",
+        &format!("{} ({})", e.message, e.code.as_str()),
+    )
+}
+
+/// Plan references are `plan_` and base32/hex: anything else is no plan.
+fn plain_ref(r: &str) -> bool {
+    !r.is_empty()
+        && r.len() <= 80
+        && r.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let plans = match st.broker.list_pending_plans(&who.principal, &ctx()).await {
+        Ok(v) => v,
+        Err(e) => return refused(&who, &e),
+    };
+    let now = st.broker.clock().unix();
+    let rows = plans
+        .into_iter()
+        .map(|p| QueueRow {
+            age: unix_of(&p.created_at)
+                .map(|c| span(now - c))
+                .unwrap_or_else(|| p.created_at.clone()),
+            left: span(p.expires_unix - now),
+            requester: short(&p.requester),
+            mine: p.requested_by_me,
+            plan_ref: p.plan_ref,
+            tenant: p.tenant,
+            template: p.template,
+            profile: p.profile,
+        })
+        .collect();
+    let page = QueuePage {
+        page: Page::new(Some(&who), "approvals"),
+        scope: if who.principal.is_admin() {
+            "all tenants".into()
+        } else {
+            format!("tenant {}", who.principal.tenant)
+        },
+        refresh: QUEUE_REFRESH_SECONDS,
+        rows,
+    };
+    html(StatusCode::OK, &page)
+}
+
+#[derive(Deserialize)]
+pub struct Outcome {
+    #[serde(default)]
+    done: Option<String>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+/// The message for a decision's outcome or the broker's code.
+fn notice(q: &Outcome) -> Option<Notice> {
+    match q.done.as_deref() {
+        Some("approved") => {
+            return Some(Notice {
+                ok: true,
+                code: None,
+                text: "Approved. The requester may now submit the task.",
+            });
+        }
+        Some("denied") => {
+            return Some(Notice {
+                ok: true,
+                code: None,
+                text: "Denied. The plan will not run.",
+            });
+        }
+        _ => {}
+    }
+    let code = Code::ALL
+        .iter()
+        .copied()
+        .find(|c| Some(c.as_str()) == q.error.as_deref())?;
+    let text = match code {
+        Code::SelfApprovalDenied => {
+            "You asked for this plan: someone other than its requester must approve it."
+        }
+        Code::ApproverRequired => {
+            "Only approvers and admins decide on plans; your role lets you look, not decide."
+        }
+        Code::PlanNotPending => {
+            "The plan is no longer pending approval: it was decided on or submitted meanwhile."
+        }
+        Code::PlanExpired => "The plan expired before a decision; the agent must plan again.",
+        Code::ActionDenied => "Your identity is not allowed to decide on plans.",
+        Code::TaskTemplateDenied => "This task template is not available to you.",
+        Code::TaskTemplateChanged => {
+            "The task template or its profile changed after this plan was made; the agent must plan again."
+        }
+        Code::ValueTooLarge => "The reason is too long (at most 1024 bytes).",
+        Code::InvalidDecision => "The decision must be approve or deny.",
+        Code::TaskPlanNotFound => "There is no such plan.",
+        _ => "The appliance refused the decision.",
+    };
+    Some(Notice {
+        ok: false,
+        code: Some(code.as_str()),
+        text,
+    })
+}
+
+fn wire<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => String::new(),
+    }
+}
+
+pub async fn review(
+    State(st): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(plan_ref): Path<String>,
+    Query(q): Query<Outcome>,
+) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let r = match st
+        .broker
+        .review_plan_in_console(&who.principal, &ctx(), &plan_ref)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return refused(&who, &e),
+    };
+    let now = st.broker.clock().unix();
+    let v = r.review;
+    let pending = v.state == crate::store::plans::PlanState::PendingApproval;
+    let page = ReviewPage {
+        page: Page::new(Some(&who), "approvals"),
+        notice: notice(&q),
+        left: unix_of(&v.expires_at)
+            .map(|e| span(e - now))
+            .unwrap_or_default(),
+        tenant: r.tenant,
+        template: v.task_template,
+        template_sha256: v.template_sha256,
+        description: v.contract.description.clone(),
+        profile: v.profile,
+        state: v.state.as_str(),
+        pending,
+        approval_required: v.approval_required,
+        created_at: v.created_at,
+        expires_at: v.expires_at,
+        decided_at: v.decided_at,
+        task_ref: v.task_ref,
+        requester: r.requester,
+        mine: r.requested_by_me,
+        command_sha256: v.command_sha256,
+        parameters_sha256: v.parameters_sha256,
+        outputs: v
+            .contract
+            .outputs
+            .iter()
+            .map(|o| OutputRow {
+                name: o.name.clone(),
+                format: wire(&o.format),
+                expose: wire(&o.expose),
+                required: o.required,
+            })
+            .collect(),
+        parameters: v
+            .parameters
+            .as_ref()
+            .map(|p| serde_json::to_string_pretty(p).unwrap_or_default()),
+        command: r.command,
+        may_decide: who.principal.may_approve() && pending,
+        csrf: who.csrf.clone(),
+        plan_ref: v.plan_ref,
+    };
+    html(StatusCode::OK, &page)
+}
+
+#[derive(Deserialize)]
+pub struct DecideForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    decision: String,
+    #[serde(default)]
+    reason: String,
+}
+
+pub async fn decide(
+    State(st): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(plan_ref): Path<String>,
+    Form(f): Form<DecideForm>,
+) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    if !session::same(&who.csrf, &f.csrf) {
+        return error_page(
+            StatusCode::FORBIDDEN,
+            Some(&who),
+            "Form expired",
+            "This form was not sent from this session of the console. Reload the page and try again.",
+        );
+    }
+    if !plain_ref(&plan_ref) {
+        return super::pages::not_found().await;
+    }
+    let reason = Some(f.reason.trim()).filter(|r| !r.is_empty());
+    let to = match st
+        .broker
+        .decide_plan(
+            &who.principal,
+            &ctx(),
+            &plan_ref,
+            Some(f.decision.as_str()),
+            reason,
+        )
+        .await
+    {
+        Ok(p) => format!(
+            "/console/plans/{plan_ref}?done={}",
+            if p.state == crate::store::plans::PlanState::Approved {
+                "approved"
+            } else {
+                "denied"
+            }
+        ),
+        Err(e) => format!("/console/plans/{plan_ref}?error={}", e.code.as_str()),
+    };
+    Redirect::to(&to).into_response()
+}
