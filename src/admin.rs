@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::auth::users::UserAnswer;
-use crate::auth::{self, Authenticator, Principal, TokenRecord};
+use crate::auth::{self, Authenticator, OpError, Principal, TokenRecord};
 use crate::store::Store;
 use crate::store::event::Event;
 use crate::tls::CertInfo;
@@ -131,6 +131,12 @@ pub trait Service: Send + Sync {
         &self,
         req: Request,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + '_>>;
+
+    /// The audit journal the identity requests are recorded in (none: not
+    /// recorded).
+    fn journal(&self) -> Option<crate::audit::Journal> {
+        None
+    }
 }
 
 /// A token as listed: everything but the hash.
@@ -264,9 +270,12 @@ pub async fn serve(
                     Ok(Request::AuditExport { since }) => {
                         return export(&store, since, &mut w).await;
                     }
-                    Ok(req) => answer(req, &store, &authn)
-                        .await
-                        .unwrap_or_else(Response::error),
+                    Ok(req) => {
+                        let journal = ops.journal();
+                        identity(req, &store, &authn, journal.as_ref(), Actor::Operator)
+                            .await
+                            .unwrap_or_else(Response::error)
+                    }
                     Err(e) => Response::error(format!("bad request: {e}")),
                 };
                 let _ = w.write_all(&encode(&out)).await;
@@ -275,47 +284,212 @@ pub async fn serve(
     }))
 }
 
-/// The one answer to a request about identities or the journal.
-async fn answer(req: Request, store: &Store, authn: &Authenticator) -> Result<Response, String> {
+/// Who asks for an identity operation: the audit event names them.
+#[derive(Clone, Copy)]
+pub enum Actor<'a> {
+    /// The admin socket: the local operator (`cube-adapter token …`,
+    /// `cube-adapter user …` on the appliance's host).
+    Operator,
+    /// A person signed in to the console (an admin), in a session (the
+    /// session's store key).
+    Console {
+        principal: &'a Principal,
+        session_key: &'a str,
+    },
+}
+
+/// What an identity request changes, for its audit event: the action, the
+/// affected identity (a token or certificate id, a user's name) and its
+/// tenant when known.
+fn what(req: &Request) -> Option<(&'static str, Option<String>, Option<String>)> {
+    use crate::auth::users::UserOp;
+    Some(match req {
+        Request::TokenCreate { principal, .. } => {
+            ("token_create", None, Some(principal.tenant.clone()))
+        }
+        Request::TokenRevoke { id } => ("token_revoke", Some(token_id(id)), None),
+        Request::CertIdentityCreate { record } => (
+            "cert_identity_create",
+            Some(record.id.clone()),
+            Some(record.principal.tenant.clone()),
+        ),
+        Request::User { op } => match op {
+            UserOp::Add { principal, .. } => (
+                "user_add",
+                Some(principal.subject.clone()),
+                Some(principal.tenant.clone()),
+            ),
+            UserOp::Passwd { name, .. } => ("user_passwd", Some(name.clone()), None),
+            UserOp::SetDisabled { name, disabled } => (
+                if *disabled {
+                    "user_disable"
+                } else {
+                    "user_enable"
+                },
+                Some(name.clone()),
+                None,
+            ),
+            UserOp::Remove { name } => ("user_remove", Some(name.clone()), None),
+            UserOp::List => return None,
+        },
+        _ => return None,
+    })
+}
+
+/// A token's id, from its id or the token itself (as `revoke_token`).
+fn token_id(id: &str) -> String {
+    id.trim_start_matches(auth::TOKEN_PREFIX)
+        .split('_')
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// The audit event of an identity change: `action`, the actor's identity
+/// digest (the operator's, or the console person's with their session),
+/// the affected identity (`note_digest`) and its tenant, as digests. Never
+/// a token, a password or its hash. Its outcome is set where it is
+/// appended: in the change's own transaction (`auth::append_audit`), or
+/// by [`identity`] for a change refused before any.
+fn identity_event(
+    j: &crate::audit::Journal,
+    actor: Actor<'_>,
+    action: &str,
+    target: Option<&str>,
+    tenant: Option<&str>,
+) -> Event {
+    let mut ev = j.event(action);
+    match actor {
+        Actor::Operator => {
+            ev.identity_digest = Some(j.digest("identity", b"local\0admin-socket"));
+        }
+        Actor::Console {
+            principal,
+            session_key,
+        } => {
+            ev.identity_digest = Some(j.digest(
+                "identity",
+                format!("{}\0{}", principal.tenant, principal.subject).as_bytes(),
+            ));
+            ev.session_digest = Some(j.digest("console_session", session_key.as_bytes()));
+        }
+    }
+    ev.tenant_digest = tenant.map(|t| j.digest("tenant", t.as_bytes()));
+    ev.note_digest = target.map(|t| j.digest("identity_target", t.as_bytes()));
+    ev
+}
+
+/// Codes of refusals found inside a change's transaction: their event is
+/// in that transaction already.
+const REFUSED_IN_TXN: &[&str] = &["user_exists", "user_not_found", "identity_exists"];
+
+/// Answer a request about identities or the journal, and record what it
+/// changes in `journal` (as `actor`), in the same transaction as the
+/// change. The one path of the admin socket (the CLI) and the console: the
+/// same records, validation, codes and audit events (`token_create`,
+/// `token_revoke`, `cert_identity_create`, `user_add`, `user_passwd`,
+/// `user_disable`, `user_enable`, `user_remove`).
+pub async fn identity(
+    req: Request,
+    store: &Store,
+    authn: &Authenticator,
+    journal: Option<&crate::audit::Journal>,
+    actor: Actor<'_>,
+) -> Result<Response, OpError> {
+    let what = what(&req);
+    // A token's id is made with it: its event is completed there.
+    let ev = match (journal, &what) {
+        (Some(j), Some((action, target, tenant))) => Some(identity_event(
+            j,
+            actor,
+            action,
+            target.as_deref(),
+            tenant.as_deref(),
+        )),
+        _ => None,
+    };
+    let r = answer(req, store, authn, ev.clone(), journal).await;
+    // Refused before the change's transaction (a bad hash or name, the
+    // store failing): recorded on its own.
+    if let (Err(e), Some(j), Some(mut ev)) = (&r, journal, ev)
+        && !REFUSED_IN_TXN.contains(&e.code)
+    {
+        ev.outcome = "rejected".into();
+        ev.error_code = Some(e.code.to_string());
+        if let Err(err) = j.record(ev).await {
+            tracing::warn!(error = %err, "a refused identity change was not audited");
+        }
+    }
+    r
+}
+
+/// The one answer to a request about identities or the journal; `ev`, a
+/// change's audit event, is appended in the change's transaction.
+async fn answer(
+    req: Request,
+    store: &Store,
+    authn: &Authenticator,
+    ev: auth::AuditEvent,
+    journal: Option<&crate::audit::Journal>,
+) -> Result<Response, OpError> {
     Ok(match req {
         Request::Status
         | Request::Reload
         | Request::CertRenew
         | Request::Backup
         | Request::AuditExport { .. } => {
-            return Err("this request has no single answer from the identity handler".into());
+            return Err(OpError::new(
+                "invalid_request",
+                "this request has no single answer from the identity handler",
+            ));
         }
         Request::TokenCreate {
             principal,
             description,
         } => {
-            let (token, rec) = auth::new_token(principal, description, authn.clock())?;
-            auth::store_token(store, rec)
+            let (token, rec) =
+                auth::new_token(principal, description, authn.clock()).map_err(OpError::failed)?;
+            let ev = match (ev, journal) {
+                (Some(mut ev), Some(j)) => {
+                    ev.note_digest = Some(j.digest("identity_target", rec.id().as_bytes()));
+                    Some(ev)
+                }
+                (ev, _) => ev,
+            };
+            auth::store_token_audited(store, rec, ev)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(OpError::failed)?;
             Response::Token { token }
         }
         Request::TokenList => Response::Tokens {
             tokens: auth::list_tokens(store)
-                .map_err(|e| e.to_string())?
+                .map_err(OpError::failed)?
                 .into_iter()
                 .map(TokenInfo::from)
                 .collect(),
         },
         Request::User { op } => {
-            let user = auth::users::user_op(store, op, authn.clock()).await?;
+            let user = auth::users::user_op_audited(store, op, authn.clock(), ev).await;
             // A changed password, a disabled or removed user: at once.
             authn.clear_cache();
-            Response::User { user }
+            Response::User { user: user? }
         }
         Request::CertIdentityCreate { record } => {
-            auth::store_cert_identity(store, record).await?;
+            auth::store_cert_identity_audited(store, record, ev)
+                .await
+                .map_err(|e| {
+                    if e.starts_with("an identity with this id") {
+                        OpError::new("identity_exists", e)
+                    } else {
+                        OpError::new("invalid_identity", e)
+                    }
+                })?;
             Response::Done
         }
         Request::TokenRevoke { id } => {
-            let found = auth::revoke_token(store, &id, authn.clock())
+            let found = auth::revoke_token_audited(store, &id, authn.clock(), ev)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(OpError::failed)?;
             authn.clear_cache();
             Response::Revoked { found }
         }
@@ -324,9 +498,10 @@ async fn answer(req: Request, store: &Store, authn: &Authenticator) -> Result<Re
             let store = store.clone();
             let v = tokio::task::spawn_blocking(move || crate::audit::verify(&store))
                 .await
-                .map_err(|e| e.to_string())??;
+                .map_err(OpError::failed)?
+                .map_err(OpError::failed)?;
             Response::AuditVerify {
-                result: serde_json::to_value(v).map_err(|e| e.to_string())?,
+                result: serde_json::to_value(v).map_err(OpError::failed)?,
             }
         }
     })

@@ -64,6 +64,9 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         v.push(f.clone());
     }
     v.extend(cfg.receipts.hmac_key_file.iter().cloned());
+    if let Some(n) = &cfg.console.notify {
+        v.extend(n.secret_file.iter().cloned());
+    }
     if let Some(b) = &cfg.backend {
         v.extend(b.api_key_file.iter().cloned());
         v.extend(b.client_key_file.iter().cloned());
@@ -339,6 +342,13 @@ pub async fn serve_with(
         signer,
         clock.clone(),
     );
+    // Approval notifications: queued by planning, sent by their own task.
+    if let Some((n, task)) =
+        crate::console::notify::start(&cfg, addr, stop.clone()).map_err(|e| anyhow::anyhow!(e))?
+    {
+        broker.set_plan_listener(n);
+        background.push(task);
+    }
     background.push(tokio::spawn(audit_blocks(
         broker.journal().clone(),
         block_rx,

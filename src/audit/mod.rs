@@ -12,6 +12,7 @@
 pub mod event {
     pub use crate::store::event::*;
 }
+pub mod search;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -56,6 +56,10 @@ impl std::str::FromStr for Role {
     }
 }
 
+/// The runtimes an identity may be limited to (`[defaults]
+/// allowed_runtimes`, a token's `--runtime`); the reference's four.
+pub const RUNTIMES: &[&str] = &["openclaw", "dsh", "hermes", "mcp"];
+
 /// What every role may read: listings, statuses, outputs, receipts.
 pub const READ_ACTIONS: &[&str] = &[
     "lease:list",
@@ -332,14 +336,48 @@ pub fn new_token(
     ))
 }
 
+/// An identity change's audit event, appended in the same transaction as
+/// the change (`None`: not audited). Its outcome is set there: `ok`, or
+/// `rejected` with the code of a refusal the transaction found (no such
+/// token or user, a name taken).
+pub type AuditEvent = Option<crate::store::event::Event>;
+
+/// Append `ev` (if any) with its outcome, in the change's transaction.
+pub(crate) fn append_audit(
+    txn: &redb::WriteTransaction,
+    chain: &mut crate::store::Chain,
+    ev: AuditEvent,
+    refused: Option<&str>,
+) -> Result<(), StoreError> {
+    if let Some(mut ev) = ev {
+        ev.phase = "event".into();
+        ev.outcome = if refused.is_some() { "rejected" } else { "ok" }.into();
+        ev.error_code = refused.map(str::to_string);
+        chain.append(txn, ev)?;
+    }
+    Ok(())
+}
+
 /// Store a new token's record, its hash keyed under the store's token key.
 pub async fn store_token(store: &Store, new: NewToken) -> Result<(), StoreError> {
+    store_token_audited(store, new, None).await
+}
+
+/// [`store_token`], with its audit event in the same transaction.
+pub async fn store_token_audited(
+    store: &Store,
+    new: NewToken,
+    ev: AuditEvent,
+) -> Result<(), StoreError> {
     let key = store.token_key()?;
     let mut rec = new.record;
     rec.hash = keyed_hash(&key, &new.token)
         .ok_or_else(|| StoreError::Corrupt("the token key is unusable".into()))?;
     store
-        .write(move |txn, _| typed::put(txn, tables::TOKENS, &rec.id, &rec))
+        .write(move |txn, chain| {
+            typed::put(txn, tables::TOKENS, &rec.id, &rec)?;
+            append_audit(txn, chain, ev, None)
+        })
         .await
 }
 
@@ -349,15 +387,27 @@ pub fn list_tokens(store: &Store) -> Result<Vec<TokenRecord>, StoreError> {
 
 /// Store a certificate identity; refused when its id is taken.
 pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), String> {
+    store_cert_identity_audited(store, rec, None).await
+}
+
+/// [`store_cert_identity`], with its audit event in the same transaction
+/// (`rejected` with `identity_exists` when the id is taken).
+pub async fn store_cert_identity_audited(
+    store: &Store,
+    rec: TokenRecord,
+    ev: AuditEvent,
+) -> Result<(), String> {
     if rec.cert_sha256.is_none() {
         return Err("not a certificate identity".into());
     }
     let r = store
-        .write(move |txn, _| {
+        .write(move |txn, chain| {
             if txn.has(tables::TOKENS, &rec.id)? {
+                append_audit(txn, chain, ev, Some("identity_exists"))?;
                 return Ok(false);
             }
             typed::put(txn, tables::TOKENS, &rec.id, &rec)?;
+            append_audit(txn, chain, ev, None)?;
             Ok(true)
         })
         .await
@@ -375,6 +425,17 @@ pub async fn revoke_token(
     id: &str,
     clock: &crate::clock::Clock,
 ) -> Result<bool, StoreError> {
+    revoke_token_audited(store, id, clock, None).await
+}
+
+/// [`revoke_token`], with its audit event in the same transaction
+/// (`rejected` with `token_not_found` when there is no such token).
+pub async fn revoke_token_audited(
+    store: &Store,
+    id: &str,
+    clock: &crate::clock::Clock,
+    ev: AuditEvent,
+) -> Result<bool, StoreError> {
     let now = clock.text();
     let id = id
         .trim_start_matches(TOKEN_PREFIX)
@@ -383,17 +444,162 @@ pub async fn revoke_token(
         .unwrap_or("")
         .to_string();
     store
-        .write(move |txn, _| {
+        .write(move |txn, chain| {
             let Some(mut rec): Option<TokenRecord> = txn.record(tables::TOKENS, &id)? else {
+                append_audit(txn, chain, ev, Some("token_not_found"))?;
                 return Ok(false);
             };
             if rec.revoked_at.is_none() {
                 rec.revoked_at = Some(now);
             }
             typed::put(txn, tables::TOKENS, &id, &rec)?;
+            append_audit(txn, chain, ev, None)?;
             Ok(true)
         })
         .await
+}
+
+/// Why an identity operation (a token, a certificate identity, a user) was
+/// refused: a stable code (`invalid_tenant`, `user_exists`, …) and a plain
+/// message. The CLI prints the message, the console shows both.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpError {
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl OpError {
+    pub fn new(code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// A failure of the store or the CA (not the caller's fault).
+    pub fn failed(message: impl std::fmt::Display) -> Self {
+        Self::new("identity_store_failed", message.to_string())
+    }
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<OpError> for String {
+    fn from(e: OpError) -> Self {
+        e.message
+    }
+}
+
+/// What `token create` (and the console's token form) asks for: checked
+/// and turned into a principal by [`TokenSpec::principal`], the one place
+/// for the rules (tenant, roles, runtimes, default scopes).
+#[derive(Debug, Clone, Default)]
+pub struct TokenSpec {
+    pub tenant: String,
+    /// Who holds it; defaults to the tenant.
+    pub subject: Option<String>,
+    /// Role names (`agent`, `approver`, `auditor`, `admin`); none: agent.
+    pub roles: Vec<String>,
+    /// Allowed runtimes; none: any.
+    pub runtimes: Vec<String>,
+    /// Allowed profiles; none: any.
+    pub profiles: Vec<String>,
+    /// Action scopes; none: the roles' defaults (unless `no_actions`).
+    pub actions: Vec<String>,
+    /// An explicit empty scope list.
+    pub no_actions: bool,
+    /// Task templates; none: `*`.
+    pub task_templates: Vec<String>,
+}
+
+/// A tenant name: 1-128 characters of `[A-Za-z0-9_.:-]`.
+pub fn valid_tenant_name(t: &str) -> bool {
+    valid_tenant(t)
+}
+
+/// A subject, profile, action or template name: 1-256 bytes, no control
+/// characters.
+fn valid_word(w: &str) -> bool {
+    !w.is_empty() && w.len() <= 256 && !w.chars().any(char::is_control)
+}
+
+/// Parse role names (none: `default`), sorted, without repeats.
+pub fn parse_roles(names: &[String], default: Role) -> Result<Vec<Role>, OpError> {
+    let roles: Result<Vec<Role>, String> = names.iter().map(|r| r.parse()).collect();
+    let mut roles = match roles {
+        Ok(r) if r.is_empty() => vec![default],
+        Ok(r) => r,
+        Err(e) => return Err(OpError::new("invalid_role", e)),
+    };
+    roles.sort();
+    roles.dedup();
+    Ok(roles)
+}
+
+impl TokenSpec {
+    /// The principal this asks for, or why not.
+    pub fn principal(self) -> Result<Principal, OpError> {
+        if !valid_tenant(&self.tenant) {
+            return Err(OpError::new(
+                "invalid_tenant",
+                "--tenant must be 1-128 characters of [A-Za-z0-9_.:-]",
+            ));
+        }
+        let roles = parse_roles(&self.roles, Role::Agent)?;
+        for r in &self.runtimes {
+            if !RUNTIMES.contains(&r.as_str()) {
+                return Err(OpError::new(
+                    "invalid_runtime",
+                    format!("unknown runtime '{r}' ({})", RUNTIMES.join(", ")),
+                ));
+            }
+        }
+        if let Some(s) = &self.subject
+            && !valid_word(s)
+        {
+            return Err(OpError::new(
+                "invalid_subject",
+                "a subject must be 1-256 bytes without control characters",
+            ));
+        }
+        let words = self
+            .profiles
+            .iter()
+            .chain(&self.actions)
+            .chain(&self.task_templates);
+        if let Some(w) = words.into_iter().find(|w| !valid_word(w)) {
+            return Err(OpError::new(
+                "invalid_scope",
+                format!(
+                    "{w:?} is not a profile, action or template name (1-256 bytes, no control characters)"
+                ),
+            ));
+        }
+        Ok(Principal {
+            subject: self.subject.unwrap_or_else(|| self.tenant.clone()),
+            tenant: self.tenant,
+            roles: roles.clone(),
+            runtimes: (!self.runtimes.is_empty()).then_some(self.runtimes),
+            profiles: (!self.profiles.is_empty()).then_some(self.profiles),
+            actions: if self.no_actions {
+                vec![]
+            } else if self.actions.is_empty() {
+                default_actions(&roles)
+            } else {
+                self.actions
+            },
+            task_templates: if self.task_templates.is_empty() {
+                all()
+            } else {
+                self.task_templates
+            },
+            task: None,
+        })
+    }
 }
 
 /// A reference-adapter principal (`CUBE_ADAPTER_TOKENS_FILE` entry).
@@ -980,6 +1186,64 @@ impl Authenticator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An identity change and its audit event commit together: refusals
+    /// the transaction finds are `rejected` with their code, a change `ok`;
+    /// without an event nothing is appended.
+    #[tokio::test]
+    async fn identity_changes_carry_their_event_in_their_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let clock = crate::clock::Clock::System;
+        let ev = |a: &str| {
+            Some(crate::store::event::Event {
+                action: a.into(),
+                ..Default::default()
+            })
+        };
+        let found = revoke_token_audited(&store, "0123456789ab", &clock, ev("token_revoke"));
+        assert!(!found.await.unwrap());
+        let (_t, rec) = new_token(p(&["*"]), None, &clock).unwrap();
+        let id = rec.id().to_string();
+        store_token_audited(&store, rec, ev("token_create"))
+            .await
+            .unwrap();
+        assert!(revoke_token(&store, &id, &clock).await.unwrap());
+        let op = users::UserOp::SetDisabled {
+            name: "nobody".into(),
+            disabled: true,
+        };
+        let e = users::user_op_audited(&store, op, &clock, ev("user_disable")).await;
+        assert_eq!(e.unwrap_err().code, "user_not_found");
+        let mut got = vec![];
+        store
+            .read_now(|txn| {
+                crate::store::journal::for_each_event(txn, 1, |_, e| {
+                    got.push((e.action, e.outcome, e.error_code, e.phase));
+                    Ok(())
+                })
+            })
+            .unwrap();
+        let s = |x: &str| x.to_string();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    s("token_revoke"),
+                    s("rejected"),
+                    Some(s("token_not_found")),
+                    s("event")
+                ),
+                (s("token_create"), s("ok"), None, s("event")),
+                (
+                    s("user_disable"),
+                    s("rejected"),
+                    Some(s("user_not_found")),
+                    s("event")
+                ),
+            ]
+        );
+    }
 
     fn p(actions: &[&str]) -> Principal {
         Principal {

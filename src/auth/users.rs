@@ -7,7 +7,7 @@
 use argon2::password_hash::{PasswordHasher, SaltString};
 use serde::{Deserialize, Serialize};
 
-use super::Principal;
+use super::{OpError, Principal, Role};
 use crate::store::typed::{self, ReadOps};
 use crate::store::{Store, StoreError, tables};
 
@@ -117,6 +117,63 @@ pub fn check_hash(hash: &str) -> Result<(), String> {
     }
 }
 
+/// What `user add` (and the console's person form) asks for, checked:
+/// the user's principal (subject: the name; default role approver), or
+/// why not.
+pub fn user_principal(
+    name: &str,
+    tenant: &str,
+    roles: &[String],
+    actions: Vec<String>,
+    profiles: Vec<String>,
+    task_templates: Vec<String>,
+) -> Result<Principal, OpError> {
+    if !valid_name(name) {
+        return Err(OpError::new(
+            "invalid_name",
+            "a user name must match ^[a-z][a-z0-9._-]{0,63}$",
+        ));
+    }
+    if !super::valid_tenant_name(tenant) {
+        return Err(OpError::new(
+            "invalid_tenant",
+            "--tenant must be 1-128 characters of [A-Za-z0-9_.:-]",
+        ));
+    }
+    let roles = super::parse_roles(roles, Role::Approver)?;
+    let defaults = super::default_actions(&roles);
+    Ok(Principal {
+        tenant: tenant.to_string(),
+        subject: name.to_string(),
+        roles,
+        runtimes: None,
+        profiles: (!profiles.is_empty()).then_some(profiles),
+        // Without --action, the roles' default scopes, as for tokens.
+        actions: if actions.is_empty() {
+            defaults
+        } else {
+            actions
+        },
+        task_templates: if task_templates.is_empty() {
+            vec!["*".into()]
+        } else {
+            task_templates
+        },
+        task: None,
+    })
+}
+
+/// [`hash_password`], refusing a short password with `invalid_password`.
+pub fn hash_new_password(password: &str) -> Result<String, OpError> {
+    if password.chars().count() < MIN_PASSWORD {
+        return Err(OpError::new(
+            "invalid_password",
+            format!("a password needs at least {MIN_PASSWORD} characters"),
+        ));
+    }
+    hash_password(password).map_err(OpError::failed)
+}
+
 pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreError> {
     store.read_now(|txn| txn.record(tables::USERS, name))
 }
@@ -126,7 +183,19 @@ pub async fn user_op(
     store: &Store,
     op: UserOp,
     clock: &crate::clock::Clock,
-) -> Result<UserAnswer, String> {
+) -> Result<UserAnswer, OpError> {
+    user_op_audited(store, op, clock, None).await
+}
+
+/// [`user_op`], with the audit event of a change in the same transaction
+/// (`rejected` with `user_exists` or `user_not_found` when the transaction
+/// finds so; a refusal before it, a bad hash or name, is not appended).
+pub async fn user_op_audited(
+    store: &Store,
+    op: UserOp,
+    clock: &crate::clock::Clock,
+    ev: super::AuditEvent,
+) -> Result<UserAnswer, OpError> {
     let now = clock.text();
     match op {
         UserOp::List => {
@@ -135,14 +204,17 @@ pub async fn user_op(
                     let all: Vec<UserRecord> = txn.records(tables::USERS)?;
                     Ok(all.into_iter().map(UserInfo::from).collect())
                 })
-                .map_err(|e| e.to_string())?;
+                .map_err(OpError::failed)?;
             Ok(UserAnswer::Users(v))
         }
         UserOp::Add { principal, hash } => {
-            check_hash(&hash)?;
+            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e))?;
             let name = principal.subject.clone();
             if !valid_name(&name) {
-                return Err("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
+                return Err(OpError::new(
+                    "invalid_name",
+                    "a user name must match ^[a-z][a-z0-9._-]{0,63}$",
+                ));
             }
             let rec = UserRecord {
                 name: name.clone(),
@@ -153,31 +225,36 @@ pub async fn user_op(
                 disabled_at: None,
             };
             let added = store
-                .write(move |txn, _| {
+                .write(move |txn, chain| {
                     if txn.has(tables::USERS, &rec.name)? {
+                        super::append_audit(txn, chain, ev, Some("user_exists"))?;
                         return Ok(false);
                     }
                     typed::put(txn, tables::USERS, &rec.name, &rec)?;
+                    super::append_audit(txn, chain, ev, None)?;
                     Ok(true)
                 })
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(OpError::failed)?;
             if added {
                 Ok(UserAnswer::Added(name))
             } else {
-                Err(format!("a user named {name} exists already"))
+                Err(OpError::new(
+                    "user_exists",
+                    format!("a user named {name} exists already"),
+                ))
             }
         }
         UserOp::Passwd { name, hash } => {
-            check_hash(&hash)?;
-            change(store, &name, move |u| {
+            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e))?;
+            change(store, &name, ev, move |u| {
                 u.hash = hash;
                 u.password_changed_at = now;
             })
             .await
         }
         UserOp::SetDisabled { name, disabled } => {
-            change(store, &name, move |u| {
+            change(store, &name, ev, move |u| {
                 u.disabled_at = disabled.then_some(now);
             })
             .await
@@ -185,13 +262,21 @@ pub async fn user_op(
         UserOp::Remove { name } => {
             let n2 = name.clone();
             let removed = store
-                .write(move |txn, _| typed::remove(txn, tables::USERS, &n2))
+                .write(move |txn, chain| {
+                    let removed = typed::remove(txn, tables::USERS, &n2)?;
+                    let refused = (!removed).then_some("user_not_found");
+                    super::append_audit(txn, chain, ev, refused)?;
+                    Ok(removed)
+                })
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(OpError::failed)?;
             if removed {
                 Ok(UserAnswer::Removed(name))
             } else {
-                Err(format!("no user named {name}"))
+                Err(OpError::new(
+                    "user_not_found",
+                    format!("no user named {name}"),
+                ))
             }
         }
     }
@@ -200,24 +285,30 @@ pub async fn user_op(
 async fn change(
     store: &Store,
     name: &str,
+    ev: super::AuditEvent,
     f: impl FnOnce(&mut UserRecord) + Send + 'static,
-) -> Result<UserAnswer, String> {
+) -> Result<UserAnswer, OpError> {
     let n2 = name.to_string();
     let found = store
-        .write(move |txn, _| {
+        .write(move |txn, chain| {
             let Some(mut u): Option<UserRecord> = txn.record(tables::USERS, &n2)? else {
+                super::append_audit(txn, chain, ev, Some("user_not_found"))?;
                 return Ok(false);
             };
             f(&mut u);
             typed::put(txn, tables::USERS, &n2, &u)?;
+            super::append_audit(txn, chain, ev, None)?;
             Ok(true)
         })
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(OpError::failed)?;
     if found {
         Ok(UserAnswer::Changed(name.to_string()))
     } else {
-        Err(format!("no user named {name}"))
+        Err(OpError::new(
+            "user_not_found",
+            format!("no user named {name}"),
+        ))
     }
 }
 

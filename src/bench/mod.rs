@@ -16,6 +16,7 @@ use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
 use crate::embedded::{Backend, Isolation, Limits, Settings};
 
 pub mod appliance;
+pub mod console;
 pub mod export;
 pub mod identities;
 
@@ -225,6 +226,10 @@ pub async fn all(
             identities::identities(launcher, 1000, 2000, 8).await?,
         ),
         ("export", export::export(launcher, 200_000, 3).await?),
+        (
+            "console",
+            console::console(launcher, 20_000, 100_000, 50, 20).await?,
+        ),
     ];
     for (name, r) in &reports {
         r.print();

@@ -317,6 +317,21 @@ async fn probe(
     Ok(pr)
 }
 
+/// The end of a job's output (`Broker::job_tail`).
+#[derive(Debug, Clone)]
+pub struct JobTail {
+    pub job: JobAnswer,
+    pub tenant: String,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Where each tail starts in its stream.
+    pub stdout_from: u64,
+    pub stderr_from: u64,
+    /// Each stream's size when it was read.
+    pub stdout_size: u64,
+    pub stderr_size: u64,
+}
+
 /// Output read by per-stream cursors.
 #[derive(Debug, Clone, Copy)]
 pub struct Cursors {
@@ -576,6 +591,63 @@ impl Broker {
             )
             .await?;
         Ok((job, lease, pr))
+    }
+
+    /// The console's read-only tail of a job's output
+    /// (`/console/jobs/{ref}`): the last `max` bytes of each stream. The
+    /// same policy and event as `POST /v1/jobs/{ref}/output` (`job:output`,
+    /// one `job_output` intent and outcome), but a person looking is not a
+    /// use of the lease: it does not extend its idle time.
+    pub async fn job_tail(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        job_ref: &str,
+        max: usize,
+    ) -> Result<JobTail> {
+        let max = max.min(MAX_CHUNK);
+        let ev = self.event(p, "job_output", ctx);
+        self.authorize(p, "job:output", &ev).await?;
+        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let jr = job.job_ref.clone();
+        let (lease, (job, pr, from)) = self
+            .effect_on(
+                p,
+                ctx,
+                lease,
+                "job_output",
+                |e| e.job_ref = Some(jr),
+                None,
+                move |b: Broker, _l: Lease, addr| async move {
+                    let mut job = job;
+                    // The sizes first, then the last `max` bytes of each.
+                    let sizes = probe(&b, &addr, &job, (0, 0), (0, 0)).await?;
+                    let from = (
+                        sizes.out_size.saturating_sub(max as u64),
+                        sizes.err_size.saturating_sub(max as u64),
+                    );
+                    let pr = probe(&b, &addr, &job, (from.0, max), (from.1, max)).await?;
+                    let bytes = (pr.stdout.len() + pr.stderr.len()) as u64;
+                    let changed = pr.apply(&mut job, b.clock());
+                    let j2 = job.clone();
+                    let mut done = Done::new((job, pr, from)).no_touch().bytes(Some(bytes));
+                    if changed {
+                        done = done.persist(move |txn| save_job(txn, &j2));
+                    }
+                    Ok(done)
+                },
+            )
+            .await?;
+        Ok(JobTail {
+            job: JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id),
+            tenant: lease.tenant,
+            stdout: pr.stdout,
+            stderr: pr.stderr,
+            stdout_from: from.0,
+            stderr_from: from.1,
+            stdout_size: pr.out_size,
+            stderr_size: pr.err_size,
+        })
     }
 
     /// `GET|POST /v1/jobs/{ref}/status`.

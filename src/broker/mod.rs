@@ -72,7 +72,55 @@ pub(crate) struct Inner {
     pub receipts: receipts::Signer,
     /// Wall-clock time: expiry, idle TTLs, budgets, timestamps.
     pub clock: crate::clock::Clock,
+    /// Told when a plan needs approval (`console::notify`); set once at
+    /// start, if `[console.notify]` is configured.
+    pub plan_listener: std::sync::OnceLock<Arc<dyn PlanListener>>,
 }
+
+/// A plan that needs approval, as a listener is told of it: names and
+/// times only, never a parameter value or the command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanNeedsApproval {
+    pub plan_ref: String,
+    pub tenant: String,
+    pub template: String,
+    pub profile: String,
+    /// RFC 3339.
+    pub expires_at: String,
+}
+
+/// Told when a plan needs approval. Called on the planning path: it must
+/// not block (queue the work and return).
+pub trait PlanListener: Send + Sync {
+    fn plan_needs_approval(&self, n: PlanNeedsApproval);
+}
+
+/// A lease as the console's live list shows it: no traffic token, no
+/// backend id.
+#[derive(Debug, Clone)]
+pub struct LiveLease {
+    pub lease_ref: String,
+    pub tenant: String,
+    pub runtime: String,
+    pub profile: String,
+    pub sandbox_ref: String,
+    pub state: leases::LeaseState,
+    pub created_at: String,
+    pub last_used_unix: i64,
+    /// A trusted task's lease (it releases with its task).
+    pub task_ref: Option<String>,
+    /// Its newest jobs (stored states), at most `LIVE_PROCS`.
+    pub jobs: Vec<jobs::Job>,
+    /// How many jobs it has in all.
+    pub jobs_total: usize,
+    /// Its newest PTYs (stored states), at most `LIVE_PROCS`.
+    pub ptys: Vec<ptys::Pty>,
+    /// How many PTYs it has in all.
+    pub ptys_total: usize,
+}
+
+/// Jobs, and PTYs, of one lease the live list shows at most.
+pub const LIVE_PROCS: usize = 50;
 
 /// A policy checked and compiled, ready to swap in.
 pub struct PreparedPolicy(Policy);
@@ -113,6 +161,7 @@ impl Broker {
                 ptys: ptys::Hubs::default(),
                 receipts,
                 clock,
+                plan_listener: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -163,6 +212,19 @@ impl Broker {
     /// are refused from now on (`task_template_changed`).
     pub fn apply_reload(&self, p: PreparedPolicy) {
         *self.inner.policy.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(p.0);
+    }
+
+    /// Set the listener told of plans that need approval (once; false if
+    /// one was set already).
+    pub fn set_plan_listener(&self, l: Arc<dyn PlanListener>) -> bool {
+        self.inner.plan_listener.set(l).is_ok()
+    }
+
+    /// Tell the listener, if any, that a plan needs approval.
+    pub(crate) fn tell_plan_needs_approval(&self, n: PlanNeedsApproval) {
+        if let Some(l) = self.inner.plan_listener.get() {
+            l.plan_needs_approval(n);
+        }
     }
 
     pub fn cube(&self) -> &CubeClient {

@@ -128,6 +128,21 @@ impl Signer {
         }
     }
 
+    /// The key id of the HS256 key (`hmac-` and the start of its digest).
+    pub fn hs_kid(&self) -> String {
+        hs_kid(&self.hs_key)
+    }
+
+    /// Check a receipt with this appliance's own keys: what
+    /// `receipt verify --state-dir` finds on the appliance (both
+    /// signatures), and each signature on its own.
+    pub fn check(&self, doc: &Value) -> Result<(Verdict, Vec<SignatureCheck>), String> {
+        let public = self.ed.public_key().as_ref();
+        let verdict = verify(doc, Some(public), Some(&self.hs_key))?;
+        let each = check_each(doc, Some(public), Some(&self.hs_key))?;
+        Ok((verdict, each))
+    }
+
     /// The signed envelope of `payload`.
     pub fn sign(&self, payload: Value) -> Value {
         let msg = canonical(&payload);
@@ -254,24 +269,9 @@ pub fn verify(
             .into_iter()
             .flatten()
             .filter(|s| s.get("alg") == Some(&json!("EdDSA")) && s.get("kid") == Some(&json!(want)))
-            .filter_map(|s| s.get("value").and_then(Value::as_str))
-            .filter_map(|v| B64URL.decode(v).ok())
-            .any(|sig| {
-                UnparsedPublicKey::new(&ED25519, pk)
-                    .verify(msg.as_bytes(), &sig)
-                    .is_ok()
-            })
+            .any(|s| ed_holds(pk, &msg, s))
     });
-    let hs = hs_key.map(|k| {
-        let got = r
-            .get("signature")
-            .filter(|s| s.get("alg") == Some(&json!("HS256")))
-            .and_then(|s| s.get("value"))
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        let want = hs256(k, msg.as_bytes()).unwrap_or_default();
-        !want.is_empty() && subtle::ConstantTimeEq::ct_eq(got.as_bytes(), want.as_bytes()).into()
-    });
+    let hs = hs_key.map(|k| r.get("signature").is_some_and(|s| hs_holds(k, &msg, s)));
     let checked: Vec<bool> = [ed25519, hs].into_iter().flatten().collect();
     let text = |k: &str| payload.get(k).and_then(Value::as_str).map(str::to_string);
     Ok(Verdict {
@@ -282,6 +282,93 @@ pub fn verify(
         state: text("state"),
         template_sha256: text("template_sha256"),
     })
+}
+
+/// Whether one Ed25519 signature entry (`{alg, kid, value}`) holds for
+/// `msg` under the raw public key `pk`.
+fn ed_holds(pk: &[u8], msg: &str, sig: &Value) -> bool {
+    sig.get("value")
+        .and_then(Value::as_str)
+        .and_then(|v| B64URL.decode(v).ok())
+        .is_some_and(|sig| {
+            UnparsedPublicKey::new(&ED25519, pk)
+                .verify(msg.as_bytes(), &sig)
+                .is_ok()
+        })
+}
+
+/// Whether the HS256 envelope (`{alg: "HS256", kid, value}`) holds for
+/// `msg` under `key` (compared in constant time).
+fn hs_holds(key: &[u8], msg: &str, sig: &Value) -> bool {
+    if sig.get("alg") != Some(&json!("HS256")) {
+        return false;
+    }
+    let got = sig.get("value").and_then(Value::as_str).unwrap_or("");
+    let want = hs256(key, msg.as_bytes()).unwrap_or_default();
+    !want.is_empty() && subtle::ConstantTimeEq::ct_eq(got.as_bytes(), want.as_bytes()).into()
+}
+
+/// One signature a receipt carries, as checked one by one.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SignatureCheck {
+    /// `HS256` (the `signature` envelope) or the entry's `alg`.
+    pub alg: String,
+    /// The key id the receipt names for it.
+    pub kid: String,
+    /// `Some(valid)` when checked; `None` when it names a key not given
+    /// (another key id, or an algorithm this verifier does not know).
+    pub valid: Option<bool>,
+}
+
+/// Each signature of a receipt (bare, or inside a response), checked with
+/// the same primitives as [`verify`]: the HS256 envelope first, then the
+/// `signatures` entries in order. A signature is checked only against the
+/// key whose id it names.
+pub fn check_each(
+    doc: &Value,
+    public_key: Option<&[u8]>,
+    hs_key: Option<&[u8]>,
+) -> Result<Vec<SignatureCheck>, String> {
+    let r = match doc.get("receipt") {
+        Some(_) if doc.get("payload").is_some() => {
+            return Err("ambiguous: both a receipt and a payload at the top level".into());
+        }
+        Some(r) if r.is_object() => r,
+        _ => doc,
+    };
+    let payload = r
+        .get("payload")
+        .filter(|p| p.is_object())
+        .ok_or("not a receipt: no payload object")?;
+    let msg = canonical(payload);
+    let text = |s: &Value, k: &str| s.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let mut out = vec![];
+    if let Some(s) = r.get("signature") {
+        let kid = text(s, "kid");
+        out.push(SignatureCheck {
+            alg: text(s, "alg"),
+            valid: hs_key
+                .filter(|k| text(s, "alg") == "HS256" && hs_kid(k) == kid)
+                .map(|k| hs_holds(k, &msg, s)),
+            kid,
+        });
+    }
+    for s in r
+        .get("signatures")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let kid = text(s, "kid");
+        out.push(SignatureCheck {
+            alg: text(s, "alg"),
+            valid: public_key
+                .filter(|pk| text(s, "alg") == "EdDSA" && ed_kid(pk) == kid)
+                .map(|pk| ed_holds(pk, &msg, s)),
+            kid,
+        });
+    }
+    Ok(out)
 }
 
 /// The raw public key from a `receipt-ed25519.pub` file (base64url, or the
@@ -430,5 +517,30 @@ mod tests {
         assert!(parse_strict(dup.as_bytes()).unwrap_err().contains("twice"));
         assert_eq!(parse_strict(text.as_bytes()).unwrap(), r);
         assert!(verify(&json!({"receipt": r, "payload": {}}), Some(&pk), None).is_err());
+        // One by one: both hold; a key not given is not checked; a change
+        // breaks each; the signer's own check agrees with `verify`.
+        let each = check_each(&r, Some(&pk), Some(&[7; 32])).unwrap();
+        assert_eq!(
+            each.iter()
+                .map(|c| (c.alg.as_str(), c.valid))
+                .collect::<Vec<_>>(),
+            [("HS256", Some(true)), ("EdDSA", Some(true))]
+        );
+        assert_eq!(each[1].kid, s.public_key().kid);
+        assert_eq!(each[0].kid, s.hs_kid());
+        let each = check_each(&r, Some(&pk), None).unwrap();
+        assert_eq!(each[0].valid, None);
+        let each = check_each(&bad, Some(&pk), Some(&[7; 32])).unwrap();
+        assert!(each.iter().all(|c| c.valid == Some(false)), "{each:?}");
+        let (v, each) = s.check(&r).unwrap();
+        assert!(v.valid && each.iter().all(|c| c.valid == Some(true)));
+        let (v, each) = s.check(&bad).unwrap();
+        assert!(!v.valid && each.iter().all(|c| c.valid == Some(false)));
+        // A signature under another key id is listed, not checked.
+        let mut other = r.clone();
+        other["signatures"][0]["kid"] = json!("ed25519-000000000000");
+        let (v, each) = s.check(&other).unwrap();
+        assert_eq!(v.ed25519, Some(false));
+        assert_eq!(each[1].valid, None);
     }
 }

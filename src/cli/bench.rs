@@ -98,6 +98,25 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The web console of a real `serve` process on a long journal: server
+    /// time of each page, audit searches by indexed fields, idle RSS with
+    /// and without the console used.
+    Console {
+        /// Events in the journal while the pages are timed.
+        #[arg(long, default_value_t = 100_000)]
+        events: u64,
+        /// Events in the journal while the searches are timed.
+        #[arg(long, default_value_t = 1_000_000)]
+        search_events: u64,
+        /// Fetches of each page.
+        #[arg(long, default_value_t = 200)]
+        views: usize,
+        /// Searches of each kind.
+        #[arg(long, default_value_t = 50)]
+        searches: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// The embedded backend through the cube client over mTLS: sandbox
     /// create → exec → kill cycles and exec round-trips on a live sandbox.
     Backend {
@@ -202,6 +221,22 @@ pub fn run(b: BenchCommand) -> Exit {
             json,
         } => (
             rt.block_on(bench::export::export(&launcher, events, exports)),
+            json,
+        ),
+        BenchCommand::Console {
+            events,
+            search_events,
+            views,
+            searches,
+            json,
+        } => (
+            rt.block_on(bench::console::console(
+                &launcher,
+                events,
+                search_events,
+                views,
+                searches,
+            )),
             json,
         ),
         BenchCommand::Memory {

@@ -9,7 +9,7 @@ use clap::{Args, Subcommand};
 use super::common::{Access, Common, access, ask, runtime, unexpected};
 use super::{EXIT_CODES, Exit};
 use crate::admin::{Request, Response, TokenInfo};
-use crate::auth::{self, Principal, Role};
+use crate::auth::{self, Principal};
 
 #[derive(Subcommand)]
 pub enum TokenCommand {
@@ -92,55 +92,22 @@ pub struct TokenRevokeArgs {
 }
 
 pub fn create(req: TokenCreateArgs) -> Exit {
-    let valid = |t: &str| {
-        !t.is_empty()
-            && t.len() <= 128
-            && t.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b))
+    let spec = auth::TokenSpec {
+        tenant: req.tenant,
+        subject: req.subject,
+        roles: req.roles,
+        runtimes: req.runtimes,
+        profiles: req.profiles,
+        actions: req.actions,
+        no_actions: req.no_actions,
+        task_templates: req.task_templates,
     };
-    if !valid(&req.tenant) {
-        eprintln!("error: --tenant must be 1-128 characters of [A-Za-z0-9_.:-]");
-        return Exit::Usage;
-    }
-    let roles: Result<Vec<Role>, String> = req.roles.iter().map(|r| r.parse()).collect();
-    let mut roles = match roles {
-        Ok(r) if r.is_empty() => vec![Role::Agent],
-        Ok(r) => r,
+    let principal = match spec.principal() {
+        Ok(p) => p,
         Err(e) => {
             eprintln!("error: {e}");
             return Exit::Usage;
         }
-    };
-    roles.sort();
-    roles.dedup();
-    for r in &req.runtimes {
-        if !crate::config::RUNTIMES.contains(&r.as_str()) {
-            eprintln!(
-                "error: unknown runtime '{r}' ({})",
-                crate::config::RUNTIMES.join(", ")
-            );
-            return Exit::Usage;
-        }
-    }
-    let principal = Principal {
-        subject: req.subject.unwrap_or_else(|| req.tenant.clone()),
-        tenant: req.tenant,
-        roles: roles.clone(),
-        runtimes: (!req.runtimes.is_empty()).then_some(req.runtimes),
-        profiles: (!req.profiles.is_empty()).then_some(req.profiles),
-        actions: if req.no_actions {
-            vec![]
-        } else if req.actions.is_empty() {
-            auth::default_actions(&roles)
-        } else {
-            req.actions
-        },
-        task_templates: if req.task_templates.is_empty() {
-            vec!["*".into()]
-        } else {
-            req.task_templates
-        },
-        task: None,
     };
     let state = match req.common.state_dir() {
         Ok(s) => s,
@@ -309,40 +276,27 @@ fn cert_identity_create(
     let issued = crate::store::Sealer::load_or_create(&state.join("secret.key"))
         .map_err(|e| e.to_string())
         .and_then(|sealer| {
-            crate::tls::LocalCa::load_or_create_sealed(
-                &state.join(crate::tls::IDENTITY_CA_DIR),
-                Some(sealer),
+            crate::tls::issue_identity_cert(
+                state,
+                sealer,
+                crate::clock::Clock::System,
+                &principal.subject,
             )
             .map_err(|e| e.to_string())
-        })
-        .and_then(|ca| {
-            let (cert, key) = ca
-                .issue_client(&principal.subject)
-                .map_err(|e| e.to_string())?;
-            // The clients' trust: the CA of the appliance's server
-            // certificate.
-            let p = state.join("tls/ca.pem");
-            let server_ca =
-                std::fs::read_to_string(&p).map_err(|e| format!("read {}: {e}", p.display()))?;
-            Ok((server_ca, cert, key))
-        })
-        .and_then(|(ca, cert, key)| {
-            let der = crate::tls::parse_certs(cert.as_bytes())
-                .map_err(|e| e.to_string())?
-                .into_iter()
-                .next()
-                .ok_or("no certificate was issued")?;
-            use sha2::Digest;
-            let fp = auth::PeerCert(sha2::Sha256::digest(der.as_ref()).into());
-            Ok((ca, cert, key, fp))
         });
-    let (ca, cert, key, fp) = match issued {
+    let bundle = match issued {
         Ok(v) => v,
         Err(e) => {
             eprintln!("error: cannot issue a client certificate: {e}");
             return Exit::State;
         }
     };
+    let (ca, cert, key, fp) = (
+        bundle.ca_pem,
+        bundle.cert_pem,
+        bundle.key_pem,
+        auth::PeerCert(bundle.sha256),
+    );
     let rec = auth::cert_record(principal, description, &fp, &crate::clock::Clock::System);
     let id = rec.id.clone();
     let stored = match access {

@@ -11,13 +11,12 @@ use clap::{Args, Subcommand};
 use super::Exit;
 use super::common::{Access, Common, access, ask, runtime, unexpected};
 use crate::admin::{Request, Response};
-use crate::auth::users::{UserAnswer, UserOp, hash_password, valid_name};
-use crate::auth::{Principal, Role};
+use crate::auth::users::{UserAnswer, UserOp, hash_new_password, user_principal};
 
 #[derive(Subcommand)]
 pub enum UserCommand {
-    /// Add a user (default role approver, with task:approve, task:status,
-    /// task:receipt and lease:list).
+    /// Add a user (default role approver; without --action, the roles'
+    /// default scopes, as for tokens).
     Add(UserAddArgs),
     /// List users (never their passwords).
     List(UserListArgs),
@@ -89,48 +88,22 @@ fn usage(m: String) -> Exit {
 }
 
 pub fn add(a: UserAddArgs) -> Exit {
-    if !valid_name(&a.name) {
-        return usage("a user name must match ^[a-z][a-z0-9._-]{0,63}$".into());
-    }
-    let valid_tenant = !a.tenant.is_empty()
-        && a.tenant.len() <= 128
-        && a.tenant
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
-    if !valid_tenant {
-        return usage("--tenant must be 1-128 characters of [A-Za-z0-9_.:-]".into());
-    }
-    let roles: Result<Vec<Role>, String> = a.roles.iter().map(|r| r.parse()).collect();
-    let mut roles = match roles {
-        Ok(r) if r.is_empty() => vec![Role::Approver],
-        Ok(r) => r,
-        Err(e) => return usage(e),
+    let principal = match user_principal(
+        &a.name,
+        &a.tenant,
+        &a.roles,
+        a.actions,
+        a.profiles,
+        a.task_templates,
+    ) {
+        Ok(p) => p,
+        Err(e) => return usage(e.message),
     };
-    roles.sort();
-    roles.dedup();
-    let hash = match read_password(a.password_file.as_deref()).and_then(|p| hash_password(&p)) {
+    let hash = match read_password(a.password_file.as_deref())
+        .and_then(|p| hash_new_password(&p).map_err(String::from))
+    {
         Ok(h) => h,
         Err(e) => return usage(e),
-    };
-    let principal = Principal {
-        tenant: a.tenant,
-        subject: a.name,
-        roles,
-        runtimes: None,
-        profiles: (!a.profiles.is_empty()).then_some(a.profiles),
-        actions: if a.actions.is_empty() {
-            ["task:approve", "task:status", "task:receipt", "lease:list"]
-                .map(String::from)
-                .to_vec()
-        } else {
-            a.actions
-        },
-        task_templates: if a.task_templates.is_empty() {
-            vec!["*".into()]
-        } else {
-            a.task_templates
-        },
-        task: None,
     };
     apply(&a.common, UserOp::Add { principal, hash }, false)
 }
@@ -140,7 +113,9 @@ pub fn list(a: UserListArgs) -> Exit {
 }
 
 pub fn passwd(a: UserPasswdArgs) -> Exit {
-    match read_password(a.password_file.as_deref()).and_then(|p| hash_password(&p)) {
+    match read_password(a.password_file.as_deref())
+        .and_then(|p| hash_new_password(&p).map_err(String::from))
+    {
         Ok(hash) => apply(&a.common, UserOp::Passwd { name: a.name, hash }, false),
         Err(e) => usage(e),
     }

@@ -19,8 +19,9 @@ pub const DEFAULT_CONFIG: &str = "/etc/cube-adapter/config.toml";
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/cube-adapter";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:18080";
 
-/// The runtimes agents identify as (reference set).
-pub const RUNTIMES: &[&str] = &["openclaw", "dsh", "hermes", "mcp"];
+/// The runtimes agents identify as (reference set; kept in `auth`, which
+/// checks tokens' runtimes below this layer).
+pub use crate::auth::RUNTIMES;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -136,6 +137,9 @@ pub struct ConsoleSection {
     pub idle_timeout_seconds: u64,
     /// A session ends this long after sign-in, however busy.
     pub absolute_timeout_seconds: u64,
+    /// Approval notifications (`[console.notify]`): absent, none are sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notify: Option<NotifySection>,
 }
 
 impl Default for ConsoleSection {
@@ -143,7 +147,187 @@ impl Default for ConsoleSection {
         Self {
             idle_timeout_seconds: 30 * 60,
             absolute_timeout_seconds: 12 * 3600,
+            notify: None,
         }
+    }
+}
+
+/// A webhook told when a plan needs approval (`[console.notify]`;
+/// `console::notify`, docs/console.md "Approval notifications"). A change
+/// needs a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NotifySection {
+    /// Where to POST: `https://…`, or `http://` to a loopback address only.
+    /// Often a credential itself (a Slack or Teams webhook): never logged,
+    /// and `config check` shows its scheme and host only.
+    #[serde(serialize_with = "redacted_url")]
+    pub url: String,
+    /// PEM CA certificates to trust for `url` instead of the public web PKI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// A file holding the shared secret (at least 16 bytes; surrounding
+    /// whitespace ignored) for the `X-Cube-Signature` HMAC header. Absent:
+    /// messages are not signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// The console's public base URL for the link (`https://host:port`);
+    /// default: the first of `server_names` on the listener's port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub console_url: Option<String>,
+    /// Attempts per message, the first included (1..=10).
+    #[serde(default = "notify_attempts")]
+    pub max_attempts: u32,
+    /// The wait before the first retry, doubled for each next one (with
+    /// jitter), in milliseconds (10..=60000).
+    #[serde(default = "notify_retry_ms")]
+    pub retry_initial_ms: u64,
+    /// How long one attempt may take (1..=60 seconds).
+    #[serde(default = "notify_timeout")]
+    pub timeout_seconds: u64,
+    /// Messages waiting at most (1..=10000); more are dropped with a
+    /// warning.
+    #[serde(default = "notify_queue")]
+    pub queue: usize,
+}
+
+fn notify_attempts() -> u32 {
+    5
+}
+fn notify_retry_ms() -> u64 {
+    1000
+}
+fn notify_timeout() -> u64 {
+    10
+}
+fn notify_queue() -> usize {
+    256
+}
+
+fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    let shown = match url::Url::parse(url) {
+        Ok(u) => format!(
+            "{}://{}{}/…",
+            u.scheme(),
+            u.host_str().unwrap_or(""),
+            u.port().map(|p| format!(":{p}")).unwrap_or_default()
+        ),
+        Err(_) => "(invalid)".to_string(),
+    };
+    s.serialize_str(&shown)
+}
+
+/// Whether `host` is a loopback name or address.
+fn loopback_host(u: &url::Url) -> bool {
+    match u.host() {
+        Some(url::Host::Ipv4(a)) => a.is_loopback(),
+        Some(url::Host::Ipv6(a)) => a.is_loopback(),
+        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
+        None => false,
+    }
+}
+
+impl NotifySection {
+    /// The shape (no file is read): the URL, the base URL, the ranges.
+    fn validate(&self) -> Result<(), String> {
+        let u = url::Url::parse(&self.url)
+            .map_err(|e| format!("console.notify: url is not a URL ({e})"))?;
+        match u.scheme() {
+            "https" => {}
+            "http" if loopback_host(&u) => {}
+            "http" => {
+                return Err(
+                    "console.notify: url must be https:// (plain http:// only to a loopback address)"
+                        .into(),
+                );
+            }
+            other => {
+                return Err(format!(
+                    "console.notify: url must be https:// (got {other}://)"
+                ));
+            }
+        }
+        if u.host().is_none() {
+            return Err("console.notify: url has no host".into());
+        }
+        if !u.username().is_empty() || u.password().is_some() {
+            return Err("console.notify: url must not carry a user or password".into());
+        }
+        if let Some(c) = &self.console_url {
+            let b = url::Url::parse(c)
+                .map_err(|e| format!("console.notify: console_url is not a URL ({e})"))?;
+            if !matches!(b.scheme(), "https" | "http") || b.host().is_none() {
+                return Err(
+                    "console.notify: console_url must be an http(s) URL with a host, e.g. https://adapter.example:18080"
+                        .into(),
+                );
+            }
+            if b.query().is_some() || b.fragment().is_some() {
+                return Err("console.notify: console_url must not have a query or fragment".into());
+            }
+        }
+        if !(1..=10).contains(&self.max_attempts) {
+            return Err(format!(
+                "console.notify: max_attempts must be between 1 and 10 (got {})",
+                self.max_attempts
+            ));
+        }
+        if !(10..=60_000).contains(&self.retry_initial_ms) {
+            return Err(format!(
+                "console.notify: retry_initial_ms must be between 10 and 60000 (got {})",
+                self.retry_initial_ms
+            ));
+        }
+        if !(1..=60).contains(&self.timeout_seconds) {
+            return Err(format!(
+                "console.notify: timeout_seconds must be between 1 and 60 (got {})",
+                self.timeout_seconds
+            ));
+        }
+        if !(1..=10_000).contains(&self.queue) {
+            return Err(format!(
+                "console.notify: queue must be between 1 and 10000 (got {})",
+                self.queue
+            ));
+        }
+        Ok(())
+    }
+
+    /// The shared secret from `secret_file`, if one is configured.
+    pub fn read_secret(&self) -> Result<Option<Vec<u8>>, String> {
+        let Some(f) = &self.secret_file else {
+            return Ok(None);
+        };
+        let raw = std::fs::read(f).map_err(|e| {
+            format!(
+                "console.notify: cannot read secret_file {}: {e}",
+                f.display()
+            )
+        })?;
+        let s = raw.trim_ascii().to_vec();
+        if s.len() < 16 {
+            return Err(format!(
+                "console.notify: secret_file {} must hold at least 16 bytes",
+                f.display()
+            ));
+        }
+        Ok(Some(s))
+    }
+
+    /// The PEM of `ca_file`, if one is configured (checked to parse).
+    pub fn read_ca(&self) -> Result<Option<Vec<u8>>, String> {
+        let Some(f) = &self.ca_file else {
+            return Ok(None);
+        };
+        let pem = std::fs::read(f)
+            .map_err(|e| format!("console.notify: cannot read ca_file {}: {e}", f.display()))?;
+        crate::tls::client_config(Some(&pem), None).map_err(|e| {
+            format!(
+                "console.notify: ca_file {} holds no usable CA certificate: {e}",
+                f.display()
+            )
+        })?;
+        Ok(Some(pem))
     }
 }
 
@@ -162,6 +346,12 @@ impl ConsoleSection {
                 "console: absolute_timeout_seconds must be between idle_timeout_seconds ({}) and 604800 (got {})",
                 self.idle_timeout_seconds, self.absolute_timeout_seconds
             ));
+        }
+        if let Some(n) = &self.notify {
+            n.validate()?;
+            // The files too, so that `config check` and a start say so.
+            n.read_secret()?;
+            n.read_ca()?;
         }
         Ok(())
     }
@@ -562,6 +752,90 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn console_notify() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        let secret = dir.path().join("notify.secret");
+        std::fs::write(&secret, "0123456789abcdef0123\n").unwrap();
+        let short = dir.path().join("short.secret");
+        std::fs::write(&short, "too short\n").unwrap();
+        let junk = dir.path().join("junk.pem");
+        std::fs::write(&junk, "not a certificate").unwrap();
+        let head = |url: &str| {
+            format!(
+                "[console.notify]\nurl = \"{url}\"\nsecret_file = \"{}\"\n",
+                secret.display()
+            )
+        };
+        std::fs::write(&f, head("https://hooks.example/services/T0/B0/SECRETPART")).unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        let n = c.console.notify.clone().unwrap();
+        assert_eq!(
+            (
+                n.max_attempts,
+                n.retry_initial_ms,
+                n.timeout_seconds,
+                n.queue
+            ),
+            (5, 1000, 10, 256)
+        );
+        assert_eq!(n.read_secret().unwrap().unwrap(), b"0123456789abcdef0123");
+        // `config check` shows the webhook's host, not its (secret) path.
+        let shown = toml::to_string_pretty(&c).unwrap();
+        assert!(shown.contains("https://hooks.example/"), "{shown}");
+        assert!(!shown.contains("SECRETPART"), "{shown}");
+        // Plain HTTP to loopback is fine (tests, a local relay).
+        std::fs::write(&f, head("http://127.0.0.1:9/hook")).unwrap();
+        assert!(Config::load(Some(&f), &[], &Flags::default()).is_ok());
+        for (body, why) in [
+            (head("http://hooks.example/x"), "loopback"),
+            (head("ftp://hooks.example/x"), "https://"),
+            (head("not a url"), "not a URL"),
+            (head("https://u:p@hooks.example/x"), "user or password"),
+            (
+                head("https://h.example/x") + "max_attempts = 0\n",
+                "max_attempts",
+            ),
+            (
+                head("https://h.example/x") + "retry_initial_ms = 5\n",
+                "retry_initial_ms",
+            ),
+            (
+                head("https://h.example/x") + "timeout_seconds = 61\n",
+                "timeout_seconds",
+            ),
+            (head("https://h.example/x") + "queue = 0\n", "queue"),
+            (
+                head("https://h.example/x") + "console_url = \"adapter\"\n",
+                "console_url",
+            ),
+            (head("https://h.example/x") + "nope = 1\n", "nope"),
+            (
+                format!(
+                    "[console.notify]\nurl = \"https://h.example/x\"\nsecret_file = \"{}\"\n",
+                    dir.path().join("missing").display()
+                ),
+                "cannot read secret_file",
+            ),
+            (
+                format!(
+                    "[console.notify]\nurl = \"https://h.example/x\"\nsecret_file = \"{}\"\n",
+                    short.display()
+                ),
+                "at least 16 bytes",
+            ),
+            (
+                head("https://h.example/x") + &format!("ca_file = \"{}\"\n", junk.display()),
+                "ca_file",
+            ),
+        ] {
+            std::fs::write(&f, &body).unwrap();
+            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            assert!(e.contains(why), "{body}: {e}");
+        }
     }
 
     #[test]

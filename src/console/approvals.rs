@@ -220,7 +220,9 @@ fn notice(q: &Outcome) -> Option<Notice> {
             "The plan is no longer pending approval: it was decided on or submitted meanwhile."
         }
         Code::PlanExpired => "The plan expired before a decision; the agent must plan again.",
-        Code::ActionDenied => "Your identity is not allowed to decide on plans.",
+        Code::ActionDenied => {
+            "Your scopes do not include deciding on plans (task:approve): your role lets you look, not decide."
+        }
         Code::TaskTemplateDenied => "This task template is not available to you.",
         Code::TaskTemplateChanged => {
             "The task template or its profile changed after this plan was made; the agent must plan again."

@@ -64,5 +64,9 @@ mod tests {
         assert_eq!(version("console.css").len(), 16);
         assert_eq!(content_type("console.css"), "text/css; charset=utf-8");
         assert_eq!(content_type("x"), "application/octet-stream");
+        // The one script (progressive enhancement: the copy buttons).
+        assert!(Assets::get("console.js").is_some());
+        assert_eq!(version("console.js").len(), 16);
+        assert_eq!(content_type("console.js"), "text/javascript; charset=utf-8");
     }
 }

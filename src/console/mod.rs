@@ -6,14 +6,22 @@
 //! answer carries the browser security headers (`security_headers`); pages
 //! need a signed-in person (`session`), forms a CSRF token.
 //!
-//! So far: sign-in, sign-out, the Overview, and Approvals (the queue,
-//! a plan's review, approve/deny). The rest of issue 15
-//! (approvals, tasks, audit, leases, identities) builds on this.
+//! Pages: sign-in and sign-out, the Overview, Approvals (the queue, a
+//! plan's review, approve/deny), Tasks (list, detail, receipt download and
+//! verification, cancel), Audit (search, export, the chain's state),
+//! Leases (leases, jobs, PTYs, a job's output tail), Identities and Connect
+//! an agent (admins). Approval notifications are sent by `notify`.
 
 mod approvals;
 mod assets;
+mod audit;
+mod connect;
+mod identities;
+mod live;
+pub mod notify;
 mod pages;
 pub mod session;
+mod tasks;
 
 use std::path::PathBuf;
 
@@ -54,6 +62,11 @@ pub fn router(st: ConsoleState) -> Router {
         .route("/console/approvals", get(approvals::queue))
         .route("/console/plans/{plan_ref}", get(approvals::review))
         .route("/console/plans/{plan_ref}/decide", post(approvals::decide))
+        .merge(tasks::routes())
+        .merge(audit::routes())
+        .merge(live::routes())
+        .merge(identities::routes())
+        .merge(connect::routes())
         .route("/console/static/{*path}", get(assets::serve))
         // Unknown console pages answer as the console does (headers, HTML).
         .route("/console/{*rest}", get(pages::not_found))

@@ -20,6 +20,10 @@ pub struct Who {
     pub name: String,
     pub roles: String,
     pub csrf: String,
+    /// Admins see the admin-only navigation entries.
+    pub admin: bool,
+    /// Auditors and admins see the Audit entry (approvers are refused it).
+    pub auditor: bool,
 }
 
 /// What every page's frame (`base.html`) needs.
@@ -37,6 +41,12 @@ impl Page {
                 name: s.name.clone(),
                 roles: roles_text(&s.principal),
                 csrf: s.csrf.clone(),
+                admin: s.principal.is_admin(),
+                auditor: s
+                    .principal
+                    .roles
+                    .iter()
+                    .any(|r| matches!(r, Role::Auditor | Role::Admin)),
             }),
             here,
             css_version: super::assets::version("console.css"),

@@ -378,6 +378,10 @@ impl crate::admin::Service for Service {
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send + '_>> {
         Box::pin(async move { self.answer(req).await.unwrap_or_else(Response::error) })
     }
+
+    fn journal(&self) -> Option<crate::audit::Journal> {
+        Some(self.broker.journal().clone())
+    }
 }
 
 impl Service {

@@ -8,6 +8,7 @@
 //! twice. Point lookups run inline (`read_now`: a few microseconds from the
 //! page cache); scans run on the blocking pool (`read`).
 
+pub mod audit_index;
 pub mod checkpoints;
 pub mod codec;
 pub mod console;
@@ -113,6 +114,7 @@ impl Chain {
         let bytes = codec::encode(&ev)?;
         txn.open_table(tables::AUDIT)?
             .insert(ev.seq, bytes.as_slice())?;
+        audit_index::add(txn, &ev)?;
         self.next_seq += 1;
         self.last_hash = ev.hash.clone();
         Ok(ev)
@@ -403,11 +405,17 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             // Every step so far only adds tables (created below) and, for
             // 4, the token key (below); token records are rekeyed one by
             // one as they are used (see `auth`). 5 adds console sessions.
+            // 6 adds the audit search indexes, built here for the events
+            // written before them (in this same transaction).
             tracing::info!(
                 from = v,
                 to = tables::SCHEMA_VERSION,
                 "upgrading the store schema"
             );
+            if v < 6 {
+                let n = audit_index::rebuild(&txn)?;
+                tracing::info!(events = n, "audit search indexes built (schema 6)");
+            }
             txn.open_table(tables::META)?.insert(
                 "schema_version",
                 codec::encode(&tables::SCHEMA_VERSION)?.as_slice(),
@@ -436,6 +444,8 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
     // Versions 1 to 3 and 5 only create tables: opening them is the whole
     // step.
     txn.open_table(tables::CONSOLE_SESSIONS)?;
+    txn.open_table(tables::AUDIT_BY)?;
+    txn.open_table(tables::AUDIT_MINUTES)?;
     txn.open_table(tables::PLANS)?;
     txn.open_table(tables::USERS)?;
     txn.open_table(tables::TASKS)?;

@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 5;
+pub const SCHEMA_VERSION: u64 = 6;
 
 /// `schema_version`, `instance_id`, audit chain head, the sealed token key
 /// (schema 4).
@@ -43,3 +43,10 @@ pub const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users_v1")
 /// password fingerprint) (schema 5).
 pub const CONSOLE_SESSIONS: TableDefinition<&str, &[u8]> =
     TableDefinition::new("console_sessions_v1");
+/// `(field \0 value, seq)` → () : the audit events with a value of an
+/// indexed field, in `seq` order (schema 6; `audit_index`).
+pub const AUDIT_BY: TableDefinition<(&str, u64), ()> = TableDefinition::new("audit_by_v1");
+/// Unix minute → (lowest, highest) `seq` of the audit events stamped in it
+/// (schema 6; `audit_index`).
+pub const AUDIT_MINUTES: TableDefinition<u64, (u64, u64)> =
+    TableDefinition::new("audit_minutes_v1");

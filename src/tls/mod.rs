@@ -550,6 +550,56 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
+/// SHA-256 fingerprint (`AA:BB:…`) of the first certificate in `pem`.
+pub fn pem_fingerprint(pem: &[u8]) -> Option<String> {
+    let der = parse_certs(pem).ok()?.into_iter().next()?;
+    Some(
+        sha2::Sha256::digest(der.as_ref())
+            .iter()
+            .map(|b| format!("{b:02X}"))
+            .collect::<Vec<_>>()
+            .join(":"),
+    )
+}
+
+/// A client certificate that stands for an identity, as handed to its
+/// holder: `client.pem`, `client.key` and `ca.pem` (the CA of the
+/// appliance's server certificate, for the holder's trust). No `Debug`:
+/// it holds the private key.
+pub struct ClientBundle {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
+    /// SHA-256 of the certificate (DER): what the identity record keeps.
+    pub sha256: [u8; 32],
+}
+
+/// Issue a client certificate (common name `subject`) from the identity CA
+/// of the state directory `state` (`IDENTITY_CA_DIR`, keys sealed by
+/// `sealer`), dated by `clock`. `token create --client-cert` and the
+/// console's certificate form both issue through here.
+pub fn issue_identity_cert(
+    state: &Path,
+    sealer: crate::secrets::Sealer,
+    clock: crate::clock::Clock,
+    subject: &str,
+) -> Result<ClientBundle, TlsError> {
+    let ca = LocalCa::load_or_create_clocked(&state.join(IDENTITY_CA_DIR), Some(sealer), clock)?;
+    let (cert_pem, key_pem) = ca.issue_client(subject)?;
+    let p = state.join("tls/ca.pem");
+    let ca_pem = std::fs::read_to_string(&p).map_err(io(format!("read {}", p.display())))?;
+    let der = parse_certs(cert_pem.as_bytes())?
+        .into_iter()
+        .next()
+        .ok_or_else(|| TlsError::Pem("no certificate was issued".into()))?;
+    Ok(ClientBundle {
+        sha256: sha2::Sha256::digest(der.as_ref()).into(),
+        cert_pem,
+        key_pem,
+        ca_pem,
+    })
+}
+
 /// The names the server certificate carries: localhost, the loopback
 /// addresses, the host's name and addresses, the listen address and the
 /// configured `server_names` (`extra`).

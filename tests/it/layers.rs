@@ -33,7 +33,9 @@ const RANKS: &[(&str, u32)] = &[
     ("server", 8),
     ("api", 8),
     ("admin", 8),
-    ("console", 8),
+    // Over admin and ops: the console's Identities page runs the admin
+    // socket's own identity handler (`admin::identity`) as the person.
+    ("console", 10),
     ("mcp", 9),
     ("ops", 9),
     ("standalone", 10),

@@ -41,6 +41,84 @@ impl Broker {
         Ok(dto::LeaseList { leases })
     }
 
+    /// The console's live list (`/console/leases`): the leases `GET
+    /// /v1/leases` shows this person (their tenant's, not a trusted task's;
+    /// every lease to an admin), newest first, at most `limit`, each with
+    /// its newest jobs and PTYs as stored (at most `LIVE_PROCS` of each).
+    /// The same policy as `GET /v1/leases`: `lease:list` (a refusal is
+    /// recorded as `lease_list`), jobs only with `job:status`, PTYs only
+    /// with `pty:status`. Also says whether more leases were left out.
+    pub async fn live_leases(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        limit: usize,
+    ) -> Result<(Vec<crate::broker::LiveLease>, bool)> {
+        let ev = self.event(p, "lease_list", ctx);
+        self.authorize(p, "lease:list", &ev).await?;
+        let tenant = p.tenant.clone();
+        let admin = p.is_admin();
+        let with_jobs = p.allows_action("job:status");
+        let with_ptys = p.allows_action("pty:status");
+        self.inner
+            .store
+            .read(move |txn| {
+                let mut v = store::leases::all(txn)?;
+                v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
+                v.sort_by(|a, b| {
+                    b.created_at
+                        .cmp(&a.created_at)
+                        .then(b.lease_ref.cmp(&a.lease_ref))
+                });
+                let more = v.len() > limit;
+                v.truncate(limit);
+                let mut out = Vec::with_capacity(v.len());
+                for l in v {
+                    let mut jobs = if with_jobs {
+                        crate::broker::jobs::lease_jobs(txn, &l.lease_ref)?
+                    } else {
+                        vec![]
+                    };
+                    jobs.sort_by(|a, b| {
+                        b.created_at
+                            .cmp(&a.created_at)
+                            .then(b.job_ref.cmp(&a.job_ref))
+                    });
+                    let mut ptys = if with_ptys {
+                        crate::broker::ptys::lease_ptys(txn, &l.lease_ref)?
+                    } else {
+                        vec![]
+                    };
+                    ptys.sort_by(|a, b| {
+                        b.created_at
+                            .cmp(&a.created_at)
+                            .then(b.pty_ref.cmp(&a.pty_ref))
+                    });
+                    let (jobs_total, ptys_total) = (jobs.len(), ptys.len());
+                    jobs.truncate(crate::broker::LIVE_PROCS);
+                    ptys.truncate(crate::broker::LIVE_PROCS);
+                    out.push(crate::broker::LiveLease {
+                        lease_ref: l.lease_ref,
+                        tenant: l.tenant,
+                        runtime: l.runtime,
+                        profile: l.profile,
+                        sandbox_ref: l.sandbox_ref,
+                        state: l.state,
+                        created_at: l.created_at,
+                        last_used_unix: l.last_used_unix,
+                        task_ref: l.task_ref,
+                        jobs,
+                        jobs_total,
+                        ptys,
+                        ptys_total,
+                    });
+                }
+                Ok((out, more))
+            })
+            .await
+            .map_err(Into::into)
+    }
+
     /// `GET|POST /v1/leases/{ref}/status`.
     pub async fn lease_status(
         &self,

@@ -37,6 +37,10 @@ use crate::store;
 use crate::store::jobs::JobState;
 mod plan;
 pub use plan::{ConsoleReview, PendingPlan};
+mod listing;
+pub use listing::{
+    ConsoleTask, HeadCheck, LIST_DEFAULT, LIST_MAX, ReceiptCheck, TaskFilter, TaskPage, TaskRow,
+};
 mod result;
 mod submit;
 
@@ -193,7 +197,8 @@ impl Broker {
     }
 
     /// A task the caller may follow (`act`: false) or act on (true): its
-    /// requester and admins; approvers of its tenant may follow it.
+    /// requester and admins; approvers and auditors of its tenant may
+    /// follow it (status and receipt; results stay the requester's).
     fn visible_task(&self, p: &Principal, task_ref: &str, act: bool) -> Result<Task> {
         let missing = || Error::new(Code::TaskNotFound, "no such task");
         if !valid_ref(task_ref, "task") {
@@ -202,7 +207,7 @@ impl Broker {
         self.get_task(task_ref)?
             .filter(|t| {
                 self.is_requester(p, &t.tenant, &t.requester)
-                    || (!act && t.tenant == p.tenant && p.may_approve())
+                    || (!act && t.tenant == p.tenant && Self::may_see_plans(p))
             })
             .ok_or_else(missing)
     }

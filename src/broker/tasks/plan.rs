@@ -245,6 +245,16 @@ impl Broker {
                 Ok(())
             })
             .await?;
+        if plan.state == PlanState::PendingApproval {
+            // Queued, never awaited: a notification cannot slow or fail planning.
+            self.tell_plan_needs_approval(crate::broker::PlanNeedsApproval {
+                plan_ref: plan.plan_ref.clone(),
+                tenant: plan.tenant.clone(),
+                template: plan.template.clone(),
+                profile: plan.profile.clone(),
+                expires_at: plan.expires_at.clone(),
+            });
+        }
         Ok(self.plan_answer(&plan, ctx))
     }
 
@@ -275,7 +285,7 @@ impl Broker {
 
     /// Whether `p` may look at the plans of its tenant (every tenant for
     /// admins) without having asked for them: approvers and auditors.
-    fn may_see_plans(p: &Principal) -> bool {
+    pub(super) fn may_see_plans(p: &Principal) -> bool {
         p.may_approve() || p.roles.contains(&crate::auth::Role::Auditor)
     }
 

@@ -1,0 +1,362 @@
+//! The audit journal's search indexes (schema 6), kept by `Chain::append`
+//! in the same write transaction as the event they index: an index never
+//! disagrees with the journal.
+//!
+//! - `audit_by_v1`: `(field \0 value, seq)` → () for every indexed field an
+//!   event has (tenant and identity digests, runtime, action, outcome,
+//!   sandbox_ref, request_id, plan_ref, task_ref). The events with one
+//!   value are a range scan, in `seq` order.
+//! - `audit_minutes_v1`: Unix minute → (lowest, highest) `seq` of the
+//!   events stamped in that minute. A time range becomes a `seq` range
+//!   (every event of the range lies in it; each candidate's own `ts` is
+//!   checked, so a late-stamped event is neither lost nor misplaced).
+
+use redb::{ReadTransaction, ReadableTable, WriteTransaction};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use super::event::Event;
+use super::{StoreError, tables};
+
+/// An indexed field of an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Tenant,
+    Identity,
+    Runtime,
+    Action,
+    Outcome,
+    SandboxRef,
+    RequestId,
+    PlanRef,
+    TaskRef,
+}
+
+impl Field {
+    pub const ALL: [Field; 9] = [
+        Field::Tenant,
+        Field::Identity,
+        Field::Runtime,
+        Field::Action,
+        Field::Outcome,
+        Field::SandboxRef,
+        Field::RequestId,
+        Field::PlanRef,
+        Field::TaskRef,
+    ];
+
+    /// The key prefix (short: it is in every key).
+    fn tag(self) -> &'static str {
+        match self {
+            Field::Tenant => "t",
+            Field::Identity => "i",
+            Field::Runtime => "r",
+            Field::Action => "a",
+            Field::Outcome => "o",
+            Field::SandboxRef => "s",
+            Field::RequestId => "q",
+            Field::PlanRef => "p",
+            Field::TaskRef => "k",
+        }
+    }
+
+    /// The event's value of this field.
+    pub fn of(self, ev: &Event) -> Option<&str> {
+        match self {
+            Field::Tenant => ev.tenant_digest.as_deref(),
+            Field::Identity => ev.identity_digest.as_deref(),
+            Field::Runtime => ev.runtime.as_deref(),
+            Field::Action => Some(ev.action.as_str()),
+            Field::Outcome => Some(ev.outcome.as_str()),
+            Field::SandboxRef => ev.sandbox_ref.as_deref(),
+            Field::RequestId => ev.request_id.as_deref(),
+            Field::PlanRef => ev.plan_ref.as_deref(),
+            Field::TaskRef => ev.task_ref.as_deref(),
+        }
+        .filter(|v| !v.is_empty())
+    }
+}
+
+/// The index key of a field's value.
+pub fn key(field: Field, value: &str) -> String {
+    format!("{}\0{value}", field.tag())
+}
+
+/// The Unix minute of an RFC 3339 timestamp (`None`: not one).
+pub fn minute_of(ts: &str) -> Option<u64> {
+    let t = OffsetDateTime::parse(ts, &Rfc3339).ok()?;
+    u64::try_from(t.unix_timestamp().div_euclid(60)).ok()
+}
+
+/// Index one event (called by `Chain::append`, and by the schema 6 step
+/// for the events written before it).
+pub fn add(txn: &WriteTransaction, ev: &Event) -> Result<(), StoreError> {
+    {
+        let mut by = txn.open_table(tables::AUDIT_BY)?;
+        for f in Field::ALL {
+            if let Some(v) = f.of(ev) {
+                by.insert((key(f, v).as_str(), ev.seq), ())?;
+            }
+        }
+    }
+    if let Some(m) = minute_of(&ev.ts) {
+        let mut mins = txn.open_table(tables::AUDIT_MINUTES)?;
+        let span = match mins.get(m)? {
+            Some(v) => {
+                let (lo, hi) = v.value();
+                (lo.min(ev.seq), hi.max(ev.seq))
+            }
+            None => (ev.seq, ev.seq),
+        };
+        mins.insert(m, span)?;
+    }
+    Ok(())
+}
+
+/// Build the indexes for every event of the journal (schema 5 → 6). Returns
+/// the number of events indexed.
+pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
+    let mut n = 0;
+    let mut batch = Vec::with_capacity(1024);
+    let mut from = 0u64;
+    loop {
+        batch.clear();
+        {
+            let audit = txn.open_table(tables::AUDIT)?;
+            for item in audit.range(from..)?.take(1024) {
+                let (k, v) = item?;
+                let ev: Event = super::codec::decode(v.value())?;
+                batch.push((k.value(), ev));
+            }
+        }
+        let Some(&(last, _)) = batch.last() else {
+            break;
+        };
+        for (seq, ev) in &mut batch {
+            // The key is the truth (verify checks they agree).
+            ev.seq = *seq;
+            add(txn, ev)?;
+            n += 1;
+        }
+        from = last + 1;
+    }
+    Ok(n)
+}
+
+/// Reads of the indexes in one read transaction.
+pub struct Reader {
+    by: redb::ReadOnlyTable<(&'static str, u64), ()>,
+    minutes: redb::ReadOnlyTable<u64, (u64, u64)>,
+}
+
+impl Reader {
+    pub fn open(txn: &ReadTransaction) -> Result<Self, StoreError> {
+        Ok(Self {
+            by: txn.open_table(tables::AUDIT_BY)?,
+            minutes: txn.open_table(tables::AUDIT_MINUTES)?,
+        })
+    }
+
+    /// The highest `seq <= at` of an event whose field `key` (see [`key`])
+    /// has this value.
+    pub fn at_or_below(&self, key: &str, at: u64) -> Result<Option<u64>, StoreError> {
+        let r = self.by.range((key, 0)..=(key, at))?.next_back();
+        match r {
+            Some(item) => Ok(Some(item?.0.value().1)),
+            None => Ok(None),
+        }
+    }
+
+    /// The lowest `seq >= at` of an event whose field `key` has this value.
+    pub fn at_or_above(&self, key: &str, at: u64) -> Result<Option<u64>, StoreError> {
+        let r = self.by.range((key, at)..=(key, u64::MAX))?.next();
+        match r {
+            Some(item) => Ok(Some(item?.0.value().1)),
+            None => Ok(None),
+        }
+    }
+
+    /// The `seq` range holding every event stamped in the minutes
+    /// `from..=to` (`None`: no event then).
+    pub fn seq_span(&self, from: u64, to: u64) -> Result<Option<(u64, u64)>, StoreError> {
+        if from > to {
+            return Ok(None);
+        }
+        let mut span: Option<(u64, u64)> = None;
+        for item in self.minutes.range(from..=to)? {
+            let (_, v) = item?;
+            let (lo, hi) = v.value();
+            span = Some(match span {
+                Some((a, b)) => (a.min(lo), b.max(hi)),
+                None => (lo, hi),
+            });
+        }
+        Ok(span)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Store, codec};
+    use redb::ReadableDatabase;
+
+    /// The index keys, and the minute spans.
+    type Dump = (Vec<(String, u64)>, Vec<(u64, (u64, u64))>);
+
+    fn ev(i: u64) -> Event {
+        Event {
+            action: if i.is_multiple_of(2) { "even" } else { "odd" }.into(),
+            outcome: "ok".into(),
+            tenant_digest: Some(format!("tenant{}", i % 3)),
+            request_id: Some(format!("req{i}")),
+            ts: format!("2026-01-01T00:{:02}:00Z", i % 60),
+            ..Default::default()
+        }
+    }
+
+    async fn fill(store: &Store, n: u64) {
+        for i in 0..n {
+            let e = ev(i);
+            store
+                .write(move |txn, chain| chain.append(txn, e).map(|_| ()))
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Every (key, seq) the indexes hold, and the minute spans.
+    fn dump(store: &Store) -> Dump {
+        store
+            .read_now(|txn| {
+                let by = txn.open_table(tables::AUDIT_BY)?;
+                let mut a = vec![];
+                for r in by.iter()? {
+                    let (k, _) = r?;
+                    let (s, q) = k.value();
+                    a.push((s.to_string(), q));
+                }
+                let m = txn.open_table(tables::AUDIT_MINUTES)?;
+                let mut b = vec![];
+                for r in m.iter()? {
+                    let (k, v) = r?;
+                    b.push((k.value(), v.value()));
+                }
+                Ok((a, b))
+            })
+            .unwrap()
+    }
+
+    /// Appends index every field they carry, in the same transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn append_indexes_each_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        fill(&store, 10).await;
+        let (by, mins) = dump(&store);
+        // action, outcome, tenant, request id: four keys an event.
+        assert_eq!(by.len(), 40);
+        let odd: Vec<u64> = by
+            .iter()
+            .filter(|(k, _)| k == &key(Field::Action, "odd"))
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(odd, vec![2, 4, 6, 8, 10]);
+        assert_eq!(mins.len(), 10);
+        store
+            .read_now(|txn| {
+                let r = Reader::open(txn)?;
+                let k = key(Field::Tenant, "tenant1");
+                assert_eq!(r.at_or_below(&k, 10)?, Some(8));
+                assert_eq!(r.at_or_below(&k, 1)?, None);
+                assert_eq!(r.at_or_above(&k, 3)?, Some(5));
+                assert_eq!(r.at_or_above(&k, 9)?, None);
+                let base = minute_of("2026-01-01T00:00:00Z").unwrap();
+                assert_eq!(r.seq_span(base + 2, base + 4)?, Some((3, 5)));
+                assert_eq!(r.seq_span(base + 30, base + 40)?, None);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// A schema-5 store (its journal and no indexes) opened by this binary
+    /// gets the indexes built, the same as if they had been kept all along,
+    /// and schema 6.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn schema_5_store_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        fill(&store, 25).await;
+        let want = dump(&store);
+        store.close().await;
+        drop(store);
+        // Make it a schema-5 store: no index tables, version 5.
+        {
+            let db = redb::Database::create(dir.path().join("state.redb")).unwrap();
+            let txn = db.begin_write().unwrap();
+            txn.delete_table(tables::AUDIT_BY).unwrap();
+            txn.delete_table(tables::AUDIT_MINUTES).unwrap();
+            txn.open_table(tables::META)
+                .unwrap()
+                .insert("schema_version", codec::encode(&5u64).unwrap().as_slice())
+                .unwrap();
+            txn.commit().unwrap();
+            let r = db.begin_read().unwrap();
+            assert!(r.open_table(tables::AUDIT_BY).is_err());
+        }
+        let store = Store::open(dir.path()).unwrap();
+        assert_eq!(dump(&store), want);
+        let v: u64 = store
+            .read_now(|txn| {
+                let meta = txn.open_table(tables::META)?;
+                codec::decode(meta.get("schema_version")?.unwrap().value())
+            })
+            .unwrap();
+        assert_eq!(v, 6);
+        // And appends go on indexing after the step.
+        fill(&store, 1).await;
+        assert_eq!(dump(&store).0.len(), want.0.len() + 4);
+    }
+
+    /// Each indexed field of an event has its own key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_field_is_indexed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let e = Event {
+            action: "act".into(),
+            outcome: "ok".into(),
+            runtime: Some("rt".into()),
+            tenant_digest: Some("td".into()),
+            identity_digest: Some("id".into()),
+            sandbox_ref: Some("sb".into()),
+            request_id: Some("rq".into()),
+            plan_ref: Some("pl".into()),
+            task_ref: Some("tk".into()),
+            ts: "2026-01-01T00:00:00Z".into(),
+            ..Default::default()
+        };
+        let seq = store
+            .write(move |txn, chain| chain.append(txn, e))
+            .await
+            .unwrap()
+            .seq;
+        let (by, _) = dump(&store);
+        let mut want: Vec<(String, u64)> = [
+            (Field::Tenant, "td"),
+            (Field::Identity, "id"),
+            (Field::Runtime, "rt"),
+            (Field::Action, "act"),
+            (Field::Outcome, "ok"),
+            (Field::SandboxRef, "sb"),
+            (Field::RequestId, "rq"),
+            (Field::PlanRef, "pl"),
+            (Field::TaskRef, "tk"),
+        ]
+        .iter()
+        .map(|(f, v)| (key(*f, v), seq))
+        .collect();
+        want.sort();
+        assert_eq!(by, want);
+    }
+}

@@ -1,0 +1,492 @@
+// The web console in real headless Chromium (issue 15), driven by
+// playwright-core. Run by tests/it/console/browser.rs, which starts the
+// appliance, makes the people, the agent's token and the plans, and reads
+// the JSON report this script writes; it is not meant to be run alone.
+//
+// Environment (all set by the Rust test):
+//   CUBE_URL            https://127.0.0.1:PORT
+//   CUBE_SPKI           base64 SHA-256 of the server certificate's
+//                       SubjectPublicKeyInfo: the one key Chromium accepts
+//   NODE_EXTRA_CA_CERTS the appliance's CA (for this script's own /v1 calls)
+//   CUBE_CHROMIUM       the browser (default /usr/bin/chromium)
+//   CUBE_PASSWORD       the people's password
+//   CUBE_APPROVER, CUBE_SECOND_APPROVER, CUBE_AUDITOR, CUBE_ADMIN  names
+//   CUBE_AGENT_TOKEN    the agent's bearer token (plans are submitted with it)
+//   CUBE_PLAN, CUBE_PLAN2  two plans pending approval (of CUBE_APPROVER's tenant)
+//   CUBE_OUT            a directory for the report, downloads and page sources
+//   CUBE_SCREENS        where screenshots go (target/console-screens)
+//   CUBE_DOC_SCREENS    if set, the few commit-ready screenshots are also
+//                       written there (docs/console)
+//
+// Exit status 0 only if every step passed. Steps for pages that do not
+// exist yet (a 404) are reported in `skipped`; the Rust test decides.
+
+import { mkdirSync, writeFileSync, copyFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { chromium } from 'playwright-core';
+
+const env = (k, d) => {
+  const v = process.env[k] ?? d;
+  if (v === undefined) throw new Error(`${k} is not set`);
+  return v;
+};
+const BASE = env('CUBE_URL');
+const PASSWORD = env('CUBE_PASSWORD');
+const APPROVER = env('CUBE_APPROVER');
+const SECOND = env('CUBE_SECOND_APPROVER');
+const AUDITOR = env('CUBE_AUDITOR');
+const ADMIN = env('CUBE_ADMIN');
+const AGENT = env('CUBE_AGENT_TOKEN');
+const PLAN = env('CUBE_PLAN');
+const PLAN2 = env('CUBE_PLAN2');
+const OUT = env('CUBE_OUT');
+const SCREENS = env('CUBE_SCREENS');
+const DOC_SCREENS = process.env.CUBE_DOC_SCREENS || '';
+
+mkdirSync(OUT, { recursive: true });
+mkdirSync(join(OUT, 'pages'), { recursive: true });
+mkdirSync(SCREENS, { recursive: true });
+if (DOC_SCREENS) mkdirSync(DOC_SCREENS, { recursive: true });
+
+const report = {
+  ok: false,
+  browser: '',
+  steps: [],
+  skipped: [],
+  problems: [], // console errors, page errors, CSP violations, failed requests
+  screenshots: [],
+  pages: [], // saved page sources: {name, file}
+  focus: {},
+  phone_overflow: [], // pages wider than a phone's screen
+  auditor_refused: null, // the code the auditor's forged decision got
+  task_ref: null,
+  receipt_file: null,
+  csv_file: null,
+  error: null,
+};
+const step = (s) => {
+  report.steps.push(s);
+  process.stderr.write(`browser: ${s}\n`);
+};
+const must = (cond, what) => {
+  if (!cond) throw new Error(`check failed: ${what}`);
+};
+class Missing extends Error {}
+
+const DESKTOP = { width: 1280, height: 800 };
+const PHONE = { width: 390, height: 844 };
+// Which screenshots go to docs/console (few, small).
+const FOR_DOCS = new Set([
+  'sign-in-desktop', 'overview-desktop', 'approvals-desktop', 'plan-review-desktop',
+  'task-desktop', 'receipt-verify-desktop', 'audit-desktop', 'leases-desktop', 'identities-desktop',
+  'approvals-phone', 'plan-review-phone', 'overview-dark',
+]);
+
+const browser = await chromium.launch({
+  executablePath: process.env.CUBE_CHROMIUM || '/usr/bin/chromium',
+  headless: true,
+  chromiumSandbox: false, // root on CI: Chromium's sandbox needs a user
+  args: [
+    '--disable-gpu',
+    '--disable-quic',
+    '--no-first-run',
+    '--disable-background-networking',
+    '--disable-component-update',
+    '--disable-sync',
+    '--disable-dev-shm-usage',
+    // Trust exactly the appliance's key, nothing else.
+    `--ignore-certificate-errors-spki-list=${env('CUBE_SPKI')}`,
+  ],
+});
+report.browser = browser.version();
+
+/** A new context whose pages report console errors, page errors and failed requests. */
+async function context(name, opts = {}) {
+  const ctx = await browser.newContext({
+    baseURL: BASE,
+    viewport: DESKTOP,
+    deviceScaleFactor: 1,
+    acceptDownloads: true,
+    ...opts,
+  });
+  ctx.on('page', (p) => watch(p, name));
+  return ctx;
+}
+function watch(page, name) {
+  page.on('console', (m) => {
+    // "Failed to load resource" repeats an error answer, checked below;
+    // except Chromium's own /favicon.ico (no page asks for it, and the
+    // appliance has none: a 404 outside /console).
+    if (m.text().startsWith('Failed to load resource')) {
+      const at = m.location().url || '';
+      if (!at.startsWith(BASE) || new URL(at).pathname !== '/favicon.ico') seen404.push(at);
+      return;
+    }
+    if (m.type() === 'error' || m.type() === 'warning') {
+      report.problems.push({ context: name, url: page.url(), kind: `console ${m.type()}`, text: m.text() });
+    }
+  });
+  page.on('pageerror', (e) => report.problems.push({ context: name, url: page.url(), kind: 'page error', text: String(e) }));
+  page.on('requestfailed', (r) => {
+    // A download ends its navigation as "aborted": not a failure.
+    const f = r.failure()?.errorText ?? '';
+    if (f.includes('ERR_ABORTED') && r.isNavigationRequest()) return;
+    report.problems.push({ context: name, url: r.url(), kind: 'request failed', text: f });
+  });
+  page.on('response', (r) => {
+    if (r.request().isNavigationRequest() && r.frame() === page.mainFrame()) documents.set(page, r);
+    if (r.status() < 400) return;
+    const key = `${r.request().method()} ${new URL(r.url()).pathname} ${r.status()}`;
+    if (expected.has(key)) return;
+    report.problems.push({ context: name, url: r.url(), kind: 'error answer', text: key });
+  });
+}
+const seen404 = []; // (debug) what "Failed to load resource" named
+// Each page's last document as the server sent it (not the live DOM).
+const documents = new WeakMap();
+// Error answers a step asks for on purpose.
+const expected = new Set(['POST /console/sign-in 401']);
+
+/** Go to a console path; a 404 means the page is not built yet. */
+async function open(page, path, what) {
+  const r = await page.goto(path);
+  if (r && r.status() === 404) throw new Missing(`${what}: ${path} answers 404 (page missing)`);
+  must(r && r.ok(), `${what}: ${path} answers ${r && r.status()}`);
+  return r;
+}
+
+/** Keep the page's HTML as the server sent it, for the Rust side's checks. */
+async function save(page, name) {
+  const doc = documents.get(page);
+  must(doc && doc.url() === page.url(), `${name}: the document of ${page.url()}`);
+  const file = join(OUT, 'pages', `${name}.html`);
+  writeFileSync(file, await doc.text());
+  report.pages.push({ name, file });
+}
+
+// Long pages are cut at this height: the top says what the page is.
+const MAX_HEIGHT = 1200;
+
+async function shot(page, name) {
+  const file = join(SCREENS, `${name}.png`);
+  const { width } = page.viewportSize();
+  const height = Math.min(MAX_HEIGHT, await page.evaluate(() => document.documentElement.scrollHeight));
+  const png = await page.screenshot({ path: file, fullPage: true, clip: { x: 0, y: 0, width, height }, animations: 'disabled' });
+  report.screenshots.push({ name, file, bytes: png.length });
+  if (DOC_SCREENS && FOR_DOCS.has(name)) {
+    copyFileSync(file, join(DOC_SCREENS, `${name}.png`));
+  }
+}
+
+/** Screenshots at desktop width, and at a phone's width if `phone`. */
+async function shots(page, name, phone = false) {
+  await page.setViewportSize(DESKTOP);
+  await shot(page, `${name}-desktop`);
+  if (phone) {
+    await page.setViewportSize(PHONE);
+    await shot(page, `${name}-phone`);
+    // Readable on a phone: nothing makes the whole page scroll sideways.
+    const wide = await page.evaluate(() => document.documentElement.scrollWidth);
+    if (wide > PHONE.width) report.phone_overflow.push(`${name}: ${wide}px wide at ${PHONE.width}px`);
+    await page.setViewportSize(DESKTOP);
+  }
+}
+
+/** The focused element, described: `input#name`, `button[approve]`, `a:Overview`. */
+const focused = (page) =>
+  page.evaluate(() => {
+    const e = document.activeElement;
+    if (!e || e === document.body) return 'body';
+    const tag = e.tagName.toLowerCase();
+    if (e.id) return `${tag}#${e.id}`;
+    if (tag === 'button') return `button[${e.value || e.textContent.trim()}]`;
+    if (tag === 'a') return `a:${e.textContent.trim()}`;
+    return tag;
+  });
+
+/** Press Tab until `want` has focus: the list of what had focus on the way. */
+async function tabTo(page, want, max = 60) {
+  const seen = [await focused(page)];
+  for (let i = 0; i < max && seen[seen.length - 1] !== want; i++) {
+    await page.keyboard.press('Tab');
+    seen.push(await focused(page));
+  }
+  must(seen[seen.length - 1] === want, `Tab reaches ${want}: ${seen.join(' → ')}`);
+  return seen;
+}
+
+async function signIn(page, name, { keyboard = false } = {}) {
+  await open(page, '/console/sign-in', 'sign-in');
+  if (keyboard) {
+    // The keyboard alone: the name field, the password, the button.
+    const order = await tabTo(page, 'input#name');
+    await page.keyboard.type(name);
+    await page.keyboard.press('Tab');
+    must((await focused(page)) === 'input#password', 'Tab from the name goes to the password');
+    await page.keyboard.type(PASSWORD);
+    await page.keyboard.press('Tab');
+    must((await focused(page)) === 'button[Sign in]', 'Tab from the password goes to Sign in');
+    report.focus.sign_in = [...order, 'input#password', 'button[Sign in]'];
+    await Promise.all([page.waitForURL(`${BASE}/console`), page.keyboard.press('Enter')]);
+  } else {
+    await page.getByLabel('User name').fill(name);
+    await page.getByLabel('Password').fill(PASSWORD);
+    await Promise.all([page.waitForURL(`${BASE}/console`), page.getByRole('button', { name: 'Sign in' }).click()]);
+  }
+  must((await page.locator('h1').innerText()) === 'Overview', `${name} lands on the Overview`);
+}
+
+/** The agent's own /v1 calls (bearer token; the CA from NODE_EXTRA_CA_CERTS). */
+async function v1(method, path, body) {
+  const r = await fetch(`${BASE}${path}`, {
+    method,
+    headers: { authorization: `Bearer ${AGENT}`, 'content-type': 'application/json' },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const v = await r.json();
+  return [r.status, v];
+}
+
+/** Run a stage; a missing page makes it "skipped", anything else fails the run. */
+async function stage(name, fn) {
+  try {
+    await fn();
+    step(`${name}: done`);
+  } catch (e) {
+    if (e instanceof Missing) {
+      report.skipped.push(`${name}: ${e.message}`);
+      step(`${name}: skipped (${e.message})`);
+    } else {
+      throw new Error(`${name}: ${e.message}`, { cause: e });
+    }
+  }
+}
+
+let alice; // the approver's context, signed in
+let page; // its page
+let auditor; // the auditor's page, signed in
+
+try {
+  // --- 1. sign-in, the queue, the review, approve (JavaScript on) --------
+  await stage('approve', async () => {
+    alice = await context('approver');
+    page = await alice.newPage();
+    // Signed out: the console sends to the sign-in form.
+    await page.goto('/console');
+    must(page.url() === `${BASE}/console/sign-in`, `signed out, /console goes to sign-in (${page.url()})`);
+    await shots(page, 'sign-in', true);
+    await save(page, 'sign-in');
+    // A wrong password: the form again, with a message.
+    await page.getByLabel('User name').fill(APPROVER);
+    await page.getByLabel('Password').fill('not the password');
+    await page.getByRole('button', { name: 'Sign in' }).click();
+    must(await page.getByRole('alert').innerText().then((t) => t.includes('Wrong user name or password')), 'a wrong password is refused');
+    await signIn(page, APPROVER, { keyboard: true });
+    await shots(page, 'overview', true);
+    await save(page, 'overview');
+
+    await Promise.all([page.waitForURL(`${BASE}/console/approvals`), page.getByRole('link', { name: 'Approvals', exact: true }).click()]);
+    const link = page.getByRole('link', { name: PLAN, exact: true });
+    must((await link.count()) === 1, `the queue lists ${PLAN}`);
+    await shots(page, 'approvals', true);
+    await save(page, 'approvals');
+
+    await Promise.all([page.waitForURL(`${BASE}/console/plans/${PLAN}`), link.click()]);
+    const command = await page.locator('pre.command').innerText();
+    must(command.includes('/bin/sh -c'), `the review shows the command: ${command}`);
+    must((await page.locator('dd.state-name').innerText()) === 'pending_approval', 'pending');
+    await shots(page, 'plan-review', true);
+    await save(page, 'plan-review');
+    // The keyboard reaches the reason and the Approve button.
+    await page.goto(`/console/plans/${PLAN}`);
+    report.focus.approve = await tabTo(page, 'button[approve]');
+    must(report.focus.approve.includes('textarea#reason'), 'the reason comes before the buttons');
+
+    await page.getByLabel(/^Reason/).fill('reviewed in the browser test');
+    await Promise.all([
+      page.waitForURL(`${BASE}/console/plans/${PLAN}?done=approved`),
+      page.getByRole('button', { name: 'Approve' }).click(),
+    ]);
+    must((await page.getByRole('status').innerText()).includes('Approved.'), 'the review says Approved.');
+    must((await page.locator('dd.state-name').innerText()) === 'approved', 'approved');
+    must((await page.locator('form[action$="/decide"]').count()) === 0, 'no form once decided');
+    await save(page, 'plan-approved');
+  });
+
+  // --- the auditor: sees the plan, cannot approve -------------------------
+  await stage('auditor', async () => {
+    const ctx = await context('auditor');
+    const p = await ctx.newPage();
+    auditor = p;
+    await signIn(p, AUDITOR);
+    await open(p, '/console/approvals', 'queue');
+    must((await p.getByRole('link', { name: PLAN2, exact: true }).count()) === 1, `the auditor sees ${PLAN2}`);
+    await open(p, `/console/plans/${PLAN2}`, 'review');
+    must((await p.locator('form[action$="/decide"]').count()) === 0, 'no decide form for an auditor');
+    must((await p.getByRole('button', { name: 'Approve' }).count()) === 0, 'no Approve button for an auditor');
+    must((await p.locator('pre.command').count()) === 0, 'no command for an auditor');
+    must((await p.getByText('shown only to people who may decide').count()) === 1, 'the auditor is told why');
+    await save(p, 'plan-auditor');
+    // A decision forged with the auditor's own session and CSRF token: the
+    // broker refuses it, and the review says so.
+    const csrf = await p.locator('input[name="csrf"]').first().getAttribute('value');
+    const r = await p.request.post(`/console/plans/${PLAN2}/decide`, {
+      form: { csrf, decision: 'approve', reason: '' },
+      maxRedirects: 0,
+    });
+    must(r.status() === 303, `a forged decision answers 303: ${r.status()}`);
+    // The broker's code (the Rust side checks /v1 gives the auditor the same).
+    const to = r.headers()['location'];
+    const code = /^\/console\/plans\/[^?]+\?error=([a-z_]+)$/.exec(to)?.[1];
+    must(to.startsWith(`/console/plans/${PLAN2}?error=`) && code, `refused with a code: ${to}`);
+    report.auditor_refused = code;
+    await open(p, to, 'review');
+    must((await p.getByRole('alert').innerText()).includes(`(${code})`), `the review shows ${code}`);
+    must((await p.locator('dd.state-name').innerText()) === 'pending_approval', 'still pending');
+  });
+
+  // --- JavaScript off: sign in and approve with plain forms ---------------
+  await stage('no-javascript', async () => {
+    const ctx = await context('no-javascript', { javaScriptEnabled: false });
+    const p = await ctx.newPage();
+    await signIn(p, SECOND);
+    await open(p, '/console/approvals', 'queue');
+    await Promise.all([p.waitForURL(`${BASE}/console/plans/${PLAN2}`), p.getByRole('link', { name: PLAN2, exact: true }).click()]);
+    await p.getByLabel(/^Reason/).fill('approved without JavaScript');
+    await Promise.all([
+      p.waitForURL(`${BASE}/console/plans/${PLAN2}?done=approved`),
+      p.getByRole('button', { name: 'Approve' }).click(),
+    ]);
+    must((await p.locator('dd.state-name').innerText()) === 'approved', 'approved without JavaScript');
+    // Sign out, still without JavaScript.
+    await Promise.all([p.waitForURL(`${BASE}/console/sign-in`), p.getByRole('button', { name: 'Sign out' }).click()]);
+    await ctx.close();
+  });
+
+  // --- the agent submits; the task runs (outside the browser) -------------
+  await stage('task runs', async () => {
+    const [st, v] = await v1('POST', `/v1/task-plans/${PLAN}/submit`, {});
+    must(st === 202, `submit: ${st} ${JSON.stringify(v)}`);
+    const tr = v.task_ref;
+    report.task_ref = tr;
+    for (let i = 0; ; i++) {
+      const [s2, status] = await v1('GET', `/v1/tasks/${tr}/status`);
+      must(s2 === 200, `status: ${s2}`);
+      if (status.execution_ended) {
+        must(status.state === 'succeeded', `the task succeeded: ${JSON.stringify(status)}`);
+        break;
+      }
+      must(i < 600, 'the task ends within a minute');
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    // The agent collects its result: the receipt is signed.
+    const [s3, res] = await v1('POST', `/v1/tasks/${tr}/result`, {});
+    must(s3 === 200 && res.receipt, `result: ${s3}`);
+  });
+
+  // --- 2. the task in the console; its receipt -----------------------------
+  await stage('task and receipt', async () => {
+    const tr = report.task_ref;
+    must(tr, 'a task');
+    await open(page, '/console/tasks', 'tasks');
+    const link = page.getByRole('link', { name: tr, exact: true });
+    must((await link.count()) === 1, `the task list shows ${tr}`);
+    await save(page, 'tasks');
+    await Promise.all([page.waitForURL(`${BASE}/console/tasks/${tr}`), link.click()]);
+    const state = await page.locator('dd.task-state').innerText();
+    must(state === 'succeeded', `the task page shows succeeded: ${state}`);
+    await shots(page, 'task');
+    await save(page, 'task');
+    // Download the receipt, as a person would keep it.
+    const [download] = await Promise.all([
+      page.waitForEvent('download'),
+      page.getByRole('link', { name: 'Download the receipt' }).first().click(),
+    ]);
+    const file = join(OUT, 'receipt.json');
+    await download.saveAs(file);
+    report.receipt_file = file;
+    // The appliance verifies it: every signature, and the audit head it names.
+    await Promise.all([page.waitForURL(`${BASE}/console/tasks/${tr}/verify`), page.getByRole('link', { name: 'Verify it' }).click()]);
+    const verdict = await page.locator('#verdict').innerText();
+    must(verdict.startsWith('Valid:'), `the receipt verifies: ${verdict}`);
+    const head = await page.locator('#head-in-journal').innerText();
+    must(head.startsWith('yes'), `the receipt's audit head is in the journal: ${head}`);
+    await shots(page, 'receipt-verify', true);
+    await save(page, 'receipt-verify');
+  });
+
+  // --- 3. the audit log (the auditor): search for the task, export CSV ----
+  await stage('audit search and export', async () => {
+    const tr = report.task_ref;
+    must(tr, 'a task');
+    await open(auditor, '/console/audit', 'audit');
+    const field = auditor.getByLabel('Task ref', { exact: true });
+    await field.fill(tr);
+    await Promise.all([auditor.waitForURL(/\/console\/audit\?/), field.press('Enter')]);
+    must(new URL(auditor.url()).searchParams.get('task_ref') === tr, `searched for ${tr}: ${auditor.url()}`);
+    const rows = auditor.locator('table.audit tbody tr');
+    const n = await rows.count();
+    must(n >= 2, `the search finds the task's events (${n})`);
+    for (let i = 0; i < n; i++) {
+      must((await rows.nth(i).innerText()).includes(tr), `row ${i} is the task's`);
+    }
+    const actions = await auditor.locator('table.audit tbody td:nth-child(3)').allInnerTexts();
+    must(actions.includes('task_submit'), `task_submit among ${actions}`);
+    await shots(auditor, 'audit');
+    await save(auditor, 'audit');
+    const [download] = await Promise.all([auditor.waitForEvent('download'), auditor.locator('#export-csv').click()]);
+    must(download.suggestedFilename().endsWith('.csv'), `a CSV file: ${download.suggestedFilename()}`);
+    const file = join(OUT, 'audit.csv');
+    await download.saveAs(file);
+    report.csv_file = file;
+  });
+
+  // --- the other main pages: screenshots ---------------------------------
+  await stage('leases', async () => {
+    await open(page, '/console/leases', 'leases');
+    must((await page.locator('h1').innerText()).startsWith('Leases'), 'the Leases page');
+    await shots(page, 'leases');
+    await save(page, 'leases');
+  });
+  await stage('identities', async () => {
+    const ctx = await context('admin');
+    const p = await ctx.newPage();
+    await signIn(p, ADMIN);
+    await open(p, '/console/identities', 'identities');
+    must((await p.locator('h1').innerText()) === 'Identities', 'the Identities page');
+    await shots(p, 'identities');
+    await save(p, 'identities');
+    await ctx.close();
+  });
+
+  // --- a dark-scheme variant ---------------------------------------------
+  await stage('dark', async () => {
+    const ctx = await context('dark', { colorScheme: 'dark', storageState: await alice.storageState() });
+    const p = await ctx.newPage();
+    await open(p, '/console', 'overview');
+    const bg = await p.evaluate(() => getComputedStyle(document.body).backgroundColor);
+    await p.emulateMedia({ colorScheme: 'light' });
+    const light = await p.evaluate(() => getComputedStyle(document.body).backgroundColor);
+    must(bg !== light, `the dark scheme changes the background (${bg} vs ${light})`);
+    await p.emulateMedia({ colorScheme: 'dark' });
+    await shot(p, 'overview-dark');
+    await ctx.close();
+  });
+
+  must(report.problems.length === 0, `no console errors: ${JSON.stringify(report.problems)}`);
+  report.ok = true;
+} catch (e) {
+  report.error = String(e.stack || e);
+  process.stderr.write(`browser: FAILED: ${report.error}\n`);
+  if (page) {
+    try {
+      await page.screenshot({ path: join(OUT, 'failure.png'), fullPage: true });
+      writeFileSync(join(OUT, 'failure.html'), await page.content());
+    } catch {}
+  }
+} finally {
+  report.failed_loads = seen404;
+  writeFileSync(join(OUT, 'report.json'), JSON.stringify(report, null, 2));
+  await browser.close();
+}
+process.exit(report.ok ? 0 : 1);
