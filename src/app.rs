@@ -316,6 +316,8 @@ pub async fn serve_with(
                 }
             }));
             let mut bc = BackendConfig::new("embedded", format!("https://{baddr}"));
+            // The embedded backend serves CubeAPI and CubeProxy on one address.
+            bc.proxy_url = Some(crate::cube::ProxyUrl::Url(format!("https://{baddr}")));
             bc.domain = "cube.local".into();
             bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
             bc.client_cert_pem = Some(std::fs::read(&ccert)?);

@@ -555,7 +555,24 @@ async fn readyz(State(st): State<AppState>) -> Response {
     let mut checks = serde_json::Map::new();
     checks.insert("state".into(), json!("ok"));
     checks.insert("audit".into(), json!("ok"));
-    let mut ready = true;
+    let reach = st.broker.cube().reachability().await;
+    checks.insert(
+        "cube_api".into(),
+        json!(if reach.cube_api.is_ok() {
+            "ok"
+        } else {
+            "unreachable"
+        }),
+    );
+    checks.insert(
+        "cube_proxy".into(),
+        json!(if reach.cube_proxy.is_ok() {
+            "ok"
+        } else {
+            "unreachable"
+        }),
+    );
+    let mut ready = reach.ok();
     let cfg = st.broker.config();
     let mut templates: Vec<&str> = cfg.profiles.values().map(|p| p.template.as_str()).collect();
     templates.sort_unstable();

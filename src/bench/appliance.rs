@@ -41,8 +41,8 @@ impl Rig {
         let cfg = Config {
             state_dir: dir.join("state"),
             backend: Some(BackendSection {
-                api_url: burl,
-                proxy_url: None,
+                api_url: burl.clone(),
+                proxy_url: Some(crate::cube::ProxyUrl::Url(burl)),
                 domain: "cube.bench".into(),
                 api_key_file: None,
                 ca_file: Some(lb.ca_file),

@@ -37,7 +37,11 @@ fn save_pty(txn: &WriteTransaction, seen: &Pty) -> std::result::Result<(), Store
         return Ok(());
     };
     let mut p = seen.clone();
-    if !current.is_running() {
+    // A state recorded first stands, but for a kill: its own signal may end
+    // the process and the pump record `exited` before the kill is saved;
+    // the PTY was still killed (`cancelled`, as the kill answered).
+    let killed_first = seen.state == PtyState::Cancelled && current.state == PtyState::Exited;
+    if !current.is_running() && !killed_first {
         p.state = current.state;
         p.exit_code = current.exit_code;
     }

@@ -378,9 +378,13 @@ pub struct AuditConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendSection {
+    /// CubeAPI (plain HTTP on port 3000 in a stock install).
     pub api_url: String,
+    /// CubeProxy: required (CubeAPI serves no data plane). A URL, or
+    /// `{ url = "https://<domain>", dial = "host:port" }` to put the sandbox
+    /// host in the URL (TLS SNI) and connect to `dial`.
     #[serde(default)]
-    pub proxy_url: Option<String>,
+    pub proxy_url: Option<crate::cube::client::ProxyUrl>,
     #[serde(default = "default_domain")]
     pub domain: String,
     #[serde(default)]
@@ -393,6 +397,35 @@ pub struct BackendSection {
     pub client_key_file: Option<PathBuf>,
     #[serde(default)]
     pub insecure_plain_http: bool,
+}
+
+impl BackendSection {
+    fn validate(&self) -> Result<(), String> {
+        if self.client_cert_file.is_some() != self.client_key_file.is_some() {
+            return Err("backend: client_cert_file and client_key_file go together".into());
+        }
+        let Some(p) = &self.proxy_url else {
+            return Err(format!(
+                "backend: proxy_url is required: CubeProxy's address, not CubeAPI's (CubeAPI serves no data plane), e.g. proxy_url = \"https://{}\" or proxy_url = {{ url = \"https://{}\", dial = \"10.0.0.5:443\" }}",
+                self.domain, self.domain
+            ));
+        };
+        if p.url().trim_end_matches('/') == self.api_url.trim_end_matches('/') && p.dial().is_none()
+        {
+            return Err(format!(
+                "backend: proxy_url is the CubeAPI URL ({}); CubeProxy is a separate address",
+                self.api_url
+            ));
+        }
+        crate::cube::CubeClient::check_urls(
+            &self.api_url,
+            p,
+            &self.domain,
+            self.insecure_plain_http,
+        )
+        .map_err(|e| format!("backend: {}", e.message))?;
+        Ok(())
+    }
 }
 
 fn default_domain() -> String {
@@ -659,10 +692,8 @@ impl Config {
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;
         }
-        if let Some(b) = &self.backend
-            && b.client_cert_file.is_some() != b.client_key_file.is_some()
-        {
-            return Err("backend: client_cert_file and client_key_file go together".into());
+        if let Some(b) = &self.backend {
+            b.validate()?;
         }
         Ok(())
     }
@@ -871,5 +902,53 @@ mod tests {
             let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn backend_needs_a_proxy_url_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        let load = |body: &str| {
+            std::fs::write(&f, body).unwrap();
+            Config::load(Some(&f), &[], &Flags::default())
+        };
+        let e = load("[backend]\napi_url = \"https://cubeapi.example:3000\"\n").unwrap_err();
+        assert!(e.contains("proxy_url is required"), "{e}");
+        let e = load(
+            "[backend]\napi_url = \"https://cubeapi.example:3000\"\nproxy_url = \"https://cubeapi.example:3000/\"\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("is the CubeAPI URL"), "{e}");
+        // Plain http to CubeAPI needs the opt-in.
+        let e = load(
+            "[backend]\napi_url = \"http://10.0.0.5:3000\"\nproxy_url = \"https://cube.app\"\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("insecure_plain_http"), "{e}");
+        // The dial form must name the sandbox domain and a host:port.
+        let e = load(
+            "[backend]\napi_url = \"https://a.example\"\nproxy_url = { url = \"https://other.example\", dial = \"10.0.0.5:443\" }\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("must name the sandbox domain"), "{e}");
+        let e = load(
+            "[backend]\napi_url = \"https://a.example\"\nproxy_url = { url = \"https://cube.app\", dial = \"10.0.0.5:x\" }\n",
+        )
+        .unwrap_err();
+        assert!(e.contains("host:port"), "{e}");
+        let (c, _) = load(
+            "[backend]\napi_url = \"http://10.0.0.5:3000\"\ninsecure_plain_http = true\nproxy_url = { url = \"https://cube.app\", dial = \"10.0.0.5:443\" }\n",
+        )
+        .unwrap();
+        let p = c.backend.unwrap().proxy_url.unwrap();
+        assert_eq!(p.dial(), Some("10.0.0.5:443"));
+        let (c, _) = load(
+            "[backend]\napi_url = \"https://a.example\"\nproxy_url = \"https://proxy.example\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.backend.unwrap().proxy_url.unwrap().url(),
+            "https://proxy.example"
+        );
     }
 }

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use super::wire::{
     ApiErrorBody, CreateSandbox, RefreshBody, RollbackBody, RollbackDone, Sandbox, SandboxDetail,
@@ -34,28 +34,188 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Time budgets for backend calls.
+/// Time budgets for backend calls. Each control-plane call gets CubeAPI's
+/// own route budget plus a margin, so that we never record as failed an
+/// operation the server goes on to finish; only streams and downloads have
+/// an idle (stall) timer.
 #[derive(Debug, Clone)]
 pub struct Timeouts {
     pub connect: Duration,
     /// Ordinary control-plane and unary data-plane calls.
     pub request: Duration,
-    /// Pause, resume, connect, snapshot and rollback (CubeAPI allows 120-240 s).
+    /// `POST /sandboxes` (CubeAPI route budget 30 s, then 408).
+    pub create: Duration,
+    /// Pause, and connect (resume) (route budget 120 s).
+    pub pause: Duration,
+    /// Snapshot, rollback and snapshot delete (route budget 240 s).
+    pub snapshot: Duration,
+    /// Uploads, in all.
     pub lifecycle: Duration,
-    /// Longest silence on a stream (keepalives arrive every `keepalive`).
+    /// Longest silence on a stream or a download (keepalives arrive every
+    /// `keepalive` on process streams).
     pub stream_idle: Duration,
     pub keepalive: Duration,
+    /// Retries of an idempotent control-plane call answered 503 or 429 with
+    /// `Retry-After`, and the most time spent waiting for them in all.
+    pub retries: u32,
+    pub retry_total: Duration,
 }
+
+/// Added to each CubeAPI route budget.
+pub const BUDGET_MARGIN: Duration = Duration::from_secs(15);
 
 impl Default for Timeouts {
     fn default() -> Self {
         Self {
             connect: Duration::from_secs(5),
             request: Duration::from_secs(30),
+            create: Duration::from_secs(30) + BUDGET_MARGIN,
+            pause: Duration::from_secs(120) + BUDGET_MARGIN,
+            snapshot: Duration::from_secs(240) + BUDGET_MARGIN,
             lifecycle: Duration::from_secs(240),
             stream_idle: Duration::from_secs(75),
             keepalive: Duration::from_secs(20),
+            retries: 3,
+            retry_total: Duration::from_secs(30),
         }
+    }
+}
+
+/// Whether a call may be sent again (it has no effect, or the same effect).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Idempotent {
+    Yes,
+    No,
+}
+
+/// Where the data plane (envd through CubeProxy) is sent.
+///
+/// As a string, CubeProxy's URL: requests go there with
+/// `Host: <port>-<id>.<domain>` (TLS names the URL's host). As a table
+/// `{ url = "https://cube.app", dial = "10.0.0.5:443" }`, the request URL
+/// itself carries `<port>-<id>.<domain>` (so TLS SNI and `Host` match a
+/// `*.<domain>` proxy certificate) while the TCP connection goes to `dial`,
+/// as the Go SDK does with `CUBE_PROXY_NODE_IP`. `url` then gives the scheme
+/// and must name the sandbox domain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ProxyUrl {
+    Url(String),
+    Dial { url: String, dial: String },
+}
+
+impl ProxyUrl {
+    pub fn url(&self) -> &str {
+        match self {
+            Self::Url(u) | Self::Dial { url: u, .. } => u,
+        }
+    }
+
+    pub fn dial(&self) -> Option<&str> {
+        match self {
+            Self::Url(_) => None,
+            Self::Dial { dial, .. } => Some(dial),
+        }
+    }
+
+    /// What `config check` can say without connecting: the URL parses, its
+    /// scheme is allowed, a dial address is `host:port` and `url` names the
+    /// sandbox domain.
+    pub fn check(&self, domain: &str, insecure_plain_http: bool) -> Result<()> {
+        let url = parse_base("proxy_url", self.url(), insecure_plain_http)?;
+        if let Some(d) = self.dial() {
+            dial_target(d)?;
+            if url
+                .host_str()
+                .is_none_or(|h| !h.eq_ignore_ascii_case(domain))
+            {
+                return Err(CubeError::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "proxy_url.url '{}' must name the sandbox domain '{domain}' (e.g. https://{domain}) when dial is set",
+                        self.url()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl From<&str> for ProxyUrl {
+    fn from(s: &str) -> Self {
+        Self::Url(s.to_string())
+    }
+}
+
+/// Split a dial address `host:port` (port defaults to 443).
+fn dial_target(d: &str) -> Result<(String, u16)> {
+    let bad = || {
+        CubeError::new(
+            ErrorKind::InvalidArgument,
+            format!("proxy dial address '{d}' is not host:port"),
+        )
+    };
+    if let Ok(sa) = d.parse::<std::net::SocketAddr>() {
+        return Ok((sa.ip().to_string(), sa.port()));
+    }
+    if let Ok(ip) = d.parse::<IpAddr>() {
+        return Ok((ip.to_string(), 443));
+    }
+    let (host, port) = match d.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse::<u16>().map_err(|_| bad())?),
+        None => (d, 443),
+    };
+    if host.is_empty()
+        || !host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+    {
+        return Err(bad());
+    }
+    Ok((host.to_string(), port))
+}
+
+/// Resolves `<port>-<id>.<domain>` (the data-plane hosts) to the proxy's
+/// dial address; every other name as usual.
+struct DialResolver {
+    domain: String,
+    host: String,
+    port: u16,
+}
+
+impl DialResolver {
+    fn is_sandbox_host(&self, name: &str) -> bool {
+        name.len() > self.domain.len() + 1
+            && name
+                .get(name.len() - self.domain.len()..)
+                .is_some_and(|d| d.eq_ignore_ascii_case(&self.domain))
+            && name.as_bytes().get(name.len() - self.domain.len() - 1) == Some(&b'.')
+            && name
+                .get(..name.len() - self.domain.len() - 1)
+                .and_then(|label| label.split_once('-'))
+                .is_some_and(|(port, id)| {
+                    !port.is_empty()
+                        && port.bytes().all(|b| b.is_ascii_digit())
+                        && super::wire::valid_id(id)
+                })
+    }
+}
+
+impl reqwest::dns::Resolve for DialResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let (host, port) = if self.is_sandbox_host(name.as_str()) {
+            (self.host.clone(), self.port)
+        } else {
+            (name.as_str().to_string(), 0)
+        };
+        Box::pin(async move {
+            let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host((host.as_str(), port))
+                .await?
+                .collect();
+            let addrs: reqwest::dns::Addrs = Box::new(addrs.into_iter());
+            Ok(addrs)
+        })
     }
 }
 
@@ -65,9 +225,11 @@ pub struct BackendConfig {
     pub name: String,
     /// CubeAPI base URL, e.g. `https://cube.example:3000`.
     pub api_url: String,
-    /// CubeProxy address the data plane is sent to (Host routing). Defaults
-    /// to `api_url`.
-    pub proxy_url: Option<String>,
+    /// CubeProxy: where the data plane is sent. Real CubeAPI serves no data
+    /// plane, so a configured backend must name it (`config check` says so);
+    /// only the embedded backend, which serves both on one address, leaves
+    /// it to default to `api_url`.
+    pub proxy_url: Option<ProxyUrl>,
     /// Sandbox domain when a response does not name one.
     pub domain: String,
     pub api_key: Option<Secret>,
@@ -98,6 +260,29 @@ impl BackendConfig {
     }
 }
 
+/// The answer of [`CubeClient::reachability`]: each error names its side.
+#[derive(Debug, Clone)]
+pub struct Reachability {
+    pub cube_api: Result<()>,
+    pub cube_proxy: Result<()>,
+}
+
+impl Reachability {
+    pub fn ok(&self) -> bool {
+        self.cube_api.is_ok() && self.cube_proxy.is_ok()
+    }
+
+    /// `None` when both answer, else which one(s) did not, for a status line:
+    /// `CubeAPI unreachable: …; CubeProxy unreachable: …`.
+    pub fn problem(&self) -> Option<String> {
+        let v: Vec<String> = [&self.cube_api, &self.cube_proxy]
+            .into_iter()
+            .filter_map(|r| r.as_ref().err().map(|e| e.message.clone()))
+            .collect();
+        (!v.is_empty()).then(|| v.join("; "))
+    }
+}
+
 /// What the data plane needs to address one sandbox.
 #[derive(Debug, Clone)]
 pub struct SandboxAddr {
@@ -116,7 +301,16 @@ pub(crate) struct Inner {
     pub(crate) cfg: BackendConfig,
     pub(crate) api: reqwest::Url,
     pub(crate) proxy: reqwest::Url,
+    /// The URL carries the sandbox host and the connection goes to the
+    /// proxy's dial address.
+    pub(crate) dial: bool,
+    /// Control-plane and unary calls: per-call budgets, no read timeout.
     pub(crate) http: reqwest::Client,
+    /// Streams and downloads: a read (stall) timeout of `stream_idle`.
+    pub(crate) stream_http: reqwest::Client,
+    /// `X-API-Key` for CubeAPI only: CubeProxy forwards every header to envd
+    /// inside the sandbox, where root could read it.
+    api_key: Option<reqwest::header::HeaderValue>,
 }
 
 fn parse_base(what: &str, s: &str, insecure: bool) -> Result<reqwest::Url> {
@@ -160,9 +354,24 @@ impl CubeClient {
     pub fn new(cfg: BackendConfig) -> Result<Self> {
         let api = parse_base("api_url", &cfg.api_url, cfg.insecure_plain_http)?;
         let proxy = match &cfg.proxy_url {
-            Some(p) => parse_base("proxy_url", p, cfg.insecure_plain_http)?,
+            Some(p) => {
+                p.check(&cfg.domain, cfg.insecure_plain_http)?;
+                parse_base("proxy_url", p.url(), cfg.insecure_plain_http)?
+            }
             None => api.clone(),
         };
+        let resolver = match cfg.proxy_url.as_ref().and_then(ProxyUrl::dial) {
+            Some(d) => {
+                let (host, port) = dial_target(d)?;
+                Some(Arc::new(DialResolver {
+                    domain: cfg.domain.clone(),
+                    host,
+                    port,
+                }))
+            }
+            None => None,
+        };
+        let dial = resolver.is_some();
         let identity = match (&cfg.client_cert_pem, &cfg.client_key_pem) {
             (Some(c), Some(k)) => Some((c.as_slice(), k.expose().as_bytes())),
             (None, None) => None,
@@ -179,47 +388,81 @@ impl CubeClient {
                 format!("backend {} TLS: {e}", cfg.name),
             )
         })?;
-        let mut headers = reqwest::header::HeaderMap::new();
-        if let Some(k) = &cfg.api_key {
-            let mut v = reqwest::header::HeaderValue::from_str(k.expose()).map_err(|_| {
-                CubeError::new(
-                    ErrorKind::InvalidArgument,
-                    "api key contains invalid characters",
-                )
-            })?;
-            v.set_sensitive(true);
-            headers.insert("x-api-key", v);
-        }
-        let http = reqwest::Client::builder()
-            .tls_backend_preconfigured(tls)
-            .http1_only()
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(cfg.timeouts.connect)
-            .read_timeout(cfg.timeouts.stream_idle)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .tcp_nodelay(true)
-            .default_headers(headers)
-            .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| {
-                CubeError::new(
-                    ErrorKind::InvalidArgument,
-                    format!("backend {}: {e}", cfg.name),
-                )
-            })?;
+        let api_key = match &cfg.api_key {
+            Some(k) => {
+                let mut v = reqwest::header::HeaderValue::from_str(k.expose()).map_err(|_| {
+                    CubeError::new(
+                        ErrorKind::InvalidArgument,
+                        "api key contains invalid characters",
+                    )
+                })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        let build = |read_timeout: Option<Duration>| {
+            let mut builder = reqwest::Client::builder();
+            if let Some(r) = &resolver {
+                builder = builder.dns_resolver(r.clone());
+            }
+            if let Some(t) = read_timeout {
+                builder = builder.read_timeout(t);
+            }
+            builder
+                .tls_backend_preconfigured(tls.clone())
+                .http1_only()
+                .no_proxy()
+                .redirect(reqwest::redirect::Policy::none())
+                .connect_timeout(cfg.timeouts.connect)
+                .pool_idle_timeout(Duration::from_secs(60))
+                .tcp_nodelay(true)
+                .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
+                .build()
+                .map_err(|e| {
+                    CubeError::new(
+                        ErrorKind::InvalidArgument,
+                        format!("backend {}: {e}", cfg.name),
+                    )
+                })
+        };
+        let http = build(None)?;
+        let stream_http = build(Some(cfg.timeouts.stream_idle))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
                 api,
                 proxy,
+                dial,
                 http,
+                stream_http,
+                api_key,
             }),
         })
     }
 
+    /// The URL checks [`CubeClient::new`] makes, for `config check`.
+    pub fn check_urls(
+        api_url: &str,
+        proxy: &ProxyUrl,
+        domain: &str,
+        insecure_plain_http: bool,
+    ) -> Result<()> {
+        parse_base("api_url", api_url, insecure_plain_http)?;
+        proxy.check(domain, insecure_plain_http)
+    }
+
     pub fn config(&self) -> &BackendConfig {
         &self.inner.cfg
+    }
+
+    /// A control-plane (CubeAPI) request: the only kind that carries the key.
+    fn api_request(&self, method: Method, url: reqwest::Url) -> reqwest::RequestBuilder {
+        let req = self.inner.http.request(method, url);
+        match &self.inner.api_key {
+            Some(k) => req.header("x-api-key", k.clone()),
+            None => req,
+        }
     }
 
     fn url(&self, path: &str) -> Result<reqwest::Url> {
@@ -227,6 +470,67 @@ impl CubeClient {
             .api
             .join(path)
             .map_err(|e| CubeError::protocol(format!("bad path {path}: {e}")))
+    }
+
+    /// Send one control-plane request and read the whole answer; a non-2xx
+    /// answer is an error. An idempotent call answered 503 or 429 with
+    /// `Retry-After: <seconds>` is sent again, at most `retries` times and
+    /// `retry_total` of waiting in all.
+    async fn exchange(
+        &self,
+        method: Method,
+        url: reqwest::Url,
+        body: Option<Vec<u8>>,
+        timeout: Duration,
+        what: &str,
+        idem: Idempotent,
+    ) -> Result<(StatusCode, bytes::Bytes)> {
+        let t = &self.inner.cfg.timeouts;
+        let mut waited = Duration::ZERO;
+        let mut attempt = 0u32;
+        loop {
+            let mut req = self
+                .api_request(method.clone(), url.clone())
+                .timeout(timeout);
+            if let Some(b) = &body {
+                req = req
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(b.clone());
+            }
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| CubeError::from_reqwest(what, e))?;
+            let status = resp.status();
+            let wait = retry_after(&resp);
+            let bytes = resp
+                .bytes()
+                .await
+                .map_err(|e| CubeError::from_reqwest(what, e))?;
+            if status.is_success() {
+                return Ok((status, bytes));
+            }
+            let retryable = idem == Idempotent::Yes
+                && matches!(
+                    status,
+                    StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+                );
+            match wait {
+                Some(w) if retryable && attempt < t.retries && waited + w <= t.retry_total => {
+                    attempt += 1;
+                    waited += w;
+                    tracing::debug!(
+                        what,
+                        status = status.as_u16(),
+                        wait_ms = w.as_millis() as u64,
+                        attempt,
+                        "retrying after Retry-After"
+                    );
+                    tokio::time::sleep(w).await;
+                }
+                _ => return Err(api_error(what, status, &bytes)),
+            }
+        }
     }
 
     async fn call<B: Serialize, T: DeserializeOwned>(
@@ -237,26 +541,33 @@ impl CubeClient {
         timeout: Duration,
         what: &str,
     ) -> Result<(StatusCode, Option<T>)> {
-        let mut req = self
-            .inner
-            .http
-            .request(method, self.url(path)?)
-            .timeout(timeout);
-        if let Some(b) = body {
-            req = req.json(b);
-        }
-        let resp = req
-            .send()
+        let idem = if method == Method::GET || method == Method::DELETE {
+            Idempotent::Yes
+        } else {
+            Idempotent::No
+        };
+        self.call_with(method, path, body, timeout, what, idem)
             .await
-            .map_err(|e| CubeError::from_reqwest(what, e))?;
-        let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| CubeError::from_reqwest(what, e))?;
-        if !status.is_success() {
-            return Err(api_error(what, status, &bytes));
-        }
+    }
+
+    async fn call_with<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        timeout: Duration,
+        what: &str,
+        idem: Idempotent,
+    ) -> Result<(StatusCode, Option<T>)> {
+        let body = match body {
+            Some(b) => Some(
+                serde_json::to_vec(b).map_err(|e| CubeError::protocol(format!("{what}: {e}")))?,
+            ),
+            None => None,
+        };
+        let (status, bytes) = self
+            .exchange(method, self.url(path)?, body, timeout, what, idem)
+            .await?;
         if bytes.is_empty() || std::any::type_name::<T>() == "()" {
             return Ok((status, None));
         }
@@ -296,14 +607,46 @@ impl CubeClient {
         self.inner.cfg.timeouts.request
     }
 
-    fn lt(&self) -> Duration {
-        self.inner.cfg.timeouts.lifecycle
-    }
-
     /// `GET /health`.
     pub async fn health(&self) -> Result<()> {
-        self.call_empty::<()>(Method::GET, "/health", None, self.t(), "health")
+        // A probe reports at once: no Retry-After waits.
+        self.call_with::<(), serde_json::Value>(
+            Method::GET,
+            "/health",
+            None,
+            self.t(),
+            "health",
+            Idempotent::No,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Whether CubeProxy answers: `GET /health` with
+    /// `Host: 49983-probe.<domain>`, a sandbox that does not exist, so that a
+    /// real CubeProxy answers with its own error. Any HTTP answer counts
+    /// (the status is returned); only a transport failure is an error.
+    pub async fn probe_proxy(&self) -> Result<u16> {
+        let host = format!("{}-probe.{}", super::wire::ENVD_PORT, self.inner.cfg.domain);
+        let resp = self
+            .proxy_request(Method::GET, &host, "/health", false)?
+            .timeout(self.t())
+            .send()
             .await
+            .map_err(|e| CubeError::from_reqwest("CubeProxy unreachable", e))?;
+        Ok(resp.status().as_u16())
+    }
+
+    /// Which of CubeAPI and CubeProxy can be reached, checked side by side.
+    pub async fn reachability(&self) -> Reachability {
+        let (api, proxy) = tokio::join!(self.health(), self.probe_proxy());
+        Reachability {
+            cube_api: api.map_err(|e| {
+                let msg = e.message.replacen("health", "CubeAPI unreachable", 1);
+                CubeError::new(e.kind, msg)
+            }),
+            cube_proxy: proxy.map(|_| ()),
+        }
     }
 
     /// `POST /sandboxes`. Keep `trafficAccessToken` from the answer: it is
@@ -314,7 +657,7 @@ impl CubeClient {
                 Method::POST,
                 "/sandboxes",
                 Some(req),
-                self.lt(),
+                self.inner.cfg.timeouts.create,
                 "create sandbox",
             )
             .await?;
@@ -370,22 +713,16 @@ impl CubeClient {
                 q.append_pair("state", s);
             }
         }
-        let resp = self
-            .inner
-            .http
-            .get(url)
-            .timeout(self.t())
-            .send()
-            .await
-            .map_err(|e| CubeError::from_reqwest("list sandboxes", e))?;
-        let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| CubeError::from_reqwest("list sandboxes", e))?;
-        if !status.is_success() {
-            return Err(api_error("list sandboxes", status, &bytes));
-        }
+        let (_, bytes) = self
+            .exchange(
+                Method::GET,
+                url,
+                None,
+                self.t(),
+                "list sandboxes",
+                Idempotent::Yes,
+            )
+            .await?;
         serde_json::from_slice(&bytes)
             .map_err(|e| CubeError::protocol(format!("list sandboxes: invalid response: {e}")))
     }
@@ -408,14 +745,16 @@ impl CubeClient {
         let body = TimeoutBody {
             timeout: Some(secs),
         };
-        self.call_empty(
+        self.call_with::<_, serde_json::Value>(
             Method::POST,
             &format!("/sandboxes/{id}/timeout"),
             Some(&body),
             self.t(),
             "set timeout",
+            Idempotent::Yes,
         )
         .await
+        .map(|_| ())
     }
 
     pub async fn refresh(&self, id: &str, secs: i64) -> Result<()> {
@@ -423,14 +762,16 @@ impl CubeClient {
         let body = RefreshBody {
             duration: Some(secs),
         };
-        self.call_empty(
+        self.call_with::<_, serde_json::Value>(
             Method::POST,
             &format!("/sandboxes/{id}/refreshes"),
             Some(&body),
             self.t(),
             "refresh",
+            Idempotent::Yes,
         )
         .await
+        .map(|_| ())
     }
 
     pub async fn pause(&self, id: &str) -> Result<()> {
@@ -439,7 +780,7 @@ impl CubeClient {
             Method::POST,
             &format!("/sandboxes/{id}/pause"),
             Some(&serde_json::json!({})),
-            self.lt(),
+            self.inner.cfg.timeouts.pause,
             "pause",
         )
         .await
@@ -454,7 +795,7 @@ impl CubeClient {
                 Method::POST,
                 &format!("/sandboxes/{id}/connect"),
                 Some(&body),
-                self.lt(),
+                self.inner.cfg.timeouts.pause,
                 "connect",
             )
             .await?;
@@ -473,7 +814,7 @@ impl CubeClient {
             Method::POST,
             &format!("/sandboxes/{id}/snapshots"),
             Some(&body),
-            self.lt(),
+            self.inner.cfg.timeouts.snapshot,
             "create snapshot",
         )
         .await
@@ -484,22 +825,16 @@ impl CubeClient {
         if let Some(s) = sandbox_id {
             url.query_pairs_mut().append_pair("sandboxID", s);
         }
-        let resp = self
-            .inner
-            .http
-            .get(url)
-            .timeout(self.t())
-            .send()
-            .await
-            .map_err(|e| CubeError::from_reqwest("list snapshots", e))?;
-        let status = resp.status();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| CubeError::from_reqwest("list snapshots", e))?;
-        if !status.is_success() {
-            return Err(api_error("list snapshots", status, &bytes));
-        }
+        let (_, bytes) = self
+            .exchange(
+                Method::GET,
+                url,
+                None,
+                self.t(),
+                "list snapshots",
+                Idempotent::Yes,
+            )
+            .await?;
         serde_json::from_slice(&bytes)
             .map_err(|e| CubeError::protocol(format!("list snapshots: invalid response: {e}")))
     }
@@ -511,7 +846,7 @@ impl CubeClient {
             Method::DELETE,
             &format!("/templates/{snapshot_id}"),
             None,
-            self.lt(),
+            self.inner.cfg.timeouts.snapshot,
             "delete snapshot",
         )
         .await
@@ -526,7 +861,7 @@ impl CubeClient {
             Method::POST,
             &format!("/sandboxes/{id}/rollback"),
             Some(&body),
-            self.lt(),
+            self.inner.cfg.timeouts.snapshot,
             "rollback",
         )
         .await
@@ -572,6 +907,18 @@ impl CubeClient {
     }
 }
 
+/// `Retry-After` in seconds (the only form CubeAPI and CubeProxy send).
+fn retry_after(resp: &reqwest::Response) -> Option<Duration> {
+    resp.headers()
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
+}
+
 /// Sandbox and snapshot ids are `[A-Za-z0-9-]`: never let one rewrite a path.
 fn check_id(id: &str) -> Result<()> {
     if super::wire::valid_id(id) {
@@ -603,4 +950,49 @@ pub(crate) fn api_error(what: &str, status: StatusCode, body: &[u8]) -> CubeErro
         status.as_u16(),
         format!("{what}: HTTP {} {reason}", status.as_u16()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dial_targets() {
+        assert_eq!(
+            dial_target("10.0.0.5:8443").unwrap(),
+            ("10.0.0.5".into(), 8443)
+        );
+        assert_eq!(dial_target("10.0.0.5").unwrap(), ("10.0.0.5".into(), 443));
+        assert_eq!(dial_target("[::1]:9").unwrap(), ("::1".into(), 9));
+        assert_eq!(
+            dial_target("proxy.example").unwrap(),
+            ("proxy.example".into(), 443)
+        );
+        assert!(dial_target("proxy.example:x").is_err());
+        assert!(dial_target("a/b:1").is_err());
+    }
+
+    #[test]
+    fn only_sandbox_hosts_are_sent_to_the_dial_address() {
+        let r = DialResolver {
+            domain: "cube.app".into(),
+            host: "10.0.0.5".into(),
+            port: 443,
+        };
+        assert!(r.is_sandbox_host("49983-abc123.cube.app"));
+        assert!(r.is_sandbox_host("49983-probe.CUBE.app"));
+        assert!(!r.is_sandbox_host("cube.app"));
+        assert!(!r.is_sandbox_host("api.cube.app"));
+        assert!(!r.is_sandbox_host("49983-abc.evilcube.app"));
+        assert!(!r.is_sandbox_host("49983-a.b.cube.app"));
+        assert!(!r.is_sandbox_host("x-abc.cube.app"));
+    }
+
+    #[test]
+    fn budgets_cover_the_server_route_budgets() {
+        let t = Timeouts::default();
+        assert!(t.create > Duration::from_secs(30));
+        assert!(t.pause > Duration::from_secs(120));
+        assert!(t.snapshot > Duration::from_secs(240));
+    }
 }

@@ -194,23 +194,56 @@ pub fn decode_data(b64: &str) -> Result<Vec<u8>> {
 }
 
 impl CubeClient {
+    /// A request to CubeProxy for `host` (`<port>-<id>.<domain>`). Never
+    /// carries the CubeAPI key: CubeProxy forwards headers into the sandbox.
+    pub(crate) fn proxy_request(
+        &self,
+        method: Method,
+        host: &str,
+        path_and_query: &str,
+        streaming: bool,
+    ) -> Result<reqwest::RequestBuilder> {
+        // Streams and downloads get a stall timer; other calls a budget each.
+        let http = if streaming {
+            &self.inner.stream_http
+        } else {
+            &self.inner.http
+        };
+        let bad = |e: url::ParseError| CubeError::protocol(format!("bad data-plane path: {e}"));
+        if self.inner.dial {
+            // The URL names the sandbox (SNI and Host); the resolver sends
+            // the connection to the dial address.
+            let mut base = self.inner.proxy.clone();
+            base.set_host(Some(host)).map_err(bad)?;
+            let _ = base.set_port(None);
+            let url = base.join(path_and_query).map_err(bad)?;
+            Ok(http.request(method, url))
+        } else {
+            let url = self.inner.proxy.join(path_and_query).map_err(bad)?;
+            Ok(http
+                .request(method, url)
+                .header(reqwest::header::HOST, host))
+        }
+    }
+
     fn data_request(
         &self,
         sb: &SandboxAddr,
         method: Method,
         path_and_query: &str,
     ) -> Result<reqwest::RequestBuilder> {
-        let url = self
-            .inner
-            .proxy
-            .join(path_and_query)
-            .map_err(|e| CubeError::protocol(format!("bad data-plane path: {e}")))?;
+        self.data_request_on(sb, method, path_and_query, false)
+    }
+
+    fn data_request_on(
+        &self,
+        sb: &SandboxAddr,
+        method: Method,
+        path_and_query: &str,
+        streaming: bool,
+    ) -> Result<reqwest::RequestBuilder> {
         let host = format!("{}-{}.{}", wire::ENVD_PORT, sb.id, sb.domain);
-        let mut req = self
-            .inner
-            .http
-            .request(method, url)
-            .header(reqwest::header::HOST, host);
+        let mut req = self.proxy_request(method, &host, path_and_query, streaming)?;
         if let Some(t) = &sb.traffic_token {
             let mut v = reqwest::header::HeaderValue::from_str(t.expose())
                 .map_err(|_| CubeError::protocol("traffic token contains invalid characters"))?;
@@ -268,7 +301,7 @@ impl CubeClient {
         let what = method;
         let payload = serde_json::to_vec(body).map_err(|e| CubeError::protocol(e.to_string()))?;
         let mut req = self
-            .data_request(sb, Method::POST, &format!("/{method}"))?
+            .data_request_on(sb, Method::POST, &format!("/{method}"), true)?
             .header(reqwest::header::CONTENT_TYPE, "application/connect+json")
             .header("connect-protocol-version", "1")
             .header("connect-content-encoding", "identity")
@@ -557,7 +590,7 @@ impl CubeClient {
     /// `GET /files`: the response, for streaming the body.
     pub async fn download_stream(&self, sb: &SandboxAddr, path: &str) -> Result<reqwest::Response> {
         let resp = self
-            .data_request(sb, Method::GET, &Self::files_path(path, "root"))?
+            .data_request_on(sb, Method::GET, &Self::files_path(path, "root"), true)?
             .header(reqwest::header::ACCEPT_ENCODING, "identity")
             .send()
             .await

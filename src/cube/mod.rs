@@ -6,7 +6,9 @@ pub mod client;
 pub mod envd;
 pub mod wire;
 
-pub use client::{BackendConfig, CubeClient, SandboxAddr, Secret, Timeouts};
+pub use client::{
+    BackendConfig, CubeClient, ProxyUrl, Reachability, SandboxAddr, Secret, Timeouts,
+};
 pub use envd::{CommandOutput, ProcessStream, StartOptions};
 
 /// What went wrong, as the broker needs to know it.

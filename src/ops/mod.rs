@@ -435,7 +435,12 @@ impl Service {
         templates.sort();
         templates.dedup();
         let mut checks = BTreeMap::new();
-        let mut backend_ok = true;
+        let reach =
+            match tokio::time::timeout(BACKEND_CHECK, self.broker.cube().reachability()).await {
+                Ok(r) => r.problem(),
+                Err(_) => Some("CubeAPI/CubeProxy check timed out".to_string()),
+            };
+        let mut backend_ok = reach.is_none();
         for t in templates {
             let v = match tokio::time::timeout(BACKEND_CHECK, self.broker.cube().template_ready(&t))
                 .await
@@ -483,7 +488,7 @@ impl Service {
                 },
                 "state": audit,
             },
-            "backend": {"description": self.backend, "ok": backend_ok, "templates": checks},
+            "backend": {"description": self.backend, "ok": backend_ok, "unreachable": reach, "templates": checks},
             "store": store,
             "server_certificate": cert,
             "last_reload": self.reloader.last(),

@@ -17,6 +17,9 @@ async fn quick_start_flow_and_idempotent_acquire() {
     assert_eq!(h["audit_mode"], "required");
     let (st, r) = s.get("", "/readyz").await;
     assert_eq!(st, StatusCode::OK, "{r}");
+    // Both sides of the backend are probed and named.
+    assert_eq!(r["checks"]["cube_api"], "ok", "{r}");
+    assert_eq!(r["checks"]["cube_proxy"], "ok", "{r}");
 
     let (st, a) = s
         .post(

@@ -13,6 +13,7 @@
 mod appliance;
 mod connections;
 mod console;
+mod cube_client;
 mod embedded;
 mod export;
 mod identities;

@@ -1,0 +1,377 @@
+//! The `cube/` client against what a real CubeSandbox does (issue #16):
+//! where the API key goes, how the proxy is reached, per-call budgets and
+//! `Retry-After`.
+
+use cube_adapter::cube::wire::CreateSandbox;
+use cube_adapter::cube::{CubeClient, Secret, StartOptions};
+use cube_adapter::embedded::proxy::API_KEY_SEEN;
+
+use crate::kit::TestBackend;
+
+const MB: usize = 1024 * 1024;
+
+/// CubeProxy forwards `X-API-Key` to envd inside the sandbox (the embedded
+/// backend does the same and records it): the key must go to CubeAPI only.
+#[tokio::test]
+async fn api_key_stays_off_the_data_plane() {
+    let t = TestBackend::start().await;
+    let mut cfg = t.client.config().clone();
+    cfg.api_key = Some(Secret::new("k-control-plane-only"));
+    let keyed = CubeClient::new(cfg).unwrap();
+
+    let s = keyed
+        .create(&CreateSandbox {
+            template_id: "host".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let sb = keyed.addr(&s);
+    let marker = t
+        .dir
+        .path()
+        .join("embedded/sandboxes")
+        .join(&sb.id)
+        .join(API_KEY_SEEN);
+
+    // Every kind of data-plane call: unary, stream, upload, download, health.
+    let out = keyed
+        .run(&sb, &StartOptions::shell("echo hi"), MB)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"hi\n");
+    keyed.list_processes(&sb).await.unwrap();
+    keyed
+        .upload(&sb, "/tmp/k.txt", b"data".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(
+        keyed.download(&sb, "/tmp/k.txt", MB).await.unwrap(),
+        b"data"
+    );
+    keyed.stat(&sb, "/tmp/k.txt").await.unwrap();
+    keyed.envd_health(&sb).await.unwrap();
+    assert!(
+        !marker.exists(),
+        "the CubeAPI key reached envd inside the sandbox"
+    );
+
+    // The control plane still gets it (and the marker works: a data-plane
+    // request that carries a key is recorded).
+    keyed.get(&sb.id).await.unwrap();
+    let req = axum::extract::Request::builder()
+        .method("GET")
+        .uri("/health")
+        .header("host", format!("49983-{}.cube.test", sb.id))
+        .header("x-api-key", "leaked")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let r = cube_adapter::embedded::proxy::forward(&t.backend.manager, 49983, &sb.id, req).await;
+    assert!(r.status().is_success(), "{}", r.status());
+    assert!(marker.exists(), "the proxy did not forward the key to envd");
+    let seen = std::fs::read_to_string(&marker).unwrap();
+    assert!(!seen.contains("leaked"), "the marker must not hold the key");
+    keyed.kill(&sb.id).await.unwrap();
+}
+
+// ---- a small CubeAPI / CubeProxy stand-in on 127.0.0.1 -------------------
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cube_adapter::cube::{BackendConfig, ErrorKind, ProxyUrl, SandboxAddr};
+
+/// One request as the fake server saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: String,
+    path: String,
+    host: String,
+    api_key: bool,
+}
+
+type Answer = Arc<dyn Fn(&Seen, usize) -> axum::response::Response + Send + Sync>;
+
+/// Serves `answer(request, how many requests before it)` on plain HTTP.
+async fn fake(answer: Answer) -> (String, Arc<Mutex<Vec<Seen>>>) {
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let log = seen.clone();
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let log = log.clone();
+        let answer = answer.clone();
+        async move {
+            let h = req.headers();
+            let s = Seen {
+                method: req.method().to_string(),
+                path: req.uri().path().to_string(),
+                host: h
+                    .get("host")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string(),
+                api_key: h.contains_key("x-api-key"),
+            };
+            let n = {
+                let mut l = log.lock().unwrap();
+                l.push(s.clone());
+                l.len() - 1
+            };
+            let r = answer(&s, n);
+            // `x-test-delay-ms` on an answer: hold it that long.
+            let delay = r
+                .headers()
+                .get("x-test-delay-ms")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            if let Some(ms) = delay {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            r
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    (addr.to_string(), seen)
+}
+
+fn status(code: u16, headers: &[(&'static str, &str)], body: &str) -> axum::response::Response {
+    let mut b = axum::http::Response::builder().status(code);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    b.body(axum::body::Body::from(body.to_string())).unwrap()
+}
+
+fn sandbox_addr(id: &str) -> SandboxAddr {
+    SandboxAddr {
+        id: id.into(),
+        domain: "cube.test".into(),
+        traffic_token: None,
+    }
+}
+
+/// CubeAPI on one address, CubeProxy reached by a dial address: the URL
+/// carries `<port>-<id>.<domain>` (Host, and SNI over TLS) while the
+/// connection goes to the proxy; the key goes to CubeAPI only; readiness
+/// probes the proxy with `49983-probe.<domain>`.
+#[tokio::test]
+async fn proxy_dial_address_and_probe() {
+    let (api, api_seen) = fake(Arc::new(|s: &Seen, _| match s.path.as_str() {
+        "/health" => status(200, &[], ""),
+        _ => status(404, &[], ""),
+    }))
+    .await;
+    let (proxy, proxy_seen) = fake(Arc::new(|s: &Seen, _| {
+        if s.host.starts_with("49983-sbx1.cube.test") {
+            status(204, &[], "")
+        } else {
+            // CubeProxy's own answer for a sandbox it does not know.
+            status(
+                502,
+                &[("content-type", "application/json")],
+                r#"{"error":"bad gateway"}"#,
+            )
+        }
+    }))
+    .await;
+    let mut cfg = BackendConfig::new("t", format!("http://{api}"));
+    cfg.domain = "cube.test".into();
+    cfg.api_key = Some(Secret::new("k"));
+    cfg.insecure_plain_http = true;
+    cfg.proxy_url = Some(ProxyUrl::Dial {
+        url: "http://cube.test".into(),
+        dial: proxy.clone(),
+    });
+    let c = CubeClient::new(cfg.clone()).unwrap();
+
+    c.envd_health(&sandbox_addr("sbx1")).await.unwrap();
+    let r = c.reachability().await;
+    assert!(r.ok(), "{:?}", r.problem());
+    let ps = proxy_seen.lock().unwrap().clone();
+    assert_eq!(ps.len(), 2, "{ps:?}");
+    assert_eq!(ps[0].host, "49983-sbx1.cube.test");
+    assert_eq!(ps[1].host, "49983-probe.cube.test");
+    assert!(
+        ps.iter().all(|s| !s.api_key),
+        "key sent to the proxy: {ps:?}"
+    );
+    let aps = api_seen.lock().unwrap().clone();
+    assert!(
+        aps.iter()
+            .all(|s| s.api_key && s.method == "GET" && s.path == "/health"),
+        "{aps:?}"
+    );
+
+    // CubeAPI down: readiness names it, and only it.
+    let mut down = cfg.clone();
+    down.api_url = "http://cubeapi.invalid:3000".into();
+    let r = CubeClient::new(down).unwrap().reachability().await;
+    assert!(r.cube_proxy.is_ok());
+    let p = r.problem().unwrap();
+    assert!(p.contains("CubeAPI") && !p.contains("CubeProxy"), "{p}");
+
+    // CubeProxy down: the same, the other way round.
+    let mut down = cfg.clone();
+    down.proxy_url = Some(ProxyUrl::Dial {
+        url: "http://cube.test".into(),
+        dial: "cubeproxy.invalid:443".into(),
+    });
+    let r = CubeClient::new(down).unwrap().reachability().await;
+    assert!(r.cube_api.is_ok());
+    let p = r.problem().unwrap();
+    assert!(p.contains("CubeProxy") && !p.contains("CubeAPI"), "{p}");
+}
+
+/// Pause (CubeAPI budget 120 s) must not be cut by a shorter client-wide
+/// timeout: here a 3 s answer against a 1 s general budget and a 1 s stall
+/// timer (today's client cuts it at its 75 s read timeout).
+#[tokio::test]
+async fn pause_gets_its_own_budget() {
+    let (api, _) = fake(Arc::new(|_: &Seen, _| {
+        status(204, &[("x-test-delay-ms", "3000")], "")
+    }))
+    .await;
+    let mut cfg = BackendConfig::new("t", format!("http://{api}"));
+    cfg.proxy_url = Some(ProxyUrl::Url(format!("http://{api}")));
+    cfg.timeouts.request = Duration::from_secs(1);
+    cfg.timeouts.stream_idle = Duration::from_secs(1);
+    let c = CubeClient::new(cfg).unwrap();
+    c.pause("sbx1").await.unwrap();
+    // An ordinary call keeps its short budget.
+    let e = c.get("sbx1").await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+}
+
+/// 503/429 with `Retry-After` are retried for idempotent calls (bounded);
+/// a non-idempotent call is not retried.
+#[tokio::test]
+async fn retry_after_is_honoured_and_bounded() {
+    // Busy twice, then fine.
+    let (api, seen) = fake(Arc::new(|s: &Seen, n| {
+        if s.path == "/sandboxes/sbx1" && n < 2 {
+            status(
+                503,
+                &[("retry-after", "1")],
+                r#"{"code":503,"message":"busy"}"#,
+            )
+        } else if s.path == "/sandboxes/sbx1" {
+            status(204, &[], "")
+        } else {
+            status(
+                429,
+                &[("retry-after", "1")],
+                r#"{"code":429,"message":"slow down"}"#,
+            )
+        }
+    }))
+    .await;
+    let mut cfg = BackendConfig::new("t", format!("http://{api}"));
+    cfg.proxy_url = Some(ProxyUrl::Url(format!("http://{api}")));
+    cfg.timeouts.retries = 3;
+    cfg.timeouts.retry_total = Duration::from_secs(10);
+    let c = CubeClient::new(cfg.clone()).unwrap();
+    let t0 = Instant::now();
+    c.kill("sbx1").await.unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(seen.lock().unwrap().len(), 3);
+
+    // Always busy: gives up after `retries` more attempts.
+    seen.lock().unwrap().clear();
+    let e = c.list_templates().await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+    assert_eq!(seen.lock().unwrap().len(), 4);
+
+    // Create is not idempotent: one attempt.
+    seen.lock().unwrap().clear();
+    let e = c
+        .create(&CreateSandbox {
+            template_id: "host".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+
+    // The total cap: no retry whose wait would pass it.
+    seen.lock().unwrap().clear();
+    let mut capped = cfg;
+    capped.timeouts.retry_total = Duration::from_millis(500);
+    let e = CubeClient::new(capped)
+        .unwrap()
+        .list_templates()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+/// Over TLS: a proxy whose certificate names only `*.cube.test` is reached
+/// at its IP address through the dial form (SNI names the sandbox host);
+/// the same proxy by URL fails the certificate check.
+#[tokio::test]
+async fn dial_form_matches_a_wildcard_proxy_certificate() {
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = cube_adapter::tls::LocalCa::load_or_create(&dir.path().join("tls")).unwrap();
+    let (cert, key) = ca
+        .leaf_files("proxy", Some(&["*.cube.test".to_string()]))
+        .unwrap();
+    let tls = cube_adapter::tls::server_config(
+        &std::fs::read(cert).unwrap(),
+        &std::fs::read(key).unwrap(),
+        None,
+    )
+    .unwrap();
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = seen.clone();
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let log = log.clone();
+        async move {
+            let host = req
+                .headers()
+                .get("host")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            log.lock().unwrap().push(host);
+            axum::http::StatusCode::NO_CONTENT
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(cube_adapter::server::serve(
+        listener,
+        app,
+        Some(Arc::new(tls)),
+        std::future::pending(),
+    ));
+
+    let mut cfg = BackendConfig::new("t", "https://cubeapi.invalid");
+    cfg.domain = "cube.test".into();
+    cfg.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+    cfg.proxy_url = Some(ProxyUrl::Dial {
+        url: "https://cube.test".into(),
+        dial: addr.to_string(),
+    });
+    let c = CubeClient::new(cfg.clone()).unwrap();
+    c.envd_health(&sandbox_addr("sbx1")).await.unwrap();
+    assert_eq!(seen.lock().unwrap().as_slice(), ["49983-sbx1.cube.test"]);
+
+    let mut by_url = cfg;
+    by_url.proxy_url = Some(ProxyUrl::Url(format!("https://{addr}")));
+    let e = CubeClient::new(by_url)
+        .unwrap()
+        .envd_health(&sandbox_addr("sbx1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
