@@ -13,13 +13,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use serde::Deserialize;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
 use super::ConsoleState;
-use super::pages::{Page, error_page, html, signed_in};
-use super::session::{self, SignedIn};
-use crate::broker::{Code, Ctx, Error};
+use super::pages::{
+    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in, span, unix_of,
+};
+use super::session::{self};
+use crate::broker::Code;
 
 /// How often the queue reloads itself (seconds; a meta refresh).
 pub const QUEUE_REFRESH_SECONDS: u32 = 5;
@@ -91,53 +91,9 @@ struct ReviewPage {
     csrf: String,
 }
 
-/// A short span: `45 s`, `12 min`, `3 h 5 min`, `2 d 4 h`.
-pub fn span(secs: i64) -> String {
-    let s = secs.max(0);
-    match s {
-        0..60 => format!("{s} s"),
-        60..3600 => format!("{} min", s / 60),
-        3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
-        _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
-    }
-}
-
-fn unix_of(ts: &str) -> Option<i64> {
-    OffsetDateTime::parse(ts, &Rfc3339)
-        .ok()
-        .map(|t| t.unix_timestamp())
-}
-
 /// An identity digest, shortened for a table (the whole one in `title`).
 fn short(d: &str) -> String {
     d.chars().take(12).collect()
-}
-
-fn ctx() -> Ctx {
-    Ctx {
-        request_id: crate::ids::random_hex(8),
-    }
-}
-
-/// The broker's refusal as a page: its status, its code and message.
-fn refused(who: &SignedIn, e: &Error) -> Response {
-    if e.code.status().is_server_error() {
-        tracing::error!(code = e.code.as_str(), "console: the broker failed");
-    }
-    error_page(
-        e.code.status(),
-        Some(who),
-        "Refused",
-        &format!("{} ({})", e.message, e.code.as_str()),
-    )
-}
-
-/// Plan references are `plan_` and base32/hex: anything else is no plan.
-fn plain_ref(r: &str) -> bool {
-    !r.is_empty()
-        && r.len() <= 80
-        && r.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Response {
@@ -334,12 +290,7 @@ pub async fn decide(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return error_page(
-            StatusCode::FORBIDDEN,
-            Some(&who),
-            "Form expired",
-            "This form was not sent from this session of the console. Reload the page and try again.",
-        );
+        return form_expired(&who);
     }
     if !plain_ref(&plan_ref) {
         return super::pages::not_found().await;

@@ -22,13 +22,13 @@ use axum::routing::get;
 use serde::Deserialize;
 
 use super::ConsoleState;
-use super::pages::{Page, error_page, html, signed_in};
+use super::pages::{Page, ctx, error_page, html, signed_in};
 use super::session::SignedIn;
 use crate::audit::event::Event;
 use crate::audit::search::{self, Query as Search};
 use crate::audit::{AuditError, Journal};
 use crate::auth::Role;
-use crate::broker::{Code, Ctx, Error};
+use crate::broker::{Code, Error};
 use crate::store::audit_index::Field;
 
 /// Events on one page.
@@ -223,12 +223,6 @@ fn build(j: &Journal, who: &SignedIn, p: &Params) -> Result<(Search, Option<u64>
         })?),
     };
     Ok((q, after))
-}
-
-fn ctx() -> Ctx {
-    Ctx {
-        request_id: crate::ids::random_hex(8),
-    }
 }
 
 /// Auditors and admins look at the journal.

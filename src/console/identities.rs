@@ -23,6 +23,7 @@ use axum::{Form, Router};
 use serde::Deserialize;
 
 use super::ConsoleState;
+pub(super) use super::pages::form_expired;
 use super::pages::{Page, error_page, html, signed_in};
 use super::session::{self, SignedIn};
 use crate::admin::{self, Actor, Request, Response as Answer};
@@ -152,16 +153,6 @@ pub(super) fn admin_only(who: &SignedIn) -> Option<Response> {
             "Identities and agent connections are managed by admins (admin_required).",
         )
     })
-}
-
-/// A form that is not the session's: 403, nothing done.
-pub(super) fn form_expired(who: &SignedIn) -> Response {
-    error_page(
-        StatusCode::FORBIDDEN,
-        Some(who),
-        "Form expired",
-        "This form was not sent from this session of the console. Reload the page and try again.",
-    )
 }
 
 /// The signed-in admin, checked with the form's CSRF token; or the answer

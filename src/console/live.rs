@@ -18,15 +18,14 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use axum::{Form, Router};
 use serde::Deserialize;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
 use super::ConsoleState;
-use super::approvals::span;
-use super::pages::{Page, error_page, html, signed_in};
-use super::session::{self, SignedIn};
+use super::pages::{
+    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in, span, unix_of,
+};
+use super::session::{self};
+use crate::broker::Code;
 use crate::broker::leases::LeaseState;
-use crate::broker::{Code, Ctx, Error};
 
 /// Leases shown at most (newest first).
 pub const MAX_LEASES: usize = 200;
@@ -124,53 +123,10 @@ struct JobPage {
     csrf: String,
 }
 
-fn unix_of(ts: &str) -> Option<i64> {
-    OffsetDateTime::parse(ts, &Rfc3339)
-        .ok()
-        .map(|t| t.unix_timestamp())
-}
-
 fn age(ts: &str, now: i64) -> String {
     unix_of(ts)
         .map(|c| span(now - c))
         .unwrap_or_else(|| ts.to_string())
-}
-
-fn ctx() -> Ctx {
-    Ctx {
-        request_id: crate::ids::random_hex(8),
-    }
-}
-
-/// The broker's refusal as a page: its status, its code and message.
-fn refused(who: &SignedIn, e: &Error) -> Response {
-    if e.code.status().is_server_error() {
-        tracing::error!(code = e.code.as_str(), "console: the broker failed");
-    }
-    error_page(
-        e.code.status(),
-        Some(who),
-        "Refused",
-        &format!("{} ({})", e.message, e.code.as_str()),
-    )
-}
-
-fn forged(who: &SignedIn) -> Response {
-    error_page(
-        StatusCode::FORBIDDEN,
-        Some(who),
-        "Form expired",
-        "This form was not sent from this session of the console. Reload the page and try again.",
-    )
-}
-
-/// References are `lease_`, `job_`, `pty_` and hex: anything else is none
-/// (and never goes into a redirect).
-fn plain_ref(r: &str) -> bool {
-    !r.is_empty()
-        && r.len() <= 80
-        && r.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 #[derive(Deserialize)]
@@ -405,7 +361,7 @@ pub async fn release(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return forged(&who);
+        return form_expired(&who);
     }
     if !plain_ref(&lease_ref) {
         return super::pages::not_found().await;
@@ -433,7 +389,7 @@ pub async fn cancel_job(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return forged(&who);
+        return form_expired(&who);
     }
     if !plain_ref(&job_ref) {
         return super::pages::not_found().await;
@@ -460,7 +416,7 @@ pub async fn kill_pty(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return forged(&who);
+        return form_expired(&who);
     }
     if !plain_ref(&pty_ref) {
         return super::pages::not_found().await;

@@ -481,12 +481,7 @@ pub async fn sign_out(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return error_page(
-            StatusCode::FORBIDDEN,
-            Some(&who),
-            "Form expired",
-            "This form was not sent from this session of the console. Reload the page and try again.",
-        );
+        return form_expired(&who);
     }
     let store = st.broker.journal().store().clone();
     if let Err(e) = session::end(&store, who.key.clone()).await {
@@ -506,4 +501,62 @@ pub async fn sign_out(
         tracing::warn!(error = %e, "a console sign-out was not audited");
     }
     to_sign_in(true)
+}
+
+/// A short span: `45 s`, `12 min`, `3 h 5 min`, `2 d 4 h`.
+pub fn span(secs: i64) -> String {
+    let s = secs.max(0);
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min", s / 60),
+        3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// The Unix time of an RFC 3339 timestamp.
+pub(super) fn unix_of(ts: &str) -> Option<i64> {
+    time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339)
+        .ok()
+        .map(|t| t.unix_timestamp())
+}
+
+/// A request context for a broker call from the console.
+pub(super) fn ctx() -> crate::broker::Ctx {
+    crate::broker::Ctx {
+        request_id: crate::ids::random_hex(8),
+    }
+}
+
+/// The broker's refusal as a page: its status, its code and message.
+pub(super) fn broker_refused(who: &SignedIn, e: &crate::broker::Error) -> Response {
+    if e.code.status().is_server_error() {
+        tracing::error!(code = e.code.as_str(), "console: the broker failed");
+    }
+    error_page(
+        e.code.status(),
+        Some(who),
+        "Refused",
+        &format!("{} ({})", e.message, e.code.as_str()),
+    )
+}
+
+/// A form that is not the session's: 403, nothing done.
+pub(super) fn form_expired(who: &SignedIn) -> Response {
+    error_page(
+        StatusCode::FORBIDDEN,
+        Some(who),
+        "Form expired",
+        "This form was not sent from this session of the console. Reload the page and try again.",
+    )
+}
+
+/// References (`plan_…`, `task_…`, `lease_…`, `job_…`, `pty_…`) are
+/// letters, digits, `_` and `-`: anything else is no such thing, and never
+/// goes into a redirect.
+pub(super) fn plain_ref(r: &str) -> bool {
+    !r.is_empty()
+        && r.len() <= 80
+        && r.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }

@@ -18,10 +18,12 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConsoleState;
-use super::pages::{Page, error_page, html, signed_in};
-use super::session::{self, SignedIn};
+use super::pages::{
+    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in,
+};
+use super::session::{self};
 use crate::broker::tasks::{LIST_DEFAULT, LIST_MAX, TaskFilter};
-use crate::broker::{Code, Ctx, Error};
+use crate::broker::{Code, Error};
 
 /// This page's routes, merged into the console's router.
 pub fn routes() -> Router<ConsoleState> {
@@ -48,25 +50,6 @@ const STATES: &[&str] = &[
     "output_validation_failed",
     "lost",
 ];
-
-fn ctx() -> Ctx {
-    Ctx {
-        request_id: crate::ids::random_hex(8),
-    }
-}
-
-/// The broker's refusal as a page: its status, its code and message.
-fn refused(who: &SignedIn, e: &Error) -> Response {
-    if e.code.status().is_server_error() {
-        tracing::error!(code = e.code.as_str(), "console: the broker failed");
-    }
-    error_page(
-        e.code.status(),
-        Some(who),
-        "Refused",
-        &format!("{} ({})", e.message, e.code.as_str()),
-    )
-}
 
 /// An option of a `<select>`.
 pub struct Choice {
@@ -651,14 +634,6 @@ pub struct CancelForm {
     csrf: String,
 }
 
-/// Task references are `task_` and base32/hex: anything else is no task.
-fn plain_ref(r: &str) -> bool {
-    !r.is_empty()
-        && r.len() <= 80
-        && r.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-}
-
 pub async fn cancel(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
@@ -670,12 +645,7 @@ pub async fn cancel(
         Err(r) => return r,
     };
     if !session::same(&who.csrf, &f.csrf) {
-        return error_page(
-            StatusCode::FORBIDDEN,
-            Some(&who),
-            "Form expired",
-            "This form was not sent from this session of the console. Reload the page and try again.",
-        );
+        return form_expired(&who);
     }
     if !plain_ref(&task_ref) {
         return super::pages::not_found().await;
