@@ -1,6 +1,6 @@
 //! argon2 checks (people's passwords, and bearer tokens issued before
-//! schema 4 until their first use) on one dedicated thread that reuses one
-//! memory block.
+//! schema 4 until their first use) and the hashing of new passwords set in
+//! the console, on one dedicated thread that reuses one memory block.
 //!
 //! An argon2id check with the default parameters fills 19 MiB. Run on the
 //! blocking pool, every check allocated its own block on whichever thread
@@ -18,12 +18,21 @@ use subtle::ConstantTimeEq;
 
 use super::AuthError;
 
-/// One check: a PHC string (or `None`: the dummy, same cost) and the
-/// secret; the answer goes back on `reply`.
-struct Job {
-    phc: Option<String>,
-    secret: Vec<u8>,
-    reply: tokio::sync::oneshot::Sender<bool>,
+/// One piece of work for the argon2 thread; the answer goes back on
+/// `reply`.
+enum Job {
+    /// Whether `secret` matches a PHC string (`None`: the dummy, same
+    /// cost, never a match).
+    Check {
+        phc: Option<String>,
+        secret: Vec<u8>,
+        reply: tokio::sync::oneshot::Sender<bool>,
+    },
+    /// A new PHC string for `secret` (default parameters, random salt).
+    Hash {
+        secret: Vec<u8>,
+        reply: tokio::sync::oneshot::Sender<Option<String>>,
+    },
 }
 
 /// The argon2 thread and its queue. The thread ends when the pool is
@@ -47,14 +56,21 @@ impl Pool {
                 // footprint, not of the first sign-in's.
                 let _ = check(&mut blocks, &dummy, b"warm-up");
                 while let Ok(job) = rx.recv() {
-                    let ok = match &job.phc {
-                        Some(phc) => check(&mut blocks, phc, &job.secret),
-                        None => {
-                            let _ = check(&mut blocks, &dummy, &job.secret);
-                            false
+                    match job {
+                        Job::Check { phc, secret, reply } => {
+                            let ok = match &phc {
+                                Some(phc) => check(&mut blocks, phc, &secret),
+                                None => {
+                                    let _ = check(&mut blocks, &dummy, &secret);
+                                    false
+                                }
+                            };
+                            let _ = reply.send(ok);
                         }
-                    };
-                    let _ = job.reply.send(ok);
+                        Job::Hash { secret, reply } => {
+                            let _ = reply.send(hash(&mut blocks, &secret));
+                        }
+                    }
                 }
             });
         if let Err(e) = started {
@@ -71,19 +87,31 @@ impl Pool {
         secret: &[u8],
     ) -> Result<bool, AuthError> {
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let job = Job {
+        self.send(Job::Check {
             phc,
             secret: secret.to_vec(),
             reply,
-        };
-        match self.tx.try_send(job) {
-            Ok(()) => {}
-            Err(std::sync::mpsc::TrySendError::Full(_)) => return Err(AuthError::Throttled(1)),
-            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
-                return Err(AuthError::Unavailable);
-            }
-        }
+        })?;
         answer.await.map_err(|_| AuthError::Unavailable)
+    }
+
+    /// A PHC string for `secret` (argon2id, default parameters, a random
+    /// salt), made on the argon2 thread. `Throttled` when the queue is full.
+    pub(crate) async fn hash(&self, secret: &[u8]) -> Result<String, AuthError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Job::Hash {
+            secret: secret.to_vec(),
+            reply,
+        })?;
+        answer.await.ok().flatten().ok_or(AuthError::Unavailable)
+    }
+
+    fn send(&self, job: Job) -> Result<(), AuthError> {
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(std::sync::mpsc::TrySendError::Full(_)) => Err(AuthError::Throttled(1)),
+            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => Err(AuthError::Unavailable),
+        }
     }
 }
 
@@ -91,9 +119,12 @@ impl Pool {
 /// hash: checking against it costs what a real check costs, and nothing
 /// matches it.
 fn dummy_phc() -> String {
+    phc(&rand::random(), &rand::random())
+}
+
+/// The PHC string of an argon2id hash with the default parameters.
+fn phc(salt: &[u8; 16], hash: &[u8; 32]) -> String {
     let b64 = base64::engine::general_purpose::STANDARD_NO_PAD;
-    let salt: [u8; 16] = rand::random();
-    let hash: [u8; 32] = rand::random();
     let p = Params::default();
     format!(
         "$argon2id$v=19$m={},t={},p={}${}${}",
@@ -103,6 +134,23 @@ fn dummy_phc() -> String {
         b64.encode(salt),
         b64.encode(hash)
     )
+}
+
+/// A new hash of `secret` (argon2id, default parameters, a random salt)
+/// filling `blocks` (grown to the default cost if short; never shrunk).
+fn hash(blocks: &mut Vec<Block>, secret: &[u8]) -> Option<String> {
+    let params = Params::default();
+    let need = params.block_count();
+    if blocks.len() < need {
+        blocks.resize(need, Block::default());
+    }
+    let memory = blocks.get_mut(..need)?;
+    let salt: [u8; 16] = rand::random();
+    let mut out = [0u8; 32];
+    Argon2::new(Algorithm::Argon2id, Version::V0x13, params)
+        .hash_password_into_with_memory(secret, &salt, &mut out, memory)
+        .ok()?;
+    Some(phc(&salt, &out))
 }
 
 /// Whether `secret` matches the PHC string `phc`, filling `blocks` (grown
@@ -145,7 +193,7 @@ fn check(blocks: &mut Vec<Block>, phc: &str, secret: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use argon2::password_hash::{PasswordHasher, SaltString};
+    use argon2::password_hash::{PasswordHasher, PasswordVerifier, SaltString};
 
     #[test]
     fn matches_what_argon2_made_and_nothing_else() {
@@ -184,5 +232,21 @@ mod tests {
         assert_eq!(pool.verify(Some(phc.clone()), b"pw").await, Ok(true));
         assert_eq!(pool.verify(Some(phc), b"nope").await, Ok(false));
         assert_eq!(pool.verify(None, b"pw").await, Ok(false));
+        // A hash made on the thread: a PHC string argon2 itself accepts,
+        // a fresh salt each time.
+        let made = pool.hash(b"new password").await.unwrap();
+        let parsed = PasswordHash::new(&made).unwrap();
+        assert!(
+            Argon2::default()
+                .verify_password(b"new password", &parsed)
+                .is_ok()
+        );
+        assert!(
+            Argon2::default()
+                .verify_password(b"other password", &parsed)
+                .is_err()
+        );
+        assert_ne!(made, pool.hash(b"new password").await.unwrap());
+        assert_eq!(pool.verify(Some(made), b"new password").await, Ok(true));
     }
 }

@@ -1008,6 +1008,22 @@ impl Authenticator {
         Ok(principal)
     }
 
+    /// Hash a new password (`user add`/`passwd` from the console) on the
+    /// argon2 thread, with its one reused block: `invalid_password` if too
+    /// short, `password_hashing_busy` when checks and hashes are queued
+    /// full.
+    pub async fn hash_new_password(&self, password: &str) -> Result<String, OpError> {
+        users::check_new_password(password)?;
+        match self.argon.hash(password.as_bytes()).await {
+            Ok(h) => Ok(h),
+            Err(AuthError::Throttled(_)) => Err(OpError::new(
+                "password_hashing_busy",
+                "the appliance is busy checking passwords; try again in a moment",
+            )),
+            Err(e) => Err(OpError::failed(e)),
+        }
+    }
+
     /// A user's principal, for HTTP Basic credentials: a known, enabled
     /// user and their password. Password checks (argon2, on the argon2
     /// thread) run one at a time, waiting at most `BASIC_WAIT` (else 429); a

@@ -165,13 +165,19 @@ pub fn user_principal(
 
 /// [`hash_password`], refusing a short password with `invalid_password`.
 pub fn hash_new_password(password: &str) -> Result<String, OpError> {
+    check_new_password(password)?;
+    hash_password(password).map_err(OpError::failed)
+}
+
+/// A new password is long enough (`invalid_password` if not).
+pub fn check_new_password(password: &str) -> Result<(), OpError> {
     if password.chars().count() < MIN_PASSWORD {
         return Err(OpError::new(
             "invalid_password",
             format!("a password needs at least {MIN_PASSWORD} characters"),
         ));
     }
-    hash_password(password).map_err(OpError::failed)
+    Ok(())
 }
 
 pub fn get_user(store: &Store, name: &str) -> Result<Option<UserRecord>, StoreError> {

@@ -16,9 +16,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in, span, unix_of,
+    Page, broker_refused as refused, checked_form, ctx, html, signed_in, span, unix_of,
 };
-use super::session::{self};
 use crate::broker::Code;
 
 /// How often the queue reloads itself (seconds; a meta refresh).
@@ -285,16 +284,10 @@ pub async fn decide(
     Path(plan_ref): Path<String>,
     Form(f): Form<DecideForm>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    let who = match checked_form(&st, &headers, &f.csrf, &plan_ref).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    if !session::same(&who.csrf, &f.csrf) {
-        return form_expired(&who);
-    }
-    if !plain_ref(&plan_ref) {
-        return super::pages::not_found().await;
-    }
     let reason = Some(f.reason.trim()).filter(|r| !r.is_empty());
     let to = match st
         .broker

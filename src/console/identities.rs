@@ -23,8 +23,7 @@ use axum::{Form, Router};
 use serde::Deserialize;
 
 use super::ConsoleState;
-pub(super) use super::pages::form_expired;
-use super::pages::{Page, error_page, html, signed_in};
+use super::pages::{CsrfForm, Page, error_page, form_expired, html, signed_in};
 use super::session::{self, SignedIn};
 use crate::admin::{self, Actor, Request, Response as Answer};
 use crate::auth::users::{UserAnswer, UserInfo, UserOp};
@@ -494,12 +493,6 @@ pub async fn create_token(
     }
 }
 
-#[derive(Deserialize)]
-pub struct CsrfOnly {
-    #[serde(default)]
-    csrf: String,
-}
-
 fn back(done: Result<&str, &str>) -> Response {
     let q = match done {
         Ok(d) => format!("done={d}"),
@@ -512,7 +505,7 @@ pub async fn revoke(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    Form(f): Form<CsrfOnly>,
+    Form(f): Form<CsrfForm>,
 ) -> Response {
     let who = match admin_form(&st, &headers, &f.csrf, "token_revoke").await {
         Ok(w) => w,
@@ -641,23 +634,15 @@ pub struct PersonForm {
     password_again: String,
 }
 
-/// New passwords hashed at once by the console (argon2id, about 19 MiB
-/// each): one.
-static HASHING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-
-/// Hash a new password typed twice (argon2id, on the blocking pool, one at
-/// a time).
-async fn new_password(password: String, again: &str) -> Result<String, OpError> {
-    if !session::same(&password, again) {
+/// Hash a new password typed twice, on the argon2 thread.
+async fn new_password(st: &ConsoleState, password: &str, again: &str) -> Result<String, OpError> {
+    if !session::same(password, again) {
         return Err(OpError::new(
             "password_mismatch",
             "the two passwords differ",
         ));
     }
-    let _turn = HASHING.acquire().await.map_err(OpError::failed)?;
-    tokio::task::spawn_blocking(move || crate::auth::users::hash_new_password(&password))
-        .await
-        .map_err(OpError::failed)?
+    st.auth.hash_new_password(password).await
 }
 
 pub async fn add_person(
@@ -683,7 +668,7 @@ pub async fn add_person(
             return back(Err(e.code));
         }
     };
-    let hash = match new_password(f.password, &f.password_again).await {
+    let hash = match new_password(&st, &f.password, &f.password_again).await {
         Ok(h) => h,
         Err(e) => {
             record_refusal(&st, &who, "user_add", e.code).await;
@@ -746,7 +731,7 @@ pub async fn disable(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(name): Path<String>,
-    Form(f): Form<CsrfOnly>,
+    Form(f): Form<CsrfForm>,
 ) -> Response {
     set_disabled(st, headers, name, f.csrf, true).await
 }
@@ -755,7 +740,7 @@ pub async fn enable(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(name): Path<String>,
-    Form(f): Form<CsrfOnly>,
+    Form(f): Form<CsrfForm>,
 ) -> Response {
     set_disabled(st, headers, name, f.csrf, false).await
 }
@@ -783,7 +768,7 @@ pub async fn password(
     if !crate::auth::users::valid_name(&name) {
         return back(Err("user_not_found"));
     }
-    let hash = match new_password(f.password, &f.password_again).await {
+    let hash = match new_password(&st, &f.password, &f.password_again).await {
         Ok(h) => h,
         Err(e) => {
             record_refusal(&st, &who, "user_passwd", e.code).await;

@@ -21,9 +21,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in, span, unix_of,
+    CsrfForm, Page, broker_refused as refused, checked_form, ctx, html, signed_in, span, unix_of,
 };
-use super::session::{self};
 use crate::broker::Code;
 use crate::broker::leases::LeaseState;
 
@@ -344,28 +343,16 @@ pub struct ReleaseForm {
     action: String,
 }
 
-#[derive(Deserialize)]
-pub struct CsrfForm {
-    #[serde(default)]
-    csrf: String,
-}
-
 pub async fn release(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(lease_ref): Path<String>,
     Form(f): Form<ReleaseForm>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    let who = match checked_form(&st, &headers, &f.csrf, &lease_ref).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    if !session::same(&who.csrf, &f.csrf) {
-        return form_expired(&who);
-    }
-    if !plain_ref(&lease_ref) {
-        return super::pages::not_found().await;
-    }
     let to = match st
         .broker
         .release(&who.principal, &ctx(), &lease_ref, &f.action)
@@ -384,16 +371,10 @@ pub async fn cancel_job(
     Path(job_ref): Path<String>,
     Form(f): Form<CsrfForm>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    let who = match checked_form(&st, &headers, &f.csrf, &job_ref).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    if !session::same(&who.csrf, &f.csrf) {
-        return form_expired(&who);
-    }
-    if !plain_ref(&job_ref) {
-        return super::pages::not_found().await;
-    }
     let to = match st.broker.cancel_job(&who.principal, &ctx(), &job_ref).await {
         Ok(_) => format!("/console/jobs/{job_ref}?done=job_cancelled"),
         // A job this person cannot see: back to the list, not its page.
@@ -411,16 +392,10 @@ pub async fn kill_pty(
     Path(pty_ref): Path<String>,
     Form(f): Form<CsrfForm>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    let who = match checked_form(&st, &headers, &f.csrf, &pty_ref).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    if !session::same(&who.csrf, &f.csrf) {
-        return form_expired(&who);
-    }
-    if !plain_ref(&pty_ref) {
-        return super::pages::not_found().await;
-    }
     let to = match st.broker.pty_kill(&who.principal, &ctx(), &pty_ref).await {
         Ok(_) => "/console/leases?done=pty_killed".to_string(),
         Err(e) => format!("/console/leases?error={}", e.code.as_str()),

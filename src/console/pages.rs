@@ -560,3 +560,22 @@ pub(super) fn plain_ref(r: &str) -> bool {
         && r.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
+
+/// The person behind a form about `reference` (a plan, task, lease, job
+/// or PTY): signed in, the form's CSRF token this session's, the reference
+/// plain; or the answer to give instead (sign-in, 403, 404).
+pub(super) async fn checked_form(
+    st: &ConsoleState,
+    headers: &HeaderMap,
+    csrf: &str,
+    reference: &str,
+) -> Result<SignedIn, Response> {
+    let who = signed_in(st, headers).await?;
+    if !session::same(&who.csrf, csrf) {
+        return Err(form_expired(&who));
+    }
+    if !plain_ref(reference) {
+        return Err(not_found().await);
+    }
+    Ok(who)
+}

@@ -2,7 +2,7 @@
 //! evidence), its receipt (download, verify) and cancel (admins).
 //!
 //! Every read goes through the broker as the signed-in person
-//! (`list_tasks_in_console`, `task_in_console`, `receipt_in_console`,
+//! (`list_tasks_in_console`, `task_in_console`, `task_receipt`,
 //! `check_receipt_in_console`): the policy, events and codes of `/v1`'s
 //! task status and receipt reads, the list audited as `task_list`. Cancel
 //! is the broker's `cancel_task` (as `POST /v1/tasks/{ref}/cancel`),
@@ -18,10 +18,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConsoleState;
-use super::pages::{
-    Page, broker_refused as refused, ctx, form_expired, html, plain_ref, signed_in,
-};
-use super::session::{self};
+use super::pages::{CsrfForm, Page, broker_refused as refused, checked_form, ctx, html, signed_in};
 use crate::broker::tasks::{LIST_DEFAULT, LIST_MAX, TaskFilter};
 use crate::broker::{Code, Error};
 
@@ -440,7 +437,7 @@ pub async fn detail(
         (Some(r), _) if !r.is_null() => Some(r.clone()),
         (_, true) if who.principal.allows_action("task:receipt") => st
             .broker
-            .receipt_in_console(&who.principal, &c, &task_ref)
+            .task_receipt(&who.principal, &c, &task_ref)
             .await
             .ok()
             .map(|r| r.receipt),
@@ -524,7 +521,7 @@ pub async fn receipt(
     };
     let r = match st
         .broker
-        .receipt_in_console(&who.principal, &ctx(), &task_ref)
+        .task_receipt(&who.principal, &ctx(), &task_ref)
         .await
     {
         Ok(r) => r,
@@ -628,28 +625,16 @@ pub async fn verify(
     html(StatusCode::OK, &page)
 }
 
-#[derive(Deserialize)]
-pub struct CancelForm {
-    #[serde(default)]
-    csrf: String,
-}
-
 pub async fn cancel(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(task_ref): Path<String>,
-    Form(f): Form<CancelForm>,
+    Form(f): Form<CsrfForm>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    let who = match checked_form(&st, &headers, &f.csrf, &task_ref).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    if !session::same(&who.csrf, &f.csrf) {
-        return form_expired(&who);
-    }
-    if !plain_ref(&task_ref) {
-        return super::pages::not_found().await;
-    }
     let to = match st
         .broker
         .cancel_task(&who.principal, &ctx(), &task_ref)

@@ -105,27 +105,6 @@ pub struct ReceiptCheck {
 }
 
 impl Broker {
-    /// Whether `p` may look at (not act on) tasks it did not ask for:
-    /// approvers, auditors and admins.
-    fn may_follow_tasks(p: &Principal) -> bool {
-        p.may_approve() || p.roles.contains(&crate::auth::Role::Auditor)
-    }
-
-    /// A task `p` may follow in the console: what `/v1` shows it (its
-    /// requester, admins, the tenant's approvers) and the tenant's auditors.
-    fn followed_task(&self, p: &Principal, task_ref: &str) -> Result<Task> {
-        let missing = || Error::new(Code::TaskNotFound, "no such task");
-        if !valid_ref(task_ref, "task") {
-            return Err(missing());
-        }
-        self.get_task(task_ref)?
-            .filter(|t| {
-                self.is_requester(p, &t.tenant, &t.requester)
-                    || (t.tenant == p.tenant && Self::may_follow_tasks(p))
-            })
-            .ok_or_else(missing)
-    }
-
     /// The tasks `p` may follow (its tenant's; every tenant's for admins),
     /// newest first, filtered and paged. Authorized as a task status read
     /// (`task:status`); every listing is a `task_list` event.
@@ -137,7 +116,7 @@ impl Broker {
     ) -> Result<TaskPage> {
         let mut ev = self.task_event(p, "task_list", ctx);
         self.authorize(p, "task:status", &ev).await?;
-        if !Self::may_follow_tasks(p) {
+        if !Self::may_see_plans(p) {
             return Err(self
                 .reject(
                     ev,
@@ -259,35 +238,16 @@ impl Broker {
         Ok(page)
     }
 
-    /// A task's detail: what `task_status` answers (the same event, the
-    /// same refresh of a running task's state, the result only to its
-    /// requester and admins), for those who may follow it in the console.
+    /// A task's detail: what `task_status` answers (the same read, event
+    /// and refresh; the result only to its requester and admins), with
+    /// what the console shows besides.
     pub async fn task_in_console(
         &self,
         p: &Principal,
         ctx: &Ctx,
         task_ref: &str,
     ) -> Result<ConsoleTask> {
-        let mut ev = self.task_event(p, "task_status", ctx);
-        ev.task_ref = shaped(task_ref, "task");
-        self.authorize(p, "task:status", &ev).await?;
-        self.followed_task(p, task_ref)?;
-        let lock = self.lock(format!("task:{task_ref}")).await;
-        let task = self.followed_task(p, task_ref)?;
-        let b = self.clone();
-        let c2 = ctx.clone();
-        let task = self
-            .inner
-            .tracker
-            .spawn(async move {
-                let _lock = lock;
-                b.refresh_task(&c2, task).await
-            })
-            .await
-            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
-        ev.outcome = "ok".into();
-        ev.task_state = Some(task.state.to_string());
-        self.inner.journal.record(ev).await?;
+        let task = self.refreshed_task(p, ctx, task_ref).await?;
         let act = self.is_requester(p, &task.tenant, &task.requester);
         Ok(ConsoleTask {
             answer: self.task_answer(&task, ctx, act)?,
@@ -301,39 +261,7 @@ impl Broker {
         })
     }
 
-    /// A task's receipt: what `GET /v1/tasks/{ref}/receipt` answers (the
-    /// same event and codes), for those who may follow it in the console.
-    pub async fn receipt_in_console(
-        &self,
-        p: &Principal,
-        ctx: &Ctx,
-        task_ref: &str,
-    ) -> Result<dto::ReceiptResponse> {
-        let mut ev = self.task_event(p, "task_receipt", ctx);
-        ev.task_ref = shaped(task_ref, "task");
-        self.authorize(p, "task:receipt", &ev).await?;
-        let task = self.followed_task(p, task_ref)?;
-        let Some(r) = task.receipt.clone() else {
-            return Err(self
-                .reject(
-                    ev,
-                    Error::new(
-                        Code::ReceiptNotReady,
-                        "the receipt is issued once the task's result is finalized (POST …/result)",
-                    ),
-                )
-                .await);
-        };
-        ev.outcome = "ok".into();
-        self.inner.journal.record(ev).await?;
-        Ok(dto::ReceiptResponse {
-            receipt: r,
-            request_id: ctx.request_id.clone(),
-            task_ref: task.task_ref,
-        })
-    }
-
-    /// A task's receipt (read as `receipt_in_console`) checked with the
+    /// A task's receipt (read as `task_receipt`) checked with the
     /// appliance's own keys by the code of `cube-adapter receipt verify`,
     /// each signature on its own, and the audit chain head it names looked
     /// up in the journal.
@@ -343,7 +271,7 @@ impl Broker {
         ctx: &Ctx,
         task_ref: &str,
     ) -> Result<ReceiptCheck> {
-        let r = self.receipt_in_console(p, ctx, task_ref).await?;
+        let r = self.task_receipt(p, ctx, task_ref).await?;
         let signer = &self.inner.receipts;
         let (verdict, signatures) = signer
             .check(&r.receipt)

@@ -12,6 +12,19 @@ impl Broker {
         ctx: &Ctx,
         task_ref: &str,
     ) -> Result<dto::TaskAnswer> {
+        let task = self.refreshed_task(p, ctx, task_ref).await?;
+        let act = self.is_requester(p, &task.tenant, &task.requester);
+        self.task_answer(&task, ctx, act)
+    }
+
+    /// A task read for its status (authorized, refreshed from its job,
+    /// recorded as `task_status`): `task_status` and the console's detail.
+    pub(super) async fn refreshed_task(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        task_ref: &str,
+    ) -> Result<Task> {
         let mut ev = self.task_event(p, "task_status", ctx);
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:status", &ev).await?;
@@ -32,8 +45,7 @@ impl Broker {
         ev.outcome = "ok".into();
         ev.task_state = Some(task.state.to_string());
         self.inner.journal.record(ev).await?;
-        let act = self.is_requester(p, &task.tenant, &task.requester);
-        self.task_answer(&task, ctx, act)
+        Ok(task)
     }
 
     /// `POST /v1/tasks/{ref}/result`: validate outputs, kill the sandbox,
