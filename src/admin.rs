@@ -307,7 +307,7 @@ fn what(req: &Request) -> Option<(&'static str, Option<String>, Option<String>)>
         Request::TokenCreate { principal, .. } => {
             ("token_create", None, Some(principal.tenant.clone()))
         }
-        Request::TokenRevoke { id } => ("token_revoke", Some(token_id(id)), None),
+        Request::TokenRevoke { id } => ("token_revoke", Some(auth::token_id(id).to_string()), None),
         Request::CertIdentityCreate { record } => (
             "cert_identity_create",
             Some(record.id.clone()),
@@ -336,22 +336,13 @@ fn what(req: &Request) -> Option<(&'static str, Option<String>, Option<String>)>
     })
 }
 
-/// A token's id, from its id or the token itself (as `revoke_token`).
-fn token_id(id: &str) -> String {
-    id.trim_start_matches(auth::TOKEN_PREFIX)
-        .split('_')
-        .next()
-        .unwrap_or("")
-        .to_string()
-}
-
 /// The audit event of an identity change: `action`, the actor's identity
 /// digest (the operator's, or the console person's with their session),
 /// the affected identity (`note_digest`) and its tenant, as digests. Never
 /// a token, a password or its hash. Its outcome is set where it is
 /// appended: in the change's own transaction (`auth::append_audit`), or
 /// by [`identity`] for a change refused before any.
-fn identity_event(
+pub(crate) fn identity_event(
     j: &crate::audit::Journal,
     actor: Actor<'_>,
     action: &str,
@@ -475,15 +466,7 @@ async fn answer(
             Response::User { user: user? }
         }
         Request::CertIdentityCreate { record } => {
-            auth::store_cert_identity_audited(store, record, ev)
-                .await
-                .map_err(|e| {
-                    if e.starts_with("an identity with this id") {
-                        OpError::new("identity_exists", e)
-                    } else {
-                        OpError::new("invalid_identity", e)
-                    }
-                })?;
+            auth::store_cert_identity_audited(store, record, ev).await?;
             Response::Done
         }
         Request::TokenRevoke { id } => {
@@ -557,11 +540,12 @@ fn read_export(
         .map_err(|e| e.to_string())?;
     let mut from = since;
     let mut count = 0u64;
+    let all = crate::audit::search::Query::default();
     loop {
         let mut chunk = Vec::with_capacity(EXPORT_BATCH * 512);
-        let last = store
+        let next = store
             .read_now(|txn| {
-                crate::audit::read_batch(txn, from, to, EXPORT_BATCH, |ev| {
+                crate::audit::search::forward(txn, &all, from, to, EXPORT_BATCH, |ev| {
                     let line = Response::AuditEvent {
                         event: Box::new(ev),
                     };
@@ -573,13 +557,12 @@ fn read_export(
                 })
             })
             .map_err(|e| e.to_string())?;
-        let Some(last) = last else { break };
-        if tx.blocking_send(chunk).is_err() {
+        if !chunk.is_empty() && tx.blocking_send(chunk).is_err() {
             return Ok(());
         }
-        match last.checked_add(1) {
-            Some(next) if last < to => from = next,
-            _ => break,
+        match next {
+            Some(n) => from = n,
+            None => break,
         }
     }
     let _ = tx.blocking_send(encode(&Response::AuditCount { count }));

@@ -30,6 +30,7 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -342,37 +343,28 @@ async fn drive<I>(
     }
 }
 
-/// How long a client over a cap is asked to wait (`Retry-After`).
-const OVER_CAP_RETRY: u32 = 5;
-
 /// The answer to a request on a connection over a cap that is not a health
-/// check: 503 `connection_limit` with `Retry-After`, and the connection
-/// closes (keep-alive is off over a cap).
+/// check: 503 `connection_limit` with `Retry-After` (both from the code's
+/// catalogue entry, through the API's one error envelope), and the
+/// connection closes (keep-alive is off over a cap).
 fn over_cap_answer(in_flight: InFlight) -> Response<Answer> {
-    let code = crate::broker::Code::ConnectionLimit;
-    let body = serde_json::json!({"error": {
-        "code": code,
-        "message": "too many open connections (from this address, or in all); only /healthz and /readyz are answered until some close",
-    }});
-    let mut r = Response::new(Answer {
-        body: Body::from(body.to_string()),
-        _in_flight: in_flight,
-    });
-    *r.status_mut() = code.status();
-    let h = r.headers_mut();
-    h.insert(
-        axum::http::header::CONTENT_TYPE,
-        axum::http::HeaderValue::from_static("application/json"),
-    );
-    h.insert(
-        axum::http::header::RETRY_AFTER,
-        axum::http::HeaderValue::from(code.retry_after().unwrap_or(OVER_CAP_RETRY)),
-    );
-    h.insert(
+    use axum::response::IntoResponse;
+    let mut r = crate::api::ApiError(
+        crate::broker::Error::new(
+            crate::broker::Code::ConnectionLimit,
+            "too many open connections (from this address, or in all); only /healthz and /readyz are answered until some close",
+        ),
+        None,
+    )
+    .into_response();
+    r.headers_mut().insert(
         axum::http::header::CACHE_CONTROL,
         axum::http::HeaderValue::from_static("no-store"),
     );
-    r
+    r.map(|body| Answer {
+        body,
+        _in_flight: in_flight,
+    })
 }
 
 fn is_health(req: &Request<Incoming>) -> bool {
@@ -405,6 +397,7 @@ async fn answer(
             body,
             limit,
             deadline: None,
+            armed: false,
         }),
         None => Body::new(body),
     });
@@ -423,6 +416,10 @@ async fn answer(
 struct Activity {
     phase: Mutex<Phase>,
     changed: Notify,
+    /// Whether the next byte read starts a request head (nothing in flight
+    /// and no head arriving): a hint read without the lock, so that reads
+    /// within a request or a head do not take it. Written under the lock.
+    watching: AtomicBool,
 }
 
 struct Phase {
@@ -453,6 +450,7 @@ impl Activity {
                 served: false,
             }),
             changed: Notify::new(),
+            watching: AtomicBool::new(true),
         }
     }
 
@@ -461,9 +459,13 @@ impl Activity {
     }
 
     fn bytes_read(&self) {
+        if !self.watching.load(AtomicOrdering::Acquire) {
+            return;
+        }
         let mut p = self.phase();
         if p.in_flight == 0 && p.head_since.is_none() {
             p.head_since = Some(Instant::now());
+            self.watching.store(false, AtomicOrdering::Release);
             drop(p);
             self.changed.notify_one();
         }
@@ -511,6 +513,7 @@ impl InFlight {
             p.in_flight += 1;
             p.head_since = None;
             p.served = true;
+            activity.watching.store(false, AtomicOrdering::Release);
         }
         activity.changed.notify_one();
         Self(activity)
@@ -524,6 +527,8 @@ impl Drop for InFlight {
             p.in_flight = p.in_flight.saturating_sub(1);
             if p.in_flight == 0 {
                 p.idle_since = Instant::now();
+                // `begin` cleared `head_since`: the next byte starts a head.
+                self.0.watching.store(true, AtomicOrdering::Release);
             }
         }
         self.0.changed.notify_one();
@@ -613,7 +618,11 @@ impl HttpBody for Answer {
 struct Stall {
     body: Incoming,
     limit: Duration,
+    /// One timer for the whole body, reset each time the handler starts
+    /// waiting.
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Whether `deadline` times the current wait.
+    armed: bool,
 }
 
 /// A request body that stalled.
@@ -639,16 +648,21 @@ impl HttpBody for Stall {
         let this = &mut *self;
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(r) => {
-                this.deadline = None;
+                this.armed = false;
                 Poll::Ready(r.map(|r| r.map_err(Into::into)))
             }
             Poll::Pending => {
                 let limit = this.limit;
+                let at = Instant::now() + limit;
                 let deadline = this
                     .deadline
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                if !this.armed {
+                    deadline.as_mut().reset(at);
+                    this.armed = true;
+                }
                 if deadline.as_mut().poll(cx).is_ready() {
-                    this.deadline = None;
+                    this.armed = false;
                     return Poll::Ready(Some(Err(BodyStalled(limit).into())));
                 }
                 Poll::Pending

@@ -1,6 +1,7 @@
 //! The service manager's notification protocol (`sd_notify`): `READY=1`
 //! once the store is open and the listener is bound, `WATCHDOG=1` at half
-//! the watchdog interval, `STOPPING=1` at shutdown. Without
+//! the watchdog interval, `EXTEND_TIMEOUT_USEC=` during a long schema
+//! upgrade (`store::audit_index::rebuild`), `STOPPING=1` at shutdown. Without
 //! `$NOTIFY_SOCKET` (not under systemd, or not `Type=notify`) nothing is
 //! sent.
 

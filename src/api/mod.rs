@@ -530,7 +530,7 @@ async fn healthz(State(st): State<AppState>) -> Response {
         "status": "ok",
         "version": VERSION,
         "state_backend": "durable",
-        "audit_mode": match j.mode() { crate::audit::AuditMode::Required => "required", crate::audit::AuditMode::BestEffort => "best_effort" },
+        "audit_mode": j.mode().as_str(),
         "audit_ready": j.is_ready(),
     }))
     .into_response()
@@ -555,7 +555,16 @@ async fn readyz(State(st): State<AppState>) -> Response {
     let mut checks = serde_json::Map::new();
     checks.insert("state".into(), json!("ok"));
     checks.insert("audit".into(), json!("ok"));
-    let reach = st.broker.cube().reachability().await;
+    let cfg = st.broker.config();
+    let mut templates: Vec<&str> = cfg.profiles.values().map(|p| p.template.as_str()).collect();
+    templates.sort_unstable();
+    templates.dedup();
+    // CubeAPI, CubeProxy and every template are asked at once.
+    let cube = st.broker.cube();
+    let (reach, template_checks) = tokio::join!(
+        cube.reachability(),
+        futures_util::future::join_all(templates.iter().map(|t| cube.template_ready(t))),
+    );
     checks.insert(
         "cube_api".into(),
         json!(if reach.cube_api.is_ok() {
@@ -573,12 +582,8 @@ async fn readyz(State(st): State<AppState>) -> Response {
         }),
     );
     let mut ready = reach.ok();
-    let cfg = st.broker.config();
-    let mut templates: Vec<&str> = cfg.profiles.values().map(|p| p.template.as_str()).collect();
-    templates.sort_unstable();
-    templates.dedup();
-    for t in templates {
-        let v = match st.broker.cube().template_ready(t).await {
+    for (t, check) in templates.into_iter().zip(template_checks) {
+        let v = match check {
             Ok(true) => "ready".to_string(),
             Ok(false) => {
                 ready = false;

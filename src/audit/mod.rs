@@ -33,6 +33,16 @@ pub enum AuditMode {
     BestEffort,
 }
 
+impl AuditMode {
+    /// The mode's name in config and answers.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AuditMode::Required => "required",
+            AuditMode::BestEffort => "best_effort",
+        }
+    }
+}
+
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AuditError {
     #[error("the audit journal cannot record this action: {0}")]
@@ -300,7 +310,7 @@ pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), S
 
 /// Events with `seq >= since`, in order, in one read transaction (the
 /// CLI on a stopped store; the running service reads in batches,
-/// [`read_batch`]). Each event is handed to `out` as it is read: memory
+/// [`search::forward`] with an empty query). Each event is handed to `out` as it is read: memory
 /// stays flat however long the journal.
 pub fn export(
     store: &Store,
@@ -337,35 +347,6 @@ pub fn last_seq(txn: &redb::ReadTransaction) -> Result<u64, StoreError> {
         Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
         Err(e) => Err(e.into()),
     }
-}
-
-/// At most `limit` events with `from <= seq <= to`, in order, each handed
-/// to `out`; the sequence number of the last one handed (`None`: none in
-/// the range). Events are never changed once written, so batches read in
-/// successive read transactions, up to a `to` fixed first ([`last_seq`]),
-/// make one consistent export.
-pub fn read_batch(
-    txn: &redb::ReadTransaction,
-    from: u64,
-    to: u64,
-    limit: usize,
-    mut out: impl FnMut(Event) -> Result<(), StoreError>,
-) -> Result<Option<u64>, StoreError> {
-    if from > to || limit == 0 {
-        return Ok(None);
-    }
-    let t = match txn.open_table(crate::store::tables::AUDIT) {
-        Ok(t) => t,
-        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let mut last = None;
-    for item in t.range(from..=to)?.take(limit) {
-        let (k, v) = item?;
-        out(crate::store::codec::decode(v.value())?)?;
-        last = Some(k.value());
-    }
-    Ok(last)
 }
 
 /// Resolve pending intents (offline): each gets a `reconciled` outcome

@@ -6,12 +6,12 @@
 //! first, in batches (each in its own read transaction, up to a `seq`
 //! fixed first: events never change once written).
 
-use redb::{ReadTransaction, ReadableTable};
+use redb::ReadTransaction;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use super::event::Event;
-use crate::store::audit_index::{Field, Reader, key, minute_of};
+use crate::store::audit_index::{Field, Reader, key};
 use crate::store::{StoreError, codec, tables};
 
 /// What to look for: index keys that must all match, and a time range
@@ -112,10 +112,6 @@ fn next_candidate(
     }
 }
 
-fn last_seq(audit: &redb::ReadOnlyTable<u64, &'static [u8]>) -> Result<u64, StoreError> {
-    Ok(audit.last()?.map(|(k, _)| k.value()).unwrap_or(0))
-}
-
 /// At most `limit` events matching `q`, newest first, with `seq < before`
 /// (`None`: from the newest).
 pub fn page(
@@ -126,7 +122,7 @@ pub fn page(
 ) -> Result<Found, StoreError> {
     let r = Reader::open(txn)?;
     let audit = txn.open_table(tables::AUDIT)?;
-    let last = last_seq(&audit)?;
+    let last = super::last_seq(txn)?;
     let Some((lo, hi)) = q.span(&r, last)? else {
         return Ok(Found::default());
     };
@@ -148,9 +144,7 @@ pub fn page(
                 out.events.push(ev);
             }
         }
-        if c == 0 {
-            break;
-        }
+        // `c >= lo >= 1`: sequence numbers start at 1.
         at = c - 1;
     }
     Ok(out)
@@ -169,7 +163,7 @@ pub fn forward(
 ) -> Result<Option<u64>, StoreError> {
     let r = Reader::open(txn)?;
     let audit = txn.open_table(tables::AUDIT)?;
-    let last = last_seq(&audit)?;
+    let last = super::last_seq(txn)?;
     let Some((lo, hi)) = q.span(&r, last.min(to))? else {
         return Ok(None);
     };
@@ -218,11 +212,6 @@ pub fn parse_time(s: &str) -> Option<i64> {
         }
     }
     None
-}
-
-/// The minute index's view of an event's time (for tests and tools).
-pub fn minute(ev: &Event) -> Option<u64> {
-    minute_of(&ev.ts)
 }
 
 #[cfg(test)]

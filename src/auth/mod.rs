@@ -41,6 +41,18 @@ pub enum Role {
     Admin,
 }
 
+impl Role {
+    /// The role's name, as `--role` takes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Role::Agent => "agent",
+            Role::Approver => "approver",
+            Role::Auditor => "auditor",
+            Role::Admin => "admin",
+        }
+    }
+}
+
 impl std::str::FromStr for Role {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -188,6 +200,23 @@ impl Principal {
         self.roles.contains(&Role::Approver) || self.is_admin()
     }
 
+    /// Auditors and admins look at the audit journal.
+    pub fn may_audit(&self) -> bool {
+        self.roles.contains(&Role::Auditor) || self.is_admin()
+    }
+
+    /// The effective action scopes as a list joined by `sep` (`*` for an
+    /// admin, `(none)` for none).
+    pub fn scopes_text(&self, sep: &str) -> String {
+        if self.is_admin() {
+            "*".into()
+        } else if self.actions.is_empty() {
+            "(none)".into()
+        } else {
+            self.actions.join(sep)
+        }
+    }
+
     /// The same identity, acting for a trusted task on the task's own lease:
     /// every action scope (the task was approved as a whole), but the
     /// identity's runtimes and profiles still apply, and no admin power.
@@ -261,6 +290,15 @@ pub fn cert_record(
 
 /// `cat_<id>_<secret>`.
 pub const TOKEN_PREFIX: &str = "cat_";
+
+/// A token's id, from its id or the token itself (`cat_<id>_<secret>`), as
+/// `token revoke` takes it.
+pub fn token_id(id: &str) -> &str {
+    id.trim_start_matches(TOKEN_PREFIX)
+        .split('_')
+        .next()
+        .unwrap_or("")
+}
 
 fn parse_token(t: &str) -> Option<(&str, &str)> {
     let rest = t.strip_prefix(TOKEN_PREFIX)?;
@@ -386,19 +424,24 @@ pub fn list_tokens(store: &Store) -> Result<Vec<TokenRecord>, StoreError> {
 }
 
 /// Store a certificate identity; refused when its id is taken.
-pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), String> {
+pub async fn store_cert_identity(store: &Store, rec: TokenRecord) -> Result<(), OpError> {
     store_cert_identity_audited(store, rec, None).await
 }
 
 /// [`store_cert_identity`], with its audit event in the same transaction
-/// (`rejected` with `identity_exists` when the id is taken).
+/// (`rejected` with `identity_exists` when the id is taken):
+/// `invalid_identity` for a record without a certificate,
+/// `identity_exists`, or a store failure (`OpError::failed`).
 pub async fn store_cert_identity_audited(
     store: &Store,
     rec: TokenRecord,
     ev: AuditEvent,
-) -> Result<(), String> {
+) -> Result<(), OpError> {
     if rec.cert_sha256.is_none() {
-        return Err("not a certificate identity".into());
+        return Err(OpError::new(
+            "invalid_identity",
+            "not a certificate identity",
+        ));
     }
     let r = store
         .write(move |txn, chain| {
@@ -411,11 +454,14 @@ pub async fn store_cert_identity_audited(
             Ok(true)
         })
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(OpError::failed)?;
     if r {
         Ok(())
     } else {
-        Err("an identity with this id exists already".into())
+        Err(OpError::new(
+            "identity_exists",
+            "an identity with this id exists already",
+        ))
     }
 }
 
@@ -437,12 +483,7 @@ pub async fn revoke_token_audited(
     ev: AuditEvent,
 ) -> Result<bool, StoreError> {
     let now = clock.text();
-    let id = id
-        .trim_start_matches(TOKEN_PREFIX)
-        .split('_')
-        .next()
-        .unwrap_or("")
-        .to_string();
+    let id = token_id(id).to_string();
     store
         .write(move |txn, chain| {
             let Some(mut rec): Option<TokenRecord> = txn.record(tables::TOKENS, &id)? else {
@@ -543,13 +584,19 @@ pub fn parse_roles(names: &[String], default: Role) -> Result<Vec<Role>, OpError
 impl TokenSpec {
     /// The principal this asks for, or why not.
     pub fn principal(self) -> Result<Principal, OpError> {
+        self.principal_with(Role::Agent)
+    }
+
+    /// [`TokenSpec::principal`], with `default_role` when no role is named
+    /// (a token's is agent, a user's approver: `users::user_principal`).
+    pub(crate) fn principal_with(self, default_role: Role) -> Result<Principal, OpError> {
         if !valid_tenant(&self.tenant) {
             return Err(OpError::new(
                 "invalid_tenant",
                 "--tenant must be 1-128 characters of [A-Za-z0-9_.:-]",
             ));
         }
-        let roles = parse_roles(&self.roles, Role::Agent)?;
+        let roles = parse_roles(&self.roles, default_role)?;
         for r in &self.runtimes {
             if !RUNTIMES.contains(&r.as_str()) {
                 return Err(OpError::new(
@@ -763,8 +810,6 @@ pub struct Authenticator {
     basic: Arc<tokio::sync::Semaphore>,
     /// The argon2 thread (passwords, and tokens from before schema 4).
     argon: Arc<argon::Pool>,
-    /// The store's token key, read at the first token check.
-    token_key: Arc<std::sync::OnceLock<[u8; 32]>>,
     /// Failed sign-ins per credential and source address (`throttle`).
     throttle: Arc<throttle::Throttle>,
     /// Where the blocks the throttle starts are reported (to be audited).
@@ -837,7 +882,6 @@ impl Authenticator {
             // Room for every permit of both semaphores: a check never
             // finds the queue full.
             argon: Arc::new(argon::Pool::start(hashing_slots.max(1) + 1)),
-            token_key: Arc::default(),
             throttle: Arc::default(),
             blocks: None,
             basic_key: Arc::new(rand::random()),
@@ -865,6 +909,17 @@ impl Authenticator {
                 let _ = tx.try_send(b);
             }
         }
+    }
+
+    /// A credential refused before any check: 429 while the source is
+    /// blocked, else the failure is counted for the source alone.
+    fn refuse_malformed(&self, source: Source) -> AuthError {
+        let cred = throttle::Credential::Unknown;
+        if let Err(wait) = self.throttle.admit(source, &cred) {
+            return AuthError::Throttled(wait);
+        }
+        self.failed(source, &cred);
+        AuthError::Unauthorized
     }
 
     /// The same authenticator with `clock` for wall-clock time.
@@ -952,8 +1007,7 @@ impl Authenticator {
             None => throttle::Credential::Unknown,
         };
         if token.is_empty() || token.len() > 512 {
-            self.failed(source, &cred);
-            return Err(AuthError::Unauthorized);
+            return Err(self.refuse_malformed(source));
         }
         let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
         if let Some(p) = self.cached(&key) {
@@ -1009,17 +1063,26 @@ impl Authenticator {
     }
 
     /// Hash a new password (`user add`/`passwd` from the console) on the
-    /// argon2 thread, with its one reused block: `invalid_password` if too
-    /// short, `password_hashing_busy` when checks and hashes are queued
-    /// full.
+    /// argon2 thread, with its one reused block, taking a password
+    /// check's turn: `invalid_password` if too short,
+    /// `password_hashing_busy` when no turn comes within `BASIC_WAIT`.
     pub async fn hash_new_password(&self, password: &str) -> Result<String, OpError> {
         users::check_new_password(password)?;
-        match self.argon.hash(password.as_bytes()).await {
-            Ok(h) => Ok(h),
-            Err(AuthError::Throttled(_)) => Err(OpError::new(
+        let busy = || {
+            OpError::new(
                 "password_hashing_busy",
                 "the appliance is busy checking passwords; try again in a moment",
-            )),
+            )
+        };
+        // A password check's turn (`basic`): the argon2 queue has room for
+        // every permit, so a check never finds it full because of a hash.
+        let _permit = tokio::time::timeout(BASIC_WAIT, self.basic.acquire())
+            .await
+            .map_err(|_| busy())?
+            .map_err(OpError::failed)?;
+        match self.argon.hash(password.as_bytes()).await {
+            Ok(h) => Ok(h),
+            Err(AuthError::Throttled(_)) => Err(busy()),
             Err(e) => Err(OpError::failed(e)),
         }
     }
@@ -1038,11 +1101,12 @@ impl Authenticator {
         source: Option<Source>,
     ) -> Result<Principal, AuthError> {
         let source = source.unwrap_or(UNKNOWN_SOURCE);
-        let cred = throttle::Credential::User(name.to_string());
         if !users::valid_name(name) || password.is_empty() || password.len() > 1024 {
-            self.failed(source, &cred);
-            return Err(AuthError::Unauthorized);
+            // Nothing to check: counted against the source only, so that
+            // made-up names add no keys (`throttle`).
+            return Err(self.refuse_malformed(source));
         }
+        let cred = throttle::Credential::User(name.to_string());
         let key: [u8; 32] = {
             let Ok(mut m) =
                 <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(&*self.basic_key)
@@ -1154,16 +1218,12 @@ impl Authenticator {
         Ok(rec.principal)
     }
 
-    /// The store's token key (read once).
+    /// The store's token key (unsealed when the store was opened).
     fn token_key(&self) -> Result<[u8; 32], AuthError> {
-        if let Some(k) = self.token_key.get() {
-            return Ok(*k);
-        }
-        let k = self.store.token_key().map_err(|e| {
+        self.store.token_key().map_err(|e| {
             tracing::error!(error = %e, "cannot read the token key");
             AuthError::Unavailable
-        })?;
-        Ok(*self.token_key.get_or_init(|| k))
+        })
     }
 
     /// Rewrite an old token record's argon2 hash under the token key, if
@@ -1202,6 +1262,66 @@ impl Authenticator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sign-ins refused before any check (a malformed name, an empty or
+    /// oversized password or token) count against the source only: made-up
+    /// names add no throttle keys, and a blocked source gets 429.
+    #[tokio::test]
+    async fn malformed_sign_ins_count_for_the_source_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let a = Authenticator::new(store, vec![], vec![], 1);
+        let from = Some(Source::new("203.0.113.5".parse().unwrap()));
+        for i in 0..throttle::MAX_SOURCE_FAILURES {
+            let r = a
+                .authenticate_basic(&format!("Bad Name {i}"), "pw", from)
+                .await;
+            assert_eq!(r.unwrap_err(), AuthError::Unauthorized);
+        }
+        assert_eq!(a.throttle.len(), 1, "the source's key alone");
+        let r = a.authenticate_basic("Another Bad", "pw", from).await;
+        assert!(matches!(r, Err(AuthError::Throttled(_))), "{r:?}");
+        let r = a.authenticate("", from).await;
+        assert!(matches!(r, Err(AuthError::Throttled(_))), "{r:?}");
+        assert_eq!(a.throttle.len(), 1);
+    }
+
+    /// A new password's hash takes a password check's turn: while the
+    /// turn is held, it answers `password_hashing_busy` (it never queues
+    /// past the checks the argon2 queue is sized for).
+    #[tokio::test]
+    async fn hashing_a_new_password_takes_a_check_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let a = Authenticator::new(store, vec![], vec![], 1);
+        let held = a.basic.clone().acquire_owned().await.unwrap();
+        let e = a
+            .hash_new_password("a long enough password")
+            .await
+            .unwrap_err();
+        assert_eq!(e.code, "password_hashing_busy");
+        drop(held);
+        let h = a.hash_new_password("a long enough password").await.unwrap();
+        assert!(h.starts_with("$argon2id$"), "{h}");
+    }
+
+    /// A certificate identity's refusals carry their own codes (a store
+    /// failure is `identity_store_failed`, not the caller's fault).
+    #[tokio::test]
+    async fn cert_identity_refusals_have_codes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let clock = crate::clock::Clock::System;
+        let rec = cert_record(p(&["*"]), None, &PeerCert([7; 32]), &clock);
+        let mut plain = rec.clone();
+        plain.cert_sha256 = None;
+        let e = store_cert_identity(&store, plain).await.unwrap_err();
+        assert_eq!(e.code, "invalid_identity");
+        store_cert_identity(&store, rec.clone()).await.unwrap();
+        let e = store_cert_identity(&store, rec).await.unwrap_err();
+        assert_eq!(e.code, "identity_exists");
+        assert_eq!(OpError::failed("disk").code, "identity_store_failed");
+    }
 
     /// An identity change and its audit event commit together: refusals
     /// the transaction finds are `rejected` with their code, a change `ok`;

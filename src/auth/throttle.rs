@@ -19,8 +19,11 @@
 //! global ceiling on top: one password check at a time, each waiting at
 //! most a moment for its turn (`Authenticator::authenticate_basic`).
 //!
-//! Memory is bounded: at most [`MAX_ENTRIES`] keys; past it, what is
-//! neither blocked nor recent goes first.
+//! Memory is bounded: at most [`MAX_ENTRIES`] keys. When full, what is
+//! neither blocked nor recent goes (at most once per [`PRUNE_EVERY`], so a
+//! flood does not rescan the map on every guess); if it is still full, new
+//! keys are not added (those already counted go on counting). A blocked
+//! source adds no keys at all.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -37,6 +40,8 @@ pub const MAX_SOURCE_FAILURES: u32 = 50;
 pub const MAX_BLOCK: Duration = Duration::from_secs(15 * 60);
 /// Keys kept at most.
 pub const MAX_ENTRIES: usize = 10_000;
+/// How often a full map is pruned at most.
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
 
 /// Where a request comes from (an IPv6 client by its /64, an IPv4-mapped
 /// address as IPv4).
@@ -105,7 +110,30 @@ pub struct Blocked {
 /// Counts failures; decides refusals.
 #[derive(Debug, Default)]
 pub struct Throttle {
-    map: Mutex<HashMap<Key, Entry>>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    map: HashMap<Key, Entry>,
+    /// When a full map was last pruned.
+    pruned: Option<Instant>,
+}
+
+impl State {
+    /// Make room if full: drop what is neither blocked nor recent, at most
+    /// once per [`PRUNE_EVERY`]. Whether a new key fits.
+    fn room(&mut self, now: Instant) -> bool {
+        if self.map.len() < MAX_ENTRIES {
+            return true;
+        }
+        if self.pruned.is_none_or(|t| now - t >= PRUNE_EVERY) {
+            self.pruned = Some(now);
+            self.map
+                .retain(|_, e| e.blocked_until.is_some_and(|u| u > now) || now - e.last < WINDOW);
+        }
+        self.map.len() < MAX_ENTRIES
+    }
 }
 
 impl Throttle {
@@ -113,10 +141,10 @@ impl Throttle {
     /// credential from this source, or the source, is blocked.
     pub fn admit(&self, source: Source, cred: &Credential) -> Result<(), u64> {
         let now = Instant::now();
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let wait = [Key::Source(source), Key::Pair(cred.clone(), source)]
             .iter()
-            .filter_map(|k| map.get(k)?.blocked_until)
+            .filter_map(|k| state.map.get(k)?.blocked_until)
             .filter(|until| *until > now)
             .map(|until| until - now)
             .max();
@@ -126,26 +154,30 @@ impl Throttle {
         }
     }
 
-    /// Count a failed attempt; the blocks it starts.
+    /// Count a failed attempt; the blocks it starts. While the source is
+    /// blocked its credentials are not counted (nothing was checked).
     pub fn failed(&self, source: Source, cred: &Credential) -> Vec<Blocked> {
         let now = Instant::now();
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= MAX_ENTRIES {
-            map.retain(|_, e| e.blocked_until.is_some_and(|u| u > now) || now - e.last < WINDOW);
-            if map.len() >= MAX_ENTRIES {
-                map.retain(|_, e| e.blocked_until.is_some_and(|u| u > now));
-            }
-        }
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let source_blocked = state
+            .map
+            .get(&Key::Source(source))
+            .and_then(|e| e.blocked_until)
+            .is_some_and(|u| u > now);
         let mut started = vec![];
         let mut keys = vec![];
-        if cred != &Credential::Unknown {
-            keys.push((Key::Pair(cred.clone(), source), MAX_FAILURES));
-        }
+        // The source first: if only one key fits, it is the source's.
         if !source.ip().is_loopback() && !source.ip().is_unspecified() {
             keys.push((Key::Source(source), MAX_SOURCE_FAILURES));
         }
+        if cred != &Credential::Unknown && !source_blocked {
+            keys.push((Key::Pair(cred.clone(), source), MAX_FAILURES));
+        }
         for (key, max) in keys {
-            let e = map.entry(key.clone()).or_insert(Entry {
+            if !state.map.contains_key(&key) && !state.room(now) {
+                continue;
+            }
+            let e = state.map.entry(key.clone()).or_insert(Entry {
                 failures: 0,
                 since: now,
                 blocked_until: None,
@@ -183,11 +215,17 @@ impl Throttle {
         started
     }
 
+    /// Keys kept (tests).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.state.lock().map(|s| s.map.len()).unwrap_or(0)
+    }
+
     /// A successful check: the credential's failures from this source are
     /// forgotten (the source's are not).
     pub fn succeeded(&self, source: Source, cred: &Credential) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.remove(&Key::Pair(cred.clone(), source));
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.map.remove(&Key::Pair(cred.clone(), source));
     }
 }
 
@@ -257,7 +295,39 @@ mod tests {
         for i in 0..MAX_ENTRIES * 2 {
             t.failed(lo, &Credential::User(format!("n{i}")));
         }
-        let n = t.map.lock().map(|m| m.len()).unwrap_or(0);
-        assert!(n <= MAX_ENTRIES, "{n}");
+        assert!(t.len() <= MAX_ENTRIES, "{}", t.len());
+    }
+
+    #[test]
+    fn many_names_from_one_address_stay_bounded() {
+        let t = Throttle::default();
+        let a = src("203.0.113.9");
+        for i in 0..MAX_ENTRIES * 2 {
+            t.failed(a, &Credential::User(format!("n{i}")));
+        }
+        // Counting stops with the source's block: its key and the names
+        // before it.
+        let n = t.len();
+        assert!(n <= MAX_SOURCE_FAILURES as usize + 1, "{n}");
+        assert!(t.admit(a, &Credential::User("new".into())).is_err());
+    }
+
+    #[test]
+    fn a_full_map_takes_no_new_keys_but_keeps_counting() {
+        let t = Throttle::default();
+        let lo = src("127.0.0.1");
+        for i in 0..MAX_ENTRIES {
+            t.failed(lo, &Credential::User(format!("n{i}")));
+        }
+        assert_eq!(t.len(), MAX_ENTRIES);
+        // All recent: nothing to prune, and no room for a new name.
+        t.failed(lo, &Credential::User("late".into()));
+        assert_eq!(t.len(), MAX_ENTRIES);
+        // A name already counted still gets blocked.
+        let n0 = Credential::User("n0".into());
+        for _ in 1..MAX_FAILURES {
+            t.failed(lo, &n0);
+        }
+        assert!(t.admit(lo, &n0).is_err());
     }
 }

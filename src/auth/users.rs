@@ -134,33 +134,19 @@ pub fn user_principal(
             "a user name must match ^[a-z][a-z0-9._-]{0,63}$",
         ));
     }
-    if !super::valid_tenant_name(tenant) {
-        return Err(OpError::new(
-            "invalid_tenant",
-            "--tenant must be 1-128 characters of [A-Za-z0-9_.:-]",
-        ));
-    }
-    let roles = super::parse_roles(roles, Role::Approver)?;
-    let defaults = super::default_actions(&roles);
-    Ok(Principal {
+    // The rules tokens follow (tenant, roles, scope words, defaults), with
+    // approver as the default role.
+    super::TokenSpec {
         tenant: tenant.to_string(),
-        subject: name.to_string(),
-        roles,
-        runtimes: None,
-        profiles: (!profiles.is_empty()).then_some(profiles),
-        // Without --action, the roles' default scopes, as for tokens.
-        actions: if actions.is_empty() {
-            defaults
-        } else {
-            actions
-        },
-        task_templates: if task_templates.is_empty() {
-            vec!["*".into()]
-        } else {
-            task_templates
-        },
-        task: None,
-    })
+        subject: Some(name.to_string()),
+        roles: roles.to_vec(),
+        runtimes: vec![],
+        profiles,
+        actions,
+        no_actions: false,
+        task_templates,
+    }
+    .principal_with(Role::Approver)
 }
 
 /// [`hash_password`], refusing a short password with `invalid_password`.
@@ -334,5 +320,43 @@ mod tests {
             check_hash("$argon2id$v=19$m=8,t=1,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA").is_err()
         );
         assert!(check_hash("plain").is_err());
+    }
+
+    #[test]
+    fn user_principals_follow_the_token_rules() {
+        let p = user_principal("alice", "acme", &[], vec![], vec![], vec![]).unwrap();
+        assert_eq!(
+            (p.subject.as_str(), p.roles.clone()),
+            ("alice", vec![Role::Approver])
+        );
+        assert_eq!(p.actions, super::super::default_actions(&[Role::Approver]));
+        assert_eq!(p.task_templates, vec!["*".to_string()]);
+        let code = |r: Result<Principal, OpError>| r.unwrap_err().code;
+        assert_eq!(
+            code(user_principal("Alice", "acme", &[], vec![], vec![], vec![])),
+            "invalid_name"
+        );
+        assert_eq!(
+            code(user_principal("alice", "a b", &[], vec![], vec![], vec![])),
+            "invalid_tenant"
+        );
+        let root = vec!["root".to_string()];
+        assert_eq!(
+            code(user_principal(
+                "alice",
+                "acme",
+                &root,
+                vec![],
+                vec![],
+                vec![]
+            )),
+            "invalid_role"
+        );
+        // Scope words are checked as a token's are.
+        let bad = vec!["lease:\u{7}".to_string()];
+        assert_eq!(
+            code(user_principal("alice", "acme", &[], bad, vec![], vec![])),
+            "invalid_scope"
+        );
     }
 }

@@ -515,17 +515,7 @@ pub async fn memory_and_startup(
     let admin = std::fs::read_to_string(state.join("admin.token"))?
         .trim()
         .to_string();
-    let ready = |http: reqwest::Client, url: String| async move {
-        loop {
-            if let Ok(r) = http.get(format!("{url}/readyz")).send().await
-                && r.status().is_success()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    ready(http.clone(), p.url.clone()).await;
+    p.wait_ready(&http, super::READY_DEADLINE).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle = super::rss_kib(p.pid());
     report.figures.insert("RSS idle (KiB)".into(), idle as f64);
@@ -581,15 +571,15 @@ pub async fn memory_and_startup(
         "RSS per live lease, average (KiB)".into(),
         (loaded.saturating_sub(idle)) as f64 / leases.max(1) as f64,
     );
-    p.stop();
+    drop(p);
     // Startup on the existing state directory (its sandboxes are re-adopted).
     let mut times = vec![];
     for _ in 0..starts {
         let t = Instant::now();
         let p = super::ServeProc::start(launcher, &state, &config)?;
-        ready(http.clone(), p.url.clone()).await;
+        p.wait_ready(&http, super::READY_DEADLINE).await?;
         times.push(t.elapsed());
-        p.stop();
+        drop(p);
     }
     report.results.push(Summary::of(
         &format!("start to /readyz ready ({leases} sandboxes to re-adopt)"),

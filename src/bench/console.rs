@@ -14,6 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::export::{SAMPLE_RATE, SAMPLE_START};
 use super::{Report, ServeProc, Summary, rss_kib};
 
 /// The path of the i-th search of a kind.
@@ -67,20 +68,38 @@ fn cookie_of(r: &reqwest::Response, name: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// A client trusting the state directory's CA.
+fn ca_client(state: &Path) -> anyhow::Result<reqwest::Client> {
+    let ca = std::fs::read(state.join("tls/ca.pem"))?;
+    Ok(reqwest::Client::builder()
+        .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
+        .build()?)
+}
+
+/// Unix seconds as the console's time fields send them
+/// (`YYYY-MM-DDTHH:MM:SS`, UTC).
+fn utc(secs: i64) -> String {
+    match time::OffsetDateTime::from_unix_timestamp(secs) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        ),
+        Err(_) => String::new(),
+    }
+}
+
+/// Sign `name` in (the service is ready).
 async fn sign_in(state: &Path, url: &str, name: &str) -> anyhow::Result<Person> {
     let ca = std::fs::read(state.join("tls/ca.pem"))?;
     let http = reqwest::Client::builder()
         .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
         .redirect(reqwest::redirect::Policy::none())
         .build()?;
-    loop {
-        if let Ok(r) = http.get(format!("{url}/readyz")).send().await
-            && r.status().is_success()
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     let r = http.get(format!("{url}/console/sign-in")).send().await?;
     let form_cookie =
         cookie_of(&r, "__Host-cube_signin").ok_or_else(|| anyhow::anyhow!("no sign-in cookie"))?;
@@ -163,7 +182,7 @@ async fn console_in(
     let config = dir.join("config.toml");
     std::fs::write(&config, "")?;
     let state = dir.join("state");
-    ServeProc::start(launcher, &state, &config)?.stop();
+    drop(ServeProc::start(launcher, &state, &config)?);
     add_admin(launcher, dir, &state, &config)?;
     let t = Instant::now();
     super::export::fill_journal(&state, events).await?;
@@ -176,21 +195,9 @@ async fn console_in(
     let serve = ServeProc::start(launcher, &state, &config)?;
     let url = serve.url.clone();
     // Ready, then settled: the idle RSS before any console use.
-    let probe = reqwest::Client::builder()
-        .tls_backend_preconfigured(crate::tls::client_config(
-            Some(&std::fs::read(state.join("tls/ca.pem"))?),
-            None,
-        )?)
-        .build()?;
-    loop {
-        if let Ok(r) = probe.get(format!("{url}/readyz")).send().await
-            && r.status().is_success()
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    drop(probe);
+    serve
+        .wait_ready(&ca_client(&state)?, super::READY_DEADLINE)
+        .await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = rss_kib(serve.pid());
     report
@@ -227,7 +234,7 @@ async fn console_in(
         "console's addition to idle RSS (MiB)".into(),
         mib(used.saturating_sub(idle)),
     );
-    serve.stop();
+    drop(serve);
 
     // Searches over `search_events` events.
     if search_events > events {
@@ -243,6 +250,9 @@ async fn console_in(
         std::fs::metadata(state.join("state.redb"))?.len() as f64 / 1048576.0,
     );
     let serve = ServeProc::start(launcher, &state, &config)?;
+    serve
+        .wait_ready(&ca_client(&state)?, super::READY_DEADLINE)
+        .await?;
     let me = sign_in(&state, &serve.url, "root").await?;
     let k = search_events / 1000;
     // The sample journal: sandbox_ref = seq/100 in hex, request ids
@@ -281,10 +291,17 @@ async fn console_in(
         ),
         (
             format!("search time range 1 min ({k}k events)"),
-            Box::new(|i| {
+            // A minute of the journal (6,000 events) among all its
+            // minutes, from a second into it.
+            Box::new(move |i| {
+                let minutes = (search_events / (60 * SAMPLE_RATE)).max(1);
+                let m = (i as u64 * 7919) % minutes;
+                let from = SAMPLE_START + (m * 60 + i as u64 % 50) as i64;
+                let to = SAMPLE_START + ((m + 1) * 60) as i64;
                 format!(
-                    "/console/audit?from=2025-01-01T00:00:{:02}Z&to=2025-01-01T00:01:00Z&action=exec",
-                    i % 50
+                    "/console/audit?from={}&to={}&action=exec",
+                    utc(from),
+                    utc(to)
                 )
             }),
         ),
@@ -334,6 +351,6 @@ async fn console_in(
         "console export.jsonl: service RSS peak (MiB)".into(),
         mib(peak),
     );
-    serve.stop();
+    drop(serve);
     Ok(report)
 }

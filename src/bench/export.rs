@@ -19,15 +19,24 @@ const FILL_BATCH: u64 = 10_000;
 /// How often RSS is sampled during an export.
 const SAMPLE_EVERY: Duration = Duration::from_millis(20);
 
+/// Sample events per second of journal time: event `i` is stamped
+/// [`SAMPLE_START`] + `i / SAMPLE_RATE` seconds, so a minute holds 6,000.
+pub const SAMPLE_RATE: u64 = 100;
+/// When the sample journal starts (2025-01-01T00:00:00Z, Unix seconds).
+pub const SAMPLE_START: i64 = 1_735_689_600;
+
 /// Append `events` events to the journal of the (stopped) store in
 /// `state`, shaped as an agent's exec outcomes are (digests, refs, a
-/// duration, an exit code): the journal a busy appliance leaves.
+/// duration, an exit code): the journal a busy appliance leaves. They go
+/// on from the journal's last `seq` (a second fill continues the first:
+/// later times, new request ids and sandboxes).
 pub async fn fill_journal(state: &Path, events: u64) -> anyhow::Result<()> {
     let store = Store::open(state)?;
+    let start = store.read_now(crate::audit::last_seq)?;
     let mut done = 0u64;
     while done < events {
         let n = FILL_BATCH.min(events - done);
-        let first = done;
+        let first = start + done;
         store
             .write(move |txn, chain| {
                 for i in first..first + n {
@@ -42,11 +51,29 @@ pub async fn fill_journal(state: &Path, events: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Event `i`'s time: [`SAMPLE_RATE`] a second from [`SAMPLE_START`].
+fn sample_time(i: u64) -> String {
+    let secs = i64::try_from(i / SAMPLE_RATE).unwrap_or(i64::MAX / 2);
+    let micros = (i % SAMPLE_RATE) * (1_000_000 / SAMPLE_RATE);
+    match time::OffsetDateTime::from_unix_timestamp(SAMPLE_START.saturating_add(secs)) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{micros:06}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+        ),
+        Err(_) => "2025-01-01T00:00:00Z".into(),
+    }
+}
+
 fn sample_event(i: u64) -> Event {
     let hex = |tag: &str| format!("{:032x}", (u128::from(i) << 8) | tag.len() as u128);
     Event {
         event_id: format!("{:032x}", u128::from(i) + (1 << 100)),
-        ts: format!("2025-01-01T00:00:{:02}.{:06}Z", i % 60, i % 1_000_000),
+        ts: sample_time(i),
         operation_id: Some(hex("operation")),
         phase: "outcome".into(),
         action: "exec".into(),
@@ -66,7 +93,7 @@ fn sample_event(i: u64) -> Event {
     }
 }
 
-pub use super::rss_kib;
+use super::rss_kib;
 
 /// What one export did, and the service's memory meanwhile.
 pub struct ExportRun {
@@ -164,7 +191,7 @@ async fn export_in(
     std::fs::write(&config, "")?;
     let state = dir.join("state");
     // A first start makes the state directory (keys, certificate, token).
-    super::ServeProc::start(launcher, &state, &config)?.stop();
+    drop(super::ServeProc::start(launcher, &state, &config)?);
     let t = Instant::now();
     fill_journal(&state, events).await?;
     let fill = t.elapsed().as_secs_f64();
@@ -189,15 +216,11 @@ async fn export_in(
     for i in 1..=exports {
         let run = match run_export(launcher, &state, &config, serve.pid()).await {
             Ok(r) => r,
-            Err(e) => {
-                serve.stop();
-                return Err(e);
-            }
+            Err(e) => return Err(e),
         };
         // Every export prints the whole journal (the first start's own
         // events included): the same number of lines each time.
         if *expected.get_or_insert(run.lines) != run.lines || run.lines < events {
-            serve.stop();
             anyhow::bail!("export {i} printed {} lines of {events}", run.lines);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -225,7 +248,7 @@ async fn export_in(
             run.bytes as f64 / run.seconds / 1e6,
         );
     }
-    serve.stop();
+    drop(serve);
     report.figures.insert(
         "events exported per run".into(),
         expected.unwrap_or(0) as f64,

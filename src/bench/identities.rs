@@ -61,14 +61,7 @@ async fn identities_in(
         .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
         .build()?;
     let url = serve.url.clone();
-    loop {
-        if let Ok(r) = http.get(format!("{url}/readyz")).send().await
-            && r.status().is_success()
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    serve.wait_ready(&http, super::READY_DEADLINE).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut report = Report::new("identities");
     let mib = |kb: u64| kb as f64 / 1024.0;

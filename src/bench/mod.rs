@@ -40,7 +40,7 @@ pub fn rss_kib(pid: u32) -> u64 {
 }
 
 /// A real `cube-adapter serve` process on 127.0.0.1:0 (its log next to
-/// the state directory), stopped with SIGTERM by `stop` or on drop.
+/// the state directory), stopped with SIGTERM (and waited for) on drop.
 pub struct ServeProc {
     child: std::process::Child,
     pub url: String,
@@ -86,8 +86,32 @@ impl ServeProc {
         memory_kib(self.pid())
     }
 
-    pub fn stop(self) {}
+    /// Wait until its `/readyz` answers 200 (polled every 2 ms through
+    /// `http`, a client that trusts its CA); an error after `deadline`.
+    pub async fn wait_ready(
+        &self,
+        http: &reqwest::Client,
+        deadline: Duration,
+    ) -> anyhow::Result<()> {
+        let until = Instant::now() + deadline;
+        loop {
+            if let Ok(r) = http.get(format!("{}/readyz", self.url)).send().await
+                && r.status().is_success()
+            {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < until,
+                "serve at {} was not ready within {deadline:?}",
+                self.url
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
 }
+
+/// How long a bench waits for a started `serve` to be ready.
+pub const READY_DEADLINE: Duration = Duration::from_secs(120);
 
 impl Drop for ServeProc {
     fn drop(&mut self) {

@@ -55,6 +55,11 @@ macro_rules! codes {
                 }
             }
 
+            /// The code with this wire name.
+            pub fn from_wire(s: &str) -> Option<Code> {
+                Code::ALL.iter().copied().find(|c| c.as_str() == s)
+            }
+
             /// The HTTP status of an answer with this code.
             pub const fn status(self) -> StatusCode {
                 match self {

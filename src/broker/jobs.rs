@@ -95,7 +95,8 @@ fin "$rc"
 /// once it is gone, `exit-code` is the one it wrote last. Everything the
 /// sandbox can write is checked to be a number before it is printed, and
 /// the reader's own diagnostics go nowhere, so nothing can forge the status
-/// line or leak into the output.
+/// line or leak into the output. With `$TAIL` (a number) the ranges are the
+/// last `$TAIL` bytes of each stream, from the sizes just read.
 const READER: &str = r#"exec 3>&2 2>/dev/null
 cd "/tmp/cube-adapter-jobs/$J" || { printf 'cube-adapter-job gone - 0 0 0 0\n'; exit 0; }
 num() { case "$1" in ''|*[!0-9]*) return 1;; esac; return 0; }
@@ -110,6 +111,11 @@ se=$(stat -c %s stderr); num "$se" || se=0
 t=0; [ -e timed-out ] && t=1
 x=0; [ -e cancelled ] && x=1
 printf 'cube-adapter-job %s %s %s %s %s %s\n' "$k" "$rc" "$so" "$se" "$t" "$x"
+if num "$TAIL"; then
+  OM=$TAIL; EM=$TAIL; OO=0; EO=0
+  if [ "$so" -gt "$TAIL" ]; then OO=$((so - TAIL)); fi
+  if [ "$se" -gt "$TAIL" ]; then EO=$((se - TAIL)); fi
+fi
 if [ "$OM" -gt 0 ]; then tail -c +$((OO + 1)) stdout | head -c "$OM"; fi
 if [ "$EM" -gt 0 ]; then tail -c +$((EO + 1)) stderr | head -c "$EM" >&3; fi
 exit 0
@@ -232,8 +238,26 @@ async fn probe(
     out: (u64, usize),
     err: (u64, usize),
 ) -> Result<Probe> {
+    read_job(b, addr, job, out, err, None).await
+}
+
+/// One read of a job: state, sizes and the last `max` bytes of each stream
+/// (which start at `size - max`, or 0).
+async fn probe_tail(b: &Broker, addr: &SandboxAddr, job: &Job, max: usize) -> Result<Probe> {
+    read_job(b, addr, job, (0, max), (0, max), Some(max)).await
+}
+
+async fn read_job(
+    b: &Broker,
+    addr: &SandboxAddr,
+    job: &Job,
+    out: (u64, usize),
+    err: (u64, usize),
+    tail: Option<usize>,
+) -> Result<Probe> {
     let envs: BTreeMap<String, String> = [
         ("J", job.job_ref.clone()),
+        ("TAIL", tail.map(|n| n.to_string()).unwrap_or_default()),
         ("R", job.runner_pid.to_string()),
         ("OO", out.0.to_string()),
         ("OM", out.1.to_string()),
@@ -620,13 +644,12 @@ impl Broker {
                 None,
                 move |b: Broker, _l: Lease, addr| async move {
                     let mut job = job;
-                    // The sizes first, then the last `max` bytes of each.
-                    let sizes = probe(&b, &addr, &job, (0, 0), (0, 0)).await?;
+                    // One read: the sizes and the last `max` bytes of each.
+                    let pr = probe_tail(&b, &addr, &job, max).await?;
                     let from = (
-                        sizes.out_size.saturating_sub(max as u64),
-                        sizes.err_size.saturating_sub(max as u64),
+                        pr.out_size.saturating_sub(max as u64),
+                        pr.err_size.saturating_sub(max as u64),
                     );
-                    let pr = probe(&b, &addr, &job, (from.0, max), (from.1, max)).await?;
                     let bytes = (pr.stdout.len() + pr.stderr.len()) as u64;
                     let changed = pr.apply(&mut job, b.clock());
                     let j2 = job.clone();

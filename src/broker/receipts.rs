@@ -137,10 +137,7 @@ impl Signer {
     /// `receipt verify --state-dir` finds on the appliance (both
     /// signatures), and each signature on its own.
     pub fn check(&self, doc: &Value) -> Result<(Verdict, Vec<SignatureCheck>), String> {
-        let public = self.ed.public_key().as_ref();
-        let verdict = verify(doc, Some(public), Some(&self.hs_key))?;
-        let each = check_each(doc, Some(public), Some(&self.hs_key))?;
-        Ok((verdict, each))
+        examine(doc, Some(self.ed.public_key().as_ref()), Some(&self.hs_key))
     }
 
     /// The signed envelope of `payload`.
@@ -250,6 +247,12 @@ pub fn verify(
     public_key: Option<&[u8]>,
     hs_key: Option<&[u8]>,
 ) -> Result<Verdict, String> {
+    examine(doc, public_key, hs_key).map(|(v, _)| v)
+}
+
+/// The receipt object (bare, or the `receipt` of an appliance response) and
+/// its payload.
+fn receipt_parts(doc: &Value) -> Result<(&Value, &Value), String> {
     let r = match doc.get("receipt") {
         Some(_) if doc.get("payload").is_some() => {
             return Err("ambiguous: both a receipt and a payload at the top level".into());
@@ -261,27 +264,63 @@ pub fn verify(
         .get("payload")
         .filter(|p| p.is_object())
         .ok_or("not a receipt: no payload object")?;
+    Ok((r, payload))
+}
+
+/// Check every signature of a receipt once: each on its own (the HS256
+/// envelope first, then the `signatures` entries in order; a signature is
+/// checked only against the key whose id it names), and the verdict from
+/// those results. The verdict's HS256 is the envelope under `hs_key`
+/// whatever key id it names; its Ed25519 holds when an `EdDSA` entry naming
+/// `public_key` holds.
+fn examine(
+    doc: &Value,
+    public_key: Option<&[u8]>,
+    hs_key: Option<&[u8]>,
+) -> Result<(Verdict, Vec<SignatureCheck>), String> {
+    let (r, payload) = receipt_parts(doc)?;
     let msg = canonical(payload);
-    let ed25519 = public_key.map(|pk| {
-        let want = ed_kid(pk);
-        r.get("signatures")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter(|s| s.get("alg") == Some(&json!("EdDSA")) && s.get("kid") == Some(&json!(want)))
-            .any(|s| ed_holds(pk, &msg, s))
-    });
-    let hs = hs_key.map(|k| r.get("signature").is_some_and(|s| hs_holds(k, &msg, s)));
+    let text = |s: &Value, k: &str| s.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let mut each = vec![];
+    let mut hs = hs_key.map(|_| false);
+    if let Some(s) = r.get("signature") {
+        let holds = hs_key.map(|k| hs_holds(k, &msg, s));
+        hs = holds;
+        let (alg, kid) = (text(s, "alg"), text(s, "kid"));
+        let named = hs_key.is_some_and(|k| alg == "HS256" && hs_kid(k) == kid);
+        each.push(SignatureCheck {
+            valid: holds.filter(|_| named),
+            alg,
+            kid,
+        });
+    }
+    let mut ed25519 = public_key.map(|_| false);
+    for s in r
+        .get("signatures")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let (alg, kid) = (text(s, "alg"), text(s, "kid"));
+        let valid = public_key
+            .filter(|pk| alg == "EdDSA" && ed_kid(pk) == kid)
+            .map(|pk| ed_holds(pk, &msg, s));
+        if valid == Some(true) {
+            ed25519 = Some(true);
+        }
+        each.push(SignatureCheck { alg, kid, valid });
+    }
     let checked: Vec<bool> = [ed25519, hs].into_iter().flatten().collect();
-    let text = |k: &str| payload.get(k).and_then(Value::as_str).map(str::to_string);
-    Ok(Verdict {
+    let field = |k: &str| payload.get(k).and_then(Value::as_str).map(str::to_string);
+    let verdict = Verdict {
         valid: !checked.is_empty() && checked.iter().all(|ok| *ok),
         ed25519,
         hs256: hs,
-        task_ref: text("task_ref"),
-        state: text("state"),
-        template_sha256: text("template_sha256"),
-    })
+        task_ref: field("task_ref"),
+        state: field("state"),
+        template_sha256: field("template_sha256"),
+    };
+    Ok((verdict, each))
 }
 
 /// Whether one Ed25519 signature entry (`{alg, kid, value}`) holds for
@@ -329,46 +368,7 @@ pub fn check_each(
     public_key: Option<&[u8]>,
     hs_key: Option<&[u8]>,
 ) -> Result<Vec<SignatureCheck>, String> {
-    let r = match doc.get("receipt") {
-        Some(_) if doc.get("payload").is_some() => {
-            return Err("ambiguous: both a receipt and a payload at the top level".into());
-        }
-        Some(r) if r.is_object() => r,
-        _ => doc,
-    };
-    let payload = r
-        .get("payload")
-        .filter(|p| p.is_object())
-        .ok_or("not a receipt: no payload object")?;
-    let msg = canonical(payload);
-    let text = |s: &Value, k: &str| s.get(k).and_then(Value::as_str).unwrap_or("").to_string();
-    let mut out = vec![];
-    if let Some(s) = r.get("signature") {
-        let kid = text(s, "kid");
-        out.push(SignatureCheck {
-            alg: text(s, "alg"),
-            valid: hs_key
-                .filter(|k| text(s, "alg") == "HS256" && hs_kid(k) == kid)
-                .map(|k| hs_holds(k, &msg, s)),
-            kid,
-        });
-    }
-    for s in r
-        .get("signatures")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let kid = text(s, "kid");
-        out.push(SignatureCheck {
-            alg: text(s, "alg"),
-            valid: public_key
-                .filter(|pk| text(s, "alg") == "EdDSA" && ed_kid(pk) == kid)
-                .map(|pk| ed_holds(pk, &msg, s)),
-            kid,
-        });
-    }
-    Ok(out)
+    examine(doc, public_key, hs_key).map(|(_, each)| each)
 }
 
 /// The raw public key from a `receipt-ed25519.pub` file (base64url, or the

@@ -209,7 +209,7 @@ pub fn list(args: TokenListArgs) -> Exit {
                 "active"
             },
             t.created_at,
-            effective_scopes(&t.principal)
+            t.principal.scopes_text(",")
         );
     }
     Exit::Ok
@@ -345,16 +345,4 @@ fn cert_identity_create(
     );
     println!("{id}");
     Exit::Ok
-}
-
-/// What a principal may do, as `token list` shows it: `*` for an admin
-/// (whatever its list says), `(none)` for an empty list, else the scopes.
-fn effective_scopes(p: &Principal) -> String {
-    if p.is_admin() {
-        "*".into()
-    } else if p.actions.is_empty() {
-        "(none)".into()
-    } else {
-        p.actions.join(",")
-    }
 }

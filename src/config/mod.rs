@@ -154,8 +154,8 @@ impl Default for ConsoleSection {
 
 /// A webhook told when a plan needs approval (`[console.notify]`;
 /// `console::notify`, docs/console.md "Approval notifications"). A change
-/// needs a restart.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// needs a restart. Its `Debug` shows the URL's scheme and host only.
+#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct NotifySection {
     /// Where to POST: `https://…`, or `http://` to a loopback address only.
@@ -172,7 +172,9 @@ pub struct NotifySection {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_file: Option<PathBuf>,
     /// The console's public base URL for the link (`https://host:port`);
-    /// default: the first of `server_names` on the listener's port.
+    /// default: as the Connect page finds it, on the listener's port (the
+    /// first of `server_names`, else the listen address unless it is
+    /// unspecified, else a name the certificate covers beyond loopback).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub console_url: Option<String>,
     /// Attempts per message, the first included (1..=10).
@@ -204,8 +206,10 @@ fn notify_queue() -> usize {
     256
 }
 
-fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
-    let shown = match url::Url::parse(url) {
+/// A webhook URL as shown (`config check`, `Debug`): its scheme, host and
+/// port, never its path or query (often the credential).
+fn redacted(url: &str) -> String {
+    match url::Url::parse(url) {
         Ok(u) => format!(
             "{}://{}{}/…",
             u.scheme(),
@@ -213,8 +217,36 @@ fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error
             u.port().map(|p| format!(":{p}")).unwrap_or_default()
         ),
         Err(_) => "(invalid)".to_string(),
-    };
-    s.serialize_str(&shown)
+    }
+}
+
+fn redacted_url<S: serde::Serializer>(url: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&redacted(url))
+}
+
+impl std::fmt::Debug for NotifySection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            url,
+            ca_file,
+            secret_file,
+            console_url,
+            max_attempts,
+            retry_initial_ms,
+            timeout_seconds,
+            queue,
+        } = self;
+        f.debug_struct("NotifySection")
+            .field("url", &redacted(url))
+            .field("ca_file", ca_file)
+            .field("secret_file", secret_file)
+            .field("console_url", console_url)
+            .field("max_attempts", max_attempts)
+            .field("retry_initial_ms", retry_initial_ms)
+            .field("timeout_seconds", timeout_seconds)
+            .field("queue", queue)
+            .finish()
+    }
 }
 
 /// Whether `host` is a loopback name or address.
@@ -293,8 +325,33 @@ impl NotifySection {
         Ok(())
     }
 
+    /// What the sender needs from the files: the shared secret from
+    /// `secret_file` (if configured) and the TLS client configuration for
+    /// `url` (trusting `ca_file` if configured, else the public web PKI).
+    /// Checked at config load too, so that `config check` and a start say
+    /// what is wrong.
+    pub fn client(&self) -> Result<(Option<Vec<u8>>, rustls::ClientConfig), String> {
+        let secret = self.read_secret()?;
+        let tls = match &self.ca_file {
+            Some(f) => {
+                let pem = std::fs::read(f).map_err(|e| {
+                    format!("console.notify: cannot read ca_file {}: {e}", f.display())
+                })?;
+                crate::tls::client_config(Some(&pem), None).map_err(|e| {
+                    format!(
+                        "console.notify: ca_file {} holds no usable CA certificate: {e}",
+                        f.display()
+                    )
+                })?
+            }
+            None => crate::tls::client_config(None, None)
+                .map_err(|e| format!("console.notify: TLS: {e}"))?,
+        };
+        Ok((secret, tls))
+    }
+
     /// The shared secret from `secret_file`, if one is configured.
-    pub fn read_secret(&self) -> Result<Option<Vec<u8>>, String> {
+    fn read_secret(&self) -> Result<Option<Vec<u8>>, String> {
         let Some(f) = &self.secret_file else {
             return Ok(None);
         };
@@ -312,22 +369,6 @@ impl NotifySection {
             ));
         }
         Ok(Some(s))
-    }
-
-    /// The PEM of `ca_file`, if one is configured (checked to parse).
-    pub fn read_ca(&self) -> Result<Option<Vec<u8>>, String> {
-        let Some(f) = &self.ca_file else {
-            return Ok(None);
-        };
-        let pem = std::fs::read(f)
-            .map_err(|e| format!("console.notify: cannot read ca_file {}: {e}", f.display()))?;
-        crate::tls::client_config(Some(&pem), None).map_err(|e| {
-            format!(
-                "console.notify: ca_file {} holds no usable CA certificate: {e}",
-                f.display()
-            )
-        })?;
-        Ok(Some(pem))
     }
 }
 
@@ -350,8 +391,7 @@ impl ConsoleSection {
         if let Some(n) = &self.notify {
             n.validate()?;
             // The files too, so that `config check` and a start say so.
-            n.read_secret()?;
-            n.read_ca()?;
+            n.client()?;
         }
         Ok(())
     }
@@ -818,6 +858,9 @@ mod tests {
         let shown = toml::to_string_pretty(&c).unwrap();
         assert!(shown.contains("https://hooks.example/"), "{shown}");
         assert!(!shown.contains("SECRETPART"), "{shown}");
+        let debug = format!("{c:?}");
+        assert!(debug.contains("https://hooks.example/"), "{debug}");
+        assert!(!debug.contains("SECRETPART"), "{debug}");
         // Plain HTTP to loopback is fine (tests, a local relay).
         std::fs::write(&f, head("http://127.0.0.1:9/hook")).unwrap();
         assert!(Config::load(Some(&f), &[], &Flags::default()).is_ok());

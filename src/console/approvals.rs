@@ -16,7 +16,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    Page, broker_refused as refused, checked_form, ctx, html, signed_in, span, unix_of,
+    Notice, Outcome, Page, age, broker_refused as refused, checked_form, ctx, html, scope_text,
+    signed_in, span, unix_of,
 };
 use crate::broker::Code;
 
@@ -50,13 +51,6 @@ pub struct OutputRow {
     pub format: String,
     pub expose: String,
     pub required: bool,
-}
-
-/// The message after a decision.
-pub struct Notice {
-    pub ok: bool,
-    pub code: Option<&'static str>,
-    pub text: &'static str,
 }
 
 #[derive(Template)]
@@ -108,9 +102,7 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
     let rows = plans
         .into_iter()
         .map(|p| QueueRow {
-            age: unix_of(&p.created_at)
-                .map(|c| span(now - c))
-                .unwrap_or_else(|| p.created_at.clone()),
+            age: age(&p.created_at, now),
             left: span(p.expires_unix - now),
             requester: short(&p.requester),
             mine: p.requested_by_me,
@@ -122,48 +114,23 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
         .collect();
     let page = QueuePage {
         page: Page::new(Some(&who), "approvals"),
-        scope: if who.principal.is_admin() {
-            "all tenants".into()
-        } else {
-            format!("tenant {}", who.principal.tenant)
-        },
+        scope: scope_text(&who.principal),
         refresh: QUEUE_REFRESH_SECONDS,
         rows,
     };
     html(StatusCode::OK, &page)
 }
 
-#[derive(Deserialize)]
-pub struct Outcome {
-    #[serde(default)]
-    done: Option<String>,
-    #[serde(default)]
-    error: Option<String>,
-}
-
 /// The message for a decision's outcome or the broker's code.
 fn notice(q: &Outcome) -> Option<Notice> {
     match q.done.as_deref() {
         Some("approved") => {
-            return Some(Notice {
-                ok: true,
-                code: None,
-                text: "Approved. The requester may now submit the task.",
-            });
+            return Notice::done("Approved. The requester may now submit the task.");
         }
-        Some("denied") => {
-            return Some(Notice {
-                ok: true,
-                code: None,
-                text: "Denied. The plan will not run.",
-            });
-        }
+        Some("denied") => return Notice::done("Denied. The plan will not run."),
         _ => {}
     }
-    let code = Code::ALL
-        .iter()
-        .copied()
-        .find(|c| Some(c.as_str()) == q.error.as_deref())?;
+    let code = q.code()?;
     let text = match code {
         Code::SelfApprovalDenied => {
             "You asked for this plan: someone other than its requester must approve it."
@@ -187,11 +154,7 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Code::TaskPlanNotFound => "There is no such plan.",
         _ => "The appliance refused the decision.",
     };
-    Some(Notice {
-        ok: false,
-        code: Some(code.as_str()),
-        text,
-    })
+    Notice::refused(code.as_str(), text)
 }
 
 fn wire<T: serde::Serialize>(v: &T) -> String {

@@ -27,7 +27,6 @@ use super::session::SignedIn;
 use crate::audit::event::Event;
 use crate::audit::search::{self, Query as Search};
 use crate::audit::{AuditError, Journal};
-use crate::auth::Role;
 use crate::broker::{Code, Error};
 use crate::store::audit_index::Field;
 
@@ -225,14 +224,6 @@ fn build(j: &Journal, who: &SignedIn, p: &Params) -> Result<(Search, Option<u64>
     Ok((q, after))
 }
 
-/// Auditors and admins look at the journal.
-fn may_search(who: &SignedIn) -> bool {
-    who.principal
-        .roles
-        .iter()
-        .any(|r| matches!(r, Role::Auditor | Role::Admin))
-}
-
 /// The person's event for this look at the journal (the filter as a
 /// digest of its query string).
 fn event(st: &ConsoleState, who: &SignedIn, action: &str, p: &Params) -> Event {
@@ -280,7 +271,7 @@ async fn admit(
 ) -> Result<(SignedIn, Search, Option<u64>), Response> {
     let who = signed_in(st, headers).await?;
     let mut ev = event(st, &who, action, p);
-    if !may_search(&who) {
+    if !who.principal.may_audit() {
         return Err(refuse(st, &who, ev, Bad::Role).await);
     }
     let (q, after) = match build(st.broker.journal(), &who, p) {
@@ -372,30 +363,33 @@ struct AuditPage {
     chain: ChainState,
 }
 
-fn chain_state(j: &Journal) -> Result<ChainState, crate::store::StoreError> {
+/// The chain's head as read in `txn`: its last sequence number, the last
+/// event's hash and how many outcomes are pending.
+fn chain_head(
+    txn: &redb::ReadTransaction,
+) -> Result<(u64, String, usize), crate::store::StoreError> {
+    let last = crate::audit::last_seq(txn)?;
+    let head = crate::store::journal::event(txn, last)?
+        .map(|e| e.hash)
+        .unwrap_or_else(|| crate::audit::event::GENESIS.to_string());
+    let pending = crate::store::journal::pending(txn)?.len();
+    Ok((last, head, pending))
+}
+
+fn chain_state(j: &Journal, (events, head, pending): (u64, String, usize)) -> ChainState {
     let (state, ok) = match j.check() {
         Ok(()) => ("ok", true),
         Err(AuditError::Blocked) => ("reconciliation required", false),
         Err(AuditError::Unavailable(_)) => ("blocked: the store cannot commit", false),
     };
-    let (events, head) = j.store().read_now(|txn| {
-        let last = crate::audit::last_seq(txn)?;
-        let head = crate::store::journal::event(txn, last)?
-            .map(|e| e.hash)
-            .unwrap_or_else(|| crate::audit::event::GENESIS.to_string());
-        Ok((last, head))
-    })?;
-    Ok(ChainState {
+    ChainState {
         ok,
         state,
-        mode: match j.mode() {
-            crate::audit::AuditMode::Required => "required",
-            crate::audit::AuditMode::BestEffort => "best effort",
-        },
+        mode: super::pages::audit_mode_text(j.mode()),
         events,
         head,
-        pending: crate::audit::pending(j.store())?.len(),
-    })
+        pending,
+    }
 }
 
 pub async fn search_page(
@@ -411,10 +405,10 @@ pub async fn search_page(
     let q2 = q.clone();
     let found = j
         .store()
-        .read(move |txn| search::page(txn, &q2, after, PAGE_SIZE))
+        .read(move |txn| Ok((search::page(txn, &q2, after, PAGE_SIZE)?, chain_head(txn)?)))
         .await;
-    let found = match found.and_then(|f| chain_state(j).map(|c| (f, c))) {
-        Ok(v) => v,
+    let found = match found {
+        Ok((f, head)) => (f, chain_state(j, head)),
         Err(e) => {
             tracing::error!(error = %e, "console audit search: store read failed");
             return super::pages::unavailable();
@@ -432,11 +426,7 @@ pub async fn search_page(
     let me = &who.principal;
     let page = AuditPage {
         page: Page::new(Some(&who), "audit"),
-        scope: if me.is_admin() {
-            "all tenants".into()
-        } else {
-            format!("tenant {}", me.tenant)
-        },
+        scope: super::pages::scope_text(me),
         admin: me.is_admin(),
         outcomes: OUTCOMES,
         rows: found.events.into_iter().map(Row::from).collect(),

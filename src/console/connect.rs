@@ -21,8 +21,9 @@ use axum::{Form, Router};
 use serde::Deserialize;
 
 use super::ConsoleState;
-use super::identities::{admin_form, admin_only, make_token, refused};
+use super::identities::{admin_form, admin_only, make_token, record_refusal, refused};
 use super::pages::{Page, error_page, html, signed_in};
+use super::session::SignedIn;
 use crate::auth::{OpError, TokenSpec};
 
 /// This page's routes, merged into the console's router.
@@ -223,26 +224,38 @@ fn host_header(headers: &HeaderMap, uri: &Uri) -> Option<(String, Option<u16>)> 
 /// the listen address), with the port of the request or the listener.
 pub fn base_url(st: &ConsoleState, headers: &HeaderMap, uri: &Uri) -> String {
     let cfg = st.broker.config();
+    public_url(&cfg, cfg.listen, host_header(headers, uri))
+}
+
+/// The appliance's public URL, for links and agents: `asked` (the name
+/// and port a browser used) when the server certificate covers the name;
+/// else the first configured `server_names` entry, the listen address
+/// unless unspecified (`0.0.0.0`, `::`), a name the certificate covers
+/// beyond loopback (the host name, its addresses), or `localhost`; on the
+/// port asked or `listen`'s. Without a request (notifications) `asked` is
+/// `None`.
+pub fn public_url(
+    cfg: &crate::config::Config,
+    listen: std::net::SocketAddr,
+    asked: Option<(String, Option<u16>)>,
+) -> String {
     let scheme = if cfg.insecure_plain_http {
         "http"
     } else {
         "https"
     };
-    let covered = crate::tls::server_names(&cfg.server_names, cfg.listen);
-    let asked = host_header(headers, uri);
+    let covered = crate::tls::server_names(&cfg.server_names, listen);
     let port = asked
         .as_ref()
         .and_then(|(_, p)| *p)
-        .unwrap_or(cfg.listen.port());
+        .unwrap_or(listen.port());
     let name = match asked {
         Some((n, _)) if covered.iter().any(|c| c.eq_ignore_ascii_case(&n)) => n,
-        // The first configured name, the listen address, a name the
-        // certificate covers beyond loopback, localhost.
         _ => cfg
             .server_names
             .first()
             .cloned()
-            .or_else(|| (!cfg.listen.ip().is_unspecified()).then(|| cfg.listen.ip().to_string()))
+            .or_else(|| (!listen.ip().is_unspecified()).then(|| listen.ip().to_string()))
             .or_else(|| {
                 covered
                     .iter()
@@ -303,10 +316,11 @@ struct ResultPage {
     js_version: String,
 }
 
-fn fingerprint(st: &ConsoleState) -> String {
-    std::fs::read(ca_file(st))
+async fn fingerprint(st: &ConsoleState) -> String {
+    tokio::fs::read(ca_file(st))
+        .await
         .ok()
-        .and_then(|p| crate::tls::pem_fingerprint(&p))
+        .and_then(|pem| crate::tls::cert_info(&pem).ok().map(|c| c.sha256))
         .unwrap_or_else(|| "(unreadable)".into())
 }
 
@@ -336,7 +350,7 @@ pub async fn page(State(st): State<ConsoleState>, headers: HeaderMap, uri: Uri) 
             .collect(),
         profiles: profiles(&st),
         url: base_url(&st, &headers, &uri),
-        ca_fingerprint: fingerprint(&st),
+        ca_fingerprint: fingerprint(&st).await,
         csrf: who.csrf.clone(),
     };
     html(StatusCode::OK, &page)
@@ -360,6 +374,13 @@ pub struct ConnectForm {
     home: String,
 }
 
+/// A form refused for its input: recorded as a refused `token_create`
+/// (as the Identities page records its refusals), then the refusal page.
+async fn bad_input(st: &ConsoleState, who: &SignedIn, e: OpError) -> Response {
+    record_refusal(st, who, "token_create", e.code).await;
+    refused(who, &e)
+}
+
 pub async fn create(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
@@ -371,38 +392,42 @@ pub async fn create(
         Err(r) => return r,
     };
     let Some(&(host, host_name, doc, ca_hint)) = HOSTS.iter().find(|h| h.0 == f.host) else {
-        return refused(
+        return bad_input(
+            &st,
             &who,
-            &OpError::new("invalid_host", "choose one of the agent hosts"),
-        );
+            OpError::new("invalid_host", "choose one of the agent hosts"),
+        )
+        .await;
     };
     let Some(snippet) = SNIPPETS
         .iter()
         .find(|s| s.host == host && s.transport == f.transport)
     else {
-        return refused(
+        return bad_input(
+            &st,
             &who,
-            &OpError::new("invalid_transport", "the transport is stdio or http"),
-        );
+            OpError::new("invalid_transport", "the transport is stdio or http"),
+        )
+        .await;
     };
     let profile = f.profile.trim();
     if !profiles(&st).iter().any(|p| p == profile) {
-        return refused(
+        return bad_input(
+            &st,
             &who,
-            &OpError::new("invalid_profile", "choose one of the appliance's profiles"),
-        );
+            OpError::new("invalid_profile", "choose one of the appliance's profiles"),
+        )
+        .await;
     }
     let home = match f.home.trim() {
         "" => EXAMPLE_HOME,
         h if plain_home(h) => h.trim_end_matches('/'),
         _ => {
-            return refused(
-                &who,
-                &OpError::new(
-                    "invalid_home",
-                    "the home directory is an absolute path of letters, digits, '.', '_', '-' and '/'",
-                ),
+            let e = OpError::new(
+                "invalid_home",
+                "the home directory is an absolute path of letters, digits, '.', '_', '-' and '/'",
             );
+            return bad_input(&st, &who, e).await;
         }
     };
     let name = f.name.trim();
@@ -432,7 +457,7 @@ pub async fn create(
         profile: profile.to_string(),
         home: home.to_string(),
         url,
-        ca_fingerprint: fingerprint(&st),
+        ca_fingerprint: fingerprint(&st).await,
         ca_hint,
         js_version: super::assets::version("console.js"),
     };
@@ -449,7 +474,7 @@ pub async fn ca_pem(State(st): State<ConsoleState>, headers: HeaderMap) -> Respo
     if let Some(r) = admin_only(&who) {
         return r;
     }
-    match std::fs::read(ca_file(&st)) {
+    match tokio::fs::read(ca_file(&st)).await {
         Ok(pem) => (
             StatusCode::OK,
             [

@@ -23,11 +23,13 @@ use axum::{Form, Router};
 use serde::Deserialize;
 
 use super::ConsoleState;
-use super::pages::{CsrfForm, Page, error_page, form_expired, html, signed_in};
+use super::pages::{
+    CsrfForm, Notice, Outcome, Page, error_page, form_expired, html, roles_text, signed_in,
+};
 use super::session::{self, SignedIn};
 use crate::admin::{self, Actor, Request, Response as Answer};
 use crate::auth::users::{UserAnswer, UserInfo, UserOp};
-use crate::auth::{OpError, Principal, Role, TokenSpec};
+use crate::auth::{OpError, Principal, TokenSpec};
 
 /// This page's routes, merged into the console's router.
 pub fn routes() -> Router<ConsoleState> {
@@ -68,13 +70,6 @@ pub struct PersonRow {
     pub me: bool,
 }
 
-/// The message after a change.
-pub struct Notice {
-    pub ok: bool,
-    pub code: Option<&'static str>,
-    pub text: String,
-}
-
 #[derive(Template)]
 #[template(path = "identities.html", config = "web/askama.toml")]
 struct IdentitiesPage {
@@ -99,31 +94,6 @@ struct TokenCreatedPage {
     token: String,
     /// `console.js` (the copy button), linked by digest.
     js_version: String,
-}
-
-/// `agent, approver` for a principal's roles.
-pub(super) fn roles_text(p: &Principal) -> String {
-    p.roles
-        .iter()
-        .map(|r| match r {
-            Role::Agent => "agent",
-            Role::Approver => "approver",
-            Role::Auditor => "auditor",
-            Role::Admin => "admin",
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// What a principal may do, as `token list` shows it.
-fn scopes_text(p: &Principal) -> String {
-    if p.is_admin() {
-        "*".into()
-    } else if p.actions.is_empty() {
-        "(none)".into()
-    } else {
-        p.actions.join(", ")
-    }
 }
 
 fn any_or(v: &Option<Vec<String>>) -> String {
@@ -168,18 +138,7 @@ pub(super) async fn admin_form(
         return Err(form_expired(&who));
     }
     if let Some(r) = admin_only(&who) {
-        let j = st.broker.journal();
-        let mut ev = j.event(action);
-        ev.outcome = "rejected".into();
-        ev.error_code = Some("admin_required".into());
-        ev.identity_digest = Some(j.digest(
-            "identity",
-            format!("{}\0{}", who.principal.tenant, who.principal.subject).as_bytes(),
-        ));
-        ev.session_digest = Some(j.digest("console_session", who.key.as_bytes()));
-        if let Err(e) = j.record(ev).await {
-            tracing::warn!(error = %e, "a refused identity change was not audited");
-        }
+        record_refusal(st, &who, action, "admin_required").await;
         return Err(r);
     }
     Ok(who)
@@ -219,14 +178,6 @@ pub(super) fn refused(who: &SignedIn, e: &OpError) -> Response {
         "Refused",
         &format!("{} ({})", e.message, e.code),
     )
-}
-
-#[derive(Deserialize)]
-pub struct Outcome {
-    #[serde(default)]
-    done: Option<String>,
-    #[serde(default)]
-    error: Option<String>,
 }
 
 /// Codes a change may come back with (anything else in the query is not
@@ -279,18 +230,10 @@ fn notice(q: &Outcome) -> Option<Notice> {
         _ => None,
     };
     if let Some(t) = done {
-        return Some(Notice {
-            ok: true,
-            code: None,
-            text: t.into(),
-        });
+        return Notice::done(t);
     }
     let (code, text) = CODES.iter().find(|(c, _)| Some(*c) == q.error.as_deref())?;
-    Some(Notice {
-        ok: false,
-        code: Some(code),
-        text: (*text).into(),
-    })
+    Notice::refused(code, text)
 }
 
 fn row(t: admin::TokenInfo) -> IdentityRow {
@@ -298,7 +241,7 @@ fn row(t: admin::TokenInfo) -> IdentityRow {
         subject: t.principal.subject.clone(),
         tenant: t.principal.tenant.clone(),
         roles: roles_text(&t.principal),
-        scopes: scopes_text(&t.principal),
+        scopes: t.principal.scopes_text(", "),
         profiles: any_or(&t.principal.profiles),
         runtimes: any_or(&t.principal.runtimes),
         created_at: t.created_at,
@@ -415,7 +358,7 @@ pub(super) fn token_created(who: &SignedIn, p: &Principal, token: String) -> Res
         subject: p.subject.clone(),
         tenant: p.tenant.clone(),
         roles: roles_text(p),
-        scopes: scopes_text(p),
+        scopes: p.scopes_text(", "),
         token,
         js_version: super::assets::version("console.js"),
     };
@@ -463,16 +406,15 @@ pub(super) async fn make_token(
 }
 
 /// Record a change refused before it reached the handler (bad input).
-async fn record_refusal(st: &ConsoleState, who: &SignedIn, action: &str, code: &str) {
+pub(super) async fn record_refusal(st: &ConsoleState, who: &SignedIn, action: &str, code: &str) {
     let j = st.broker.journal();
-    let mut ev = j.event(action);
+    let actor = Actor::Console {
+        principal: &who.principal,
+        session_key: &who.key,
+    };
+    let mut ev = admin::identity_event(j, actor, action, None, None);
     ev.outcome = "rejected".into();
     ev.error_code = Some(code.to_string());
-    ev.identity_digest = Some(j.digest(
-        "identity",
-        format!("{}\0{}", who.principal.tenant, who.principal.subject).as_bytes(),
-    ));
-    ev.session_digest = Some(j.digest("console_session", who.key.as_bytes()));
     if let Err(e) = j.record(ev).await {
         tracing::warn!(error = %e, "a refused identity change was not audited");
     }

@@ -21,7 +21,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    CsrfForm, Page, broker_refused as refused, checked_form, ctx, html, signed_in, span, unix_of,
+    CsrfForm, Notice, Outcome, Page, age, broker_refused as refused, checked_form, ctx, html,
+    scope_text, signed_in, span,
 };
 use crate::broker::Code;
 use crate::broker::leases::LeaseState;
@@ -72,13 +73,6 @@ pub struct LeaseRow {
     pub ptys_more: bool,
 }
 
-/// The message after an action.
-pub struct Notice {
-    pub ok: bool,
-    pub code: Option<&'static str>,
-    pub text: &'static str,
-}
-
 #[derive(Template)]
 #[template(path = "leases.html", config = "web/askama.toml")]
 struct ListPage {
@@ -122,29 +116,9 @@ struct JobPage {
     csrf: String,
 }
 
-fn age(ts: &str, now: i64) -> String {
-    unix_of(ts)
-        .map(|c| span(now - c))
-        .unwrap_or_else(|| ts.to_string())
-}
-
-#[derive(Deserialize)]
-pub struct Outcome {
-    #[serde(default)]
-    done: Option<String>,
-    #[serde(default)]
-    error: Option<String>,
-}
-
 /// The message for an action's outcome or the broker's code.
 fn notice(q: &Outcome) -> Option<Notice> {
-    let ok = |text| {
-        Some(Notice {
-            ok: true,
-            code: None,
-            text,
-        })
-    };
+    let ok = Notice::done;
     match q.done.as_deref() {
         Some("paused") => {
             return ok("Paused. The lease's sandbox is paused; the agent can resume it.");
@@ -154,10 +128,7 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Some("pty_killed") => return ok("Killed. The PTY's process was ended."),
         _ => {}
     }
-    let code = Code::ALL
-        .iter()
-        .copied()
-        .find(|c| Some(c.as_str()) == q.error.as_deref())?;
+    let code = q.code()?;
     let text = match code {
         Code::ActionDenied => {
             "Your identity is not allowed to do this: releasing leases and ending jobs and PTYs is for admins."
@@ -176,11 +147,7 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Code::AuditUnavailable => "The audit journal is unavailable: nothing was done.",
         _ => "The appliance refused the action.",
     };
-    Some(Notice {
-        ok: false,
-        code: Some(code.as_str()),
-        text,
-    })
+    Notice::refused(code.as_str(), text)
 }
 
 fn proc_row(
@@ -271,11 +238,7 @@ pub async fn list(
         .collect();
     let page = ListPage {
         page: Page::new(Some(&who), "leases"),
-        scope: if admin {
-            "all tenants".into()
-        } else {
-            format!("tenant {}", who.principal.tenant)
-        },
+        scope: scope_text(&who.principal),
         backend: st.backend.clone(),
         refresh: LIST_REFRESH_SECONDS,
         notice: notice(&q),

@@ -5,8 +5,8 @@
 //!   broker calls [`Notifier::plan_needs_approval`], which only puts the
 //!   notice on a bounded in-memory queue (`queue`, default 256) and
 //!   returns: planning never waits on the webhook and never fails for it.
-//!   A full queue drops the notice with a warning and counts it
-//!   ([`Counters::dropped`]).
+//!   A full queue drops the notice with a warning (which counts the notices
+//!   dropped since start).
 //! - **Why in memory**: a notification is a convenience; the plan itself is
 //!   in the store and on the console's Approvals page whatever happens to
 //!   its message. Notices queued when the appliance stops are not sent.
@@ -45,35 +45,18 @@ pub const TIMESTAMP_HEADER: &str = "x-cube-timestamp";
 /// The longest wait between two attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(300);
 
-/// What became of the notices, since start.
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Accepted by the webhook (2xx).
-    pub sent: AtomicU64,
-    /// Attempts that failed and were tried again.
-    pub retried: AtomicU64,
-    /// Given up on (attempts spent, or a final refusal).
-    pub failed: AtomicU64,
-    /// Dropped because the queue was full (or the sender had stopped).
-    pub dropped: AtomicU64,
-}
-
 /// The broker's side: queues notices, never waits.
 pub struct Notifier {
     tx: mpsc::Sender<PlanNeedsApproval>,
-    counters: Arc<Counters>,
-}
-
-impl Notifier {
-    pub fn counters(&self) -> &Arc<Counters> {
-        &self.counters
-    }
+    /// Notices dropped since start (the queue full or the sender stopped),
+    /// for the warning.
+    dropped: AtomicU64,
 }
 
 impl PlanListener for Notifier {
     fn plan_needs_approval(&self, n: PlanNeedsApproval) {
         if let Err(e) = self.tx.try_send(n) {
-            let total = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            let total = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
             let (why, n) = match e {
                 mpsc::error::TrySendError::Full(n) => ("the queue is full", n),
                 mpsc::error::TrySendError::Closed(n) => ("the sender has stopped", n),
@@ -98,27 +81,16 @@ struct Delivery {
     attempts: u32,
     first_retry: Duration,
     clock: crate::clock::Clock,
-    counters: Arc<Counters>,
 }
 
-/// The console's base URL for links: `console_url`, else the first server
-/// name (else the listener's address) on the listener's port.
+/// The console's base URL for links: `console_url`, else the appliance's
+/// public URL on the listener's port (as the Connect page finds it, with
+/// no request: [`super::connect::public_url`]).
 pub fn console_base(cfg: &Config, n: &NotifySection, listen: std::net::SocketAddr) -> String {
     if let Some(u) = &n.console_url {
         return u.trim_end_matches('/').to_string();
     }
-    let scheme = if cfg.insecure_plain_http {
-        "http"
-    } else {
-        "https"
-    };
-    match cfg.server_names.first() {
-        Some(name) if name.parse::<std::net::Ipv6Addr>().is_ok() => {
-            format!("{scheme}://[{name}]:{}", listen.port())
-        }
-        Some(name) => format!("{scheme}://{name}:{}", listen.port()),
-        None => format!("{scheme}://{listen}"),
-    }
+    super::connect::public_url(cfg, listen, None)
 }
 
 /// The message for a plan: Slack/Teams-compatible `text`, and the facts
@@ -172,10 +144,7 @@ pub fn start(
     };
     let url = reqwest::Url::parse(&n.url)
         .map_err(|e| format!("console.notify: url is not a URL ({e})"))?;
-    let secret = n.read_secret()?;
-    let ca = n.read_ca()?;
-    let tls = crate::tls::client_config(ca.as_deref(), None)
-        .map_err(|e| format!("console.notify: TLS: {e}"))?;
+    let (secret, tls) = n.client()?;
     let http = reqwest::Client::builder()
         .tls_backend_preconfigured(tls)
         .http1_only()
@@ -186,7 +155,6 @@ pub fn start(
         .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
         .build()
         .map_err(|e| format!("console.notify: HTTP client: {e}"))?;
-    let counters = Arc::new(Counters::default());
     let (tx, rx) = mpsc::channel(n.queue);
     let d = Delivery {
         http,
@@ -197,10 +165,15 @@ pub fn start(
         attempts: n.max_attempts,
         first_retry: Duration::from_millis(n.retry_initial_ms),
         clock: cfg.clock.clone(),
-        counters: counters.clone(),
     };
     let task = tokio::spawn(run(d, rx, stop));
-    Ok(Some((Arc::new(Notifier { tx, counters }), task)))
+    Ok(Some((
+        Arc::new(Notifier {
+            tx,
+            dropped: AtomicU64::new(0),
+        }),
+        task,
+    )))
 }
 
 async fn run(d: Delivery, mut rx: mpsc::Receiver<PlanNeedsApproval>, stop: CancellationToken) {
@@ -235,24 +208,20 @@ impl Delivery {
         for attempt in 1..=self.attempts {
             match self.attempt(&body).await {
                 Attempt::Sent => {
-                    self.counters.sent.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(plan_ref = %n.plan_ref, host = %self.host, attempt, "approval notification sent");
                     return;
                 }
                 Attempt::Final(why) => {
-                    self.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(plan_ref = %n.plan_ref, host = %self.host, attempt, "approval notification refused: {why}");
                     return;
                 }
                 Attempt::Retry(why) if attempt < self.attempts => {
-                    self.counters.retried.fetch_add(1, Ordering::Relaxed);
                     let jitter = wait.mul_f64(rand::random::<f64>() / 2.0);
                     tracing::info!(plan_ref = %n.plan_ref, host = %self.host, attempt, "approval notification failed ({why}); trying again");
                     tokio::time::sleep(wait + jitter).await;
                     wait = (wait * 2).min(MAX_BACKOFF);
                 }
                 Attempt::Retry(why) => {
-                    self.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(plan_ref = %n.plan_ref, host = %self.host, attempt, "approval notification given up: {why}");
                 }
             }
@@ -342,7 +311,23 @@ mod tests {
         };
         let listen: std::net::SocketAddr = "0.0.0.0:18443".parse().unwrap();
         let mut cfg = Config::default();
-        assert_eq!(console_base(&cfg, &n, listen), "https://0.0.0.0:18443");
+        // Listening on every address with no server name: a name the
+        // certificate covers (the host's name or address, else localhost),
+        // never the unspecified address, on the listener's port.
+        let base = console_base(&cfg, &n, listen);
+        let host = base
+            .strip_prefix("https://")
+            .and_then(|b| b.strip_suffix(":18443"))
+            .unwrap_or_else(|| panic!("{base}"));
+        assert!(
+            !host.is_empty() && host != "0.0.0.0" && host != "[::]",
+            "{base}"
+        );
+        let covered = crate::tls::server_names(&[], listen);
+        assert!(
+            covered.iter().any(|c| *c == host.trim_matches(['[', ']'])),
+            "{host} not in {covered:?}"
+        );
         cfg.server_names = vec!["adapter.example".into(), "10.0.0.1".into()];
         assert_eq!(
             console_base(&cfg, &n, listen),

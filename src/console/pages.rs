@@ -42,11 +42,7 @@ impl Page {
                 roles: roles_text(&s.principal),
                 csrf: s.csrf.clone(),
                 admin: s.principal.is_admin(),
-                auditor: s
-                    .principal
-                    .roles
-                    .iter()
-                    .any(|r| matches!(r, Role::Auditor | Role::Admin)),
+                auditor: s.principal.may_audit(),
             }),
             here,
             css_version: super::assets::version("console.css"),
@@ -135,18 +131,13 @@ pub(super) fn unavailable() -> Response {
     )
 }
 
-fn roles_text(p: &Principal) -> String {
-    let v: Vec<&str> = p
-        .roles
+/// `agent, approver` for a principal's roles.
+pub(super) fn roles_text(p: &Principal) -> String {
+    p.roles
         .iter()
-        .map(|r| match r {
-            Role::Agent => "agent",
-            Role::Approver => "approver",
-            Role::Auditor => "auditor",
-            Role::Admin => "admin",
-        })
-        .collect();
-    v.join(", ")
+        .map(|r| r.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Approvers, auditors and admins use the console; agents do not.
@@ -263,7 +254,8 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
         }
     };
     let now = st.broker.clock().unix();
-    let cert_days = std::fs::read(&st.cert_file)
+    let cert_days = tokio::fs::read(&st.cert_file)
+        .await
         .ok()
         .and_then(|pem| crate::tls::cert_info(&pem).ok())
         .map(|c| c.days_left(now));
@@ -273,13 +265,12 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
             Some(t) => format!("tenant {t}"),
             None => "all tenants".into(),
         },
-        ready: j.is_ready() && !store.failed(),
+        // `check` passing is `is_ready`; a failed store is not ready even
+        // when the journal is best effort.
+        ready: audit_ok && !store.failed(),
         audit_ok,
         audit_state,
-        audit_mode: match j.mode() {
-            crate::audit::AuditMode::Required => "required",
-            crate::audit::AuditMode::BestEffort => "best effort",
-        },
+        audit_mode: audit_mode_text(j.mode()),
         backend: st.backend.clone(),
         cert_days,
         pending_plans,
@@ -334,22 +325,20 @@ async fn audit_sign_in(
     error_code: Option<&str>,
 ) -> Result<(), AuditError> {
     let j = st.broker.journal();
-    let mut ev = j.event("console_sign_in");
-    match ok {
+    let mut ev = match ok {
         Some((p, key)) => {
+            let mut ev = st.broker.event(p, "console_sign_in", &ctx());
             ev.outcome = "ok".into();
-            ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
-            ev.identity_digest = Some(j.digest(
-                "identity",
-                format!("{}\0{}", p.tenant, p.subject).as_bytes(),
-            ));
             ev.session_digest = Some(j.digest("console_session", key.as_bytes()));
+            ev
         }
         None => {
+            let mut ev = j.event("console_sign_in");
             ev.outcome = "rejected".into();
             ev.identity_digest = Some(j.digest("user", name.as_bytes()));
+            ev
         }
-    }
+    };
     ev.error_code = error_code.map(str::to_string);
     if let Some(s) = source {
         ev.note_digest = Some(j.digest("source", s.ip().to_string().as_bytes()));
@@ -489,18 +478,82 @@ pub async fn sign_out(
         return unavailable();
     }
     let j = st.broker.journal();
-    let mut ev = j.event("console_sign_out");
+    let mut ev = st.broker.event(&who.principal, "console_sign_out", &ctx());
     ev.outcome = "ok".into();
-    ev.tenant_digest = Some(j.digest("tenant", who.principal.tenant.as_bytes()));
-    ev.identity_digest = Some(j.digest(
-        "identity",
-        format!("{}\0{}", who.principal.tenant, who.principal.subject).as_bytes(),
-    ));
     ev.session_digest = Some(j.digest("console_session", who.key.as_bytes()));
     if let Err(e) = j.record(ev).await {
         tracing::warn!(error = %e, "a console sign-out was not audited");
     }
     to_sign_in(true)
+}
+
+/// The message a page shows after an action (from its [`Outcome`] query).
+pub struct Notice {
+    pub ok: bool,
+    pub code: Option<&'static str>,
+    pub text: &'static str,
+}
+
+impl Notice {
+    /// The action was done.
+    pub(super) fn done(text: &'static str) -> Option<Self> {
+        Some(Self {
+            ok: true,
+            code: None,
+            text,
+        })
+    }
+
+    /// The action was refused with `code`.
+    pub(super) fn refused(code: &'static str, text: &'static str) -> Option<Self> {
+        Some(Self {
+            ok: false,
+            code: Some(code),
+            text,
+        })
+    }
+}
+
+/// The query a form's redirect carries: `?done=…` or `?error=<code>`.
+#[derive(Deserialize)]
+pub struct Outcome {
+    #[serde(default)]
+    pub(super) done: Option<String>,
+    #[serde(default)]
+    pub(super) error: Option<String>,
+}
+
+impl Outcome {
+    /// The broker's code in `error`, if it is one.
+    pub(super) fn code(&self) -> Option<crate::broker::Code> {
+        crate::broker::Code::from_wire(self.error.as_deref()?)
+    }
+}
+
+/// How long ago `ts` (RFC 3339) was at `now`, or `ts` itself if it does
+/// not parse.
+pub(super) fn age(ts: &str, now: i64) -> String {
+    unix_of(ts)
+        .map(|c| span(now - c))
+        .unwrap_or_else(|| ts.to_string())
+}
+
+/// The tenants a person's lists cover: an admin sees every tenant's,
+/// everyone else their own.
+pub(super) fn scope_text(p: &Principal) -> String {
+    if p.is_admin() {
+        "all tenants".into()
+    } else {
+        format!("tenant {}", p.tenant)
+    }
+}
+
+/// The journal's mode as the console shows it (`best effort`).
+pub(super) fn audit_mode_text(m: crate::audit::AuditMode) -> &'static str {
+    match m {
+        crate::audit::AuditMode::BestEffort => "best effort",
+        m => m.as_str(),
+    }
 }
 
 /// A short span: `45 s`, `12 min`, `3 h 5 min`, `2 d 4 h`.

@@ -18,7 +18,10 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::ConsoleState;
-use super::pages::{CsrfForm, Page, broker_refused as refused, checked_form, ctx, html, signed_in};
+use super::pages::{
+    CsrfForm, Notice, Outcome, Page, broker_refused as refused, checked_form, ctx, html,
+    scope_text, signed_in,
+};
 use crate::broker::tasks::{LIST_DEFAULT, LIST_MAX, TaskFilter};
 use crate::broker::{Code, Error};
 
@@ -206,11 +209,7 @@ pub async fn list(
     }
     let page = ListPage {
         page: Page::new(Some(&who), "tasks"),
-        scope: if admin {
-            "all tenants".into()
-        } else {
-            format!("tenant {}", who.principal.tenant)
-        },
+        scope: scope_text(&who.principal),
         admin,
         states: STATES
             .iter()
@@ -272,13 +271,6 @@ pub struct ReceiptSummary {
     pub signatures: Vec<(String, String)>,
 }
 
-/// The message after a cancel.
-pub struct Notice {
-    pub ok: bool,
-    pub code: Option<&'static str>,
-    pub text: &'static str,
-}
-
 #[derive(Template)]
 #[template(path = "task.html", config = "web/askama.toml")]
 struct DetailPage {
@@ -315,27 +307,14 @@ struct DetailPage {
     csrf: String,
 }
 
-#[derive(Deserialize)]
-pub struct Outcome {
-    #[serde(default)]
-    done: Option<String>,
-    #[serde(default)]
-    error: Option<String>,
-}
-
 /// The message for a cancel's outcome or the broker's code.
 fn notice(q: &Outcome) -> Option<Notice> {
     if q.done.as_deref() == Some("cancelled") {
-        return Some(Notice {
-            ok: true,
-            code: None,
-            text: "Cancelled: the task's job was stopped if it was still running, its sandbox killed and its result finalized.",
-        });
+        return Notice::done(
+            "Cancelled: the task's job was stopped if it was still running, its sandbox killed and its result finalized.",
+        );
     }
-    let code = Code::ALL
-        .iter()
-        .copied()
-        .find(|c| Some(c.as_str()) == q.error.as_deref())?;
+    let code = q.code()?;
     let text = match code {
         Code::ActionDenied => {
             "Your identity may not cancel tasks: in the console, admins cancel tasks."
@@ -348,11 +327,7 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Code::ExecutionFailed => "The appliance could not end the task. Try again shortly.",
         _ => "The appliance refused to cancel the task.",
     };
-    Some(Notice {
-        ok: false,
-        code: Some(code.as_str()),
-        text,
-    })
+    Notice::refused(code.as_str(), text)
 }
 
 fn yes_no(v: Option<&Value>) -> String {
@@ -435,12 +410,24 @@ pub async fn detail(
     // read as `GET /v1/tasks/{ref}/receipt` would (audited as such).
     let receipt = match (&a.receipt, a.receipt_ready) {
         (Some(r), _) if !r.is_null() => Some(r.clone()),
-        (_, true) if who.principal.allows_action("task:receipt") => st
-            .broker
-            .task_receipt(&who.principal, &c, &task_ref)
-            .await
-            .ok()
-            .map(|r| r.receipt),
+        (_, true) if who.principal.allows_action("task:receipt") => {
+            match st.broker.task_receipt(&who.principal, &c, &task_ref).await {
+                Ok(r) => Some(r.receipt),
+                // The page shows the task without its receipt summary; a
+                // failure of the appliance (not a refusal) is logged, as
+                // `broker_refused` logs it.
+                Err(e) => {
+                    if e.code.status().is_server_error() {
+                        tracing::error!(
+                            code = e.code.as_str(),
+                            task_ref = %task_ref,
+                            "console: the task's receipt could not be read"
+                        );
+                    }
+                    None
+                }
+            }
+        }
         _ => None,
     };
     let result = a.result.as_ref().filter(|r| r.is_object());

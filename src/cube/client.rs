@@ -273,7 +273,7 @@ impl Reachability {
     }
 
     /// `None` when both answer, else which one(s) did not, for a status line:
-    /// `CubeAPI unreachable: …; CubeProxy unreachable: …`.
+    /// `CubeAPI: …; CubeProxy unreachable: …`.
     pub fn problem(&self) -> Option<String> {
         let v: Vec<String> = [&self.cube_api, &self.cube_proxy]
             .into_iter()
@@ -590,6 +590,7 @@ impl CubeClient {
         }
     }
 
+    /// A call whose answer, if any, is not needed.
     async fn call_empty<B: Serialize>(
         &self,
         method: Method,
@@ -597,8 +598,9 @@ impl CubeClient {
         body: Option<&B>,
         timeout: Duration,
         what: &str,
+        idem: Idempotent,
     ) -> Result<()> {
-        self.call::<B, serde_json::Value>(method, path, body, timeout, what)
+        self.call_with::<B, serde_json::Value>(method, path, body, timeout, what, idem)
             .await
             .map(|_| ())
     }
@@ -610,7 +612,7 @@ impl CubeClient {
     /// `GET /health`.
     pub async fn health(&self) -> Result<()> {
         // A probe reports at once: no Retry-After waits.
-        self.call_with::<(), serde_json::Value>(
+        self.call_empty::<()>(
             Method::GET,
             "/health",
             None,
@@ -619,7 +621,6 @@ impl CubeClient {
             Idempotent::No,
         )
         .await
-        .map(|_| ())
     }
 
     /// Whether CubeProxy answers: `GET /health` with
@@ -639,12 +640,23 @@ impl CubeClient {
 
     /// Which of CubeAPI and CubeProxy can be reached, checked side by side.
     pub async fn reachability(&self) -> Reachability {
-        let (api, proxy) = tokio::join!(self.health(), self.probe_proxy());
+        // A probe reports at once: no Retry-After waits. Its errors name
+        // CubeAPI, whether it could not be reached or answered an error.
+        let api = async {
+            self.exchange(
+                Method::GET,
+                self.url("/health")?,
+                None,
+                self.t(),
+                "CubeAPI",
+                Idempotent::No,
+            )
+            .await
+            .map(|_| ())
+        };
+        let (api, proxy) = tokio::join!(api, self.probe_proxy());
         Reachability {
-            cube_api: api.map_err(|e| {
-                let msg = e.message.replacen("health", "CubeAPI unreachable", 1);
-                CubeError::new(e.kind, msg)
-            }),
+            cube_api: api,
             cube_proxy: proxy.map(|_| ()),
         }
     }
@@ -735,6 +747,7 @@ impl CubeClient {
             None,
             self.t(),
             "kill sandbox",
+            Idempotent::Yes,
         )
         .await
     }
@@ -745,7 +758,7 @@ impl CubeClient {
         let body = TimeoutBody {
             timeout: Some(secs),
         };
-        self.call_with::<_, serde_json::Value>(
+        self.call_empty(
             Method::POST,
             &format!("/sandboxes/{id}/timeout"),
             Some(&body),
@@ -754,7 +767,6 @@ impl CubeClient {
             Idempotent::Yes,
         )
         .await
-        .map(|_| ())
     }
 
     pub async fn refresh(&self, id: &str, secs: i64) -> Result<()> {
@@ -762,7 +774,7 @@ impl CubeClient {
         let body = RefreshBody {
             duration: Some(secs),
         };
-        self.call_with::<_, serde_json::Value>(
+        self.call_empty(
             Method::POST,
             &format!("/sandboxes/{id}/refreshes"),
             Some(&body),
@@ -771,7 +783,6 @@ impl CubeClient {
             Idempotent::Yes,
         )
         .await
-        .map(|_| ())
     }
 
     pub async fn pause(&self, id: &str) -> Result<()> {
@@ -782,6 +793,7 @@ impl CubeClient {
             Some(&serde_json::json!({})),
             self.inner.cfg.timeouts.pause,
             "pause",
+            Idempotent::No,
         )
         .await
     }
@@ -848,6 +860,7 @@ impl CubeClient {
             None,
             self.inner.cfg.timeouts.snapshot,
             "delete snapshot",
+            Idempotent::Yes,
         )
         .await
     }

@@ -212,7 +212,15 @@ impl CubeClient {
         let bad = |e: url::ParseError| CubeError::protocol(format!("bad data-plane path: {e}"));
         if self.inner.dial {
             // The URL names the sandbox (SNI and Host); the resolver sends
-            // the connection to the dial address.
+            // the connection to the dial address, but only for names under
+            // the configured domain: any other (a sandbox domain CubeAPI
+            // made up) would go wherever DNS points, with the traffic token.
+            if !under_domain(host, &self.inner.cfg.domain) {
+                return Err(CubeError::protocol(format!(
+                    "data-plane host '{host}' is not under the sandbox domain '{}'",
+                    self.inner.cfg.domain
+                )));
+            }
             let mut base = self.inner.proxy.clone();
             base.set_host(Some(host)).map_err(bad)?;
             let _ = base.set_port(None);
@@ -670,4 +678,66 @@ impl CubeClient {
 
 fn basic(user: &str) -> String {
     format!("Basic {}", B64.encode(format!("{user}:")))
+}
+
+/// `host` ends in `.{domain}` (ASCII case-insensitive).
+fn under_domain(host: &str, domain: &str) -> bool {
+    host.len() > domain.len() + 1
+        && host
+            .get(host.len() - domain.len()..)
+            .is_some_and(|d| !d.is_empty() && d.eq_ignore_ascii_case(domain))
+        && host.as_bytes().get(host.len() - domain.len() - 1) == Some(&b'.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cube::{BackendConfig, ErrorKind, ProxyUrl};
+
+    #[test]
+    fn dial_mode_refuses_hosts_outside_the_domain() {
+        let mut cfg = BackendConfig::new("t", "http://127.0.0.1:1");
+        cfg.domain = "cube.test".into();
+        cfg.proxy_url = Some(ProxyUrl::Dial {
+            url: "http://cube.test".into(),
+            dial: "127.0.0.1:2".into(),
+        });
+        cfg.insecure_plain_http = true;
+        let c = CubeClient::new(cfg).unwrap();
+        for ok in ["49983-sbx1.cube.test", "49983-sbx1.CUBE.Test"] {
+            assert!(
+                c.proxy_request(Method::GET, ok, "/health", false).is_ok(),
+                "{ok}"
+            );
+        }
+        for bad in [
+            "49983-sbx1.evil.example",
+            "49983-sbx1.notcube.test",
+            "cube.test",
+            ".cube.test",
+            "49983-sbx1.cube.test.evil.example",
+        ] {
+            let e = c
+                .proxy_request(Method::GET, bad, "/health", false)
+                .unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Protocol, "{bad}");
+        }
+
+        // Without a dial address the Host goes to the configured proxy URL.
+        let mut plain = BackendConfig::new("t", "http://127.0.0.1:1");
+        plain.domain = "cube.test".into();
+        plain.proxy_url = Some(ProxyUrl::Url("http://127.0.0.1:2".into()));
+        let c = CubeClient::new(plain).unwrap();
+        assert!(
+            c.proxy_request(Method::GET, "49983-sbx1.other.example", "/health", false)
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn under_domain_cases() {
+        assert!(under_domain("a.cube.test", "cube.test"));
+        assert!(!under_domain("acube.test", "cube.test"));
+        assert!(!under_domain("a.cube.test", ""));
+    }
 }

@@ -58,9 +58,9 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Headers not forwarded to envd. `X-API-Key` is not among them: real
-/// CubeProxy forwards it into the sandbox, and so do we, so that a client
-/// that leaks it on the data plane is caught (see [`API_KEY_SEEN`]).
+/// Headers not forwarded to envd (either way). `X-API-Key` is among them:
+/// clients other than ours (the Python SDK) send the CubeAPI key on the data
+/// plane too, and it must never reach envd inside the sandbox.
 const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
@@ -72,12 +72,8 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
     "e2b-traffic-access-token",
     "cube-traffic-access-token",
+    "x-api-key",
 ];
-
-/// Created in a sandbox's directory (`<state>/sandboxes/<id>/`) the first
-/// time its envd is sent an `X-API-Key` (the fact only, never the key): the
-/// evidence a test needs that a client keeps its key off the data plane.
-pub const API_KEY_SEEN: &str = "envd-saw-x-api-key";
 
 /// Forward one data-plane request.
 pub async fn forward(m: &Manager, port: u16, id: &str, req: Request) -> Response {
@@ -151,21 +147,6 @@ pub async fn connect_unix(socket: &Path) -> std::io::Result<tokio::net::UnixStre
     stream
 }
 
-/// Record that envd behind `socket` (`<sandbox>/run/envd.sock`) was sent an
-/// API key. Best effort: a failure to record is logged, never fatal.
-async fn note_api_key(socket: &Path) {
-    let Some(dir) = socket.parent().and_then(Path::parent) else {
-        return;
-    };
-    let f = dir.join(API_KEY_SEEN);
-    if tokio::fs::try_exists(&f).await.unwrap_or(false) {
-        return;
-    }
-    if let Err(e) = tokio::fs::write(&f, b"x-api-key forwarded to envd\n").await {
-        tracing::debug!(error = %e, "cannot record the forwarded api key");
-    }
-}
-
 /// Send a request to envd on a unix socket; the response body streams.
 pub async fn send(
     socket: &Path,
@@ -180,9 +161,6 @@ pub async fn send(
     for h in HOP_BY_HOP {
         parts.headers.remove(*h);
     }
-    if parts.headers.contains_key("x-api-key") {
-        note_api_key(socket).await;
-    }
     let body = Body::new(http_body_util::Limited::new(body, MAX_UPLOAD));
     let resp = sender
         .send_request(http::Request::from_parts(parts, body))
@@ -191,7 +169,6 @@ pub async fn send(
     for h in HOP_BY_HOP {
         parts.headers.remove(*h);
     }
-    parts.headers.remove("x-api-key");
     Ok(Response::from_parts(
         parts,
         Body::new(body.map_err(axum::Error::new)),

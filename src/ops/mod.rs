@@ -482,10 +482,7 @@ impl Service {
             "started_at": self.started_at,
             "state_dir": self.state,
             "audit": {
-                "mode": match j.mode() {
-                    crate::audit::AuditMode::Required => "required",
-                    crate::audit::AuditMode::BestEffort => "best_effort",
-                },
+                "mode": j.mode().as_str(),
                 "state": audit,
             },
             "backend": {"description": self.backend, "ok": backend_ok, "unreachable": reach, "templates": checks},

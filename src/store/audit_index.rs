@@ -113,9 +113,21 @@ pub fn add(txn: &WriteTransaction, ev: &Event) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// How much more start-up time each batch of the upgrade asks systemd for
+/// (`EXTEND_TIMEOUT_USEC`): far more than one batch takes.
+const UPGRADE_EXTEND_USEC: u64 = 60_000_000;
+
 /// Build the indexes for every event of the journal (schema 5 → 6). Returns
-/// the number of events indexed.
+/// the number of events indexed. Under systemd, each batch extends the
+/// start-up timeout (`EXTEND_TIMEOUT_USEC`), so that a large journal's
+/// upgrade is not killed by `TimeoutStartSec`; so does the end, for the
+/// commit that follows.
 pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
+    let extend = |n: u64| {
+        crate::systemd::notify(&format!(
+            "EXTEND_TIMEOUT_USEC={UPGRADE_EXTEND_USEC}\nSTATUS=upgrading the store: {n} audit events indexed"
+        ))
+    };
     let mut n = 0;
     let mut batch = Vec::with_capacity(1024);
     let mut from = 0u64;
@@ -129,6 +141,7 @@ pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
                 batch.push((k.value(), ev));
             }
         }
+        extend(n);
         let Some(&(last, _)) = batch.last() else {
             break;
         };

@@ -134,6 +134,9 @@ struct Inner {
     closed: AtomicBool,
     path: PathBuf,
     stats: Arc<Stats>,
+    /// The token key, unsealed once at open (`None` if that failed: then
+    /// each `token_key` call tries again and reports why).
+    token_key: Option<[u8; 32]>,
 }
 
 /// Counters kept by the writer.
@@ -213,6 +216,7 @@ impl Store {
         set_mode(&path, 0o600);
         let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
         let chain = migrate(&db, &sealer)?;
+        let token_key = read_token_key(&db, &sealer).ok();
         let db = Arc::new(db);
         let (tx, rx) = mpsc::channel::<Job>(4096);
         let stats = Arc::new(Stats::default());
@@ -224,6 +228,7 @@ impl Store {
             closed: AtomicBool::new(false),
             path,
             stats: stats.clone(),
+            token_key,
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
@@ -355,20 +360,30 @@ impl Store {
     }
 
     /// The key bearer tokens are verified under (HMAC-SHA-256): made with
-    /// the store (schema 4), kept in `meta` sealed under the store key.
+    /// the store (schema 4), kept in `meta` sealed under the store key, and
+    /// unsealed once, when the store is opened.
     pub fn token_key(&self) -> Result<[u8; 32], StoreError> {
-        let sealed: String = self.read_now(|txn| {
-            let meta = txn.open_table(tables::META)?;
-            let v = meta
-                .get(TOKEN_KEY)?
-                .ok_or_else(|| StoreError::Corrupt("meta has no token key".into()))?;
-            codec::decode(v.value())
-        })?;
-        let raw = self.sealer.open(&sealed)?;
-        raw.as_slice()
-            .try_into()
-            .map_err(|_| StoreError::Corrupt("the token key is not 32 bytes".into()))
+        match self.inner.token_key {
+            Some(k) => Ok(k),
+            None => read_token_key(&*self.db()?, &self.sealer),
+        }
     }
+}
+
+/// Read and unseal the token key from `meta`.
+fn read_token_key(db: &Database, sealer: &Sealer) -> Result<[u8; 32], StoreError> {
+    let txn = db.begin_read()?;
+    let sealed: String = {
+        let meta = txn.open_table(tables::META)?;
+        let v = meta
+            .get(TOKEN_KEY)?
+            .ok_or_else(|| StoreError::Corrupt("meta has no token key".into()))?;
+        codec::decode(v.value())?
+    };
+    let raw = sealer.open(&sealed)?;
+    raw.as_slice()
+        .try_into()
+        .map_err(|_| StoreError::Corrupt("the token key is not 32 bytes".into()))
 }
 
 fn set_mode(p: &Path, mode: u32) {

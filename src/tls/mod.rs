@@ -550,18 +550,6 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
-/// SHA-256 fingerprint (`AA:BB:…`) of the first certificate in `pem`.
-pub fn pem_fingerprint(pem: &[u8]) -> Option<String> {
-    let der = parse_certs(pem).ok()?.into_iter().next()?;
-    Some(
-        sha2::Sha256::digest(der.as_ref())
-            .iter()
-            .map(|b| format!("{b:02X}"))
-            .collect::<Vec<_>>()
-            .join(":"),
-    )
-}
-
 /// A client certificate that stands for an identity, as handed to its
 /// holder: `client.pem`, `client.key` and `ca.pem` (the CA of the
 /// appliance's server certificate, for the holder's trust). No `Debug`:

@@ -178,18 +178,22 @@ async function shot(page, name) {
   }
 }
 
-/** Screenshots at desktop width, and at a phone's width if `phone`. */
-async function shots(page, name, phone = false) {
-  await page.setViewportSize(DESKTOP);
-  await shot(page, `${name}-desktop`);
-  if (phone) {
+/** Screenshots of a page as people see it: desktop, a phone's width, and
+ * the dark scheme (desktop and phone). Every page is checked at the phone's
+ * width: nothing may make the whole page scroll sideways. */
+async function shots(page, name) {
+  for (const scheme of ['light', 'dark']) {
+    await page.emulateMedia({ colorScheme: scheme });
+    const suffix = scheme === 'dark' ? '-dark' : '';
+    await page.setViewportSize(DESKTOP);
+    await shot(page, `${name}-desktop${suffix}`);
     await page.setViewportSize(PHONE);
-    await shot(page, `${name}-phone`);
-    // Readable on a phone: nothing makes the whole page scroll sideways.
+    await shot(page, `${name}-phone${suffix}`);
     const wide = await page.evaluate(() => document.documentElement.scrollWidth);
     if (wide > PHONE.width) report.phone_overflow.push(`${name}: ${wide}px wide at ${PHONE.width}px`);
-    await page.setViewportSize(DESKTOP);
   }
+  await page.emulateMedia({ colorScheme: 'light' });
+  await page.setViewportSize(DESKTOP);
 }
 
 /** The focused element, described: `input#name`, `button[approve]`, `a:Overview`. */
@@ -274,7 +278,7 @@ try {
     // Signed out: the console sends to the sign-in form.
     await page.goto('/console');
     must(page.url() === `${BASE}/console/sign-in`, `signed out, /console goes to sign-in (${page.url()})`);
-    await shots(page, 'sign-in', true);
+    await shots(page, 'sign-in');
     await save(page, 'sign-in');
     // A wrong password: the form again, with a message.
     await page.getByLabel('User name').fill(APPROVER);
@@ -282,20 +286,20 @@ try {
     await page.getByRole('button', { name: 'Sign in' }).click();
     must(await page.getByRole('alert').innerText().then((t) => t.includes('Wrong user name or password')), 'a wrong password is refused');
     await signIn(page, APPROVER, { keyboard: true });
-    await shots(page, 'overview', true);
+    await shots(page, 'overview');
     await save(page, 'overview');
 
     await Promise.all([page.waitForURL(`${BASE}/console/approvals`), page.getByRole('link', { name: 'Approvals', exact: true }).click()]);
     const link = page.getByRole('link', { name: PLAN, exact: true });
     must((await link.count()) === 1, `the queue lists ${PLAN}`);
-    await shots(page, 'approvals', true);
+    await shots(page, 'approvals');
     await save(page, 'approvals');
 
     await Promise.all([page.waitForURL(`${BASE}/console/plans/${PLAN}`), link.click()]);
     const command = await page.locator('pre.command').innerText();
     must(command.includes('/bin/sh -c'), `the review shows the command: ${command}`);
     must((await page.locator('dd.state-name').innerText()) === 'pending_approval', 'pending');
-    await shots(page, 'plan-review', true);
+    await shots(page, 'plan-review');
     await save(page, 'plan-review');
     // The keyboard reaches the reason and the Approve button.
     await page.goto(`/console/plans/${PLAN}`);
@@ -411,7 +415,7 @@ try {
     must(verdict.startsWith('Valid:'), `the receipt verifies: ${verdict}`);
     const head = await page.locator('#head-in-journal').innerText();
     must(head.startsWith('yes'), `the receipt's audit head is in the journal: ${head}`);
-    await shots(page, 'receipt-verify', true);
+    await shots(page, 'receipt-verify');
     await save(page, 'receipt-verify');
   });
 
@@ -456,6 +460,10 @@ try {
     must((await p.locator('h1').innerText()) === 'Identities', 'the Identities page');
     await shots(p, 'identities');
     await save(p, 'identities');
+    await open(p, '/console/connect', 'connect');
+    must((await p.locator('h1').innerText()).startsWith('Connect'), 'the Connect an agent page');
+    await shots(p, 'connect');
+    await save(p, 'connect');
     await ctx.close();
   });
 

@@ -4,74 +4,57 @@
 
 use cube_adapter::cube::wire::CreateSandbox;
 use cube_adapter::cube::{CubeClient, Secret, StartOptions};
-use cube_adapter::embedded::proxy::API_KEY_SEEN;
-
-use crate::kit::TestBackend;
 
 const MB: usize = 1024 * 1024;
 
-/// CubeProxy forwards `X-API-Key` to envd inside the sandbox (the embedded
-/// backend does the same and records it): the key must go to CubeAPI only.
+/// CubeProxy forwards `X-API-Key` to envd inside the sandbox: the key must
+/// go to CubeAPI only. A stand-in proxy records every data-plane request.
 #[tokio::test]
 async fn api_key_stays_off_the_data_plane() {
-    let t = TestBackend::start().await;
-    let mut cfg = t.client.config().clone();
+    let (api, api_seen) = fake(Arc::new(|_: &Seen, _| status(404, &[], ""))).await;
+    let (proxy, proxy_seen) = fake(Arc::new(|s: &Seen, _| match s.path.as_str() {
+        "/health" => status(204, &[], ""),
+        _ => status(
+            502,
+            &[("content-type", "application/json")],
+            r#"{"error":"bad gateway"}"#,
+        ),
+    }))
+    .await;
+    let mut cfg = BackendConfig::new("t", format!("http://{api}"));
+    cfg.domain = "cube.test".into();
     cfg.api_key = Some(Secret::new("k-control-plane-only"));
+    cfg.proxy_url = Some(ProxyUrl::Url(format!("http://{proxy}")));
+    cfg.timeouts.request = Duration::from_secs(5);
+    cfg.timeouts.stream_idle = Duration::from_secs(5);
+    cfg.timeouts.retries = 0;
     let keyed = CubeClient::new(cfg).unwrap();
+    let sb = sandbox_addr("sbx1");
 
-    let s = keyed
-        .create(&CreateSandbox {
-            template_id: "host".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let sb = keyed.addr(&s);
-    let marker = t
-        .dir
-        .path()
-        .join("embedded/sandboxes")
-        .join(&sb.id)
-        .join(API_KEY_SEEN);
-
-    // Every kind of data-plane call: unary, stream, upload, download, health.
-    let out = keyed
-        .run(&sb, &StartOptions::shell("echo hi"), MB)
-        .await
-        .unwrap();
-    assert_eq!(out.stdout, b"hi\n");
-    keyed.list_processes(&sb).await.unwrap();
-    keyed
-        .upload(&sb, "/tmp/k.txt", b"data".to_vec())
-        .await
-        .unwrap();
-    assert_eq!(
-        keyed.download(&sb, "/tmp/k.txt", MB).await.unwrap(),
-        b"data"
-    );
-    keyed.stat(&sb, "/tmp/k.txt").await.unwrap();
+    // Every kind of data-plane call: unary, stream, upload, download, health
+    // (the answers are the proxy's errors: only the requests matter here).
+    let _ = keyed.run(&sb, &StartOptions::shell("echo hi"), MB).await;
+    let _ = keyed.list_processes(&sb).await;
+    let _ = keyed.upload(&sb, "/tmp/k.txt", b"data".to_vec()).await;
+    let _ = keyed.download(&sb, "/tmp/k.txt", MB).await;
+    let _ = keyed.stat(&sb, "/tmp/k.txt").await;
     keyed.envd_health(&sb).await.unwrap();
+    let ps = proxy_seen.lock().unwrap().clone();
+    assert!(ps.len() >= 6, "a data-plane call was not sent: {ps:?}");
     assert!(
-        !marker.exists(),
-        "the CubeAPI key reached envd inside the sandbox"
+        ps.iter()
+            .all(|s| s.host.starts_with("49983-sbx1.cube.test")),
+        "{ps:?}"
+    );
+    assert!(
+        ps.iter().all(|s| !s.api_key),
+        "the CubeAPI key was sent on the data plane: {ps:?}"
     );
 
-    // The control plane still gets it (and the marker works: a data-plane
-    // request that carries a key is recorded).
-    keyed.get(&sb.id).await.unwrap();
-    let req = axum::extract::Request::builder()
-        .method("GET")
-        .uri("/health")
-        .header("host", format!("49983-{}.cube.test", sb.id))
-        .header("x-api-key", "leaked")
-        .body(axum::body::Body::empty())
-        .unwrap();
-    let r = cube_adapter::embedded::proxy::forward(&t.backend.manager, 49983, &sb.id, req).await;
-    assert!(r.status().is_success(), "{}", r.status());
-    assert!(marker.exists(), "the proxy did not forward the key to envd");
-    let seen = std::fs::read_to_string(&marker).unwrap();
-    assert!(!seen.contains("leaked"), "the marker must not hold the key");
-    keyed.kill(&sb.id).await.unwrap();
+    // The control plane still gets it.
+    let _ = keyed.get(&sb.id).await;
+    let aps = api_seen.lock().unwrap().clone();
+    assert!(!aps.is_empty() && aps.iter().all(|s| s.api_key), "{aps:?}");
 }
 
 // ---- a small CubeAPI / CubeProxy stand-in on 127.0.0.1 -------------------

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use cube_adapter::admin::{self, Request};
-use cube_adapter::bench::export::{fill_journal, rss_kib};
+use cube_adapter::bench::export::fill_journal;
+use cube_adapter::bench::rss_kib;
 use serde_json::Value;
 
 use crate::kit::{BIN, Proc, ProcRig};

@@ -30,7 +30,9 @@ const RANKS: &[(&str, u32)] = &[
     ("embedded", 5),
     ("config", 6),
     ("broker", 7),
-    ("server", 8),
+    // Over api: a connection over a cap is answered with the API's own
+    // error envelope (`api::ApiError`).
+    ("server", 9),
     ("api", 8),
     ("admin", 8),
     // Over admin and ops: the console's Identities page runs the admin

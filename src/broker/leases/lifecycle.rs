@@ -3,6 +3,24 @@
 
 use super::*;
 
+/// The leases `GET /v1/leases` shows: every lease to an admin, else the
+/// tenant's that are not a trusted task's (a trusted task's lease is the
+/// task's, not the agent's); newest first.
+fn visible_leases(
+    txn: &redb::ReadTransaction,
+    tenant: &str,
+    admin: bool,
+) -> std::result::Result<Vec<Lease>, StoreError> {
+    let mut v = store::leases::all(txn)?;
+    v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
+    v.sort_by(|a, b| {
+        b.created_at
+            .cmp(&a.created_at)
+            .then(b.lease_ref.cmp(&a.lease_ref))
+    });
+    Ok(v)
+}
+
 impl Broker {
     /// `GET /v1/leases`.
     pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<dto::LeaseList> {
@@ -10,21 +28,11 @@ impl Broker {
         self.authorize(p, "lease:list", &ev).await?;
         let tenant = p.tenant.clone();
         let admin = p.is_admin();
-        let mut leases: Vec<Lease> = self
+        let leases: Vec<Lease> = self
             .inner
             .store
-            .read(move |txn| {
-                let mut v = store::leases::all(txn)?;
-                // A trusted task's lease is the task's, not the agent's.
-                v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
-                Ok(v)
-            })
+            .read(move |txn| visible_leases(txn, &tenant, admin))
             .await?;
-        leases.sort_by(|a, b| {
-            b.created_at
-                .cmp(&a.created_at)
-                .then(b.lease_ref.cmp(&a.lease_ref))
-        });
         let leases = leases
             .into_iter()
             .map(|l| dto::LeaseItem {
@@ -63,19 +71,13 @@ impl Broker {
         self.inner
             .store
             .read(move |txn| {
-                let mut v = store::leases::all(txn)?;
-                v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
-                v.sort_by(|a, b| {
-                    b.created_at
-                        .cmp(&a.created_at)
-                        .then(b.lease_ref.cmp(&a.lease_ref))
-                });
+                let mut v = visible_leases(txn, &tenant, admin)?;
                 let more = v.len() > limit;
                 v.truncate(limit);
                 let mut out = Vec::with_capacity(v.len());
                 for l in v {
                     let mut jobs = if with_jobs {
-                        crate::broker::jobs::lease_jobs(txn, &l.lease_ref)?
+                        store::jobs::of_lease(txn, &l.lease_ref)?
                     } else {
                         vec![]
                     };
@@ -85,7 +87,7 @@ impl Broker {
                             .then(b.job_ref.cmp(&a.job_ref))
                     });
                     let mut ptys = if with_ptys {
-                        crate::broker::ptys::lease_ptys(txn, &l.lease_ref)?
+                        store::ptys::of_lease(txn, &l.lease_ref)?
                     } else {
                         vec![]
                     };

@@ -709,6 +709,25 @@ async fn connect_an_agent_for_each_host() {
         );
     }
     assert_eq!(token_list(&s).len(), before);
+    // Each refused choice is recorded as a refused token_create, with its
+    // code (as the Identities page records its refusals).
+    let j = journal(&s);
+    let rejected = events(&j, "token_create", "rejected");
+    for code in [
+        "invalid_host",
+        "invalid_transport",
+        "invalid_profile",
+        "invalid_home",
+    ] {
+        assert_eq!(
+            rejected
+                .iter()
+                .filter(|l| l.contains(&format!("\"error_code\":\"{code}\"")))
+                .count(),
+            1,
+            "{code}: {j}"
+        );
+    }
 
     let mut made = vec![];
     for host in ["codex", "claude-code", "opencode", "openclaw", "hermes"] {

@@ -84,7 +84,12 @@ impl Browser {
 /// sees what; sign-in, CSRF and tenant limits; the journal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_list_detail_receipt_and_cancel() {
-    let s = Server::start_with(crate::tasks::configure).await;
+    let clock = ManualClock::starting_now();
+    let s = Server::start_with(|c| {
+        crate::tasks::configure(c);
+        c.clock = clock.clone().into();
+    })
+    .await;
     let agent = s.token(&[
         "--tenant",
         "acme",
@@ -165,7 +170,7 @@ async fn tasks_list_detail_receipt_and_cancel() {
         .unwrap()
         .to_string();
     // Creation times are in seconds: the sleeper is the newer one.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    clock.advance(time::Duration::seconds(2));
     let (st, v) = s
         .post(
             &agent,
