@@ -163,6 +163,14 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
         Ok(s) => s,
         Err(c) => return c,
     };
+    let changed = match &op {
+        UserOp::Passwd { .. } => "password changed",
+        UserOp::SetDisabled { disabled: true, .. } => "disabled",
+        UserOp::SetDisabled {
+            disabled: false, ..
+        } => "enabled",
+        _ => "changed",
+    };
     let answer = match access(&state) {
         Err(c) => return c,
         Ok(Access::Socket(p)) => match ask(&p, &Request::User { op }) {
@@ -188,8 +196,13 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
             }
         }
     };
-    let UserAnswer::Users(users) = answer else {
-        return Exit::Ok;
+    let users = match answer {
+        UserAnswer::Users(users) => users,
+        // What was done, for the person at the terminal (stdout stays
+        // empty for scripts, as before).
+        UserAnswer::Added(n) => return done(&format!("user {n} added")),
+        UserAnswer::Changed(n) => return done(&format!("user {n}: {changed}")),
+        UserAnswer::Removed(n) => return done(&format!("user {n} removed")),
     };
     if list_json {
         // Through a `Value`: keys sorted, as `user list --json` has always
@@ -199,18 +212,13 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
         return Exit::Ok;
     }
     println!(
-        "{:<20} {:<16} {:<24} {:<10} PASSWORD CHANGED",
-        "NAME", "TENANT", "ROLES", "STATE"
+        "{:<20} {:<16} {:<24} {:<10} {:<20} SCOPES",
+        "NAME", "TENANT", "ROLES", "STATE", "PASSWORD CHANGED"
     );
     for u in users {
-        let roles: Vec<String> = u
-            .principal
-            .roles
-            .iter()
-            .map(|r| format!("{r:?}").to_lowercase())
-            .collect();
+        let roles: Vec<&str> = u.principal.roles.iter().map(|r| r.as_str()).collect();
         println!(
-            "{:<20} {:<16} {:<24} {:<10} {}",
+            "{:<20} {:<16} {:<24} {:<10} {:<20} {}",
             u.name,
             u.principal.tenant,
             roles.join(","),
@@ -219,8 +227,14 @@ fn apply(common: &Common, op: UserOp, list_json: bool) -> Exit {
             } else {
                 "disabled"
             },
-            u.password_changed_at
+            u.password_changed_at,
+            u.principal.scopes_text(",")
         );
     }
+    Exit::Ok
+}
+
+fn done(what: &str) -> Exit {
+    eprintln!("{what}");
     Exit::Ok
 }
