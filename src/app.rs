@@ -292,6 +292,10 @@ pub async fn serve_with(
                 uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
                 mask: masks(&cfg, &state),
                 default_timeout: None,
+                faithful: e.faithful.then(|| crate::embedded::sandbox::Faithful {
+                    pause_delay: std::time::Duration::from_millis(e.faithful_pause_ms),
+                    envd_version: e.faithful_envd_version.clone(),
+                }),
             };
             let backend = Backend::open(settings, None)
                 .map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;

@@ -21,6 +21,7 @@ pub struct Options {
     pub limits: Limits,
     pub cpus: f64,
     pub launcher: PathBuf,
+    pub faithful: Option<crate::embedded::sandbox::Faithful>,
 }
 
 /// What a started backend tells its caller.
@@ -46,6 +47,7 @@ pub fn settings(o: &Options) -> Settings {
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![o.state_dir.clone()],
         default_timeout: None,
+        faithful: o.faithful.clone(),
     }
 }
 

@@ -312,6 +312,7 @@ pub async fn loopback_backend(
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
+        faithful: None,
     };
     let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;
     let ca = crate::tls::LocalCa::load_or_create(&dir.join("backend-tls"))?;

@@ -66,6 +66,10 @@ pub(crate) struct Inner {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Effects in flight (drained at shutdown).
     pub tracker: tokio_util::task::TaskTracker,
+    /// Leases with calls in flight: how many, and since when (the keepalive
+    /// renews a sandbox under a long call, whose stream a real CubeProxy
+    /// does not count as activity until it ends).
+    pub busy: Mutex<HashMap<String, (u32, std::time::Instant)>>,
     /// The output of the PTYs this process runs.
     pub ptys: ptys::Hubs,
     /// Signs trusted tasks' receipts.
@@ -158,6 +162,7 @@ impl Broker {
                 key,
                 locks: Mutex::default(),
                 tracker: tokio_util::task::TaskTracker::new(),
+                busy: Mutex::default(),
                 ptys: ptys::Hubs::default(),
                 receipts,
                 clock,

@@ -30,6 +30,20 @@ fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, St
     store::leases::all(txn)
 }
 
+/// Record the idle timeout last set on a lease's sandbox (`None`: the
+/// profile's), if the lease still exists.
+fn set_ttl(
+    txn: &WriteTransaction,
+    lease_ref: &str,
+    ttl: Option<u64>,
+) -> std::result::Result<(), StoreError> {
+    if let Some(mut l) = store::leases::get(txn, lease_ref)? {
+        l.ttl_seconds = ttl;
+        store::leases::put(txn, &l)?;
+    }
+    Ok(())
+}
+
 /// The end of a lease's keepalive budget (unix seconds): renewals keep its
 /// sandbox up at most `max_keepalive_seconds` past its last use.
 fn keepalive_until(l: &Lease, max_keepalive: u64) -> i64 {
@@ -113,6 +127,10 @@ impl Broker {
         }
         let want = seconds.unwrap_or(prof.sandbox_timeout_seconds).max(1);
         let secs = want.min(u64::try_from(left).unwrap_or(0));
+        // A real CubeSandbox's timeout is an idle timeout that stays until it
+        // is set again: a renewal shorter than the profile's is undone by
+        // the next use (`restore_ttl`).
+        let ttl = (secs != prof.sandbox_timeout_seconds).then_some(secs);
         let (l, ()) = self
             .effect_on(
                 p,
@@ -127,7 +145,10 @@ impl Broker {
                         .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
                         .await
                         .map_err(|e| backend(&e))?;
-                    Ok(Done::new(()).no_touch())
+                    let lease_ref = l.lease_ref.clone();
+                    Ok(Done::new(())
+                        .no_touch()
+                        .persist(move |txn| set_ttl(txn, &lease_ref, ttl)))
                 },
             )
             .await?;
@@ -288,14 +309,70 @@ impl Broker {
         })
     }
 
-    /// Renew the sandboxes of leases with running jobs or PTYs, when their profile
-    /// has `keepalive_enabled`, every third of the sandbox timeout, within
-    /// the keepalive budget. `last` remembers when each was renewed.
+    /// Set a lease's sandbox's idle timeout under a system audit intent
+    /// (`action`), recording it on the lease when it is not the profile's.
+    pub(crate) async fn set_sandbox_timeout(
+        &self,
+        l: &Lease,
+        secs: u64,
+        action: &str,
+        profile_secs: u64,
+    ) -> Result<()> {
+        let intent = self
+            .inner
+            .journal
+            .intent(self.system_event(action, l))
+            .await?;
+        match self
+            .inner
+            .cube
+            .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
+            .await
+        {
+            Ok(()) => {
+                let lease_ref = l.lease_ref.clone();
+                let ttl = (secs != profile_secs).then_some(secs);
+                self.inner
+                    .journal
+                    .outcome(
+                        intent,
+                        "ok",
+                        |_| {},
+                        move |txn| set_ttl(txn, &lease_ref, ttl),
+                    )
+                    .await?;
+                Ok(())
+            }
+            Err(e) => {
+                let e = backend(&e);
+                self.fail(intent, &e).await?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Renew the sandboxes of leases that are working: with a call in
+    /// flight for a third of the sandbox timeout (always: a real CubeProxy
+    /// counts a call as activity only when it ends, so a long command would
+    /// otherwise be paused under itself), or with running jobs or PTYs (when
+    /// their profile has `keepalive_enabled`); every third of the sandbox
+    /// timeout, within the keepalive budget. `last` remembers when each was
+    /// renewed.
     pub async fn keepalive(&self, last: &mut HashMap<String, Instant>) -> Result<usize> {
+        let busy: HashMap<String, Instant> = self
+            .inner
+            .busy
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, (_, since))| (k.clone(), *since))
+                    .collect()
+            })
+            .unwrap_or_default();
         // Nothing to do (and no scan of every lease each second) unless
-        // some profile keeps sandboxes alive.
+        // some profile keeps sandboxes alive or a call is in flight.
         let any = self.config().profiles.values().any(|p| p.keepalive_enabled);
-        if !any || self.inner.journal.check().is_err() {
+        if (!any && busy.is_empty()) || self.inner.journal.check().is_err() {
             return Ok(0);
         }
         let leases = self.inner.store.read(all_leases).await?;
@@ -308,7 +385,7 @@ impl Broker {
             let Some(prof) = self.profile(&l.profile) else {
                 continue;
             };
-            if !prof.keepalive_enabled || l.state != LeaseState::Running {
+            if l.state != LeaseState::Running {
                 continue;
             }
             let every = Duration::from_secs((prof.sandbox_timeout_seconds / 3).max(1));
@@ -318,44 +395,38 @@ impl Broker {
             {
                 continue;
             }
+            let in_call = busy
+                .get(&l.lease_ref)
+                .is_some_and(|since| since.elapsed() >= every);
             let until = keepalive_until(&l, prof.max_keepalive_seconds);
-            if t >= until {
-                continue;
+            if !in_call {
+                if !prof.keepalive_enabled || t >= until {
+                    continue;
+                }
+                let jobs = self
+                    .inner
+                    .store
+                    .read_now(|txn| super::jobs::lease_jobs(txn, &l.lease_ref))?;
+                if !jobs.iter().any(|j| !j.is_terminal()) && self.running_ptys(&l.lease_ref)? == 0 {
+                    continue;
+                }
             }
-            let jobs = self
-                .inner
-                .store
-                .read_now(|txn| super::jobs::lease_jobs(txn, &l.lease_ref))?;
-            if !jobs.iter().any(|j| !j.is_terminal()) && self.running_ptys(&l.lease_ref)? == 0 {
-                continue;
-            }
-            let secs = prof
-                .sandbox_timeout_seconds
-                .min(u64::try_from(until - t).unwrap_or(0))
-                .max(1);
-            let intent = self
-                .inner
-                .journal
-                .intent(self.system_event("keepalive", &l))
-                .await?;
-            match self
-                .inner
-                .cube
-                .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
+            // A call in flight is bounded by its own time limit, not by
+            // the keepalive budget.
+            let secs = if in_call {
+                prof.sandbox_timeout_seconds
+            } else {
+                prof.sandbox_timeout_seconds
+                    .min(u64::try_from(until - t).unwrap_or(0))
+                    .max(1)
+            };
+            if self
+                .set_sandbox_timeout(&l, secs, "keepalive", prof.sandbox_timeout_seconds)
                 .await
+                .is_ok()
             {
-                Ok(()) => {
-                    self.inner
-                        .journal
-                        .outcome(intent, "ok", |_| {}, |_| Ok(()))
-                        .await?;
-                    last.insert(l.lease_ref.clone(), Instant::now());
-                    renewed += 1;
-                }
-                Err(e) => {
-                    let e = backend(&e);
-                    self.fail(intent, &e).await?;
-                }
+                last.insert(l.lease_ref.clone(), Instant::now());
+                renewed += 1;
             }
         }
         Ok(renewed)

@@ -48,6 +48,20 @@ pub struct EmbeddedBackendArgs {
     /// CPUs per sandbox where cgroups allow (0 = no limit).
     #[arg(long, default_value_t = 1.0)]
     pub cpus: f64,
+    /// Behave as a real CubeSandbox does where this backend is otherwise
+    /// kinder: 500 "error code 130404" for an unknown template, an idle
+    /// clock that counts calls only when they end, X-API-Key forwarded to
+    /// envd, deadline end-streams that kill only the direct process. For
+    /// testing clients against production behaviour.
+    #[arg(long)]
+    pub faithful: bool,
+    /// With --faithful: how long each pause takes, in milliseconds.
+    #[arg(long, default_value_t = 0, requires = "faithful")]
+    pub faithful_pause_ms: u64,
+    /// With --faithful: report and behave as this older envd version
+    /// (e.g. 0.5.1: no CloseStdin, multipart-only uploads).
+    #[arg(long, requires = "faithful")]
+    pub faithful_envd_version: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -71,6 +85,9 @@ pub fn run(args: EmbeddedBackendArgs) -> Exit {
         memory_mb,
         max_processes,
         cpus,
+        faithful,
+        faithful_pause_ms,
+        faithful_envd_version,
     } = args;
     let mut tpls = vec![];
     for t in templates {
@@ -123,6 +140,10 @@ pub fn run(args: EmbeddedBackendArgs) -> Exit {
         },
         cpus,
         launcher,
+        faithful: faithful.then(|| crate::embedded::sandbox::Faithful {
+            pause_delay: std::time::Duration::from_millis(faithful_pause_ms),
+            envd_version: faithful_envd_version,
+        }),
     };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

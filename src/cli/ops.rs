@@ -240,6 +240,21 @@ fn print_status(v: &Value) {
             s("/backend/description"),
             templates.join(", ")
         );
+        for c in v
+            .pointer("/backend/checklist")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let ok = c.get("ok").and_then(Value::as_bool) == Some(true);
+            let what = c.get("check").and_then(Value::as_str).unwrap_or("");
+            let detail = c.get("detail").and_then(Value::as_str).unwrap_or("");
+            if ok {
+                println!("    [ok]   {what}");
+            } else {
+                println!("    [FAIL] {what}: {detail}");
+            }
+        }
         println!(
             "  audit:        {} mode, {}",
             s("/audit/mode"),

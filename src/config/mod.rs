@@ -482,6 +482,17 @@ pub struct EmbeddedSection {
     pub memory_mb: u64,
     pub max_processes: u64,
     pub cpus: f64,
+    /// Behave as a real CubeSandbox deployment does where the embedded
+    /// backend is otherwise kinder (500/130404 for an unknown template,
+    /// an idle clock that ignores calls in flight, the API key forwarded to
+    /// envd, deadline end-streams): for testing clients against production
+    /// behaviour. The test suite turns it on.
+    pub faithful: bool,
+    /// With `faithful`: how long a pause takes (ms).
+    pub faithful_pause_ms: u64,
+    /// With `faithful`: stand in for this older envd version (e.g. "0.5.1"):
+    /// reported as `envdVersion`, and refusing what it refuses.
+    pub faithful_envd_version: Option<String>,
 }
 
 impl Default for EmbeddedSection {
@@ -493,6 +504,9 @@ impl Default for EmbeddedSection {
             memory_mb: 2048,
             max_processes: 512,
             cpus: 1.0,
+            faithful: false,
+            faithful_pause_ms: 0,
+            faithful_envd_version: None,
         }
     }
 }
@@ -734,6 +748,9 @@ impl Config {
         }
         if let Some(b) = &self.backend {
             b.validate()?;
+        }
+        if self.embedded.faithful_pause_ms > 600_000 {
+            return Err("embedded.faithful_pause_ms must be at most 600000 (10 minutes)".into());
         }
         Ok(())
     }

@@ -289,7 +289,19 @@ pub struct SandboxAddr {
     pub id: String,
     pub domain: String,
     pub traffic_token: Option<Secret>,
+    /// envd's version as CubeAPI reported it (`envdVersion`); `None`: a
+    /// current one. Older envds get the SDK's fallbacks (see `EnvdVersion`).
+    pub envd_version: Option<String>,
 }
+
+impl SandboxAddr {
+    /// What this sandbox's envd can do.
+    pub fn envd(&self) -> EnvdVersion {
+        EnvdVersion::parse(self.envd_version.as_deref())
+    }
+}
+
+pub use super::wire::EnvdVersion;
 
 /// A client for one backend. Cheap to clone.
 #[derive(Clone)]
@@ -851,9 +863,17 @@ impl CubeClient {
             .map_err(|e| CubeError::protocol(format!("list snapshots: invalid response: {e}")))
     }
 
-    /// Snapshots are deleted through the templates route.
+    /// Snapshots are deleted through the templates route, where a real
+    /// CubeAPI deletes a *template* given a template's id: anything but a
+    /// snapshot id (`snap-` + hex) is refused before it is sent.
     pub async fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
         check_id(snapshot_id)?;
+        if !is_snapshot_id(snapshot_id) {
+            return Err(CubeError::new(
+                ErrorKind::InvalidArgument,
+                format!("'{snapshot_id}' is not a snapshot id (snap-…); not deleting it"),
+            ));
+        }
         self.call_empty::<()>(
             Method::DELETE,
             &format!("/templates/{snapshot_id}"),
@@ -916,6 +936,7 @@ impl CubeClient {
                 s.domain.clone()
             },
             traffic_token: s.traffic_access_token.clone().map(Secret::new),
+            envd_version: Some(s.envd_version.clone()).filter(|v| !v.is_empty()),
         }
     }
 }
@@ -932,6 +953,12 @@ fn retry_after(resp: &reqwest::Response) -> Option<Duration> {
         .map(Duration::from_secs)
 }
 
+/// A CubeSandbox snapshot id: `snap-` and hex digits (CubeMaster makes 24).
+pub fn is_snapshot_id(id: &str) -> bool {
+    id.strip_prefix("snap-")
+        .is_some_and(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Sandbox and snapshot ids are `[A-Za-z0-9-]`: never let one rewrite a path.
 fn check_id(id: &str) -> Result<()> {
     if super::wire::valid_id(id) {
@@ -945,6 +972,11 @@ fn check_id(id: &str) -> Result<()> {
 /// `{"code","message"}`, CubeProxy's `{"error"}` or a Connect `{"code": "…"}`.
 pub(crate) fn api_error(what: &str, status: StatusCode, body: &[u8]) -> CubeError {
     if let Ok(e) = serde_json::from_slice::<ApiErrorBody>(body) {
+        // CubeAPI passes CubeMaster's "not found" (an unknown template or
+        // snapshot on create) on as a 500; newer builds answer 404.
+        if status == StatusCode::INTERNAL_SERVER_ERROR && e.message.contains("130404") {
+            return CubeError::new(ErrorKind::NotFound, format!("{what}: {}", e.message));
+        }
         return CubeError::from_status(status.as_u16(), format!("{what}: {}", e.message));
     }
     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {

@@ -60,7 +60,58 @@ pub struct CommandOutput {
     pub status: String,
     /// Output beyond the collection limit was dropped.
     pub truncated: bool,
+    /// The command was still running at its deadline and was killed, with
+    /// everything it started; the output is what it wrote until then.
+    pub timed_out: bool,
 }
+
+impl CommandOutput {
+    /// Add one event's output, keeping at most `limit` bytes per stream.
+    fn feed(&mut self, ev: ProcessEvent, limit: usize, end: &mut Option<EndEvent>) -> Result<()> {
+        match ev {
+            ProcessEvent::Data(d) => {
+                let stdout = d.stdout.or(d.pty);
+                for (field, buf) in [(stdout, &mut self.stdout), (d.stderr, &mut self.stderr)] {
+                    if let Some(b) = field {
+                        let bytes = B64
+                            .decode(b)
+                            .map_err(|_| CubeError::protocol("output is not valid base64"))?;
+                        let room = limit.saturating_sub(buf.len());
+                        if bytes.len() > room {
+                            self.truncated = true;
+                        }
+                        buf.extend_from_slice(
+                            bytes.get(..room.min(bytes.len())).unwrap_or_default(),
+                        );
+                    }
+                }
+            }
+            ProcessEvent::End(e) => *end = Some(e),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, end: Option<EndEvent>) -> Result<()> {
+        let end =
+            end.ok_or_else(|| CubeError::protocol("process stream ended without an end event"))?;
+        self.exit_code = end
+            .code()
+            .ok_or_else(|| CubeError::protocol(format!("no exit code in end event: {end:?}")))?;
+        self.status = end.status;
+        Ok(())
+    }
+}
+
+/// How long after a command's deadline envd's own deadline falls: ours
+/// comes first and ends the whole process tree; envd's (which kills only
+/// the direct process) is the backstop.
+const ENVD_DEADLINE_GRACE: Duration = Duration::from_secs(10);
+
+/// Kills a process and all its descendants inside the sandbox, each
+/// stopped before its children are looked for (so none can fork away).
+/// Plain bash and /proc: it works on any template that runs commands.
+const KILL_TREE: &str = r#"k() { local p=$1 f s c; kill -STOP "$p" 2>/dev/null; for f in /proc/[0-9]*/stat; do s=$(<"$f") 2>/dev/null || continue; c=${f#/proc/}; c=${c%/stat}; s=${s##*) }; set -- $s; [ "$2" = "$p" ] && k "$c"; done; kill -KILL "$p" 2>/dev/null; }; k "$0"; exit 0"#;
 
 /// The event stream of a started or re-attached process.
 pub struct ProcessStream {
@@ -155,34 +206,9 @@ impl ProcessStream {
         };
         let mut end: Option<EndEvent> = None;
         while let Some(ev) = self.next().await? {
-            match ev {
-                ProcessEvent::Data(d) => {
-                    let stdout = d.stdout.or(d.pty);
-                    for (field, buf) in [(stdout, &mut out.stdout), (d.stderr, &mut out.stderr)] {
-                        if let Some(b) = field {
-                            let bytes = B64
-                                .decode(b)
-                                .map_err(|_| CubeError::protocol("output is not valid base64"))?;
-                            let room = limit.saturating_sub(buf.len());
-                            if bytes.len() > room {
-                                out.truncated = true;
-                            }
-                            buf.extend_from_slice(
-                                bytes.get(..room.min(bytes.len())).unwrap_or_default(),
-                            );
-                        }
-                    }
-                }
-                ProcessEvent::End(e) => end = Some(e),
-                _ => {}
-            }
+            out.feed(ev, limit, &mut end)?;
         }
-        let end =
-            end.ok_or_else(|| CubeError::protocol("process stream ended without an end event"))?;
-        out.exit_code = end
-            .code()
-            .ok_or_else(|| CubeError::protocol(format!("no exit code in end event: {end:?}")))?;
-        out.status = end.status;
+        out.finish(end)?;
         Ok(out)
     }
 }
@@ -261,6 +287,56 @@ impl CubeClient {
         Ok(req)
     }
 
+    /// Send a data-plane request built by `build`. When CubeProxy cannot
+    /// reach envd (502/503/504, or no answer in time) and the sandbox turns
+    /// out to be paused (an idle timeout paused it and nothing resumed it:
+    /// real deployments resume only with `cube-lifecycle-manager`), resume
+    /// it with `connect` and send once more — after a 502/503 always (the
+    /// request never reached envd), after a 504 or a timeout only a call
+    /// that is `Replay::Safe` (it may have been delivered).
+    async fn send_data(
+        &self,
+        sb: &SandboxAddr,
+        what: &str,
+        replay: Replay,
+        build: impl Fn() -> Result<reqwest::RequestBuilder>,
+    ) -> Result<reqwest::Response> {
+        let first = build()?.send().await;
+        let again = match &first {
+            Ok(r) => {
+                matches!(r.status().as_u16(), 502 | 503)
+                    || (r.status().as_u16() == 504 && replay == Replay::Safe)
+            }
+            Err(e) => replay == Replay::Safe && (e.is_timeout() || e.is_connect()),
+        };
+        if again && self.resume_if_paused(&sb.id).await {
+            return build()?
+                .send()
+                .await
+                .map_err(|e| CubeError::from_reqwest(what, e));
+        }
+        first.map_err(|e| CubeError::from_reqwest(what, e))
+    }
+
+    /// Resume the sandbox with `connect` if CubeAPI says it is paused. The
+    /// traffic token from create stays valid (connect returns none).
+    /// `true`: it was paused and runs now.
+    pub async fn resume_if_paused(&self, id: &str) -> bool {
+        match self.get(id).await {
+            Ok(d) if d.state == "paused" => match self.connect(id, None).await {
+                Ok(_) => {
+                    tracing::info!(sandbox = %id.get(..8).unwrap_or(id), "resumed a paused sandbox to reach it");
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not resume a paused sandbox");
+                    false
+                }
+            },
+            _ => false,
+        }
+    }
+
     async fn unary<Req: Serialize, Resp: DeserializeOwned>(
         &self,
         sb: &SandboxAddr,
@@ -269,18 +345,32 @@ impl CubeClient {
         user: Option<&str>,
         what: &str,
     ) -> Result<Resp> {
-        let mut req = self
-            .data_request(sb, Method::POST, &format!("/{method}"))?
-            .timeout(self.inner.cfg.timeouts.request)
-            .header("connect-protocol-version", "1")
-            .json(body);
-        if let Some(u) = user {
-            req = req.header(reqwest::header::AUTHORIZATION, basic(u));
-        }
-        let resp = req
-            .send()
+        self.unary_as(sb, method, body, user, what, Replay::Safe)
             .await
-            .map_err(|e| CubeError::from_reqwest(what, e))?;
+    }
+
+    /// A unary RPC. Every RPC names a user (root unless told): envds before
+    /// 0.4.0 refuse calls without one.
+    async fn unary_as<Req: Serialize, Resp: DeserializeOwned>(
+        &self,
+        sb: &SandboxAddr,
+        method: &str,
+        body: &Req,
+        user: Option<&str>,
+        what: &str,
+        replay: Replay,
+    ) -> Result<Resp> {
+        let auth = basic(user.unwrap_or("root"));
+        let resp = self
+            .send_data(sb, what, replay, || {
+                Ok(self
+                    .data_request(sb, Method::POST, &format!("/{method}"))?
+                    .timeout(self.inner.cfg.timeouts.request)
+                    .header("connect-protocol-version", "1")
+                    .header(reqwest::header::AUTHORIZATION, &auth)
+                    .json(body))
+            })
+            .await?;
         let status = resp.status();
         let bytes = resp
             .bytes()
@@ -308,34 +398,44 @@ impl CubeClient {
     ) -> Result<ProcessStream> {
         let what = method;
         let payload = serde_json::to_vec(body).map_err(|e| CubeError::protocol(e.to_string()))?;
-        let mut req = self
-            .data_request_on(sb, Method::POST, &format!("/{method}"), true)?
-            .header(reqwest::header::CONTENT_TYPE, "application/connect+json")
-            .header("connect-protocol-version", "1")
-            .header("connect-content-encoding", "identity")
-            .header(reqwest::header::ACCEPT_ENCODING, "identity")
-            .header(
-                "keepalive-ping-interval",
-                self.inner
-                    .cfg
-                    .timeouts
-                    .keepalive
-                    .as_secs()
-                    .max(1)
-                    .to_string(),
-            )
-            .body(wire::envelope(0, &payload));
-        if let Some(u) = user {
-            req = req.header(reqwest::header::AUTHORIZATION, basic(u));
-        }
-        if let Some(d) = deadline {
-            let ms = d.as_millis().max(1);
-            req = req.header("connect-timeout-ms", ms.to_string());
-        }
-        let resp = tokio::time::timeout(self.inner.cfg.timeouts.request, req.send())
-            .await
-            .map_err(|_| CubeError::new(ErrorKind::Timeout, format!("{what}: no response")))?
-            .map_err(|e| CubeError::from_reqwest(what, e))?;
+        let auth = basic(user.unwrap_or("root"));
+        // Starting a process again after a lost answer could run it twice.
+        let replay = if method.ends_with("/Start") {
+            Replay::Unsafe
+        } else {
+            Replay::Safe
+        };
+        let build = || {
+            let mut req = self
+                .data_request_on(sb, Method::POST, &format!("/{method}"), true)?
+                .header(reqwest::header::CONTENT_TYPE, "application/connect+json")
+                .header("connect-protocol-version", "1")
+                .header("connect-content-encoding", "identity")
+                .header(reqwest::header::ACCEPT_ENCODING, "identity")
+                .header(reqwest::header::AUTHORIZATION, &auth)
+                .header(
+                    "keepalive-ping-interval",
+                    self.inner
+                        .cfg
+                        .timeouts
+                        .keepalive
+                        .as_secs()
+                        .max(1)
+                        .to_string(),
+                )
+                .body(wire::envelope(0, &payload));
+            if let Some(d) = deadline {
+                let ms = d.as_millis().max(1);
+                req = req.header("connect-timeout-ms", ms.to_string());
+            }
+            Ok(req)
+        };
+        let resp = tokio::time::timeout(
+            self.inner.cfg.timeouts.request,
+            self.send_data(sb, what, replay, build),
+        )
+        .await
+        .map_err(|_| CubeError::new(ErrorKind::Timeout, format!("{what}: no response")))??;
         let status = resp.status();
         if !status.is_success() {
             let bytes = resp.bytes().await.unwrap_or_default();
@@ -368,13 +468,86 @@ impl CubeClient {
     }
 
     /// Run to completion and collect up to `limit` bytes of each stream.
+    ///
+    /// With a timeout, the deadline is kept here: when it passes, the
+    /// command and everything it started are killed (a real envd's own
+    /// deadline kills only the direct process and ends the stream with
+    /// `deadline_exceeded`, leaving the rest running and the output lost),
+    /// and the output so far is returned with `timed_out`.
     pub async fn run(
         &self,
         sb: &SandboxAddr,
         o: &StartOptions,
         limit: usize,
     ) -> Result<CommandOutput> {
-        self.start(sb, o).await?.collect(limit).await
+        let Some(limit_time) = o.timeout else {
+            return self.start(sb, o).await?.collect(limit).await;
+        };
+        let mut backstop = o.clone();
+        backstop.timeout = Some(limit_time.saturating_add(ENVD_DEADLINE_GRACE));
+        let mut s = self.start(sb, &backstop).await?;
+        let mut out = CommandOutput {
+            pid: s.pid,
+            ..Default::default()
+        };
+        let mut end: Option<EndEvent> = None;
+        let deadline = tokio::time::sleep(limit_time);
+        tokio::pin!(deadline);
+        // After the kill, how long the stream may take to end.
+        let mut after_kill: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        loop {
+            tokio::select! {
+                ev = s.next() => match ev {
+                    Ok(Some(ev)) => out.feed(ev, limit, &mut end)?,
+                    Ok(None) => break,
+                    // envd's own deadline (or the stream cut) after ours.
+                    Err(e) if out.timed_out => {
+                        tracing::debug!(error = %e, "stream of a killed command ended");
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                },
+                () = &mut deadline, if !out.timed_out => {
+                    out.timed_out = true;
+                    if let Err(e) = self.kill_tree(sb, out.pid).await {
+                        tracing::warn!(error = %e, "could not end a command's process tree at its deadline; signalling the command");
+                        let _ = self.signal(sb, out.pid, true).await;
+                    }
+                    after_kill = Some(Box::pin(tokio::time::sleep(ENVD_DEADLINE_GRACE)));
+                },
+                () = async { if let Some(t) = after_kill.as_mut() { t.await } else { std::future::pending().await } } => break,
+            }
+        }
+        if out.timed_out && end.is_none() {
+            out.exit_code = -1;
+            out.status = "deadline_exceeded".into();
+        } else {
+            out.finish(end)?;
+        }
+        Ok(out)
+    }
+
+    /// Kill a process and its descendants inside the sandbox (`KILL_TREE`).
+    pub async fn kill_tree(&self, sb: &SandboxAddr, pid: u32) -> Result<()> {
+        let o = StartOptions {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), KILL_TREE.into(), pid.to_string()],
+            timeout: Some(Duration::from_secs(20)),
+            ..Default::default()
+        };
+        let done = self.start(sb, &o).await?.collect(4096).await?;
+        if done.exit_code == 0 {
+            Ok(())
+        } else {
+            Err(CubeError::new(
+                ErrorKind::Internal,
+                format!(
+                    "kill tree: {} {}",
+                    done.status,
+                    String::from_utf8_lossy(&done.stderr)
+                ),
+            ))
+        }
     }
 
     /// `process.Process/Connect`: re-attach; only output from now on.
@@ -412,12 +585,13 @@ impl CubeClient {
                 pty: None,
             },
         };
-        self.unary::<_, serde_json::Value>(
+        self.unary_as::<_, serde_json::Value>(
             sb,
             "process.Process/SendInput",
             &req,
             None,
             "send input",
+            Replay::Unsafe,
         )
         .await
         .map(|_| ())
@@ -431,18 +605,28 @@ impl CubeClient {
                 pty: Some(B64.encode(data)),
             },
         };
-        self.unary::<_, serde_json::Value>(
+        self.unary_as::<_, serde_json::Value>(
             sb,
             "process.Process/SendInput",
             &req,
             None,
             "send pty input",
+            Replay::Unsafe,
         )
         .await
         .map(|_| ())
     }
 
     pub async fn close_stdin(&self, sb: &SandboxAddr, pid: u32) -> Result<()> {
+        if !sb.envd().close_stdin() {
+            return Err(CubeError::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "this sandbox's envd ({}) cannot close stdin (it needs 0.5.2 or later)",
+                    sb.envd_version.as_deref().unwrap_or("unknown")
+                ),
+            ));
+        }
         let req = SelectorRequest {
             process: ProcessSelector::pid(pid),
         };
@@ -544,7 +728,14 @@ impl CubeClient {
             destination: to.into(),
         };
         let r: EntryResponse = self
-            .unary(sb, "filesystem.Filesystem/Move", &req, None, "move")
+            .unary_as(
+                sb,
+                "filesystem.Filesystem/Move",
+                &req,
+                None,
+                "move",
+                Replay::Unsafe,
+            )
             .await?;
         Ok(r.entry)
     }
@@ -569,21 +760,43 @@ impl CubeClient {
         format!("/files?{q}")
     }
 
-    /// `POST /files` (octet-stream): create or replace a file, parents included.
-    pub async fn upload(
-        &self,
-        sb: &SandboxAddr,
-        path: &str,
-        body: impl Into<reqwest::Body>,
-    ) -> Result<()> {
-        let resp = self
-            .data_request(sb, Method::POST, &Self::files_path(path, "root"))?
-            .timeout(self.inner.cfg.timeouts.lifecycle)
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| CubeError::from_reqwest("upload", e))?;
+    /// `POST /files`: create or replace a file, parents included. As
+    /// `application/octet-stream` where envd takes it (0.5.7 and later),
+    /// as multipart otherwise; and, as the SDK does, once more as multipart
+    /// when envd refuses the octet-stream form.
+    pub async fn upload(&self, sb: &SandboxAddr, path: &str, body: impl Into<Bytes>) -> Result<()> {
+        let body: Bytes = body.into();
+        let url = Self::files_path(path, "root");
+        let multipart = || -> Result<reqwest::RequestBuilder> {
+            let name = path.rsplit('/').next().unwrap_or("file").to_string();
+            let part = reqwest::multipart::Part::stream(reqwest::Body::from(body.clone()))
+                .file_name(name)
+                .mime_str("application/octet-stream")
+                .map_err(|e| CubeError::protocol(e.to_string()))?;
+            Ok(self
+                .data_request(sb, Method::POST, &url)?
+                .timeout(self.inner.cfg.timeouts.lifecycle)
+                .multipart(reqwest::multipart::Form::new().part("file", part)))
+        };
+        let octets = || -> Result<reqwest::RequestBuilder> {
+            Ok(self
+                .data_request(sb, Method::POST, &url)?
+                .timeout(self.inner.cfg.timeouts.lifecycle)
+                .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+                .body(body.clone()))
+        };
+        let resp = if sb.envd().octet_stream_upload() {
+            let r = self.send_data(sb, "upload", Replay::Safe, octets).await?;
+            if matches!(r.status().as_u16(), 400 | 415) {
+                self.send_data(sb, "upload", Replay::Safe, multipart)
+                    .await?
+            } else {
+                r
+            }
+        } else {
+            self.send_data(sb, "upload", Replay::Safe, multipart)
+                .await?
+        };
         let status = resp.status();
         let bytes = resp
             .bytes()
@@ -597,12 +810,14 @@ impl CubeClient {
 
     /// `GET /files`: the response, for streaming the body.
     pub async fn download_stream(&self, sb: &SandboxAddr, path: &str) -> Result<reqwest::Response> {
+        let url = Self::files_path(path, "root");
         let resp = self
-            .data_request_on(sb, Method::GET, &Self::files_path(path, "root"), true)?
-            .header(reqwest::header::ACCEPT_ENCODING, "identity")
-            .send()
-            .await
-            .map_err(|e| CubeError::from_reqwest("download", e))?;
+            .send_data(sb, "download", Replay::Safe, || {
+                Ok(self
+                    .data_request_on(sb, Method::GET, &url, true)?
+                    .header(reqwest::header::ACCEPT_ENCODING, "identity"))
+            })
+            .await?;
         let status = resp.status();
         if status != reqwest::StatusCode::OK {
             let bytes = resp.bytes().await.unwrap_or_default();
@@ -674,6 +889,16 @@ impl CubeClient {
             Err(api_error("envd health", status, &bytes))
         }
     }
+}
+
+/// Whether a data-plane call may be sent again once its paused sandbox is
+/// resumed, when it may already have been delivered (see `send_data`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replay {
+    /// Reads, and writes that give the same result twice.
+    Safe,
+    /// Starting a process, input, a move.
+    Unsafe,
 }
 
 fn basic(user: &str) -> String {

@@ -7,7 +7,7 @@ pub mod envd;
 pub mod wire;
 
 pub use client::{
-    BackendConfig, CubeClient, ProxyUrl, Reachability, SandboxAddr, Secret, Timeouts,
+    BackendConfig, CubeClient, EnvdVersion, ProxyUrl, Reachability, SandboxAddr, Secret, Timeouts,
 };
 pub use envd::{CommandOutput, ProcessStream, StartOptions};
 

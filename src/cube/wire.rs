@@ -214,8 +214,10 @@ pub struct TemplateInfo {
 
 impl TemplateInfo {
     /// CubeMaster reports `READY` (compare case-insensitively).
+    /// `READY`, or `PARTIALLY_READY` (usable; some nodes still preparing).
     pub fn is_ready(&self) -> bool {
         self.status.eq_ignore_ascii_case("ready")
+            || self.status.eq_ignore_ascii_case("partially_ready")
     }
 }
 
@@ -646,6 +648,39 @@ impl EnvelopeDecoder {
 /// `[A-Za-z0-9-]+`, at most 128 bytes, as CubeAPI validates path ids.
 pub fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+/// An envd version, for the features that depend on it (as the SDK 0.7.3
+/// decides them): CloseStdin needs 0.5.2; `application/octet-stream`
+/// uploads need 0.5.7 (older ones take multipart only). Unknown or
+/// unparsable versions count as current: CubeAPI reports "0.2.0" when it
+/// does not know, and that is taken at its word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct EnvdVersion(pub u32, pub u32, pub u32);
+
+impl EnvdVersion {
+    pub const CURRENT: Self = Self(0, 5, 13);
+
+    pub fn parse(v: Option<&str>) -> Self {
+        let Some(v) = v else { return Self::CURRENT };
+        let mut it = v
+            .trim()
+            .trim_start_matches('v')
+            .split(['.', '-', '+'])
+            .map(|p| p.parse::<u32>());
+        match (it.next(), it.next(), it.next()) {
+            (Some(Ok(a)), Some(Ok(b)), Some(Ok(c))) => Self(a, b, c),
+            _ => Self::CURRENT,
+        }
+    }
+
+    pub fn close_stdin(self) -> bool {
+        self >= Self(0, 5, 2)
+    }
+
+    pub fn octet_stream_upload(self) -> bool {
+        self >= Self(0, 5, 7)
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,12 @@ pub struct LaunchSpec {
     pub env_vars: Vec<(String, String)>,
     /// Host paths hidden from the sandbox (the appliance's state directories).
     pub mask: Vec<PathBuf>,
+    /// envd behaves as the real one does at deadlines (see `sandbox::Faithful`).
+    #[serde(default)]
+    pub faithful: bool,
+    /// envd stands in for this (older) version (see `sandbox::Faithful`).
+    #[serde(default)]
+    pub envd_version: Option<String>,
 }
 
 /// Written by the launcher: who the sandbox's init is.
@@ -449,6 +455,11 @@ fn agent_env(spec: &LaunchSpec, none_dir: Option<&Path>) -> AgentEnv {
         env_vars: spec.env_vars.clone(),
         run_as_self: none_dir.is_some(),
         path_map,
+        faithful: spec.faithful,
+        envd_version: spec
+            .envd_version
+            .as_deref()
+            .map(|v| crate::cube::wire::EnvdVersion::parse(Some(v))),
     }
 }
 

@@ -215,6 +215,19 @@ async fn create(State(b): State<Backend>, body: Bytes) -> Response {
     }
     match b.manager.create(req).await {
         Ok(s) => (StatusCode::CREATED, axum::Json(s)).into_response(),
+        // A real CubeAPI passes CubeMaster's "not found" on as a 500.
+        Err(BackendError::TemplateNotFound(_) | BackendError::SnapshotNotFound(_))
+            if b.manager.settings.faithful.is_some() =>
+        {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(ApiErrorBody {
+                    code: 500,
+                    message: "CubeMaster returned error code 130404".into(),
+                }),
+            )
+                .into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

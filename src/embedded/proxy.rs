@@ -3,6 +3,9 @@
 //! socket; CubeProxy's errors (`{"error": "…"}`) for everything else.
 
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -60,7 +63,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Headers not forwarded to envd (either way). `X-API-Key` is among them:
 /// clients other than ours (the Python SDK) send the CubeAPI key on the data
-/// plane too, and it must never reach envd inside the sandbox.
+/// plane too, and it must never reach envd inside the sandbox. (A faithful
+/// stand-in forwards it, as the real CubeProxy does: see `API_KEY`.)
 const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
@@ -75,14 +79,69 @@ const HOP_BY_HOP: &[&str] = &[
     "x-api-key",
 ];
 
+const API_KEY: &str = "x-api-key";
+
+/// One data-plane request in flight: its end (the response body finished or
+/// dropped) is activity for the sandbox's idle clock, as CubeProxy stamps it
+/// in its log phase.
+struct InFlight {
+    m: Arc<Manager>,
+    id: String,
+}
+
+impl InFlight {
+    fn begin(m: &Arc<Manager>, id: &str) -> Self {
+        m.activity(id, true);
+        Self {
+            m: m.clone(),
+            id: id.to_string(),
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.m.activity(&self.id, false);
+    }
+}
+
+/// A response body that holds its request's `InFlight` until it ends.
+struct Tracked {
+    body: Body,
+    _inflight: InFlight,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// Forward one data-plane request.
-pub async fn forward(m: &Manager, port: u16, id: &str, req: Request) -> Response {
+pub async fn forward(m: &Arc<Manager>, port: u16, id: &str, req: Request) -> Response {
     if port != ENVD_PORT {
         return proxy_error(StatusCode::NOT_FOUND, "not found");
     }
     if req.uri().path().starts_with("/_cube/") {
         return proxy_error(StatusCode::NOT_FOUND, "not found");
     }
+    // Counted from before the route is taken, so that an idle timeout
+    // checked meanwhile sees it.
+    let inflight = InFlight::begin(m, id);
     let route = match m.route(id).await {
         Ok(r) => r,
         Err(RouteError::Unknown) => {
@@ -112,8 +171,18 @@ pub async fn forward(m: &Manager, port: u16, id: &str, req: Request) -> Response
     if declared.is_some_and(|n| n > MAX_UPLOAD as u64) {
         return proxy_error(StatusCode::PAYLOAD_TOO_LARGE, "request entity too large");
     }
-    match send(&route.socket, req).await {
-        Ok(r) => r,
+    let keep_key = m.settings.faithful.is_some();
+    match send(&route.socket, req, keep_key).await {
+        Ok(r) => {
+            let (parts, body) = r.into_parts();
+            Response::from_parts(
+                parts,
+                Body::new(Tracked {
+                    body,
+                    _inflight: inflight,
+                }),
+            )
+        }
         Err(e) => {
             tracing::debug!(sandbox = %super::sandbox::short(id), error = %e, "envd unreachable");
             proxy_error(StatusCode::BAD_GATEWAY, "bad gateway")
@@ -148,9 +217,11 @@ pub async fn connect_unix(socket: &Path) -> std::io::Result<tokio::net::UnixStre
 }
 
 /// Send a request to envd on a unix socket; the response body streams.
+/// `keep_api_key`: forward `X-API-Key` as the real CubeProxy does.
 pub async fn send(
     socket: &Path,
     req: Request,
+    keep_api_key: bool,
 ) -> Result<Response, Box<dyn std::error::Error + Send + Sync>> {
     let stream = connect_unix(socket).await?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -159,7 +230,9 @@ pub async fn send(
     });
     let (mut parts, body) = req.into_parts();
     for h in HOP_BY_HOP {
-        parts.headers.remove(*h);
+        if !(keep_api_key && *h == API_KEY) {
+            parts.headers.remove(*h);
+        }
     }
     let body = Body::new(http_body_util::Limited::new(body, MAX_UPLOAD));
     let resp = sender

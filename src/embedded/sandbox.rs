@@ -54,6 +54,29 @@ pub struct Settings {
     pub mask: Vec<PathBuf>,
     /// Timeout (s) for sandboxes created without one; None = never.
     pub default_timeout: Option<i64>,
+    /// Behave as a real CubeSandbox does where this backend is otherwise
+    /// kinder (see `Faithful`); `None` in production.
+    pub faithful: Option<Faithful>,
+}
+
+/// The embedded backend as a faithful stand-in for a real deployment
+/// (`cube-protocol.md` §9), so that the appliance's client is tested against
+/// what production does rather than what this backend would prefer:
+/// - an unknown template or snapshot on create is 500 "CubeMaster returned
+///   error code 130404" (not 404);
+/// - the idle clock counts only completed data-plane requests: a timeout can
+///   fall while a long call is in flight (the kind mode never does that);
+/// - `X-API-Key` is forwarded to envd on the data plane, as CubeProxy does;
+/// - at a `Connect-Timeout-Ms` deadline envd kills only the direct process
+///   and ends the stream with a `deadline_exceeded` end-stream;
+/// - a pause takes `pause_delay`.
+#[derive(Debug, Clone, Default)]
+pub struct Faithful {
+    pub pause_delay: std::time::Duration,
+    /// Stand in for an older envd: reported as `envdVersion`, and envd
+    /// refuses what that version refuses (an RPC without a user below
+    /// 0.4.0, CloseStdin below 0.5.2, an octet-stream upload below 0.5.7).
+    pub envd_version: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,11 +134,18 @@ pub struct Meta {
     pub rootfs: PathBuf,
     pub client_id: String,
     pub started_at: String,
-    /// Unix seconds at which the timeout fires; None = never.
-    pub end_at: Option<i64>,
-    /// The sandbox's timeout (s), re-armed whenever it resumes.
+    /// The sandbox's idle timeout (s): it times out this long after its
+    /// last activity; None = never.
     #[serde(default)]
     pub timeout_secs: Option<i64>,
+    /// When the last activity ended (unix ms): a completed data-plane
+    /// request, create, resume, or a timeout set. Not persisted: a restart
+    /// of the backend counts as activity.
+    #[serde(skip)]
+    pub last_active_ms: i64,
+    /// Data-plane requests in flight.
+    #[serde(skip)]
+    pub inflight: u32,
     pub on_timeout_pause: bool,
     pub auto_resume: bool,
     pub state: State,
@@ -132,6 +162,12 @@ pub struct Meta {
 }
 
 impl Meta {
+    /// When the idle timeout falls (unix ms), if it has one.
+    fn idle_end_ms(&self) -> Option<i64> {
+        self.timeout_secs
+            .map(|t| self.last_active_ms.saturating_add(t.saturating_mul(1000)))
+    }
+
     /// The sandbox's processes.
     pub fn tree(&self) -> Tree {
         Tree {
@@ -240,8 +276,8 @@ fn check_timeout(t: i64) -> Result<(), BackendError> {
     }
 }
 
-fn deadline(secs: i64) -> Option<i64> {
-    (secs >= 0).then(|| now_unix().saturating_add(secs))
+fn now_ms() -> i64 {
+    i64::try_from(crate::clock::system_now().unix_timestamp_nanos() / 1_000_000).unwrap_or(0)
 }
 
 fn validate_env(env: &BTreeMap<String, String>) -> Result<(), BackendError> {
@@ -298,6 +334,15 @@ impl Manager {
         Ok(m)
     }
 
+    /// The envd version sandboxes report.
+    fn envd_version(&self) -> String {
+        self.settings
+            .faithful
+            .as_ref()
+            .and_then(|f| f.envd_version.clone())
+            .unwrap_or_else(|| wire::ENVD_VERSION.into())
+    }
+
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.settings.state_dir.join("sandboxes").join(id)
     }
@@ -314,8 +359,9 @@ impl Manager {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             match meta {
-                Some(m) if m.tree().init_alive() => {
+                Some(mut m) if m.tree().init_alive() => {
                     tracing::info!(sandbox = %short(&m.id), "re-adopted running sandbox");
+                    m.last_active_ms = now_ms();
                     if let Ok(mut map) = self.entries.lock() {
                         map.insert(
                             m.id.clone(),
@@ -507,6 +553,12 @@ impl Manager {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             mask: self.settings.mask.clone(),
+            faithful: self.settings.faithful.is_some(),
+            envd_version: self
+                .settings
+                .faithful
+                .as_ref()
+                .and_then(|f| f.envd_version.clone()),
         };
         // Reserve the slot before releasing the lock.
         let placeholder = Meta {
@@ -515,8 +567,9 @@ impl Manager {
             rootfs,
             client_id: random_hex(8),
             started_at: now_rfc3339(),
-            end_at: None,
             timeout_secs: timeout.filter(|t| *t >= 0),
+            last_active_ms: now_ms(),
+            inflight: 0,
             on_timeout_pause,
             auto_resume,
             state: State::Running,
@@ -569,7 +622,7 @@ impl Manager {
                 .lock()
                 .map_err(|_| internal("state", "poisoned"))?;
             m.init = init;
-            m.end_at = timeout.and_then(deadline);
+            m.last_active_ms = now_ms();
             m.clone()
         };
         write_json_atomic(&dir.join("meta.json"), &meta)
@@ -580,7 +633,7 @@ impl Manager {
             template_id: req.template_id,
             sandbox_id: id,
             client_id: meta.client_id,
-            envd_version: wire::ENVD_VERSION.into(),
+            envd_version: self.envd_version(),
             traffic_access_token: traffic_token,
             domain: self.settings.domain.clone(),
         })
@@ -690,8 +743,8 @@ impl Manager {
             sandbox_id: m.id.clone(),
             client_id: m.client_id.clone(),
             started_at: m.started_at.clone(),
-            end_at: m.end_at.map(rfc3339),
-            envd_version: wire::ENVD_VERSION.into(),
+            end_at: m.idle_end_ms().map(|ms| rfc3339(ms / 1000)),
+            envd_version: self.envd_version(),
             domain: Some(self.settings.domain.clone()),
             cpu_count: if self.settings.cpus > 0.0 {
                 self.settings.cpus.ceil() as u32
@@ -779,36 +832,60 @@ impl Manager {
             .map_err(|e| internal("persist sandbox", e))
     }
 
-    /// `POST /sandboxes/{id}/timeout`: the sandbox now ends `secs` from now.
+    /// `POST /sandboxes/{id}/timeout`: the idle timeout becomes `secs`
+    /// (`-1`: never) and the idle clock starts again, as CubeMaster does.
     pub async fn set_timeout(&self, id: &str, secs: i64) -> Result<(), BackendError> {
         check_timeout(secs)?;
         let e = self.entry(id)?;
         let _op = e.op.lock().await;
         if let Ok(mut m) = e.meta.lock() {
-            m.end_at = deadline(secs);
             m.timeout_secs = (secs >= 0).then_some(secs);
+            m.last_active_ms = now_ms();
         }
         self.persist(&e)
     }
 
-    /// `POST /sandboxes/{id}/refreshes`: extend to at least `secs` from now.
+    /// `POST /sandboxes/{id}/refreshes`: the idle timeout becomes `secs` and
+    /// the clock starts again (it does not add); `secs <= 0` is refused, as
+    /// CubeMaster refuses it.
     pub async fn refresh(&self, id: &str, secs: i64) -> Result<(), BackendError> {
-        if !(0..=3600).contains(&secs) {
+        if !(1..=i64::from(i32::MAX)).contains(&secs) {
             return Err(BackendError::BadRequest(
-                "duration must be between 0 and 3600".into(),
+                "duration must be a positive number of seconds".into(),
             ));
         }
         let e = self.entry(id)?;
         let _op = e.op.lock().await;
-        if let Ok(mut m) = e.meta.lock()
-            && let Some(end) = m.end_at
-        {
-            m.end_at = Some(end.max(now_unix().saturating_add(secs)));
+        if let Ok(mut m) = e.meta.lock() {
+            m.timeout_secs = Some(secs);
+            m.last_active_ms = now_ms();
         }
         self.persist(&e)
     }
 
+    /// A data-plane request to the sandbox begins (`true`) or ends: its end
+    /// is activity for the idle clock.
+    pub fn activity(&self, id: &str, begins: bool) {
+        if let Ok(e) = self.entry(id)
+            && let Ok(mut m) = e.meta.lock()
+        {
+            if begins {
+                m.inflight = m.inflight.saturating_add(1);
+            } else {
+                m.inflight = m.inflight.saturating_sub(1);
+                m.last_active_ms = now_ms();
+            }
+        }
+    }
+
     pub async fn pause(&self, id: &str) -> Result<(), BackendError> {
+        self.pause_when(id, false).await.map(|_| ())
+    }
+
+    /// Pause; with `idle_only` (the timeout's pause) only if the idle
+    /// timeout is still due and, unless faithful, no request is in flight,
+    /// checked under the sandbox's lock. `Ok(false)`: not paused.
+    async fn pause_when(&self, id: &str, idle_only: bool) -> Result<bool, BackendError> {
         let e = self.entry(id)?;
         let _op = e.op.lock().await;
         let meta = e
@@ -816,10 +893,19 @@ impl Manager {
             .lock()
             .map_err(|_| internal("state", "poisoned"))?
             .clone();
+        if idle_only
+            && (meta.idle_end_ms().is_none_or(|t| t > now_ms())
+                || (self.settings.faithful.is_none() && meta.inflight > 0))
+        {
+            return Ok(false);
+        }
         if meta.state == State::Paused {
             return Err(BackendError::Conflict(format!(
                 "sandbox {id} is already paused"
             )));
+        }
+        if let Some(f) = &self.settings.faithful {
+            tokio::time::sleep(f.pause_delay).await;
         }
         meta.tree()
             .freeze(true)
@@ -828,7 +914,7 @@ impl Manager {
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Paused;
         }
-        self.persist(&e)
+        self.persist(&e).map(|()| true)
     }
 
     /// Resume if paused (connect/resume); `timeout` resets the end time.
@@ -861,21 +947,18 @@ impl Manager {
         }
         if let Ok(mut m) = e.meta.lock() {
             m.state = State::Running;
-            match timeout {
-                Some(t) => {
-                    m.end_at = deadline(t);
-                    m.timeout_secs = (t >= 0).then_some(t);
-                }
-                // Re-arm the sandbox's own timeout on every resume.
-                None => m.end_at = m.timeout_secs.and_then(deadline),
+            if let Some(t) = timeout {
+                m.timeout_secs = (t >= 0).then_some(t);
             }
+            // A resume starts the idle clock again.
+            m.last_active_ms = now_ms();
         }
         self.persist(&e)?;
         Ok(Sandbox {
             template_id: meta.template_id,
             sandbox_id: meta.id,
             client_id: meta.client_id,
-            envd_version: wire::ENVD_VERSION.into(),
+            envd_version: self.envd_version(),
             traffic_access_token: None,
             domain: self.settings.domain.clone(),
         })
@@ -1099,6 +1182,9 @@ impl Manager {
     /// Data-plane routing; resumes a paused sandbox with auto-resume.
     pub async fn route(&self, id: &str) -> Result<Route, RouteError> {
         let e = self.entry(id).map_err(|_| RouteError::Unknown)?;
+        // A lifecycle operation under way (a pause, a snapshot) ends first:
+        // the state read below is then not about to change.
+        drop(e.op.lock().await);
         let (state, auto, token, pid) = {
             let m = e.meta.lock().map_err(|_| RouteError::Unknown)?;
             (m.state, m.auto_resume, m.traffic_token.clone(), m.init.pid)
@@ -1120,10 +1206,12 @@ impl Manager {
         })
     }
 
-    /// Fire due timeouts (kill, or pause with `onTimeout: pause`), and forget
-    /// sandboxes whose init died on its own.
+    /// Fire due idle timeouts (kill, or pause with `onTimeout: pause`), and
+    /// forget sandboxes whose init died on its own. Unless faithful, a
+    /// sandbox with a data-plane request in flight is never timed out.
     pub async fn tick(&self) {
-        let now = now_unix();
+        let now = now_ms();
+        let faithful = self.settings.faithful.is_some();
         let entries: Vec<Arc<Entry>> = self
             .entries
             .lock()
@@ -1137,17 +1225,14 @@ impl Manager {
                 continue;
             }
             let dead = !m.tree().init_alive();
-            let due = m.end_at.is_some_and(|t| t <= now);
+            let due = m.idle_end_ms().is_some_and(|t| t <= now) && (faithful || m.inflight == 0);
             if dead {
                 tracing::warn!(sandbox = %short(&m.id), "sandbox init exited; removing the sandbox");
                 let _ = self.kill(&m.id).await;
             } else if due && m.on_timeout_pause && m.state == State::Running {
-                tracing::info!(sandbox = %short(&m.id), "timeout: pausing");
-                let _ = self.pause(&m.id).await;
-                if let Ok(mut mm) = e.meta.lock() {
-                    mm.end_at = None;
+                if let Ok(true) = self.pause_when(&m.id, true).await {
+                    tracing::info!(sandbox = %short(&m.id), "idle timeout: paused");
                 }
-                let _ = self.persist(&e);
             } else if due && !(m.on_timeout_pause && m.state == State::Paused) {
                 tracing::info!(sandbox = %short(&m.id), "timeout: killing");
                 let _ = self.kill(&m.id).await;

@@ -435,31 +435,80 @@ impl Service {
         templates.sort();
         templates.dedup();
         let mut checks = BTreeMap::new();
-        let reach =
-            match tokio::time::timeout(BACKEND_CHECK, self.broker.cube().reachability()).await {
-                Ok(r) => r.problem(),
-                Err(_) => Some("CubeAPI/CubeProxy check timed out".to_string()),
-            };
-        let mut backend_ok = reach.is_none();
+        // The first-connection checklist (docs/operations.md, "Connecting
+        // to CubeSandbox"): each check with what it found.
+        let mut checklist: Vec<Value> = vec![];
+        let mut check = |what: String, r: std::result::Result<String, String>| {
+            let ok = r.is_ok();
+            let detail = r.unwrap_or_else(|e| e);
+            checklist.push(json!({"check": what, "ok": ok, "detail": detail}));
+            ok
+        };
+        let cube = self.broker.cube();
+        let timed_out = || "no answer within the check's time".to_string();
+        let (reach, key) = tokio::join!(
+            tokio::time::timeout(BACKEND_CHECK, cube.reachability()),
+            tokio::time::timeout(BACKEND_CHECK, cube.list_templates()),
+        );
+        let reach = reach.ok();
+        let mut backend_ok = check(
+            "CubeAPI answers GET /health".into(),
+            match &reach {
+                Some(r) => r
+                    .cube_api
+                    .clone()
+                    .map(|()| "ok".into())
+                    .map_err(|e| e.message),
+                None => Err(timed_out()),
+            },
+        );
+        backend_ok &= check(
+            format!(
+                "CubeProxy answers for *.{} (address, TLS certificate)",
+                cube.config().domain
+            ),
+            match &reach {
+                Some(r) => r
+                    .cube_proxy
+                    .clone()
+                    .map(|()| "ok".into())
+                    .map_err(|e| e.message),
+                None => Err(timed_out()),
+            },
+        );
+        backend_ok &= check(
+            "CubeAPI accepts the appliance's credentials (GET /templates)".into(),
+            match key {
+                Ok(Ok(_)) => Ok("accepted".into()),
+                Ok(Err(e)) if e.kind == crate::cube::ErrorKind::Denied => Err(format!(
+                    "refused ({}): check [backend] api_key_file",
+                    e.message
+                )),
+                Ok(Err(e)) => Err(e.message),
+                Err(_) => Err(timed_out()),
+            },
+        );
+        let reach = match reach {
+            Some(r) => r.problem(),
+            None => Some("CubeAPI/CubeProxy check timed out".to_string()),
+        };
         for t in templates {
-            let v = match tokio::time::timeout(BACKEND_CHECK, self.broker.cube().template_ready(&t))
-                .await
-            {
-                Ok(Ok(true)) => "ready".to_string(),
-                Ok(Ok(false)) => {
-                    backend_ok = false;
-                    "not_ready".to_string()
+            let v = match tokio::time::timeout(BACKEND_CHECK, cube.get_template(&t)).await {
+                Ok(Ok(info)) if info.is_ready() => Ok(info.status.to_ascii_lowercase()),
+                Ok(Ok(info)) => Err(format!("not ready (status {})", info.status)),
+                Ok(Err(e)) if e.kind == crate::cube::ErrorKind::NotFound => {
+                    Err("no such template on the backend".to_string())
                 }
-                Ok(Err(e)) => {
-                    backend_ok = false;
-                    format!("error: {:?}", e.kind)
-                }
-                Err(_) => {
-                    backend_ok = false;
-                    "error: timed out".to_string()
-                }
+                Ok(Err(e)) => Err(format!("error: {}", e.message)),
+                Err(_) => Err(timed_out()),
             };
-            checks.insert(t, v);
+            let short = match &v {
+                Ok(s) => s.clone(),
+                Err(d) if d.starts_with("not ready") => "not_ready".to_string(),
+                Err(_) => "error".to_string(),
+            };
+            backend_ok &= check(format!("template {t} exists and is READY"), v);
+            checks.insert(t, short);
         }
         let store = {
             let s = self.store.clone();
@@ -485,7 +534,7 @@ impl Service {
                 "mode": j.mode().as_str(),
                 "state": audit,
             },
-            "backend": {"description": self.backend, "ok": backend_ok, "unreachable": reach, "templates": checks},
+            "backend": {"description": self.backend, "ok": backend_ok, "unreachable": reach, "templates": checks, "checklist": checklist},
             "store": store,
             "server_certificate": cert,
             "last_reload": self.reloader.last(),

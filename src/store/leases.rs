@@ -87,6 +87,15 @@ pub struct Lease {
     /// The checkpoint a fork started from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<String>,
+    /// envd's version as CubeAPI reported it at create: older envds need
+    /// the fallbacks the SDK has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envd_version: Option<String>,
+    /// The idle timeout (s) last set on the sandbox, when a capped renewal
+    /// set one other than the profile's; the next use sets the profile's
+    /// back (a real CubeSandbox keeps a timeout until it is set again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_seconds: Option<u64>,
 }
 
 /// The session index key: `tenant \0 runtime \0 session_hash`.

@@ -133,6 +133,7 @@ fn sandbox_addr(id: &str) -> SandboxAddr {
         id: id.into(),
         domain: "cube.test".into(),
         traffic_token: None,
+        envd_version: None,
     }
 }
 
@@ -357,4 +358,154 @@ async fn dial_form_matches_a_wildcard_proxy_certificate() {
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::Unavailable, "{e}");
     assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+// ---- against the embedded backend as a faithful stand-in ------------------
+
+use crate::kit::backend::TestBackend;
+
+/// How many processes whose command line contains `needle` run in the
+/// sandbox (seen from inside it).
+async fn count_procs(t: &TestBackend, sb: &SandboxAddr, needle: &str) -> usize {
+    let o = StartOptions::shell(&format!(
+        "n=0; for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null | grep -q -- '{needle}' && n=$((n+1)); done; echo $n"
+    ));
+    let out = t.client.run(sb, &o, MB).await.unwrap();
+    // The counting shell's own pipeline holds the needle once.
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse::<usize>()
+        .unwrap()
+        .saturating_sub(1)
+}
+
+/// A real envd at a `Connect-Timeout-Ms` deadline kills only the direct
+/// process and ends the stream with `deadline_exceeded`: what the command
+/// started runs on and its output is lost. The client keeps the deadline
+/// itself, ends the whole process tree and keeps the output so far.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_the_whole_command_and_keeps_its_output() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    let mut o = StartOptions::shell("echo before; sleep 3331 & sleep 3332; echo never");
+    o.timeout = Some(Duration::from_millis(1500));
+    let started = Instant::now();
+    let out = t.client.run(&sb, &o, MB).await.unwrap();
+    assert!(out.timed_out, "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "before\n");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut left = usize::MAX;
+    for _ in 0..20 {
+        left = count_procs(&t, &sb, "sleep 333").await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        left, 0,
+        "a process of the timed-out command is still running"
+    );
+    // A command within its time is untouched.
+    let mut o = StartOptions::shell("echo ok");
+    o.timeout = Some(Duration::from_secs(10));
+    let out = t.client.run(&sb, &o, MB).await.unwrap();
+    assert!(!out.timed_out);
+    assert_eq!(out.exit_code, 0);
+}
+
+/// CubeAPI may report an older envd: every RPC names its user (below
+/// 0.4.0 calls without one fail), uploads go as multipart (octet-stream
+/// needs 0.5.7) and closing stdin (0.5.2) is refused before it is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn older_envds_get_the_sdks_fallbacks() {
+    let t = TestBackend::start_with(|s| {
+        s.faithful = Some(cube_adapter::embedded::sandbox::Faithful {
+            envd_version: Some("0.3.0".into()),
+            ..Default::default()
+        })
+    })
+    .await;
+    let sb = t.sandbox().await;
+    assert_eq!(sb.envd_version.as_deref(), Some("0.3.0"));
+    t.client.list_processes(&sb).await.unwrap();
+    t.client
+        .upload(&sb, "/workspace/old.txt", b"multipart".to_vec())
+        .await
+        .unwrap();
+    assert_eq!(
+        t.client
+            .download(&sb, "/workspace/old.txt", MB)
+            .await
+            .unwrap(),
+        b"multipart"
+    );
+    t.client.stat(&sb, "/workspace/old.txt").await.unwrap();
+    let out = t
+        .client
+        .run(&sb, &StartOptions::shell("cat /workspace/old.txt"), MB)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"multipart");
+    let e = t.client.close_stdin(&sb, out.pid).await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument, "{e}");
+    assert!(e.message.contains("0.5.2"), "{e}");
+}
+
+/// Idle timeouts as CubeMaster keeps them: `refreshes` sets the timeout
+/// (it does not add) and refuses `duration <= 0`; `timeout` sets it too;
+/// both start the idle clock again.
+#[tokio::test]
+async fn refreshes_set_the_idle_timeout_and_refuse_zero() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    for bad in [0, -1] {
+        let e = t.client.refresh(&sb.id, bad).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{bad}: {e}");
+    }
+    let end = |d: cube_adapter::cube::wire::SandboxDetail| {
+        time::OffsetDateTime::parse(
+            d.end_at.as_deref().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap()
+        .unix_timestamp()
+            - cube_adapter::clock::system_now().unix_timestamp()
+    };
+    t.client.set_timeout(&sb.id, 3600).await.unwrap();
+    let left = end(t.client.get(&sb.id).await.unwrap());
+    assert!((3590..=3600).contains(&left), "{left}");
+    t.client.refresh(&sb.id, 60).await.unwrap();
+    let left = end(t.client.get(&sb.id).await.unwrap());
+    assert!(
+        (50..=60).contains(&left),
+        "refresh added instead of setting: {left}"
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
+
+/// On a real CubeAPI, `DELETE /templates/{id}` with a template's id
+/// deletes the template: only snapshot ids are ever sent there.
+#[tokio::test]
+async fn only_snapshot_ids_are_deleted() {
+    let (api, seen) = fake(Arc::new(|_: &Seen, _| status(204, &[], ""))).await;
+    let mut cfg = BackendConfig::new("t", format!("http://{api}"));
+    cfg.proxy_url = Some(ProxyUrl::Url(format!("http://{api}")));
+    cfg.insecure_plain_http = true;
+    let c = CubeClient::new(cfg).unwrap();
+    for not_a_snapshot in ["host", "cubesandbox-base", "snap-", "snap-xyz"] {
+        let e = c.delete_snapshot(not_a_snapshot).await.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{not_a_snapshot}: {e}");
+    }
+    assert!(seen.lock().unwrap().is_empty());
+    c.delete_snapshot("snap-0123456789abcdef01234567")
+        .await
+        .unwrap();
+    let s = seen.lock().unwrap().clone();
+    assert_eq!(s.len(), 1);
+    assert_eq!(s[0].path, "/templates/snap-0123456789abcdef01234567");
 }

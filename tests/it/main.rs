@@ -21,6 +21,7 @@ mod jobs;
 mod kit;
 mod layers;
 mod mcp;
+mod production;
 mod ptys;
 mod rollback_race;
 mod sdk;

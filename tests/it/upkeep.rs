@@ -22,7 +22,9 @@ async fn acquire(s: &Server, session: &str, profile: &str) -> String {
     v["lease_ref"].as_str().unwrap().to_string()
 }
 
-async fn job_end(s: &Server, lease: &str, command: &str) -> Value {
+/// Start a job, leave its sandbox alone for `quiet` seconds, then wait
+/// for the job's end.
+async fn job_end_unwatched(s: &Server, lease: &str, command: &str, quiet: u64) -> Value {
     let (st, v) = s
         .post(
             &s.admin,
@@ -32,6 +34,7 @@ async fn job_end(s: &Server, lease: &str, command: &str) -> Value {
         .await;
     assert_eq!(st, StatusCode::ACCEPTED, "{v}");
     let job = v["job_ref"].as_str().unwrap().to_string();
+    tokio::time::sleep(Duration::from_secs(quiet)).await;
     for _ in 0..300 {
         let (_, v) = s.get(&s.admin, &format!("/v1/jobs/{job}/status")).await;
         if v["state"] != "running" {
@@ -42,9 +45,11 @@ async fn job_end(s: &Server, lease: &str, command: &str) -> Value {
     panic!("job did not end");
 }
 
-/// A sandbox whose timeout (3 s, then killed) is shorter than its job
+/// A sandbox whose idle timeout (3 s, then killed) is shorter than its job
 /// survives while the profile keeps it alive; without keepalive the job is
-/// lost with its sandbox.
+/// lost with its sandbox. Nobody looks at either while the jobs run: every
+/// completed call is activity that restarts the idle clock, as on a real
+/// CubeSandbox.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepalive_keeps_sandboxes_with_running_jobs() {
     let s = Server::start_with(|c| {
@@ -61,8 +66,8 @@ async fn keepalive_keeps_sandboxes_with_running_jobs() {
     let kept = acquire(&s, "kept", "offline-code").await;
     let dropped = acquire(&s, "dropped", "persistent-code").await;
     let (a, b) = tokio::join!(
-        job_end(&s, &kept, "sleep 6; echo done"),
-        job_end(&s, &dropped, "sleep 6; echo done"),
+        job_end_unwatched(&s, &kept, "sleep 6; echo done", 9),
+        job_end_unwatched(&s, &dropped, "sleep 6; echo done", 9),
     );
     assert_eq!(a["state"], "succeeded", "{a}");
     assert_eq!(b["state"], "lost", "{b}");

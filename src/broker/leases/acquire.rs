@@ -215,6 +215,7 @@ impl Broker {
                 .await);
         }
 
+        let ev_base = ev.clone();
         let intent = self.inner.journal.intent(ev).await?;
         // From here the effect runs to its recorded outcome even if the
         // client goes away (the task is drained at shutdown).
@@ -241,6 +242,10 @@ impl Broker {
             if let Some((_, ckpt)) = &snapshot {
                 metadata.insert("checkpoint".into(), ckpt.clone());
             }
+            // Names this one create: a create that fails or times out may
+            // still finish on the backend, and is found again by it.
+            let attempt = new_ref("create");
+            metadata.insert("attempt".into(), attempt.clone());
             let req = CreateSandbox {
                 template_id: prof.template.clone(),
                 timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
@@ -268,12 +273,36 @@ impl Broker {
                             Code::CheckpointNotFound,
                             "the checkpoint's snapshot is gone",
                         ),
+                        ErrorKind::NotFound => Error::new(
+                            Code::ExecutionFailed,
+                            format!(
+                                "the profile's template {} does not exist on the backend",
+                                prof.template
+                            ),
+                        ),
                         _ => backend(&e),
                     };
                     this.fail(intent, &err).await?;
+                    if matches!(
+                        e.kind,
+                        ErrorKind::Timeout
+                            | ErrorKind::Internal
+                            | ErrorKind::Unavailable
+                            | ErrorKind::Protocol
+                    ) {
+                        this.reap_orphaned_create(attempt, ev_base);
+                    }
                     return Err(err);
                 }
             };
+            // The stock CubeSandbox image has no /workspace, where commands
+            // run by default: make it (one that exists is fine).
+            let addr = this.inner.cube.addr(&created);
+            match this.inner.cube.make_dir(&addr, "/workspace").await {
+                Ok(_) => {}
+                Err(e) if e.kind == ErrorKind::Conflict => {}
+                Err(e) => tracing::warn!(error = %e, "could not make /workspace in a new sandbox"),
+            }
             let (ts, unix) = this.now();
             let sealed = match &created.traffic_access_token {
                 Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
@@ -306,6 +335,8 @@ impl Broker {
                 last_used_unix: unix,
                 task_ref,
                 forked_from: snapshot.as_ref().map(|(_, c)| c.clone()),
+                envd_version: Some(created.envd_version.clone()).filter(|v| !v.is_empty()),
+                ttl_seconds: None,
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
@@ -344,5 +375,51 @@ impl Broker {
             .await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok((lease, false))
+    }
+
+    /// A create that failed or timed out may still finish on the backend
+    /// (CubeAPI answers 408 after 30 s while CubeMaster goes on): look for
+    /// a sandbox made by that attempt, now and twice more within a minute,
+    /// and kill what turns up, each kill under its own audit intent
+    /// (`orphan_kill`, by the appliance, for the requester's tenant).
+    fn reap_orphaned_create(&self, attempt: String, base: Event) {
+        let b = self.clone();
+        tokio::spawn(async move {
+            let filter: std::collections::BTreeMap<String, String> =
+                [("attempt".to_string(), attempt)].into();
+            for wait in [0u64, 10, 50] {
+                tokio::time::sleep(std::time::Duration::from_secs(wait)).await;
+                let found = match b.inner.cube.list(&filter, None).await {
+                    Ok(f) => f,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not look for an orphaned sandbox");
+                        continue;
+                    }
+                };
+                for s in found {
+                    let j = &b.inner.journal;
+                    let mut ev = j.event("orphan_kill");
+                    ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+                    ev.tenant_digest = base.tenant_digest.clone();
+                    ev.runtime = base.runtime.clone();
+                    ev.profile = base.profile.clone();
+                    ev.session_digest = base.session_digest.clone();
+                    ev.sandbox_ref = Some(s.sandbox_id.chars().take(8).collect());
+                    let Ok(intent) = j.intent(ev).await else {
+                        tracing::warn!("no audit trail for an orphan kill: left for the next look");
+                        continue;
+                    };
+                    match b.inner.cube.kill(&s.sandbox_id).await {
+                        Ok(()) => {
+                            tracing::warn!(sandbox = %s.sandbox_id.get(..8).unwrap_or_default(), "killed a sandbox left by a failed create");
+                            let _ = j.outcome(intent, "ok", |_| {}, |_| Ok(())).await;
+                        }
+                        Err(e) => {
+                            let _ = b.fail(intent, &backend(&e)).await;
+                        }
+                    }
+                }
+            }
+        });
     }
 }

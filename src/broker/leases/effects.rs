@@ -62,13 +62,55 @@ impl Broker {
         crate::broker::failpoint("after_intent");
         let b = self.clone();
         let task = self.inner.tracker.spawn(async move {
-            let r = run(b.clone(), l.clone(), addr).await;
+            let busy = Busy::begin(&b, &l.lease_ref);
+            let r = match b.wake(&l).await {
+                Ok(()) => run(b.clone(), l.clone(), addr).await,
+                Err(e) => Err(e),
+            };
+            drop(busy);
+            let restore = l.ttl_seconds.is_some();
             let r = b.finish(intent, l, r).await;
             drop(hold);
+            if restore && let Ok((l, _)) = &r {
+                b.restore_ttl(l).await;
+            }
             r
         });
         task.await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
+    }
+
+    /// A lease released with `pause` (or found paused) is resumed before
+    /// it is used: a real deployment resumes on traffic only with
+    /// `cube-lifecycle-manager`, and without it requests reach a frozen VM.
+    /// `connect` keeps the traffic token from create.
+    async fn wake(&self, l: &Lease) -> Result<()> {
+        if l.state != LeaseState::Paused {
+            return Ok(());
+        }
+        let ttl = self
+            .profile(&l.profile)
+            .map(|p| i64::try_from(p.sandbox_timeout_seconds).unwrap_or(i64::MAX));
+        self.inner
+            .cube
+            .connect(&l.sandbox_id, ttl)
+            .await
+            .map(|_| ())
+            .map_err(|e| backend(&e))
+    }
+
+    /// After a capped renewal set a shorter idle timeout on the sandbox, the
+    /// next use sets the profile's back (a real CubeSandbox keeps a timeout
+    /// until it is set again), under its own audit intent.
+    pub(crate) async fn restore_ttl(&self, l: &Lease) {
+        let Some(prof) = self.profile(&l.profile) else {
+            return;
+        };
+        let secs = prof.sandbox_timeout_seconds;
+        let r = self.set_sandbox_timeout(l, secs, "keepalive", secs).await;
+        if let Err(e) = r {
+            tracing::warn!(lease = %l.lease_ref, code = e.code.as_str(), error = %e.message, "could not restore a sandbox's idle timeout");
+        }
     }
 
     /// Record an effect's outcome; on success, touch the lease in the same

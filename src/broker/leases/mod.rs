@@ -121,6 +121,43 @@ impl<T> Done<T> {
     }
 }
 
+/// A call in flight on a lease (see `Inner::busy`), until dropped.
+pub(crate) struct Busy {
+    b: Broker,
+    lease_ref: String,
+}
+
+impl Busy {
+    pub(crate) fn begin(b: &Broker, lease_ref: &str) -> Self {
+        if let Ok(mut m) = b.inner.busy.lock() {
+            let e = m
+                .entry(lease_ref.to_string())
+                .or_insert((0, std::time::Instant::now()));
+            if e.0 == 0 {
+                e.1 = std::time::Instant::now();
+            }
+            e.0 += 1;
+        }
+        Self {
+            b: b.clone(),
+            lease_ref: lease_ref.to_string(),
+        }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.b.inner.busy.lock()
+            && let Some(e) = m.get_mut(&self.lease_ref)
+        {
+            e.0 = e.0.saturating_sub(1);
+            if e.0 == 0 {
+                m.remove(&self.lease_ref);
+            }
+        }
+    }
+}
+
 pub(crate) fn new_ref(prefix: &str) -> String {
     format!("{prefix}_{}", crate::ids::random_hex(10))
 }
@@ -171,6 +208,7 @@ impl Broker {
             id: l.sandbox_id.clone(),
             domain: l.domain.clone(),
             traffic_token,
+            envd_version: l.envd_version.clone(),
         })
     }
 

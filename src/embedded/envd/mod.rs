@@ -61,7 +61,58 @@ pub fn router(procs: Processes) -> Router {
         .route("/filesystem.Filesystem/Move", post(fs_move))
         .route("/filesystem.Filesystem/Remove", post(fs_remove))
         .route("/_cube/kill-all", post(kill_all))
+        .layer(axum::middleware::from_fn_with_state(
+            agent.clone(),
+            older_envd,
+        ))
         .with_state(agent)
+}
+
+/// Standing in for an older envd (`AgentEnv::envd_version`): refuse what
+/// it refuses, as it refuses it.
+async fn older_envd(
+    State(a): State<Agent>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use crate::cube::wire::EnvdVersion;
+    let Some(v) = a.procs.env().envd_version else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path();
+    let rpc = path.starts_with("/process.") || path.starts_with("/filesystem.");
+    let streaming = path == "/process.Process/Start" || path == "/process.Process/Connect";
+    let refuse = |e: RpcError| {
+        if streaming {
+            rpc::stream_error(e)
+        } else {
+            e.into_response()
+        }
+    };
+    if rpc && v < EnvdVersion(0, 4, 0) && !req.headers().contains_key(header::AUTHORIZATION) {
+        return refuse(RpcError::new("unauthenticated", "no user given"));
+    }
+    if path == "/process.Process/CloseStdin" && !v.close_stdin() {
+        return refuse(RpcError::new(
+            "unimplemented",
+            "process.Process/CloseStdin is not implemented",
+        ));
+    }
+    if path == "/files"
+        && req.method() == axum::http::Method::POST
+        && !v.octet_stream_upload()
+        && !req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|c| c.to_str().ok())
+            .is_some_and(|c| c.starts_with("multipart/form-data"))
+    {
+        return http_error(
+            StatusCode::BAD_REQUEST,
+            "request Content-Type has bad boundary or is not multipart/form-data",
+        );
+    }
+    next.run(req).await
 }
 
 async fn envs(State(a): State<Agent>) -> Response {
@@ -81,14 +132,17 @@ fn header_u64(h: &HeaderMap, name: &str) -> Option<u64> {
 }
 
 /// Turn an attached process into a Connect event stream:
-/// `start` → data/keepalive… → `end` → end-stream.
-fn event_stream(att: Attached, keepalive: Duration) -> Response {
+/// `start` → data/keepalive… → `end` → end-stream. With `deadline` (the
+/// faithful envd): when it passes, the direct process is killed and the
+/// stream ends with a `deadline_exceeded` end-stream and no `end` event.
+fn event_stream(att: Attached, keepalive: Duration, deadline: Option<Duration>) -> Response {
     enum Phase {
         Start,
         Events,
         Finished,
     }
     let Attached { pid, events } = att;
+    let until = deadline.map(|d| tokio::time::Instant::now() + d);
     let s =
         futures_util::stream::unfold((Phase::Start, events), move |(phase, mut rx)| async move {
             match phase {
@@ -98,7 +152,28 @@ fn event_stream(att: Attached, keepalive: Duration) -> Response {
                     });
                     Some((e, (Phase::Events, rx)))
                 }
-                Phase::Events => match tokio::time::timeout(keepalive, rx.recv()).await {
+                Phase::Events if until.is_some_and(|u| u <= tokio::time::Instant::now()) => {
+                    let raw = i32::try_from(pid).unwrap_or(i32::MAX);
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(raw),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    let err =
+                        RpcError::new("deadline_exceeded", "context deadline exceeded").to_wire();
+                    Some((wire::end_stream_envelope(Some(err)), (Phase::Finished, rx)))
+                }
+                Phase::Events => match tokio::time::timeout(
+                    until.map_or(keepalive, |u| {
+                        keepalive.min(u.saturating_duration_since(tokio::time::Instant::now()))
+                    }),
+                    rx.recv(),
+                )
+                .await
+                {
+                    Err(_) if until.is_some_and(|u| u <= tokio::time::Instant::now()) => {
+                        // The deadline: the next turn ends the stream.
+                        Some((bytes::Bytes::new(), (Phase::Events, rx)))
+                    }
                     Err(_) => {
                         let e = wire::json_envelope(&EventEnvelope {
                             event: ProcessEvent::Keepalive {},
@@ -153,8 +228,17 @@ async fn start(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Respo
     let deadline = header_u64(&headers, "connect-timeout-ms")
         .filter(|ms| *ms > 0)
         .map(Duration::from_millis);
-    match a.procs.start(req, &user, deadline).await {
-        Ok(att) => event_stream(att, keepalive_of(&headers)),
+    // The faithful envd ends the stream at the deadline itself (and kills
+    // only the direct process); otherwise the process's own deadline kills
+    // its whole group and the stream ends with its `end` event.
+    let faithful = a.procs.env().faithful;
+    let (proc_deadline, stream_deadline) = if faithful {
+        (None, deadline)
+    } else {
+        (deadline, None)
+    };
+    match a.procs.start(req, &user, proc_deadline).await {
+        Ok(att) => event_stream(att, keepalive_of(&headers), stream_deadline),
         Err(e) => rpc::stream_error(e),
     }
 }
@@ -165,7 +249,7 @@ async fn connect(State(a): State<Agent>, headers: HeaderMap, body: Bytes) -> Res
         Err(resp) => return resp,
     };
     match a.procs.connect(&req.process) {
-        Ok(att) => event_stream(att, keepalive_of(&headers)),
+        Ok(att) => event_stream(att, keepalive_of(&headers), None),
         Err(e) => rpc::stream_error(e),
     }
 }

@@ -45,6 +45,12 @@ pub struct AgentEnv {
     pub path_map: Vec<(PathBuf, PathBuf)>,
     /// With `isolation = "none"`: run every process as the agent's own user.
     pub run_as_self: bool,
+    /// At a `Connect-Timeout-Ms` deadline, kill only the direct process and
+    /// end the stream with `deadline_exceeded`, as the real envd does
+    /// (otherwise: the whole process group, and a normal `end` event).
+    pub faithful: bool,
+    /// Refuse what this older envd version refuses.
+    pub envd_version: Option<crate::cube::wire::EnvdVersion>,
 }
 
 impl AgentEnv {

@@ -37,6 +37,8 @@ pub fn settings(dir: &std::path::Path) -> Settings {
         uid_base: cube_adapter::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
+        // A faithful stand-in for a real CubeSandbox, as in every test.
+        faithful: Some(cube_adapter::embedded::sandbox::Faithful::default()),
     }
 }
 

@@ -46,6 +46,9 @@ impl Server {
             profiles: cube_adapter::config::shipped_profiles(),
             ..Config::default()
         };
+        // Tests run against the embedded backend as a faithful stand-in for
+        // a real CubeSandbox (issue #16); a test may turn it off.
+        cfg.embedded.faithful = true;
         tweak(&mut cfg);
         let state = cfg.state_dir.clone();
         let embedded = cfg
