@@ -161,15 +161,9 @@ pub enum Command {
     /// The agent tools over MCP on stdin/stdout, as a client of an appliance.
     ///
     /// For hosts that start MCP servers as commands (Codex, Claude Code,
-    /// OpenCode, …). Configured by the environment: CUBE_ADAPTER_URL
-    /// (default https://127.0.0.1:18080), CUBE_ADAPTER_TOKEN or
-    /// CUBE_ADAPTER_TOKEN_FILE, CUBE_ADAPTER_CA_FILE (the appliance's CA),
-    /// CUBE_ADAPTER_CLIENT_CERT_FILE + CUBE_ADAPTER_CLIENT_KEY_FILE,
-    /// CUBE_ADAPTER_PROFILE (the profile leases are acquired with) and
-    /// CUBE_ADAPTER_RUNTIME (the runtime when the model gives none). Plain
-    /// HTTP only to loopback; a client certificate only over HTTPS. Exit 2
-    /// when the settings are refused (before any connection is tried).
-    Mcp,
+    /// OpenCode, OpenClaw, Hermes Agent). Every setting is a flag, or else
+    /// an environment variable (the reference facade's names); a flag wins.
+    Mcp(mcp::McpArgs),
     /// Run the embedded CubeSandbox-compatible backend on its own.
     ///
     /// Speaks CubeAPI and (by Host, like CubeProxy) envd on one port. Sandboxes
@@ -267,7 +261,7 @@ fn dispatch(command: Command) -> Exit {
         Command::User(UserCommand::Enable(a)) => users::enable(a),
         Command::User(UserCommand::Remove(a)) => users::remove(a),
         Command::Bench(b) => bench::run(b),
-        Command::Mcp => mcp::run(),
+        Command::Mcp(a) => mcp::run(a),
         Command::EmbeddedBackend(a) => backend::run(a),
         Command::Init(a) => ops::init(a),
         Command::Status(a) => ops::status(a),

@@ -57,6 +57,8 @@ pub struct Config {
     pub connections: ConnectionsSection,
     /// The web console (`/console`).
     pub console: ConsoleSection,
+    /// MCP on the appliance (`/mcp`).
+    pub mcp: McpSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
     /// in-process tests put a manual one here (`crate::clock::ManualClock`).
     /// Not configurable: never read from a file, and kept across reloads
@@ -124,6 +126,37 @@ impl ConnectionsSection {
                     "connections: {k} must be between 1 and 86400 (got {v})"
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+/// MCP on the appliance (`[mcp]`; `src/mcp/http.rs`,
+/// `docs/clients/README.md`). A change needs a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpSection {
+    /// How long an MCP session may go without a request before it ends
+    /// (a session with a request or stream in progress is not idle).
+    pub session_idle_timeout_seconds: u64,
+}
+
+impl Default for McpSection {
+    fn default() -> Self {
+        Self {
+            session_idle_timeout_seconds: 300,
+        }
+    }
+}
+
+impl McpSection {
+    fn validate(&self) -> Result<(), String> {
+        // A minute at least (hosts pause between turns), a day at most.
+        if !(60..=86_400).contains(&self.session_idle_timeout_seconds) {
+            return Err(format!(
+                "mcp: session_idle_timeout_seconds must be between 60 and 86400 (got {})",
+                self.session_idle_timeout_seconds
+            ));
         }
         Ok(())
     }
@@ -609,6 +642,7 @@ impl Default for Config {
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
             console: ConsoleSection::default(),
+            mcp: McpSection::default(),
             clock: crate::clock::Clock::System,
         }
     }
@@ -742,6 +776,7 @@ impl Config {
         }
         self.connections.validate()?;
         self.console.validate()?;
+        self.mcp.validate()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;
@@ -961,6 +996,27 @@ mod tests {
             std::fs::write(&f, format!("[console]\n{bad}\n")).unwrap();
             let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn mcp_session_idle_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "").unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        assert_eq!(c.mcp.session_idle_timeout_seconds, 300);
+        std::fs::write(&f, "[mcp]\nsession_idle_timeout_seconds = 900\n").unwrap();
+        let (c, _) = Config::load(Some(&f), &[], &Flags::default()).unwrap();
+        assert_eq!(c.mcp.session_idle_timeout_seconds, 900);
+        for bad in [
+            "session_idle_timeout_seconds = 59",
+            "session_idle_timeout_seconds = 86401",
+            "idle = 1",
+        ] {
+            std::fs::write(&f, format!("[mcp]\n{bad}\n")).unwrap();
+            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            assert!(e.contains(bad.split(' ').next().unwrap()), "{bad}: {e}");
         }
     }
 

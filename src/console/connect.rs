@@ -555,8 +555,8 @@ mod tests {
             .find(|s| s.host == "codex" && s.transport == "stdio")
             .unwrap();
         let r = render(s, "https://10.0.0.5:18080", "dev", "/home/bob");
-        assert!(r.contains("CUBE_ADAPTER_URL = \"https://10.0.0.5:18080\""));
-        assert!(r.contains("CUBE_ADAPTER_PROFILE = \"dev\""));
+        assert!(r.contains("\"--url\", \"https://10.0.0.5:18080\""));
+        assert!(r.contains("\"--profile\", \"dev\""));
         assert!(r.contains("\"/home/bob/.config/cube-adapter/token\""));
         assert!(!r.contains("example.internal") && !r.contains("alice"));
         assert!(plain("offline-code") && !plain("a b") && !plain("x\"y") && !plain(""));

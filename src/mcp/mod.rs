@@ -18,8 +18,8 @@ use rmcp::ErrorData as McpError;
 use rmcp::ServerHandler;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
-    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
-    ToolAnnotations,
+    InitializeRequestParams, InitializeResult, ListToolsResult, PaginatedRequestParams,
+    ServerCapabilities, ServerConfig, Tool, ToolAnnotations,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Value, json};
@@ -67,12 +67,12 @@ impl McpServer {
         }
     }
 
-    /// The tools, as MCP lists them.
-    pub fn tools() -> Vec<Tool> {
+    /// The tools, as MCP lists them to `host`.
+    pub fn tools(host: &Host) -> Vec<Tool> {
         TOOLS
             .iter()
             .map(|t| {
-                let schema = match tools::schema(t.name) {
+                let schema = match tools::schema_for(t.name, host) {
                     Value::Object(m) => m,
                     _ => serde_json::Map::new(),
                 };
@@ -201,7 +201,8 @@ impl McpServer {
         }
     }
 
-    /// The host settings for this call (`/mcp?profile=…` on the appliance).
+    /// The host settings for this call (`/mcp?profile=…&runtime=…` on the
+    /// appliance, which refuses an unknown runtime before MCP sees it).
     fn host_for(&self, ctx: &RequestContext<RoleServer>) -> Host {
         let mut host = self.host.clone();
         if let Some(q) = ctx
@@ -209,14 +210,116 @@ impl McpServer {
             .get::<axum::http::request::Parts>()
             .and_then(|p| p.uri.query())
         {
-            for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
-                if k == "profile" && !v.is_empty() {
-                    host.profile = Some(v.into_owned());
-                }
-            }
+            let (profile, runtime) = host_query(q);
+            host.profile = profile.or(host.profile);
+            host.runtime = runtime.or(host.runtime);
         }
         host
     }
+
+    /// The runtime `cube_acquire` uses when neither the host nor the model
+    /// names one: the only one this identity may use with the profile (as
+    /// `/v1/profiles` answers for it); else a tool error that says why.
+    async fn default_runtime(
+        &self,
+        host: &Host,
+        ctx: &RequestContext<RoleServer>,
+    ) -> Result<String, CallToolResult> {
+        let want = host.profile.as_deref().unwrap_or(DEFAULT_PROFILE);
+        let req = Request {
+            method: "GET",
+            path: "/v1/profiles".into(),
+            body: None,
+        };
+        let v = match self.send(&req, ctx).await {
+            Ok((200, v)) => v,
+            Ok((_, v)) => return Err(refusal(&v)),
+            Err(m) => return Err(tool_error(UNAVAILABLE, &m)),
+        };
+        let Some(profile) = v
+            .get("profiles")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .find(|p| p["name"] == want)
+        else {
+            return Err(tool_error(
+                Code::ProfileDenied.as_str(),
+                &format!("profile {want} is not available to this identity"),
+            ));
+        };
+        let allowed: Vec<&str> = profile["allowed_runtimes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect();
+        match allowed.as_slice() {
+            [one] => Ok(one.to_string()),
+            [] => Err(tool_error(
+                Code::RuntimeDenied.as_str(),
+                &format!("this identity may use no runtime with profile {want}"),
+            )),
+            several => Err(tool_error(
+                Code::InvalidRuntime.as_str(),
+                &format!(
+                    "runtime is required: this identity may use {} with profile {want}; \
+                     pass one of them as runtime",
+                    several.join(", ")
+                ),
+            )),
+        }
+    }
+}
+
+/// `profile` and `runtime` from `/mcp`'s query (empty values are none).
+pub fn host_query(q: &str) -> (Option<String>, Option<String>) {
+    let (mut profile, mut runtime) = (None, None);
+    for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
+        if v.is_empty() {
+            continue;
+        }
+        match k.as_ref() {
+            "profile" => profile = Some(v.into_owned()),
+            "runtime" => runtime = Some(v.into_owned()),
+            _ => {}
+        }
+    }
+    (profile, runtime)
+}
+
+/// What the model is told at `initialize`: the host's runtime when it set
+/// one, never a runtime of our choosing.
+pub fn instructions(host: &Host) -> String {
+    let acquire = match &host.runtime {
+        Some(r) => format!(
+            "Start with cube_acquire and a stable session_key (this host runs you as \
+             runtime {r}; the tool takes no runtime)"
+        ),
+        None => "Start with cube_acquire and a stable session_key (give runtime only \
+                 when your identity may use several; otherwise its one runtime is used)"
+            .to_string(),
+    };
+    format!(
+        "Sandboxed Linux machines for running code. {acquire}, then use the lease_ref it \
+         returns. Use cube_exec for short commands and cube_job_start + cube_job_resume for \
+         long ones. Paths must be under /workspace or /tmp. Release with cube_release \
+         when done."
+    )
+}
+
+/// The tool error for an appliance's error answer (its envelope's code and
+/// message).
+fn refusal(v: &Value) -> CallToolResult {
+    let code = v
+        .pointer("/error/code")
+        .and_then(Value::as_str)
+        .unwrap_or(Code::ExecutionFailed.as_str());
+    let message = v
+        .pointer("/error/message")
+        .and_then(Value::as_str)
+        .unwrap_or("the appliance refused the call");
+    tool_error(code, message)
 }
 
 /// A tool error the model can act on: the appliance's code and message
@@ -235,13 +338,19 @@ impl ServerHandler for McpServer {
                 Implementation::new("cube-adapter", env!("CARGO_PKG_VERSION"))
                     .with_title("CubeSandbox sandboxes"),
             )
-            .with_instructions(
-                "Sandboxed Linux machines for running code. Start with cube_acquire \
-                 (runtime mcp and a stable session_key), then use the lease_ref it returns. \
-                 Use cube_exec for short commands and cube_job_start + cube_job_resume for \
-                 long ones. Paths must be under /workspace or /tmp. Release with cube_release \
-                 when done.",
-            )
+            .with_instructions(instructions(&self.host))
+    }
+
+    async fn initialize(
+        &self,
+        request: InitializeRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<InitializeResult, McpError> {
+        context.peer.set_peer_info(request.clone());
+        let mut info = self.negotiate_initialize(&request)?;
+        // On `/mcp` the host's settings come with the request.
+        info.instructions = Some(instructions(&self.host_for(&context)));
+        Ok(info)
     }
 
     async fn list_tools(
@@ -251,7 +360,7 @@ impl ServerHandler for McpServer {
     ) -> Result<ListToolsResult, McpError> {
         // Terminal tools only when the host's profile allows terminals.
         let ptys = self.ptys_allowed(&context).await;
-        let tools = Self::tools()
+        let tools = Self::tools(&self.host_for(&context))
             .into_iter()
             .filter(|t| ptys || !t.name.starts_with("cube_pty_"))
             .collect();
@@ -264,7 +373,14 @@ impl ServerHandler for McpServer {
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, McpError> {
         let args = request.arguments.clone().unwrap_or_default();
-        let host = self.host_for(&context);
+        let mut host = self.host_for(&context);
+        if request.name == "cube_acquire" && host.runtime.is_none() && !args.contains_key("runtime")
+        {
+            match self.default_runtime(&host, &context).await {
+                Ok(r) => host.runtime = Some(r),
+                Err(e) => return Ok(e.into()),
+            }
+        }
         let req = match tools::request(request.name.as_ref(), &args, &host) {
             Ok(r) => r,
             Err(m) => return Ok(tool_error(Code::InvalidRequest.as_str(), &m).into()),
@@ -282,14 +398,6 @@ impl ServerHandler for McpServer {
             }
             .into());
         }
-        let code = v
-            .pointer("/error/code")
-            .and_then(Value::as_str)
-            .unwrap_or(Code::ExecutionFailed.as_str());
-        let message = v
-            .pointer("/error/message")
-            .and_then(Value::as_str)
-            .unwrap_or("the appliance refused the call");
-        Ok(tool_error(code, message).into())
+        Ok(refusal(&v).into())
     }
 }

@@ -1,12 +1,17 @@
 //! `cube-adapter mcp`: the tool set over stdio, as a client of an
 //! appliance's `/v1` (for hosts that run MCP servers as local commands).
 //!
-//! Settings come from the environment, as in the reference facade:
+//! Settings come from flags (`Flags`: `--url`, `--token-file`, `--ca-file`,
+//! `--client-cert` with `--client-key`, `--profile`, `--runtime`) and, for
+//! what no flag names, from the environment, as in the reference facade:
 //! `CUBE_ADAPTER_URL` (default `https://127.0.0.1:18080`),
 //! `CUBE_ADAPTER_TOKEN` or `CUBE_ADAPTER_TOKEN_FILE`, `CUBE_ADAPTER_CA_FILE`,
 //! `CUBE_ADAPTER_CLIENT_CERT_FILE` with `CUBE_ADAPTER_CLIENT_KEY_FILE`,
-//! `CUBE_ADAPTER_PROFILE`, `CUBE_ADAPTER_RUNTIME`. Every refusal is decided
-//! before any connection is tried.
+//! `CUBE_ADAPTER_PROFILE`, `CUBE_ADAPTER_RUNTIME`. A flag wins over its
+//! variables, and an identity flag (`--token-file`, `--client-cert`) over
+//! every identity variable: hosts pass their whole environment on, so an
+//! exported `CUBE_ADAPTER_TOKEN` must not fight the configured token file.
+//! Every refusal is decided before any connection is tried.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -19,6 +24,18 @@ use crate::cube::Secret;
 
 /// The default appliance URL.
 pub const DEFAULT_URL: &str = "https://127.0.0.1:18080";
+
+/// What the command line says (each `None` when the flag is absent).
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    pub url: Option<String>,
+    pub token_file: Option<PathBuf>,
+    pub ca_file: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    pub client_key: Option<PathBuf>,
+    pub profile: Option<String>,
+    pub runtime: Option<String>,
+}
 
 /// What `cube-adapter mcp` was told, checked.
 #[derive(Debug)]
@@ -39,104 +56,203 @@ fn is_loopback(u: &url::Url) -> bool {
     }
 }
 
+/// A token read from `file`, named `what` in messages.
+fn read_token(file: &std::path::Path, what: &str) -> Result<Secret, String> {
+    let t = std::fs::read_to_string(file)
+        .map_err(|e| format!("cannot read {what} {}: {e}", file.display()))?;
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        return Err(format!("{what} {} is empty", file.display()));
+    }
+    Ok(Secret::new(t))
+}
+
 impl Settings {
-    /// Read and check the settings from `var` (the environment).
+    /// Read and check the settings from the environment alone (`var`).
     pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        Self::resolve(&Flags::default(), var)
+    }
+
+    /// Read and check the settings: `flags` first, then `var` (the
+    /// environment) for what no flag names.
+    pub fn resolve(flags: &Flags, var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
         let get = |k: &str| var(k).filter(|v| !v.trim().is_empty());
-        let raw = get("CUBE_ADAPTER_URL").unwrap_or_else(|| DEFAULT_URL.to_string());
-        let url = url::Url::parse(&raw)
-            .map_err(|e| format!("CUBE_ADAPTER_URL is not a URL ({e}): {raw}"))?;
+        for (name, empty) in [
+            (
+                "--url",
+                flags.url.as_ref().is_some_and(|v| v.trim().is_empty()),
+            ),
+            (
+                "--profile",
+                flags.profile.as_ref().is_some_and(|v| v.trim().is_empty()),
+            ),
+            (
+                "--runtime",
+                flags.runtime.as_ref().is_some_and(|v| v.trim().is_empty()),
+            ),
+            (
+                "--token-file",
+                flags
+                    .token_file
+                    .as_ref()
+                    .is_some_and(|v| v.as_os_str().is_empty()),
+            ),
+            (
+                "--ca-file",
+                flags
+                    .ca_file
+                    .as_ref()
+                    .is_some_and(|v| v.as_os_str().is_empty()),
+            ),
+            (
+                "--client-cert",
+                flags
+                    .client_cert
+                    .as_ref()
+                    .is_some_and(|v| v.as_os_str().is_empty()),
+            ),
+            (
+                "--client-key",
+                flags
+                    .client_key
+                    .as_ref()
+                    .is_some_and(|v| v.as_os_str().is_empty()),
+            ),
+        ] {
+            if empty {
+                return Err(format!("{name} is empty"));
+            }
+        }
+        // Where each setting came from, for the messages.
+        let (raw, url_src) = match (&flags.url, get("CUBE_ADAPTER_URL")) {
+            (Some(u), _) => (u.clone(), "--url"),
+            (None, Some(u)) => (u, "CUBE_ADAPTER_URL"),
+            (None, None) => (DEFAULT_URL.to_string(), "the default URL"),
+        };
+        let url =
+            url::Url::parse(&raw).map_err(|e| format!("{url_src} is not a URL ({e}): {raw}"))?;
         match url.scheme() {
             "https" => {}
             "http" if is_loopback(&url) => {}
             "http" => {
                 return Err(format!(
                     "refusing plain HTTP to {}: only a loopback address may be reached without TLS \
-                     (use https://, and CUBE_ADAPTER_CA_FILE for the appliance's CA)",
+                     (use https://, and --ca-file for the appliance's CA)",
                     url.host_str().unwrap_or("?")
                 ));
             }
             other => {
                 return Err(format!(
-                    "CUBE_ADAPTER_URL must be https:// (or http:// to loopback), not {other}://"
+                    "{url_src} must be https:// (or http:// to loopback), not {other}://"
                 ));
             }
         }
         if !url.username().is_empty() || url.password().is_some() {
-            return Err(
-                "CUBE_ADAPTER_URL must not carry credentials; use CUBE_ADAPTER_TOKEN".into(),
-            );
+            return Err(format!(
+                "{url_src} must not carry credentials; use --token-file"
+            ));
         }
         if url.query().is_some() || url.fragment().is_some() {
-            return Err(
-                "CUBE_ADAPTER_URL takes no query or fragment (the profile is CUBE_ADAPTER_PROFILE)"
-                    .into(),
-            );
+            return Err(format!(
+                "{url_src} takes no query or fragment (the profile is --profile)"
+            ));
         }
-        let token = match (get("CUBE_ADAPTER_TOKEN"), get("CUBE_ADAPTER_TOKEN_FILE")) {
-            (Some(_), Some(_)) => {
-                return Err("set CUBE_ADAPTER_TOKEN or CUBE_ADAPTER_TOKEN_FILE, not both".into());
-            }
-            (Some(t), None) => Some(Secret::new(t.trim())),
-            (None, Some(f)) => {
-                let t = std::fs::read_to_string(&f)
-                    .map_err(|e| format!("cannot read CUBE_ADAPTER_TOKEN_FILE {f}: {e}"))?;
-                let t = t.trim().to_string();
-                if t.is_empty() {
-                    return Err(format!("CUBE_ADAPTER_TOKEN_FILE {f} is empty"));
+        let identity_flags =
+            flags.token_file.is_some() || flags.client_cert.is_some() || flags.client_key.is_some();
+        let (token, client_cert) = if identity_flags {
+            // The flags name the identity; no identity variable counts.
+            let token = flags
+                .token_file
+                .as_deref()
+                .map(|f| read_token(f, "--token-file"))
+                .transpose()?;
+            let cert = match (&flags.client_cert, &flags.client_key) {
+                (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+                (None, None) => None,
+                _ => return Err("--client-cert and --client-key go together".into()),
+            };
+            (token, cert)
+        } else {
+            let token = match (get("CUBE_ADAPTER_TOKEN"), get("CUBE_ADAPTER_TOKEN_FILE")) {
+                (Some(_), Some(_)) => {
+                    return Err(
+                        "CUBE_ADAPTER_TOKEN and CUBE_ADAPTER_TOKEN_FILE are both set in the \
+                         environment and name two tokens: unset one of them (an exported \
+                         CUBE_ADAPTER_TOKEN reaches this command through the host), or give \
+                         --token-file FILE, which wins over both"
+                            .into(),
+                    );
                 }
-                Some(Secret::new(t))
-            }
-            (None, None) => None,
+                (Some(t), None) => Some(Secret::new(t.trim())),
+                (None, Some(f)) => Some(read_token(
+                    std::path::Path::new(&f),
+                    "CUBE_ADAPTER_TOKEN_FILE",
+                )?),
+                (None, None) => None,
+            };
+            let cert = match (
+                get("CUBE_ADAPTER_CLIENT_CERT_FILE"),
+                get("CUBE_ADAPTER_CLIENT_KEY_FILE"),
+            ) {
+                (Some(c), Some(k)) => Some((PathBuf::from(c), PathBuf::from(k))),
+                (None, None) => None,
+                _ => {
+                    return Err(
+                        "CUBE_ADAPTER_CLIENT_CERT_FILE and CUBE_ADAPTER_CLIENT_KEY_FILE go \
+                         together (or give --client-cert and --client-key)"
+                            .into(),
+                    );
+                }
+            };
+            (token, cert)
         };
         if let Some(t) = &token
             && reqwest::header::HeaderValue::from_str(&format!("Bearer {}", t.expose())).is_err()
         {
             return Err("the token holds characters no HTTP header may carry".into());
         }
-        let client_cert = match (
-            get("CUBE_ADAPTER_CLIENT_CERT_FILE"),
-            get("CUBE_ADAPTER_CLIENT_KEY_FILE"),
-        ) {
-            (Some(c), Some(k)) => Some((PathBuf::from(c), PathBuf::from(k))),
-            (None, None) => None,
-            _ => {
-                return Err(
-                    "CUBE_ADAPTER_CLIENT_CERT_FILE and CUBE_ADAPTER_CLIENT_KEY_FILE go together"
-                        .into(),
-                );
-            }
-        };
         if client_cert.is_some() && url.scheme() != "https" {
             return Err("a client certificate is only sent over https://".into());
         }
         if token.is_none() && client_cert.is_none() {
             return Err(
-                "no identity: set CUBE_ADAPTER_TOKEN (or CUBE_ADAPTER_TOKEN_FILE) or a client certificate".into(),
+                "no identity: give --token-file FILE (or set CUBE_ADAPTER_TOKEN or \
+                 CUBE_ADAPTER_TOKEN_FILE) or a client certificate"
+                    .into(),
             );
         }
-        let ca_file = get("CUBE_ADAPTER_CA_FILE").map(PathBuf::from);
+        let (ca_file, ca_src) = match (&flags.ca_file, get("CUBE_ADAPTER_CA_FILE")) {
+            (Some(f), _) => (Some(f.clone()), "--ca-file"),
+            (None, Some(f)) => (Some(PathBuf::from(f)), "CUBE_ADAPTER_CA_FILE"),
+            (None, None) => (None, ""),
+        };
         if ca_file.is_some() && url.scheme() != "https" {
-            return Err("CUBE_ADAPTER_CA_FILE is for https:// URLs".into());
+            return Err(format!("{ca_src} is for https:// URLs"));
         }
-        let runtime = get("CUBE_ADAPTER_RUNTIME");
+        let (runtime, runtime_src) = match (&flags.runtime, get("CUBE_ADAPTER_RUNTIME")) {
+            (Some(r), _) => (Some(r.trim().to_string()), "--runtime"),
+            (None, Some(r)) => (Some(r.trim().to_string()), "CUBE_ADAPTER_RUNTIME"),
+            (None, None) => (None, ""),
+        };
         if let Some(r) = &runtime
             && !crate::config::RUNTIMES.contains(&r.as_str())
         {
             return Err(format!(
-                "CUBE_ADAPTER_RUNTIME must be one of {}",
+                "{runtime_src} must be one of {} (not {r})",
                 crate::config::RUNTIMES.join(", ")
             ));
         }
+        let profile = flags
+            .profile
+            .as_ref()
+            .map(|p| p.trim().to_string())
+            .or_else(|| get("CUBE_ADAPTER_PROFILE").map(|p| p.trim().to_string()));
         Ok(Self {
             url,
             token,
             ca_file,
             client_cert,
-            host: Host {
-                profile: get("CUBE_ADAPTER_PROFILE"),
-                runtime,
-            },
+            host: Host { profile, runtime },
         })
     }
 
@@ -271,7 +387,7 @@ mod tests {
                     ("CUBE_ADAPTER_TOKEN", "t"),
                     ("CUBE_ADAPTER_TOKEN_FILE", "/t"),
                 ],
-                "not both",
+                "both set in the environment",
             ),
             (
                 vec![("CUBE_ADAPTER_URL", "ftp://x"), ("CUBE_ADAPTER_TOKEN", "t")],
@@ -296,5 +412,116 @@ mod tests {
             let e = ok(&p).unwrap_err();
             assert!(e.contains(want), "{p:?}: {e}");
         }
+    }
+
+    #[test]
+    fn flags_win_over_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-the-file\n").unwrap();
+        let flags = Flags {
+            url: Some("http://127.0.0.1:7".into()),
+            token_file: Some(file.clone()),
+            profile: Some("wide".into()),
+            runtime: Some("hermes".into()),
+            ..Default::default()
+        };
+        // What Claude Code and OpenCode pass on: the user's exported token,
+        // a token file, a URL and runtime of another appliance, an
+        // incomplete client certificate.
+        let noisy = env(&[
+            ("CUBE_ADAPTER_TOKEN", "exported"),
+            ("CUBE_ADAPTER_TOKEN_FILE", "/nonexistent"),
+            ("CUBE_ADAPTER_URL", "ftp://elsewhere"),
+            ("CUBE_ADAPTER_RUNTIME", "bash"),
+            ("CUBE_ADAPTER_PROFILE", "narrow"),
+            ("CUBE_ADAPTER_CLIENT_CERT_FILE", "/c"),
+        ]);
+        let s = Settings::resolve(&flags, &noisy).unwrap();
+        assert_eq!(s.token.unwrap().expose(), "from-the-file");
+        assert_eq!(s.url.as_str(), "http://127.0.0.1:7/");
+        assert!(s.client_cert.is_none());
+        assert_eq!(
+            s.host,
+            Host {
+                profile: Some("wide".into()),
+                runtime: Some("hermes".into())
+            }
+        );
+        // Without flags the environment is read as before.
+        let s = Settings::resolve(
+            &Flags::default(),
+            env(&[
+                ("CUBE_ADAPTER_TOKEN", "t"),
+                ("CUBE_ADAPTER_RUNTIME", "openclaw"),
+                ("CUBE_ADAPTER_PROFILE", "p"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.token.unwrap().expose(), "t");
+        assert_eq!(s.host.runtime.as_deref(), Some("openclaw"));
+        assert_eq!(s.host.profile.as_deref(), Some("p"));
+        // A client certificate by flags: no token from the environment.
+        let flags = Flags {
+            client_cert: Some("/c.pem".into()),
+            client_key: Some("/c.key".into()),
+            ..Default::default()
+        };
+        let s = Settings::resolve(&flags, env(&[("CUBE_ADAPTER_TOKEN", "exported")])).unwrap();
+        assert!(s.token.is_none());
+        assert!(s.client_cert.is_some());
+        // Flags are checked as strictly as the variables.
+        for (flags, want) in [
+            (
+                Flags {
+                    client_cert: Some("/c.pem".into()),
+                    ..Default::default()
+                },
+                "--client-cert and --client-key go together",
+            ),
+            (
+                Flags {
+                    runtime: Some("bash".into()),
+                    ..Default::default()
+                },
+                "--runtime must be one of",
+            ),
+            (
+                Flags {
+                    url: Some("http://cube.invalid".into()),
+                    ..Default::default()
+                },
+                "plain HTTP",
+            ),
+            (
+                Flags {
+                    token_file: Some(dir.path().join("missing")),
+                    ..Default::default()
+                },
+                "cannot read --token-file",
+            ),
+            (
+                Flags {
+                    url: Some(" ".into()),
+                    ..Default::default()
+                },
+                "--url is empty",
+            ),
+        ] {
+            let e = Settings::resolve(&flags, env(&[("CUBE_ADAPTER_TOKEN", "t")])).unwrap_err();
+            assert!(e.contains(want), "{flags:?}: {e}");
+        }
+        // Two identity variables conflict: the message names both and the way out.
+        let e = Settings::from_env(env(&[
+            ("CUBE_ADAPTER_TOKEN", "t"),
+            ("CUBE_ADAPTER_TOKEN_FILE", "/t"),
+        ]))
+        .unwrap_err();
+        assert!(
+            e.contains("CUBE_ADAPTER_TOKEN and CUBE_ADAPTER_TOKEN_FILE")
+                && e.contains("--token-file"),
+            "{e}"
+        );
+        assert!(!e.contains("from-the-file"));
     }
 }

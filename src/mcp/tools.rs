@@ -260,7 +260,8 @@ pub const TOOLS: &[ToolDef] = &[
     ),
 ];
 
-/// The JSON Schema of a tool's arguments.
+/// The JSON Schema of a tool's arguments, as a host that fixes nothing
+/// sees it (see `schema_for`).
 pub fn schema(name: &str) -> Value {
     let lease = json!({"type": "string", "pattern": "^lease_[a-f0-9]{20}$", "description": "From cube_acquire."});
     let job = json!({"type": "string", "pattern": "^job_[a-f0-9]{20}$", "description": "From cube_job_start."});
@@ -274,11 +275,11 @@ pub fn schema(name: &str) -> Value {
         "cube_profiles" => (json!({}), &[]),
         "cube_acquire" => (
             json!({
-                "runtime": {"type": "string", "enum": ["openclaw", "dsh", "hermes", "mcp"], "description": "Which agent runtime you are (usually mcp)."},
+                "runtime": {"type": "string", "enum": crate::auth::RUNTIMES, "description": "Which agent runtime you are. Leave it out when your identity may use only one: that one is used."},
                 "session_key": {"type": "string", "minLength": 1, "maxLength": 512, "description": "A stable key for this conversation or task."},
                 "request_id": request_id,
             }),
-            &["runtime", "session_key"],
+            &["session_key"],
         ),
         "cube_status" | "cube_checkpoint_list" => (json!({"lease_ref": lease}), &["lease_ref"]),
         "cube_exec" => (
@@ -385,12 +386,28 @@ pub fn schema(name: &str) -> Value {
     json!({"type": "object", "properties": props, "required": required, "additionalProperties": false})
 }
 
-/// What the host fixes for every call.
-#[derive(Debug, Clone, Default)]
+/// The JSON Schema of a tool's arguments for this host: what the host
+/// fixes is no argument (`cube_acquire` has no `runtime` when the host
+/// names one).
+pub fn schema_for(name: &str, host: &Host) -> Value {
+    let mut s = schema(name);
+    if name == "cube_acquire"
+        && host.runtime.is_some()
+        && let Some(p) = s.get_mut("properties").and_then(Value::as_object_mut)
+    {
+        p.remove("runtime");
+    }
+    s
+}
+
+/// What the host fixes for every call; the model cannot change it.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Host {
     /// The profile `cube_acquire` asks for (default: the appliance's).
     pub profile: Option<String>,
-    /// The runtime `cube_acquire` uses when the model gives none.
+    /// The runtime `cube_acquire` uses, whatever the model says. Without
+    /// one the model may name it, and when it does not the identity's only
+    /// allowed runtime is used (`McpServer` asks the appliance).
     pub runtime: Option<String>,
 }
 
@@ -449,10 +466,15 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
     Ok(match name {
         "cube_profiles" => get("/v1/profiles".into()),
         "cube_acquire" => {
-            let runtime = host.runtime.as_ref().map(|r| ("runtime", json!(r)));
-            let mut b = body(&["profile"], runtime.as_slice());
-            if let (Some(p), Some(m)) = (&host.profile, b.as_object_mut()) {
-                m.insert("profile".into(), json!(p));
+            let mut b = body(&["profile"], &[]);
+            if let Some(m) = b.as_object_mut() {
+                // The host's settings win over the model's arguments.
+                if let Some(p) = &host.profile {
+                    m.insert("profile".into(), json!(p));
+                }
+                if let Some(r) = &host.runtime {
+                    m.insert("runtime".into(), json!(r));
+                }
             }
             post("/v1/leases/acquire".into(), b)
         }
@@ -676,5 +698,34 @@ mod tests {
         assert_eq!(r.body.unwrap()["profile"], "offline-code");
         let r = request("cube_acquire", &args, &Host::default()).unwrap();
         assert!(r.body.unwrap().get("profile").is_none());
+    }
+
+    #[test]
+    fn the_hosts_runtime_wins_and_is_no_argument() {
+        let mut args = Map::new();
+        args.insert("runtime".into(), json!("mcp"));
+        args.insert("session_key".into(), json!("s"));
+        let host = Host {
+            profile: None,
+            runtime: Some("hermes".into()),
+        };
+        let b = request("cube_acquire", &args, &host).unwrap().body.unwrap();
+        assert_eq!(b["runtime"], "hermes");
+        let b = request("cube_acquire", &args, &Host::default())
+            .unwrap()
+            .body
+            .unwrap();
+        assert_eq!(b["runtime"], "mcp", "without a host runtime the model's");
+        let hosted = schema_for("cube_acquire", &host);
+        assert!(hosted["properties"].get("runtime").is_none());
+        assert_eq!(hosted["required"], json!(["session_key"]));
+        let open = schema_for("cube_acquire", &Host::default());
+        assert!(open["properties"].get("runtime").is_some());
+        assert_eq!(
+            open["required"],
+            json!(["session_key"]),
+            "runtime is optional"
+        );
+        assert_eq!(schema_for("cube_exec", &host), schema("cube_exec"));
     }
 }

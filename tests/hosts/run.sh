@@ -150,9 +150,10 @@ def snippet(doc, lineno, url, home, example_url, example_home):
     sys.stdout.write(text.replace(example_url, url).replace(example_home, home))
 
 def profile(path):
-    """The profile a snippet asks for (?profile=NAME or CUBE_ADAPTER_PROFILE), or nothing."""
+    """The profile a snippet asks for (?profile=NAME, --profile NAME or CUBE_ADAPTER_PROFILE), or nothing."""
     s = open(path, encoding="utf-8").read()
-    m = re.search(r"[?&]profile=([\w.-]+)", s) or re.search(r"CUBE_ADAPTER_PROFILE\W+([\w.-]+)", s)
+    m = (re.search(r"[?&]profile=([\w.-]+)", s) or re.search(r"--profile\W+([\w.-]+)", s)
+         or re.search(r"CUBE_ADAPTER_PROFILE\W+([\w.-]+)", s))
     print(m.group(1) if m else "")
 
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
@@ -376,7 +377,7 @@ done
 [[ -n $URL ]] || { cat "$T/serve.out" >&2; tail -n 30 "$T/serve.err" >&2; die "the appliance did not start"; }
 CA=$(sed -n '/^ *CA certificate: */{s///p;q;}' "$T/serve.out")
 [[ -f ${CA:-} ]] || CA=$T/state/tls/ca.pem
-TOKEN=$("$BIN" token create --state-dir "$T/state" --config "$T/empty.toml" --tenant hosts --runtime mcp)
+TOKEN=$("$BIN" token create --state-dir "$T/state" --config "$T/empty.toml" --tenant hosts)
 [[ $TOKEN == cat_* ]] || die "token create printed '$TOKEN'"
 printf '%s\n' "$TOKEN" >"$T/token"
 say "appliance $URL ($("$BIN" --version)); hosts in $HOSTS_DIR"
