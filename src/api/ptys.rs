@@ -205,9 +205,13 @@ struct EventsQuery {
 /// Largest chunk in one `output` event.
 const EVENT_CHUNK: usize = 64 * 1024;
 
-fn status_event(pty: &crate::broker::ptys::Pty, sandbox_ref: &str) -> Event {
+fn status_event(
+    pty: &crate::broker::ptys::Pty,
+    executor: crate::broker::dto::Executor,
+    sandbox_ref: &str,
+) -> Event {
     let v = json!({
-        "executor": crate::broker::EXECUTOR, "sandbox_ref": sandbox_ref,
+        "executor": executor, "sandbox_ref": sandbox_ref,
         "lease_ref": pty.lease_ref, "pty_ref": pty.pty_ref, "state": pty.state,
         "exit_code": pty.exit_code, "rows": pty.rows, "cols": pty.cols,
         "created_at": pty.created_at, "updated_at": pty.updated_at,
@@ -247,7 +251,11 @@ async fn events(
     // Two events in flight: a slow viewer holds little memory.
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {
-        if tx.send(status_event(&pty, &sandbox_ref)).await.is_err() {
+        if tx
+            .send(status_event(&pty, broker.executor(), &sandbox_ref))
+            .await
+            .is_err()
+        {
             return;
         }
         let Some(hub) = hub else {
@@ -297,7 +305,9 @@ async fn events(
                             tokio::time::sleep(Duration::from_millis(50)).await;
                         }
                         Ok(Some(p)) => {
-                            let _ = tx.send(status_event(&p, &sandbox_ref)).await;
+                            let _ = tx
+                                .send(status_event(&p, broker.executor(), &sandbox_ref))
+                                .await;
                             return;
                         }
                         _ => return,

@@ -4,7 +4,7 @@
 
 use redb::WriteTransaction;
 
-use super::dto::{self, Executor};
+use super::dto;
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
@@ -86,23 +86,24 @@ impl Broker {
         self.authorize(p, "checkpoint:list", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
         Ok(dto::CheckpointList {
-            checkpoints: self.checkpoints_summary(&l.lease_ref)?,
-            executor: Executor::default(),
+            checkpoints: self.checkpoints_summary(&l)?,
+            executor: self.executor(),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })
     }
 
     /// A lease's checkpoints as listed, oldest first.
-    pub(crate) fn checkpoints_summary(
-        &self,
-        lease_ref: &str,
-    ) -> Result<Vec<dto::CheckpointSummary>> {
+    pub(crate) fn checkpoints_summary(&self, l: &Lease) -> Result<Vec<dto::CheckpointSummary>> {
         let cs = self
             .inner
             .store
-            .read_now(|txn| lease_checkpoints(txn, lease_ref))?;
-        Ok(cs.iter().map(dto::CheckpointSummary::from).collect())
+            .read_now(|txn| lease_checkpoints(txn, &l.lease_ref))?;
+        let executor = self.executor();
+        Ok(cs
+            .iter()
+            .map(|c| dto::CheckpointSummary::new(c, executor, &l.sandbox_ref))
+            .collect())
     }
 
     /// `POST /v1/leases/{ref}/checkpoints` (201).
@@ -162,7 +163,7 @@ impl Broker {
         Ok(dto::CheckpointCreated {
             checkpoint_ref: c.checkpoint_ref,
             created_at: c.created_at,
-            executor: Executor::default(),
+            executor: self.executor(),
             name: c.name,
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
@@ -210,7 +211,7 @@ impl Broker {
             .await?;
         Ok(dto::RollbackResponse {
             checkpoint_ref: checkpoint_ref.to_string(),
-            executor: Executor::default(),
+            executor: self.executor(),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
             state: super::leases::LeaseState::Running,
@@ -251,7 +252,7 @@ impl Broker {
         Ok(dto::CheckpointDeleted {
             checkpoint_ref: checkpoint_ref.to_string(),
             deleted: true,
-            executor: Executor::default(),
+            executor: self.executor(),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })

@@ -19,12 +19,27 @@ use crate::store::plans::PlanState;
 use crate::store::ptys::{Pty, PtyState};
 use crate::store::tasks::TaskState;
 
-/// What every lease answer calls the executor (`cubesandbox-microvm`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// What ran the sandbox, as every lease answer says it: a CubeSandbox
+/// MicroVM (the reference's only value), or the embedded backend's
+/// namespaced process tree, or (isolation `none`) plain processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Executor {
-    #[default]
     #[serde(rename = "cubesandbox-microvm")]
     CubesandboxMicrovm,
+    #[serde(rename = "cube-adapter-namespaces")]
+    EmbeddedNamespaces,
+    #[serde(rename = "cube-adapter-processes")]
+    EmbeddedProcesses,
+}
+
+impl Executor {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::CubesandboxMicrovm => "cubesandbox-microvm",
+            Self::EmbeddedNamespaces => "cube-adapter-namespaces",
+            Self::EmbeddedProcesses => "cube-adapter-processes",
+        }
+    }
 }
 
 // ---------------------------------------------------------------- leases
@@ -83,11 +98,16 @@ pub struct LeaseItem {
 /// `GET|POST /v1/leases/{ref}/status`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LeaseStatus {
-    pub checkpoints: Vec<CheckpointSummary>,
+    /// The lease's checkpoints, oldest first (`checkpoints` is their count,
+    /// as in the reference).
+    pub checkpoint_list: Vec<CheckpointSummary>,
+    pub checkpoints: usize,
     pub created_at: String,
     pub executor: Executor,
     pub expires_in_seconds: i64,
-    pub jobs: Vec<JobSummary>,
+    /// The lease's jobs (`jobs` is their count, as in the reference).
+    pub job_list: Vec<JobSummary>,
+    pub jobs: usize,
     pub last_used_at: String,
     pub lease_ref: String,
     pub profile: String,
@@ -211,6 +231,9 @@ pub enum EntryType {
 pub struct Entry {
     pub is_dir: bool,
     pub mode: u32,
+    /// The same as `modified_time`, under the reference's name.
+    #[serde(rename = "modifiedTime")]
+    pub modified_time_ref: Option<String>,
     pub modified_time: Option<String>,
     pub name: String,
     pub path: String,
@@ -230,6 +253,7 @@ impl From<&crate::cube::wire::EntryInfo> for Entry {
         Self {
             is_dir: e.is_dir(),
             mode: e.mode,
+            modified_time_ref: e.modified_time.clone(),
             modified_time: e.modified_time.clone(),
             name: e.name.clone(),
             path: e.path.clone(),
@@ -347,15 +371,23 @@ pub enum FileAnswer {
 pub struct CheckpointSummary {
     pub checkpoint_ref: String,
     pub created_at: String,
+    pub executor: Executor,
     pub name: String,
+    pub sandbox_ref: String,
 }
 
-impl From<&crate::store::checkpoints::Checkpoint> for CheckpointSummary {
-    fn from(c: &crate::store::checkpoints::Checkpoint) -> Self {
+impl CheckpointSummary {
+    pub(crate) fn new(
+        c: &crate::store::checkpoints::Checkpoint,
+        executor: Executor,
+        sandbox_ref: &str,
+    ) -> Self {
         Self {
             checkpoint_ref: c.checkpoint_ref.clone(),
             created_at: c.created_at.clone(),
+            executor,
             name: c.name.clone(),
+            sandbox_ref: sandbox_ref.to_string(),
         }
     }
 }
@@ -455,11 +487,11 @@ pub struct JobAnswer {
 }
 
 impl JobAnswer {
-    pub(crate) fn new(j: &Job, sandbox_ref: &str, request_id: &str) -> Self {
+    pub(crate) fn new(j: &Job, executor: Executor, sandbox_ref: &str, request_id: &str) -> Self {
         Self {
             cancelled: j.cancelled,
             created_at: j.created_at.clone(),
-            executor: Executor::default(),
+            executor,
             exit_code: j.exit_code,
             job_ref: j.job_ref.clone(),
             lease_ref: j.lease_ref.clone(),
@@ -577,11 +609,11 @@ pub struct PtyAnswer {
 }
 
 impl PtyAnswer {
-    pub(crate) fn new(p: &Pty, sandbox_ref: &str, request_id: &str) -> Self {
+    pub(crate) fn new(p: &Pty, executor: Executor, sandbox_ref: &str, request_id: &str) -> Self {
         Self {
             cols: p.cols,
             created_at: p.created_at.clone(),
-            executor: Executor::default(),
+            executor,
             exit_code: p.exit_code,
             lease_ref: p.lease_ref.clone(),
             pty_ref: p.pty_ref.clone(),
@@ -851,7 +883,7 @@ mod tests {
         JobAnswer {
             cancelled: false,
             created_at: "t0".into(),
-            executor: Executor::default(),
+            executor: Executor::CubesandboxMicrovm,
             exit_code: None,
             job_ref: "job_1".into(),
             lease_ref: "lease_1".into(),
@@ -866,7 +898,7 @@ mod tests {
     #[test]
     fn lease_answer_keeps_its_bytes() {
         let s = same_wire(&LeaseAnswer {
-            executor: Executor::default(),
+            executor: Executor::CubesandboxMicrovm,
             lease_ref: "lease_x".into(),
             persistent_workspace: false,
             profile: "default".into(),
@@ -913,6 +945,7 @@ mod tests {
         let entry = Entry {
             is_dir: false,
             mode: 0o644,
+            modified_time_ref: None,
             modified_time: None,
             name: "a".into(),
             path: "/workspace/a".into(),
@@ -923,7 +956,7 @@ mod tests {
         let m = same_wire(&FileAnswer::Move(MoveResponse {
             destination: "/workspace/b".into(),
             entry: entry.clone(),
-            executor: Executor::default(),
+            executor: Executor::CubesandboxMicrovm,
             path: "/workspace/a".into(),
             request_id: "r".into(),
             sandbox_ref: "sbx".into(),
@@ -935,7 +968,7 @@ mod tests {
         let d = same_wire(&FileAnswer::Download(DownloadResponse {
             bytes: 2,
             content_base64: "aGk=".into(),
-            executor: Executor::default(),
+            executor: Executor::CubesandboxMicrovm,
             path: "/workspace/a".into(),
             request_id: "r".into(),
             sandbox_ref: "sbx".into(),

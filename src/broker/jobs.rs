@@ -18,7 +18,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use redb::WriteTransaction;
 use serde_json::Value;
 
-use super::dto::{self, Executor, JobAnswer, OutputEncoding};
+use super::dto::{self, JobAnswer, OutputEncoding};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
@@ -558,7 +558,7 @@ impl Broker {
             )
             .await?;
         Ok(dto::JobStarted {
-            executor: Executor::default(),
+            executor: self.executor(),
             job_ref: job.job_ref,
             lease_ref: job.lease_ref,
             request_id: ctx.request_id.clone(),
@@ -662,7 +662,7 @@ impl Broker {
             )
             .await?;
         Ok(JobTail {
-            job: JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id),
+            job: JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id),
             tenant: lease.tenant,
             stdout: pr.stdout,
             stderr: pr.stderr,
@@ -678,7 +678,12 @@ impl Broker {
         let (job, lease, _) = self
             .job_read(p, ctx, job_ref, "job_status", (0, 0), (0, 0))
             .await?;
-        Ok(JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id))
+        Ok(JobAnswer::new(
+            &job,
+            self.executor(),
+            &lease.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// `POST /v1/jobs/{ref}/output`: the reference's fragment paging, or
@@ -716,7 +721,7 @@ impl Broker {
                 // As in the reference, the fragment holds the first MiB of
                 // each stream; say so when there is more (use the cursors).
                 let limit = COMPAT_LIMIT as u64;
-                let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+                let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
                 Ok(dto::JobOutput::Fragment(dto::JobOutputFragment {
                     cancelled: a.cancelled,
                     created_at: a.created_at,
@@ -755,7 +760,7 @@ impl Broker {
                 // The state was read before the ranges: a job that had ended
                 // then has all its output in the files.
                 let eof = job.is_terminal() && on >= pr.out_size && en >= pr.err_size;
-                let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+                let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
                 Ok(dto::JobOutput::Cursors(dto::JobOutputCursors {
                     cancelled: a.cancelled,
                     created_at: a.created_at,
@@ -828,7 +833,12 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id))
+        Ok(JobAnswer::new(
+            &job,
+            self.executor(),
+            &lease.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// `GET /v1/jobs/{ref}/recover`: where the job is and what state it is
@@ -842,7 +852,7 @@ impl Broker {
         let (job, lease, pr) = self
             .job_read(p, ctx, job_ref, "job_recover", (0, 0), (0, 0))
             .await?;
-        let a = JobAnswer::new(&job, &lease.sandbox_ref, &ctx.request_id);
+        let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
         Ok(dto::JobRecovery {
             cancelled: a.cancelled,
             created_at: a.created_at,

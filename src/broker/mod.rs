@@ -29,9 +29,6 @@ use crate::config::{Config, Profile};
 use crate::cube::CubeClient;
 use crate::store::Store;
 
-/// What every lease response calls the executor.
-pub const EXECUTOR: &str = "cubesandbox-microvm";
-
 /// Cheap to clone.
 #[derive(Clone)]
 pub struct Broker {
@@ -194,6 +191,17 @@ impl Broker {
     }
 
     /// The configuration as it is now (a reload may replace it).
+    /// What runs this appliance's sandboxes (`executor` in every lease
+    /// answer): a configured CubeSandbox, or the embedded backend.
+    pub fn executor(&self) -> dto::Executor {
+        let c = self.config();
+        match (&c.backend, c.embedded.isolation) {
+            (Some(_), _) => dto::Executor::CubesandboxMicrovm,
+            (None, crate::embedded::Isolation::Namespaces) => dto::Executor::EmbeddedNamespaces,
+            (None, crate::embedded::Isolation::None) => dto::Executor::EmbeddedProcesses,
+        }
+    }
+
     pub fn config(&self) -> Arc<Config> {
         self.policy().cfg.clone()
     }

@@ -330,7 +330,12 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
+        Ok(PtyAnswer::new(
+            &pty,
+            self.executor(),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// Read a PTY's output into its hub until it ends; then record the end.
@@ -401,7 +406,12 @@ impl Broker {
         let ev = self.event(p, "pty_status", ctx);
         self.authorize(p, "pty:status", &ev).await?;
         let (pty, l) = self.owned_pty(p, pty_ref).await?;
-        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
+        Ok(PtyAnswer::new(
+            &pty,
+            self.executor(),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// One audited action on a running PTY's process.
@@ -481,7 +491,12 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
+        Ok(PtyAnswer::new(
+            &pty,
+            self.executor(),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// `POST /v1/ptys/{ref}/resize`.
@@ -517,7 +532,12 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
+        Ok(PtyAnswer::new(
+            &pty,
+            self.executor(),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// `POST /v1/ptys/{ref}/kill`.
@@ -547,7 +567,12 @@ impl Broker {
                 },
             )
             .await?;
-        Ok(PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id))
+        Ok(PtyAnswer::new(
+            &pty,
+            self.executor(),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        ))
     }
 
     /// Open a PTY's event stream (audited once): its current record and hub.
@@ -612,7 +637,7 @@ impl Broker {
         };
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
-        let a = PtyAnswer::new(&pty, &l.sandbox_ref, &ctx.request_id);
+        let a = PtyAnswer::new(&pty, self.executor(), &l.sandbox_ref, &ctx.request_id);
         Ok(dto::PtyOutput {
             cols: a.cols,
             content_base64: b64,

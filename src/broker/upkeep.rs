@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use redb::WriteTransaction;
 
-use super::dto::{self, Executor};
+use super::dto;
 use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Event;
@@ -154,7 +154,7 @@ impl Broker {
             .await?;
         Ok(dto::RenewResponse {
             capped: secs < want,
-            executor: Executor::default(),
+            executor: self.executor(),
             keepalive_until: crate::clock::format_unix(until),
             lease_ref: l.lease_ref,
             request_id: ctx.request_id.clone(),
@@ -181,7 +181,7 @@ impl Broker {
         };
         Ok(dto::LeaseRecovery {
             created_at: l.created_at,
-            executor: Executor::default(),
+            executor: self.executor(),
             jobs: self.jobs_summary(&l.lease_ref)?,
             last_used_at: l.last_used_at,
             lease_ref: l.lease_ref,

@@ -31,7 +31,10 @@ async fn quick_start_flow_and_idempotent_acquire() {
     assert_eq!(st, StatusCode::OK, "{a}");
     assert_eq!(a["reused"], false);
     assert_eq!(a["request_id"], "req-1");
-    assert_eq!(a["executor"], "cubesandbox-microvm");
+    // What ran it: the embedded backend's namespaced process tree, not a
+    // MicroVM (a configured CubeSandbox says cubesandbox-microvm:
+    // production::new_sandboxes_get_a_workspace).
+    assert_eq!(a["executor"], "cube-adapter-namespaces");
     assert_eq!(a["sandbox_ref"].as_str().unwrap().len(), 8);
     let lease = a["lease_ref"].as_str().unwrap().to_string();
     assert!(lease.starts_with("lease_") && lease.len() == 26, "{lease}");

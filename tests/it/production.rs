@@ -262,6 +262,8 @@ async fn new_sandboxes_get_a_workspace() {
     let s = server(&rig, |_| {}).await;
     let (st, v) = acquire(&s, "ws").await;
     assert_eq!(st, StatusCode::OK, "{v}");
+    // A configured CubeSandbox runs MicroVMs, and says so.
+    assert_eq!(v["executor"], "cubesandbox-microvm");
     let made = rig.seen("POST", "/filesystem.Filesystem/MakeDir");
     assert!(
         made.iter().any(|m| m.body.contains("\"/workspace\"")),

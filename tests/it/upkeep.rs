@@ -319,8 +319,13 @@ async fn checkpoints_roll_back_and_go_with_their_lease() {
         .await;
     assert_eq!(list["checkpoints"].as_array().unwrap().len(), 1, "{list}");
     assert_eq!(list["checkpoints"][0]["checkpoint_ref"], c1.as_str());
+    // Each entry carries the reference's executor and sandbox_ref.
+    assert_eq!(list["checkpoints"][0]["executor"], list["executor"]);
+    assert_eq!(list["checkpoints"][0]["sandbox_ref"], list["sandbox_ref"]);
     let (_, st_) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
-    assert_eq!(st_["checkpoints"][0]["checkpoint_ref"], c1.as_str());
+    // The reference's count, and the list beside it.
+    assert_eq!(st_["checkpoints"], 1, "{st_}");
+    assert_eq!(st_["checkpoint_list"][0]["checkpoint_ref"], c1.as_str());
 
     // The profile gate.
     let plain = acquire(&s, "plain", "offline-code").await;

@@ -70,7 +70,7 @@ impl Broker {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         Ok(dto::ExecResponse {
             duration_ms: u64::try_from(ms).unwrap_or(u64::MAX),
-            executor: Executor::default(),
+            executor: self.executor(),
             exit_code: out.exit_code,
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref.clone(),

@@ -86,7 +86,7 @@ impl Broker {
                 },
                 move |b: Broker, l: Lease, addr| async move {
                     let c = &b.inner.cube;
-                    let (executor, sandbox_ref) = (Executor::default(), l.sandbox_ref);
+                    let (executor, sandbox_ref) = (b.executor(), l.sandbox_ref);
                     let nf = |e: crate::cube::CubeError, code: Code| match e.kind {
                         ErrorKind::NotFound => Error::new(code, "no such file or directory"),
                         ErrorKind::InvalidArgument => Error::new(

@@ -154,12 +154,16 @@ impl Broker {
             .unwrap_or(i64::MAX)
             .saturating_sub(idle)
             .max(0);
+        let checkpoint_list = self.checkpoints_summary(&l)?;
+        let job_list = self.jobs_summary(&l.lease_ref)?;
         Ok(dto::LeaseStatus {
-            checkpoints: self.checkpoints_summary(&l.lease_ref)?,
+            checkpoints: checkpoint_list.len(),
+            checkpoint_list,
             created_at: l.created_at,
-            executor: Executor::default(),
+            executor: self.executor(),
             expires_in_seconds: expires,
-            jobs: self.jobs_summary(&l.lease_ref)?,
+            jobs: job_list.len(),
+            job_list,
             last_used_at: l.last_used_at,
             lease_ref: l.lease_ref,
             profile: l.profile,
@@ -212,7 +216,7 @@ impl Broker {
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok(dto::ReleaseResponse {
             action: release_action,
-            executor: Executor::default(),
+            executor: self.executor(),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })

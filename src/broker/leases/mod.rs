@@ -14,7 +14,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use redb::WriteTransaction;
 use sha2::Digest;
 
-use super::dto::{self, Executor};
+use super::dto;
 use super::paths;
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::Intent;
@@ -234,7 +234,7 @@ impl Broker {
 
     pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> dto::LeaseAnswer {
         dto::LeaseAnswer {
-            executor: Executor::default(),
+            executor: self.executor(),
             lease_ref: l.lease_ref.clone(),
             persistent_workspace: false,
             profile: l.profile.clone(),
