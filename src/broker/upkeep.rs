@@ -286,7 +286,66 @@ impl Broker {
         if collected + failed > 0 {
             tracing::info!(collected, failed, "gc: idle leases");
         }
+        if let Err(e) = self.sweep_orphans().await {
+            tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not look for orphaned sandboxes");
+        }
         Ok((collected, failed))
+    }
+
+    /// Kill sandboxes this appliance created (its `appliance` mark) that no
+    /// lease holds and that started more than `ORPHAN_AGE` ago: a create
+    /// that failed on our side but finished on the backend after the
+    /// lookups that followed it (or across a restart). Each kill under its
+    /// own `orphan_kill` intent.
+    async fn sweep_orphans(&self) -> Result<()> {
+        const ORPHAN_AGE: i64 = 300;
+        let filter: std::collections::BTreeMap<String, String> =
+            [("appliance".to_string(), self.appliance_id())].into();
+        let found = self
+            .inner
+            .cube
+            .list(&filter, None)
+            .await
+            .map_err(|e| backend(&e))?;
+        if found.is_empty() {
+            return Ok(());
+        }
+        let held: std::collections::HashSet<String> = self
+            .inner
+            .store
+            .read(all_leases)
+            .await?
+            .into_iter()
+            .map(|l| l.sandbox_id)
+            .collect();
+        let now = self.now().1;
+        for s in found {
+            let started = time::OffsetDateTime::parse(
+                &s.started_at,
+                &time::format_description::well_known::Rfc3339,
+            )
+            .map(|t| t.unix_timestamp())
+            .unwrap_or(now);
+            if held.contains(&s.sandbox_id) || now - started < ORPHAN_AGE {
+                continue;
+            }
+            let j = &self.inner.journal;
+            let mut ev = j.event("orphan_kill");
+            ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+            ev.sandbox_ref = Some(s.sandbox_id.chars().take(8).collect());
+            let intent = j.intent(ev).await?;
+            match self.inner.cube.kill(&s.sandbox_id).await {
+                Ok(()) => {
+                    tracing::warn!(sandbox = %s.sandbox_id.get(..8).unwrap_or_default(), "gc: killed a sandbox no lease holds");
+                    j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                }
+                Err(e) if e.kind == ErrorKind::NotFound => {
+                    j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                }
+                Err(e) => self.fail(intent, &backend(&e)).await?,
+            }
+        }
+        Ok(())
     }
 
     /// `POST /v1/admin/gc`: run GC now (admin role and `admin:gc`).

@@ -301,21 +301,53 @@ impl CubeClient {
         replay: Replay,
         build: impl Fn() -> Result<reqwest::RequestBuilder>,
     ) -> Result<reqwest::Response> {
-        let first = build()?.send().await;
+        self.send_data_within(sb, what, replay, None, build).await
+    }
+
+    /// As `send_data`, each send given at most `headers_within` for its
+    /// answer to begin (the resume between them has its own budget).
+    async fn send_data_within(
+        &self,
+        sb: &SandboxAddr,
+        what: &str,
+        replay: Replay,
+        headers_within: Option<Duration>,
+        build: impl Fn() -> Result<reqwest::RequestBuilder>,
+    ) -> Result<reqwest::Response> {
+        let send = |req: reqwest::RequestBuilder| async move {
+            match headers_within {
+                None => req.send().await.map_err(|e| {
+                    (
+                        e.is_timeout() || e.is_connect(),
+                        CubeError::from_reqwest(what, e),
+                    )
+                }),
+                Some(d) => match tokio::time::timeout(d, req.send()).await {
+                    Err(_) => Err((
+                        true,
+                        CubeError::new(ErrorKind::Timeout, format!("{what}: no response")),
+                    )),
+                    Ok(r) => r.map_err(|e| {
+                        (
+                            e.is_timeout() || e.is_connect(),
+                            CubeError::from_reqwest(what, e),
+                        )
+                    }),
+                },
+            }
+        };
+        let first = send(build()?).await;
         let again = match &first {
             Ok(r) => {
                 matches!(r.status().as_u16(), 502 | 503)
                     || (r.status().as_u16() == 504 && replay == Replay::Safe)
             }
-            Err(e) => replay == Replay::Safe && (e.is_timeout() || e.is_connect()),
+            Err((unanswered, _)) => replay == Replay::Safe && *unanswered,
         };
         if again && self.resume_if_paused(&sb.id).await {
-            return build()?
-                .send()
-                .await
-                .map_err(|e| CubeError::from_reqwest(what, e));
+            return send(build()?).await.map_err(|(_, e)| e);
         }
-        first.map_err(|e| CubeError::from_reqwest(what, e))
+        first.map_err(|(_, e)| e)
     }
 
     /// Resume the sandbox with `connect` if CubeAPI says it is paused. The
@@ -430,12 +462,15 @@ impl CubeClient {
             }
             Ok(req)
         };
-        let resp = tokio::time::timeout(
-            self.inner.cfg.timeouts.request,
-            self.send_data(sb, what, replay, build),
-        )
-        .await
-        .map_err(|_| CubeError::new(ErrorKind::Timeout, format!("{what}: no response")))??;
+        let resp = self
+            .send_data_within(
+                sb,
+                what,
+                replay,
+                Some(self.inner.cfg.timeouts.request),
+                build,
+            )
+            .await?;
         let status = resp.status();
         if !status.is_success() {
             let bytes = resp.bytes().await.unwrap_or_default();

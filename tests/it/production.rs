@@ -471,3 +471,59 @@ async fn status_runs_the_first_connection_checklist() {
         s.stop().await;
     }
 }
+
+/// A create that failed on our side and finished on the backend after the
+/// lookups that followed it is found by GC (the appliance's mark, no lease
+/// holding it, older than five minutes) and killed, recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_kills_sandboxes_no_lease_holds() {
+    let lists = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen_lists = lists.clone();
+    let rig = Rig::start(Arc::new(move |s: &Seen| {
+        if s.method == "POST" && s.path == "/sandboxes" {
+            Act::ForwardThenAnswer(408, r#"{"code":408,"message":"request timed out"}"#)
+        } else if s.method == "GET"
+            && s.path == "/v2/sandboxes"
+            && seen_lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0
+        {
+            // The lookup right after the failed create misses it (the
+            // backend had not finished yet).
+            Act::ForwardThenAnswer(200, "[]")
+        } else {
+            Act::Forward
+        }
+    }))
+    .await;
+    let clock = cube_adapter::clock::ManualClock::starting_now();
+    let section = rig.section();
+    let c2 = clock.clone();
+    let s = Server::start_with(move |c| {
+        c.backend = Some(section);
+        c.gc_interval_seconds = 0;
+        c.clock = c2.into();
+    })
+    .await;
+    let (st, v) = acquire(&s, "late").await;
+    assert_eq!(st, StatusCode::GATEWAY_TIMEOUT, "{v}");
+    for _ in 0..50 {
+        if lists.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        rig.backend.manager.count(),
+        1,
+        "the orphan should still be there"
+    );
+    // GC leaves a young one alone (its create may still be recording it).
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(rig.backend.manager.count(), 1);
+    clock.advance(time::Duration::minutes(10));
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(rig.backend.manager.count(), 0, "GC left the orphan");
+    assert!(journal(&s).contains("\"orphan_kill\""));
+    s.stop().await;
+}

@@ -246,6 +246,8 @@ impl Broker {
             // still finish on the backend, and is found again by it.
             let attempt = new_ref("create");
             metadata.insert("attempt".into(), attempt.clone());
+            // Names this appliance: GC kills what it made and lost track of.
+            metadata.insert("appliance".into(), this.appliance_id());
             let req = CreateSandbox {
                 template_id: prof.template.clone(),
                 timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
@@ -375,6 +377,12 @@ impl Broker {
             .await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok((lease, false))
+    }
+
+    /// This appliance's mark on the sandboxes it creates (a keyed digest:
+    /// stable across restarts, different for every state directory).
+    pub(crate) fn appliance_id(&self) -> String {
+        self.hmac_hex(&[b"appliance"]).chars().take(16).collect()
     }
 
     /// A create that failed or timed out may still finish on the backend
