@@ -557,6 +557,10 @@ impl CubeClient {
             out.exit_code = -1;
             out.status = "deadline_exceeded".into();
         } else {
+            // Exited on its own just as the deadline passed: not timed out.
+            if out.timed_out && end.as_ref().is_some_and(|e| e.exited) {
+                out.timed_out = false;
+            }
             out.finish(end)?;
         }
         Ok(out)
