@@ -20,6 +20,7 @@ pub mod auth;
 pub mod bench;
 pub mod broker;
 pub mod cli;
+pub mod clients;
 pub mod clock;
 pub mod config;
 pub mod console;

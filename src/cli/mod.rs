@@ -18,6 +18,8 @@
 //! - `backup`: `backup`, `restore`.
 //! - `bench`: `bench …`.
 //! - `mcp`: `mcp` (the agent tools on stdin/stdout).
+//! - `connect`: `connect HOST` (an agent host's configuration), and the
+//!   snippets' generator the console shares.
 //! - `backend`: `embedded-backend`.
 //!
 //! # Exit codes
@@ -47,6 +49,8 @@ mod backend;
 mod backup;
 mod bench;
 mod common;
+/// `pub`: the console's "Connect an agent" page shares its generator.
+pub mod connect;
 mod mcp;
 mod ops;
 mod serve;
@@ -164,6 +168,18 @@ pub enum Command {
     /// OpenCode, OpenClaw, Hermes Agent). Every setting is a flag, or else
     /// an environment variable (the reference facade's names); a flag wins.
     Mcp(mcp::McpArgs),
+    /// Configure an agent host (codex, claude-code, opencode, openclaw,
+    /// hermes) for this appliance, in the host's own configuration file.
+    ///
+    /// Writes or merges its `cube` server entry (stdio through `cube-adapter
+    /// mcp`, or --http for /mcp), a token file (0600: a new token scoped to
+    /// --tenant, the profile and the runtime, through the running service or
+    /// the store; or --token-file) and the appliance's CA, and with --tools
+    /// the host's own tool filter. Keeps the file's other settings, backs it
+    /// up first, writes atomically, never prints the token, then runs the
+    /// host's check when it is installed. --dry-run prints the change.
+    #[command(after_help = connect::CONNECT_HELP)]
+    Connect(connect::ConnectArgs),
     /// Run the embedded CubeSandbox-compatible backend on its own.
     ///
     /// Speaks CubeAPI and (by Host, like CubeProxy) envd on one port. Sandboxes
@@ -262,6 +278,7 @@ fn dispatch(command: Command) -> Exit {
         Command::User(UserCommand::Remove(a)) => users::remove(a),
         Command::Bench(b) => bench::run(b),
         Command::Mcp(a) => mcp::run(a),
+        Command::Connect(a) => connect::run(a),
         Command::EmbeddedBackend(a) => backend::run(a),
         Command::Init(a) => ops::init(a),
         Command::Status(a) => ops::status(a),

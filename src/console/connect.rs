@@ -3,9 +3,11 @@
 //! appliance, over stdio (`cube-adapter mcp`) or HTTP (`/mcp`), with a
 //! freshly created token scoped to a tenant and a profile, shown once.
 //!
-//! The snippets have one source, `docs/clients/snippets/`: compiled in
-//! here, and the very blocks of `docs/clients/*.md` (a test below fails
-//! when a page's block differs from its file). They are written for the
+//! The snippets have one source, `docs/clients/snippets/`: compiled into
+//! their generator, `crate::clients` (shared with `cube-adapter connect`,
+//! which writes the same entries into a host's file), and the very blocks
+//! of `docs/clients/*.md` (a test below fails when a page's block differs
+//! from its file). They are written for the
 //! documentation's example appliance (`https://cube.example.internal:18080`),
 //! profile (`offline-code`) and home (`/home/alice`); the page puts this
 //! appliance's URL, the chosen profile and home in their place. The token
@@ -33,142 +35,10 @@ pub fn routes() -> Router<ConsoleState> {
         .route("/console/connect/ca.pem", get(ca_pem))
 }
 
-/// The documentation's example appliance, profile and home, which the
-/// page replaces.
-pub const EXAMPLE_URL: &str = "https://cube.example.internal:18080";
-pub const EXAMPLE_PROFILE: &str = "offline-code";
-pub const EXAMPLE_HOME: &str = "/home/alice";
-
-/// One host's configuration for one transport.
-pub struct Snippet {
-    /// `codex`, `claude-code`, … (as in `<!-- check: HOST … -->`).
-    pub host: &'static str,
-    /// `stdio` or `http`.
-    pub transport: &'static str,
-    /// Where it goes (`~/.codex/config.toml`, `run` for a command).
-    pub dest: &'static str,
-    /// The fence's language in the documentation.
-    pub lang: &'static str,
-    pub text: &'static str,
-}
-
-/// The hosts: id, name, documentation page, how its HTTP client trusts the
-/// appliance's CA.
-pub const HOSTS: &[(&str, &str, &str, &str)] = &[
-    (
-        "codex",
-        "Codex",
-        "codex.md",
-        "CODEX_CA_CERTIFICATE=/path/to/ca.pem in Codex's environment",
-    ),
-    (
-        "claude-code",
-        "Claude Code",
-        "claude-code.md",
-        "NODE_EXTRA_CA_CERTS=/path/to/ca.pem in Claude Code's environment",
-    ),
-    (
-        "opencode",
-        "OpenCode",
-        "opencode.md",
-        "NODE_EXTRA_CA_CERTS=/path/to/ca.pem in OpenCode's environment",
-    ),
-    (
-        "openclaw",
-        "OpenClaw",
-        "openclaw.md",
-        "NODE_EXTRA_CA_CERTS=/path/to/ca.pem in the Gateway's environment",
-    ),
-    (
-        "hermes",
-        "Hermes Agent",
-        "hermes.md",
-        "ssl_verify names the CA file in the server's entry (above)",
-    ),
-];
-
-macro_rules! snippet {
-    ($host:literal, $transport:literal, $dest:literal, $lang:literal, $file:literal) => {
-        Snippet {
-            host: $host,
-            transport: $transport,
-            dest: $dest,
-            lang: $lang,
-            text: include_str!(concat!("../../docs/clients/snippets/", $file)),
-        }
-    };
-}
-
-/// Every snippet: one per host and transport.
-pub const SNIPPETS: &[Snippet] = &[
-    snippet!(
-        "codex",
-        "stdio",
-        "~/.codex/config.toml",
-        "toml",
-        "codex-stdio.toml"
-    ),
-    snippet!(
-        "codex",
-        "http",
-        "~/.codex/config.toml",
-        "toml",
-        "codex-http.toml"
-    ),
-    snippet!("claude-code", "stdio", "run", "sh", "claude-code-stdio.sh"),
-    snippet!("claude-code", "http", "run", "sh", "claude-code-http.sh"),
-    snippet!(
-        "opencode",
-        "stdio",
-        "opencode.json",
-        "json",
-        "opencode-stdio.json"
-    ),
-    snippet!(
-        "opencode",
-        "http",
-        "opencode.json",
-        "json",
-        "opencode-http.json"
-    ),
-    snippet!(
-        "openclaw",
-        "stdio",
-        "~/.openclaw/openclaw.json",
-        "json",
-        "openclaw-stdio.json"
-    ),
-    snippet!(
-        "openclaw",
-        "http",
-        "~/.openclaw/openclaw.json",
-        "json",
-        "openclaw-http.json"
-    ),
-    snippet!(
-        "hermes",
-        "stdio",
-        "~/.hermes/config.yaml",
-        "yaml",
-        "hermes-stdio.yaml"
-    ),
-    snippet!(
-        "hermes",
-        "http",
-        "~/.hermes/config.yaml",
-        "yaml",
-        "hermes-http.yaml"
-    ),
-];
-
-/// A snippet for this appliance: its URL, the profile and home in place of
-/// the examples'.
-pub fn render(s: &Snippet, url: &str, profile: &str, home: &str) -> String {
-    s.text
-        .replace(EXAMPLE_URL, url)
-        .replace(EXAMPLE_PROFILE, profile)
-        .replace(EXAMPLE_HOME, home)
-}
+/// The snippets and the examples they name, and the entries `cube-adapter
+/// connect` writes from them: one generator, kept with the command
+/// (`crate::clients`), which the page and its tests use as they are.
+pub use crate::clients::{EXAMPLE_HOME, HOSTS, SNIPPETS, public_url, render};
 
 /// A profile name that may go into a URL, JSON, TOML, YAML and a shell
 /// line as it is.
@@ -225,51 +95,6 @@ fn host_header(headers: &HeaderMap, uri: &Uri) -> Option<(String, Option<u16>)> 
 pub fn base_url(st: &ConsoleState, headers: &HeaderMap, uri: &Uri) -> String {
     let cfg = st.broker.config();
     public_url(&cfg, cfg.listen, host_header(headers, uri))
-}
-
-/// The appliance's public URL, for links and agents: `asked` (the name
-/// and port a browser used) when the server certificate covers the name;
-/// else the first configured `server_names` entry, the listen address
-/// unless unspecified (`0.0.0.0`, `::`), a name the certificate covers
-/// beyond loopback (the host name, its addresses), or `localhost`; on the
-/// port asked or `listen`'s. Without a request (notifications) `asked` is
-/// `None`.
-pub fn public_url(
-    cfg: &crate::config::Config,
-    listen: std::net::SocketAddr,
-    asked: Option<(String, Option<u16>)>,
-) -> String {
-    let scheme = if cfg.insecure_plain_http {
-        "http"
-    } else {
-        "https"
-    };
-    let covered = crate::tls::server_names(&cfg.server_names, listen);
-    let port = asked
-        .as_ref()
-        .and_then(|(_, p)| *p)
-        .unwrap_or(listen.port());
-    let name = match asked {
-        Some((n, _)) if covered.iter().any(|c| c.eq_ignore_ascii_case(&n)) => n,
-        _ => cfg
-            .server_names
-            .first()
-            .cloned()
-            .or_else(|| (!listen.ip().is_unspecified()).then(|| listen.ip().to_string()))
-            .or_else(|| {
-                covered
-                    .iter()
-                    .find(|n| !matches!(n.as_str(), "localhost" | "127.0.0.1" | "::1"))
-                    .cloned()
-            })
-            .unwrap_or_else(|| "localhost".into()),
-    };
-    let name = if name.contains(':') {
-        format!("[{name}]")
-    } else {
-        name
-    };
-    format!("{scheme}://{name}:{port}")
 }
 
 /// The appliance's CA (`STATE/tls/ca.pem`, next to the served
@@ -502,6 +327,7 @@ pub async fn ca_pem(State(st): State<ConsoleState>, headers: HeaderMap) -> Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clients::{EXAMPLE_PROFILE, EXAMPLE_URL};
 
     /// The documentation pages, by file name.
     const DOCS: &[(&str, &str)] = &[

@@ -30,6 +30,8 @@ const RANKS: &[(&str, u32)] = &[
     ("embedded", 5),
     ("config", 6),
     ("broker", 7),
+    // The agent hosts' snippets: the console and `connect` both use them.
+    ("clients", 7),
     // Over api: a connection over a cap is answered with the API's own
     // error envelope (`api::ApiError`).
     ("server", 9),

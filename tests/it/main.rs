@@ -11,6 +11,7 @@
 )]
 
 mod appliance;
+mod connect;
 mod connections;
 mod console;
 mod cube_client;
