@@ -329,23 +329,44 @@ impl Broker {
             if held.contains(&s.sandbox_id) || now - started < ORPHAN_AGE {
                 continue;
             }
-            let j = &self.inner.journal;
-            let mut ev = j.event("orphan_kill");
-            ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
-            ev.sandbox_ref = Some(s.sandbox_id.chars().take(8).collect());
-            let intent = j.intent(ev).await?;
-            match self.inner.cube.kill(&s.sandbox_id).await {
-                Ok(()) => {
-                    tracing::warn!(sandbox = %s.sandbox_id.get(..8).unwrap_or_default(), "gc: killed a sandbox no lease holds");
-                    j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
-                }
-                Err(e) if e.kind == ErrorKind::NotFound => {
-                    j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
-                }
-                Err(e) => self.fail(intent, &backend(&e)).await?,
+            if let Err(e) = self.kill_orphan(&s.sandbox_id, None).await {
+                tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not kill a sandbox no lease holds");
             }
         }
         Ok(())
+    }
+
+    /// Kill a sandbox no lease holds under an `orphan_kill` intent by the
+    /// appliance (with the tenant, runtime, profile and session of `base`,
+    /// the failed create's event, when known). Gone already counts as done.
+    pub(crate) async fn kill_orphan(&self, sandbox_id: &str, base: Option<&Event>) -> Result<()> {
+        let j = &self.inner.journal;
+        let mut ev = j.event("orphan_kill");
+        ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+        if let Some(b) = base {
+            ev.tenant_digest = b.tenant_digest.clone();
+            ev.runtime = b.runtime.clone();
+            ev.profile = b.profile.clone();
+            ev.session_digest = b.session_digest.clone();
+        }
+        ev.sandbox_ref = Some(sandbox_id.chars().take(8).collect());
+        let intent = j.intent(ev).await?;
+        match self.inner.cube.kill(sandbox_id).await {
+            Ok(()) => {
+                tracing::warn!(sandbox = %sandbox_id.get(..8).unwrap_or_default(), "killed a sandbox no lease holds");
+                j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                Ok(())
+            }
+            Err(e) if e.kind == ErrorKind::NotFound => {
+                j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                Ok(())
+            }
+            Err(e) => {
+                let e = backend(&e);
+                self.fail(intent, &e).await?;
+                Err(e)
+            }
+        }
     }
 
     /// `POST /v1/admin/gc`: run GC now (admin role and `admin:gc`).

@@ -405,26 +405,8 @@ impl Broker {
                     }
                 };
                 for s in found {
-                    let j = &b.inner.journal;
-                    let mut ev = j.event("orphan_kill");
-                    ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
-                    ev.tenant_digest = base.tenant_digest.clone();
-                    ev.runtime = base.runtime.clone();
-                    ev.profile = base.profile.clone();
-                    ev.session_digest = base.session_digest.clone();
-                    ev.sandbox_ref = Some(s.sandbox_id.chars().take(8).collect());
-                    let Ok(intent) = j.intent(ev).await else {
-                        tracing::warn!("no audit trail for an orphan kill: left for the next look");
-                        continue;
-                    };
-                    match b.inner.cube.kill(&s.sandbox_id).await {
-                        Ok(()) => {
-                            tracing::warn!(sandbox = %s.sandbox_id.get(..8).unwrap_or_default(), "killed a sandbox left by a failed create");
-                            let _ = j.outcome(intent, "ok", |_| {}, |_| Ok(())).await;
-                        }
-                        Err(e) => {
-                            let _ = b.fail(intent, &backend(&e)).await;
-                        }
+                    if let Err(e) = b.kill_orphan(&s.sandbox_id, Some(&base)).await {
+                        tracing::warn!(code = e.code.as_str(), error = %e.message, "could not kill a sandbox left by a failed create");
                     }
                 }
             }
