@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks the agent-host configurations documented in docs/clients/*.md against
 # the real hosts: Claude Code, Codex, OpenCode, OpenClaw and Hermes Agent, each
-# over stdio (`cube-adapter mcp`) and remote HTTP (`/mcp` with a bearer token).
+# over stdio (`cube-adapter mcp`) and remote HTTP (`/mcp` with a bearer token):
+# that the host connects, then that an agent turn calls the tools.
 #
 # Each fenced block (or inline command) marked in the docs with
 #     <!-- check: HOST TRANSPORT DEST -->
@@ -18,23 +19,58 @@
 # "All the tools" is what the appliance itself lists for the snippet's
 # transport and profile (asked here over /mcp or `cube-adapter mcp`).
 #
+# Once connected, the same HOME runs one turn of the host's non-interactive
+# mode with its provider pointed at the scripted model (tests/hosts/model.py
+# on 127.0.0.1, one per turn with its own marker and log), the way
+# tests/it/hosts.rs drives Hermes in CI. The model calls *cube_acquire,
+# *cube_exec (writing the marker to /workspace/proof.txt) and
+# *cube_read_text, then says `FINAL <lease> read back MARKER`. The turn
+# passes if the host exits 0 and prints that line, the model's log shows
+# the three calls, the journal (`audit export`) has exactly one ok acquire,
+# exec and read on that lease as the snippet's runtime and profile, and
+# `cat /workspace/proof.txt` over /v1 gives the marker; the lease is then
+# killed (a tenant holds 8). Per host (wire API; flags):
+#   claude-code  Anthropic Messages; ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY,
+#                `claude -p PROMPT --allowedTools 'mcp__cube__*'` (the prompt
+#                first: --allowedTools takes every word after it). The tools
+#                are deferred: the model selects them with ToolSearch first.
+#   codex        OpenAI Responses (MCP tools as the namespace `mcp__cube`);
+#                `codex exec --skip-git-repo-check -m scripted -c
+#                model_provider=scripted -c model_providers.scripted={…,
+#                wire_api="responses"}`, and for the `codex mcp add` snippets
+#                the default_tools_approval_mode line the page asks to add.
+#   opencode     chat completions; a provider in opencode.json with npm
+#                @ai-sdk/openai-compatible (bundled: nothing is fetched),
+#                `opencode run --model scripted/scripted`.
+#   openclaw     chat completions; models.providers.scripted (api
+#                openai-completions) and agents.defaults.model.primary,
+#                `openclaw agent --local --session-id ID --message PROMPT`.
+#                MCP tools sit behind its Tool Search (on by default): the
+#                model calls tool_search, then tool_call with the found ids.
+#   hermes       chat completions; a `model:` block (provider custom,
+#                base_url, context_length), `hermes chat -Q -q PROMPT`.
+# The turns run with HTTP(S)_PROXY at a dead port on 127.0.0.1.
+#
 # Cost: the pinned hosts are installed once into HOSTS_DIR (default
 # target/hosts, 2.2 GB; about 1.5 minutes from the npm registry and PyPI;
-# reused while the versions below match), then about 30 s of checks (OpenClaw
-# alone takes about 7 s per check). Needs bash, npm (any version: it fetches
-# Node.js 24 from the npm registry), python3 (3.11 or later, with venv) and a
-# built cube-adapter. No traffic but loopback, and the npm registry and PyPI
-# while installing (the checks pass in a network namespace with only
-# loopback). Linux, root or not. Leaves nothing behind but OpenClaw's empty
-# lock files in /tmp/openclaw-state-locks-UID (hard-coded, whatever TMPDIR says).
+# reused while the versions below match), then 2 to 3.5 minutes of checks
+# on 2 cores, idle to busy: each connection check takes 1-2 s (OpenClaw about
+# 7 s), each turn 1-6 s (Hermes about 15 s, OpenClaw 25-70 s). Needs bash,
+# npm (any version: it fetches Node.js 24 from the npm registry), python3
+# (3.11 or later, with venv) and a built cube-adapter. No traffic but
+# loopback, and the npm registry and PyPI while installing (the checks and
+# turns pass in a network namespace with only loopback: `unshare -n`, then
+# `ip link set lo up`, as root). Linux, root or not. Leaves nothing behind
+# but OpenClaw's empty lock files in /tmp/openclaw-state-locks-UID
+# (hard-coded, whatever TMPDIR says).
 #
 # Run:    tests/hosts/run.sh
 #         HOSTS_ONLY=claude-code,codex tests/hosts/run.sh
 # Knobs:  CUBE_ADAPTER_BIN (default target/debug/cube-adapter), HOSTS_DIR,
-#         DOCS_DIR (default docs/clients), HOSTS_TIMEOUT (seconds per check,
-#         default 120), HOSTS_KEEP=1 keeps the scratch directory.
-# Prints one line per check (`ok …` or `FAILED: …` and the host's output);
-# exits 1 if any check failed, 2 if it could not run at all.
+#         DOCS_DIR (default docs/clients), HOSTS_TIMEOUT (seconds per check
+#         or turn, default 120), HOSTS_KEEP=1 keeps the scratch directory.
+# Prints one line per check and per turn (`ok …` or `FAILED: …` and the
+# host's output); exits 1 if any failed, 2 if it could not run at all.
 set -euo pipefail
 
 NODE_VERSION=24.22.3
@@ -280,6 +316,95 @@ def openclaw_tools():
     t = d.get("servers", {}).get("cube", {}).get("tools")
     print(t if isinstance(t, int) else len(t or []))
 
+def runtime(path):
+    """The runtime a snippet names (--runtime NAME, ?runtime=NAME or CUBE_ADAPTER_RUNTIME), or nothing."""
+    s = open(path, encoding="utf-8").read()
+    m = (re.search(r"[?&]runtime=([\w.-]+)", s) or re.search(r"--runtime\W+([\w.-]+)", s)
+         or re.search(r"CUBE_ADAPTER_RUNTIME\W+([\w.-]+)", s))
+    print(m.group(1) if m else "")
+
+def model_url(path, timeout):
+    """Wait for the scripted model's first line in path; print its base URL."""
+    end = time.time() + float(timeout)
+    while time.time() < end:
+        line = open(path).readline() if os.path.exists(path) else ""
+        if line.endswith("\n"):
+            m = re.fullmatch(r"model listening on (http://127\.0\.0\.1:\d+)\n", line)
+            if not m: sys.exit(f"the scripted model said: {line!r}")
+            print(m.group(1)); return
+        time.sleep(0.05)
+    sys.exit("the scripted model did not start")
+
+def json_merge(path, patch):
+    """Merge the JSON object patch (deeply) into the JSON file at path (a host's config)."""
+    def merge(a, b):
+        for k, v in b.items():
+            a[k] = merge(a[k], v) if isinstance(a.get(k), dict) and isinstance(v, dict) else v
+        return a
+    d = json.load(open(path, encoding="utf-8")) if os.path.exists(path) else {}
+    json.dump(merge(d, json.loads(patch)), open(path, "w", encoding="utf-8"), indent=2)
+
+def verify_turn(log, out, marker, want_runtime, want_profile, url, token_file, ca, binary, state, config):
+    """The effects of one agent turn: the model's log, the host's output, the journal, the sandbox."""
+    def fail(why): sys.exit(why)
+    reqs = [json.loads(l) for l in open(log, encoding="utf-8")] if os.path.exists(log) else []
+    if not reqs: fail("the host never asked the scripted model")
+    offered = {t for r in reqs for t in r["tools"]}
+    for t in ("cube_acquire", "cube_exec", "cube_read_text"):
+        if not any(o.endswith(t) for o in offered):
+            fail(f"no *{t} among the tools offered to the model: {sorted(offered)}")
+    steps = []   # what the model said, side requests and repeated requests left out
+    for r in reqs:
+        a = r["answer"]
+        if a != ["say", "OK"] and (not steps or steps[-1] != a): steps.append(a)
+    # A call through a host's tool catalog (OpenClaw's tool_call) names the tool in its arguments.
+    called = [a[2]["id"] if a[0] == "call" and isinstance(a[2], dict) and "cube_" in str(a[2].get("id")) else a[1]
+              for a in steps if a[0] == "call"]
+    calls = [c for c in called if "cube_" in c]
+    if [c.rsplit("cube_", 1)[1] for c in calls] != ["acquire", "exec", "read_text"]:
+        fail(f"the model's steps were {steps} over {len(reqs)} request(s), not acquire, exec, read_text, FINAL")
+    last = steps[-1]
+    if last[0] != "say" or not last[1].startswith("FINAL ") or not last[1].endswith(f" read back {marker}"):
+        fail(f"the model's last word was {last}, not FINAL … read back {marker}")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", open(out, encoding="utf-8", errors="replace").read())
+    m = re.search(r"(lease_[0-9a-f]{20}) read back " + re.escape(marker), text)
+    if not m: fail(f"the host's output does not say `FINAL <lease> read back {marker}`")
+    lease = m.group(1)
+    if not last[1].startswith(f"FINAL {lease} "): fail(f"the host printed {lease}, the model said {last[1]!r}")
+    j = subprocess.run([binary, "audit", "export", "--state-dir", state, "--config", config],
+                       capture_output=True, text=True)
+    if j.returncode: fail("audit export: " + j.stderr[-2000:])
+    events = [json.loads(l) for l in j.stdout.splitlines() if l.strip()]
+    for action in ("acquire", "exec", "read"):
+        ok = [e for e in events if e.get("action") == action and e.get("lease_ref") == lease and e.get("outcome") == "ok"]
+        if len(ok) != 1: fail(f"the journal has {len(ok)} ok {action} on {lease}, not 1: {ok}")
+        if (ok[0].get("runtime"), ok[0].get("profile")) != (want_runtime, want_profile):
+            fail(f"the journal's {action} on {lease} is runtime {ok[0].get('runtime')!r}, profile "
+                 f"{ok[0].get('profile')!r}, not {want_runtime!r}, {want_profile!r}")
+    if marker in j.stdout: fail("the journal holds the command's text, not its digest")
+    token = open(token_file).read().strip()
+    req = urllib.request.Request(f"{url}/v1/leases/{lease}/exec", json.dumps({"command": "cat /workspace/proof.txt"}).encode(),
+                                 {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+    try:
+        v = json.load(urllib.request.urlopen(req, context=ssl.create_default_context(cafile=ca), timeout=60))
+    except Exception as e:
+        fail(f"cat /workspace/proof.txt in {lease} over /v1: {e}")
+    if v.get("stdout") != marker + "\n": fail(f"/workspace/proof.txt in {lease} holds {v.get('stdout')!r}, not the marker")
+    print(f"{lease}: {len(reqs)} model requests; journal: acquire, exec, read ok as {want_runtime}/{want_profile}; proof in the sandbox")
+
+def release_leases(log, url, token_file, ca):
+    """End (release, kill) over /v1 the leases the turn acquired: a tenant holds only 8 at a time."""
+    reqs = [json.loads(l) for l in open(log, encoding="utf-8")] if os.path.exists(log) else []
+    leases = {m for r in reqs for x in r["results"] for m in re.findall(r"lease_[0-9a-f]{20}", x)}
+    token = open(token_file).read().strip()
+    for lease in sorted(leases):
+        req = urllib.request.Request(f"{url}/v1/leases/{lease}/release", b'{"action": "kill"}',
+                                     {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, context=ssl.create_default_context(cafile=ca), timeout=60).read()
+        except Exception as e:
+            sys.exit(f"releasing {lease} over /v1: {e}")
+
 globals()[sys.argv[1].replace("-", "_")](*sys.argv[2:])
 PY
 hpy() { "$PY" "$T/hosts.py" "$@"; }
@@ -467,7 +592,7 @@ check() {   # DOC LINE HOST TRANSPORT DEST
   fi
 
   # The host's check.
-  local rc=0
+  local rc=0 passed=$PASSED
   case $host in
     claude-code)
       (cd "$h/proj" && "${run[@]}" claude mcp list) >"$out" 2>&1 || rc=$?
@@ -495,6 +620,85 @@ check() {   # DOC LINE HOST TRANSPORT DEST
       else fail "$name" "hermes mcp test (exit $rc): '${got}' tools discovered, the appliance lists $want" "$out"; fi ;;
   esac
   reap "$h" "$name"   # whatever the host left running
+  # Connected: now one agent turn through these tools.
+  if ((PASSED > passed)); then
+    turn "$name" "$host" "$tr" "$dest" "$h" "$prof" "$(hpy runtime "$h.snippet")" "${env[@]}"
+    reap "$h" "$name, its turn"
+  fi
+}
+
+# One turn of the host's non-interactive mode, its provider pointed at the
+# scripted model (tests/hosts/model.py, on 127.0.0.1), with the MCP
+# configuration check() pasted into HOME: the model calls *cube_acquire,
+# *cube_exec (writing a marker to /workspace/proof.txt) and *cube_read_text,
+# then says `FINAL <lease> read back MARKER`. Checked as tests/it/hosts.rs
+# does: exit 0, that line in the host's output, the three calls in the
+# model's log, one ok acquire, exec and read on the lease in the journal (as
+# the snippet's runtime and profile), and the marker in the sandbox's file.
+PROMPT="Leave a proof in the sandbox and read it back: use the cube tools cube_acquire, cube_exec and cube_read_text."
+turn() {   # NAME HOST TRANSPORT DEST HOME PROFILE RUNTIME ENV-COMMAND…
+  local name="$1 + turn" host=$2 tr=$3 dest=$4 h=$5 prof=$6 rt=$7
+  shift 7
+  local env=("$@") out=$h.turn.out log=$h.model.jsonl marker murl mpid rc=0 got
+  T0=${EPOCHREALTIME/,/.}
+  marker=$host-$tr-$N-$(od -An -N4 -tx4 /dev/urandom | tr -d ' \n')
+  "$PY" "$REPO/tests/hosts/model.py" --marker "$marker" --session-key "hosts-$N-$host-$tr" --log "$log" \
+    >"$h.model.out" 2>"$h.model.err" &
+  mpid=$!
+  if ! murl=$(hpy model-url "$h.model.out" 30 2>"$out"); then
+    kill "$mpid" 2>/dev/null; wait "$mpid" 2>/dev/null || true
+    cat "$h.model.err" >>"$out"; fail "$name" "the scripted model did not start" "$out"; return
+  fi
+  # Anything but loopback goes to a port where nothing listens.
+  env+=(HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 ALL_PROXY=http://127.0.0.1:9
+    http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 all_proxy=http://127.0.0.1:9
+    NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost)
+  case $host in
+    claude-code)   # Anthropic Messages
+      env+=("ANTHROPIC_BASE_URL=$murl" ANTHROPIC_API_KEY=scripted-key) ;;
+    codex) ;;      # OpenAI Responses, from -c overrides below
+    opencode)      # chat completions, through the AI SDK package OpenCode bundles
+      hpy json-merge "$h/proj/opencode.json" '{"model": "scripted/scripted", "provider": {"scripted": {
+        "npm": "@ai-sdk/openai-compatible", "name": "Scripted",
+        "options": {"baseURL": "'"$murl"'/v1", "apiKey": "scripted-key"},
+        "models": {"scripted": {"name": "scripted", "tool_call": true, "limit": {"context": 131072, "output": 8192}}}}}}' ;;
+    openclaw)      # chat completions
+      hpy json-merge "$h/.openclaw/openclaw.json" '{"models": {"providers": {"scripted": {
+        "baseUrl": "'"$murl"'/v1", "apiKey": "scripted-key", "api": "openai-completions",
+        "models": [{"id": "scripted", "name": "scripted", "contextWindow": 131072, "maxTokens": 8192}]}}},
+        "agents": {"defaults": {"model": {"primary": "scripted/scripted"}}}}' ;;
+    hermes)        # chat completions, as tests/it/hosts.rs
+      printf 'model:\n  provider: custom\n  base_url: %s/v1\n  default: scripted\n  api_key: scripted\n  context_length: 131072\n' \
+        "$murl" >>"$h/.hermes/config.yaml" ;;
+  esac
+  local run=(timeout -k 5 "$TIMEOUT" "${env[@]}")
+  case $host in
+    claude-code)
+      (cd "$h/proj" && "${run[@]}" claude -p "$PROMPT" --allowedTools 'mcp__cube__*') >"$out" 2>&1 || rc=$? ;;
+    codex)
+      local approve=()   # the documented line the `codex mcp add` snippets leave to the reader
+      [[ $dest == run ]] && approve=(-c 'mcp_servers.cube.default_tools_approval_mode="approve"')
+      (cd "$h/proj" && "${run[@]}" SCRIPTED_API_KEY=scripted-key codex exec --skip-git-repo-check \
+        -c features.plugins=false -c model_provider=scripted \
+        -c 'model_providers.scripted={name="scripted", base_url="'"$murl"'/v1", wire_api="responses", env_key="SCRIPTED_API_KEY"}' \
+        "${approve[@]}" -m scripted "$PROMPT") >"$out" 2>&1 || rc=$? ;;
+    opencode)
+      (cd "$h/proj" && "${run[@]}" opencode run --model scripted/scripted "$PROMPT") >"$out" 2>&1 || rc=$? ;;
+    openclaw)
+      (cd "$h/proj" && "${run[@]}" openclaw agent --local --session-id "hosts-$N" --message "$PROMPT") >"$out" 2>&1 || rc=$? ;;
+    hermes)
+      (cd "$h/proj" && "${run[@]}" hermes chat -Q -q "$PROMPT") >"$out" 2>&1 || rc=$? ;;
+  esac
+  kill "$mpid" 2>/dev/null; wait "$mpid" 2>/dev/null || true
+  if [[ -s $h.model.err ]]; then { echo "-- the scripted model's stderr:"; cat "$h.model.err"; } >>"$out"; fi
+  if ((rc != 0)); then
+    fail "$name" "exit $rc" "$out"
+  elif got=$(hpy verify-turn "$log" "$out" "$marker" "$rt" "$prof" "$URL" "$T/token" "$CA" "$BIN" "$T/state" "$T/empty.toml" 2>"$out.why"); then
+    ok "$name" "$got"
+  else
+    fail "$name" "$(tail -c 1500 "$out.why")" "$out"
+  fi
+  hpy release-leases "$log" "$URL" "$T/token" "$CA" || { FAILED=$((FAILED + 1)); echo "FAILED: $name: could not release its lease"; }
 }
 ok() { PASSED=$((PASSED + 1)); echo "ok      $1 ($2; $(elapsed "$T0") s)"; }
 elapsed() { local end=${2:-${EPOCHREALTIME/,/.}}; "$PY" -c "print(f'{$end - $1:.1f}')"; }   # START [END]: seconds

@@ -439,7 +439,7 @@ async fn guessing_is_throttled_where_it_comes_from() {
     assert_eq!(basic(&home, "carol's long password").await, StatusCode::OK);
 
     // Two blocks, two events; the refused attempts add none.
-    let exported = crate::tasks::audit_export(&s);
+    let exported = s.journal();
     let blocks = exported
         .lines()
         .filter(|l| l.contains("\"action\":\"sign_in_throttled\""))

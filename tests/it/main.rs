@@ -17,6 +17,7 @@ mod console;
 mod cube_client;
 mod embedded;
 mod export;
+mod hosts;
 mod identities;
 mod jobs;
 mod kit;

@@ -457,7 +457,7 @@ async fn mcp_sessions_hosts_never_close() {
         .unwrap();
     assert!(r.headers().get("mcp-session-id").is_none());
     assert!(
-        !crate::tasks::audit_export(&s).contains("mcp_session_evicted"),
+        !s.journal().contains("mcp_session_evicted"),
         "nothing was evicted for a request that opens no session"
     );
     let newest = Session::open(&s, "", &a).await;
@@ -467,7 +467,7 @@ async fn mcp_sessions_hosts_never_close() {
     assert_eq!(r.status(), StatusCode::NOT_FOUND, "the evicted session");
     let _ = open[0].rpc(4, "tools/list", json!({})).await;
     let _ = newest.rpc(2, "tools/list", json!({})).await;
-    let exported = crate::tasks::audit_export(&s);
+    let exported = s.journal();
     let evicted: Vec<&str> = exported
         .lines()
         .filter(|l| l.contains("\"action\":\"mcp_session_evicted\""))

@@ -209,15 +209,6 @@ fn only_sandbox(rig: &Rig) -> String {
     all.into_iter().next().unwrap().sandbox_id
 }
 
-fn journal(s: &Server) -> String {
-    let out = std::process::Command::new(crate::kit::BIN)
-        .args(["audit", "export", "--state-dir"])
-        .arg(&s.state)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// A create that CubeAPI answers with 408 (its 30 s budget) may still
 /// finish: the appliance finds the sandbox by the attempt's metadata and
 /// kills it, recorded in the journal.
@@ -247,7 +238,7 @@ async fn a_create_that_times_out_leaves_no_sandbox() {
         "the sandbox of the timed-out create is still there"
     );
     assert_eq!(rig.seen("DELETE", "/sandboxes/").len(), 1);
-    let j = journal(&s);
+    let j = s.journal();
     assert!(
         j.contains("\"orphan_kill\""),
         "no orphan_kill in the journal"
@@ -407,7 +398,7 @@ async fn a_short_renewal_is_undone_by_the_next_use() {
     let (st, v) = exec(&s, &lease, "true").await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(rig.seen("POST", "/timeout").len(), 2);
-    assert!(journal(&s).contains("\"keepalive\""));
+    assert!(s.journal().contains("\"keepalive\""));
     s.stop().await;
 }
 
@@ -524,6 +515,6 @@ async fn gc_kills_sandboxes_no_lease_holds() {
     let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(rig.backend.manager.count(), 0, "GC left the orphan");
-    assert!(journal(&s).contains("\"orphan_kill\""));
+    assert!(s.journal().contains("\"orphan_kill\""));
     s.stop().await;
 }

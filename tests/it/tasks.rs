@@ -106,22 +106,6 @@ async fn wait_ended(s: &Server, token: &str, task: &str) -> Value {
     panic!("task {task} did not end");
 }
 
-pub(crate) fn audit_export(s: &Server) -> String {
-    let out = std::process::Command::new(BIN)
-        .args(["audit", "export", "--state-dir"])
-        .arg(&s.state)
-        .arg("--config")
-        .arg(s.empty_config())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 fn verify_receipt(args: &[&str], receipt: &Value, dir: &std::path::Path) -> (i32, Value) {
     let f = dir.join("receipt.json");
     std::fs::write(&f, receipt.to_string()).unwrap();
@@ -610,7 +594,7 @@ async fn trusted_task_from_plan_to_verified_receipt() {
     assert_eq!(rc, 2, "a verification needs a key");
 
     // The journal has the decisions and nothing of the parameters.
-    let audit = audit_export(&s);
+    let audit = s.journal();
     for action in ["task_plan", "task_approve", "task_submit", "task_finalize"] {
         assert!(
             audit.contains(&format!("\"action\":\"{action}\"")),
@@ -1293,7 +1277,7 @@ async fn gc_prunes_plans_that_never_ran() {
         (st, code(&v)),
         (StatusCode::NOT_FOUND, "task_plan_not_found")
     );
-    assert!(audit_export(&s).contains("\"action\":\"task_plan_pruned\""));
+    assert!(s.journal().contains("\"action\":\"task_plan_pruned\""));
     s.stop().await;
 }
 
@@ -1595,7 +1579,7 @@ async fn users_approve_with_a_password() {
     .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["state"], "approved");
-    let audit = audit_export(&s);
+    let audit = s.journal();
     assert!(!audit.contains("passphrase") && !audit.contains("horse"));
     // Removed.
     assert!(user(&["remove", "bob"], None).status.success());

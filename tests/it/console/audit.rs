@@ -142,7 +142,7 @@ async fn audit_search_paging_scope_and_export() {
     for i in 0..5 {
         refused_list(&s, &beta, &format!("beta-{i}")).await;
     }
-    let j = parsed(&journal(&s));
+    let j = parsed(&s.journal());
     let by_req = |r: &str| -> Value {
         j.iter()
             .find(|e| e["request_id"] == r)
@@ -305,7 +305,7 @@ async fn audit_search_paging_scope_and_export() {
         "attachment; filename=\"audit.jsonl\""
     );
     let got = r.text().await.unwrap();
-    let full = journal(&s);
+    let full = s.journal();
     let want: Vec<&str> = full
         .lines()
         .filter(|l| {
@@ -370,7 +370,7 @@ async fn audit_search_paging_scope_and_export() {
     }
 
     // Every look was recorded as the person who looked.
-    let j = parsed(&journal(&s));
+    let j = parsed(&s.journal());
     let looks = |action: &str, outcome: &str| {
         j.iter()
             .filter(|e| e["action"] == action && e["outcome"] == outcome)

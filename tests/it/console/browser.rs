@@ -231,7 +231,7 @@ async fn console_in_headless_chromium() {
     // /v1; sign-ins audited.
     assert_eq!(plan_state(&s, &agent, &plan1).await, "submitted");
     assert_eq!(plan_state(&s, &agent, &plan2).await, "approved");
-    let j = journal(&s);
+    let j = s.journal();
     assert_eq!(events(&j, "task_approve", "ok").len(), 2, "{j}");
     // The auditor's forged decision was refused with the code /v1 gives
     // the auditor for the same decision; both refusals audited.
@@ -248,7 +248,7 @@ async fn console_in_headless_chromium() {
     assert_eq!(r.status(), StatusCode::FORBIDDEN);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], code, "{v}");
-    let j = journal(&s);
+    let j = s.journal();
     assert_eq!(refusals(&j, "task_approve", code).len(), 2, "{j}");
     assert_eq!(events(&j, "console_sign_in", "rejected").len(), 1);
     assert!(events(&j, "console_sign_in", "ok").len() >= 4);
@@ -295,7 +295,7 @@ async fn console_in_headless_chromium() {
         }
         assert!(!csv.contains(secret1));
         // Looking at the audit log is itself audited.
-        let j = journal(&s);
+        let j = s.journal();
         assert!(!events(&j, "audit_search", "ok").is_empty(), "{j}");
         assert!(!events(&j, "audit_export", "ok").is_empty(), "{j}");
     } else {

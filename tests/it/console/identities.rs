@@ -379,7 +379,7 @@ async fn an_admin_manages_tokens_and_people() {
     );
 
     // The journal: each change, as the admin; never a secret.
-    let j = journal(&s);
+    let j = s.journal();
     let admin = signed_in_identity(&j)[0].clone();
     for (action, outcome, n) in [
         ("token_create", "ok", 1),
@@ -417,7 +417,7 @@ async fn an_admin_manages_tokens_and_people() {
     }
     // The CLI's changes are audited too (as the local operator).
     s.token(&["--tenant", "acme", "--subject", "from-cli"]);
-    let j = journal(&s);
+    let j = s.journal();
     let cli = events(&j, "token_create", "ok");
     assert_eq!(cli.len(), 2);
     assert_ne!(field(cli[1], "identity_digest"), admin.as_str());
@@ -489,7 +489,7 @@ async fn only_admins_manage_identities() {
     let users = user_list(&s);
     assert_eq!(users.len(), 2);
     assert!(users.iter().all(|u| u["disabled_at"].is_null()));
-    let j = journal(&s);
+    let j = s.journal();
     for action in [
         "token_create",
         "cert_identity_create",
@@ -609,7 +609,7 @@ async fn certificate_identities_download_and_revoke() {
         .await
         .unwrap();
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
-    let j = journal(&s);
+    let j = s.journal();
     assert_eq!(events(&j, "cert_identity_create", "ok").len(), 1);
     assert_eq!(events(&j, "token_revoke", "ok").len(), 1);
     assert!(!j.contains("PRIVATE KEY"));
@@ -711,7 +711,7 @@ async fn connect_an_agent_for_each_host() {
     assert_eq!(token_list(&s).len(), before);
     // Each refused choice is recorded as a refused token_create, with its
     // code (as the Identities page records its refusals).
-    let j = journal(&s);
+    let j = s.journal();
     let rejected = events(&j, "token_create", "rejected");
     for code in [
         "invalid_host",
@@ -795,6 +795,6 @@ async fn connect_an_agent_for_each_host() {
     for (token, _) in &made {
         assert!(!html.contains(token.as_str()) && !html2.contains(token.as_str()));
     }
-    let j = journal(&s);
+    let j = s.journal();
     assert_eq!(events(&j, "token_create", "ok").len(), made.len());
 }

@@ -210,7 +210,7 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
     assert!(!html.contains("seq 1 4000"), "the command in the page");
     assert!(!html.contains("/cancel\""), "a cancel form for an auditor");
     clean(&html, &dora);
-    let j = journal(&s);
+    let j = s.journal();
     let reads: Vec<&str> = events(&j, "job_output", "ok")
         .into_iter()
         .filter(|l| l.contains(&long))
@@ -245,7 +245,7 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
         "/console/leases?error=action_denied",
     )
     .await;
-    let j = journal(&s);
+    let j = s.journal();
     for action in ["release", "job_cancel", "pty_kill"] {
         assert_eq!(
             super::refusals(&j, action, "action_denied").len(),
@@ -388,7 +388,7 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
     assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
 
     // Audited as /v1 audits them, as the admin.
-    let j = journal(&s);
+    let j = s.journal();
     for action in ["job_cancel", "pty_kill", "release"] {
         let ok = events(&j, action, "ok");
         assert_eq!(ok.len(), 1, "{action}: {j}");

@@ -224,17 +224,6 @@ fn assert_to_sign_in(st: StatusCode, h: &HeaderMap, what: &str) {
     assert_eq!(h[LOCATION], "/console/sign-in", "{what}");
 }
 
-/// The audit journal as exported, one JSON event a line.
-fn journal(s: &Server) -> String {
-    let out = std::process::Command::new(BIN)
-        .args(["audit", "export", "--state-dir"])
-        .arg(&s.state)
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap()
-}
-
 fn events<'a>(journal: &'a str, action: &str, outcome: &str) -> Vec<&'a str> {
     journal
         .lines()
@@ -276,7 +265,7 @@ async fn sign_in_overview_and_sign_out() {
     assert!(html.contains("Wrong user name or password."), "{html}");
     assert!(!html.contains("not the password at all"));
     assert_clean(&html, &s, None);
-    let j = journal(&s);
+    let j = s.journal();
     let rejected = events(&j, "console_sign_in", "rejected");
     assert_eq!(rejected.len(), 1, "{j}");
     assert!(rejected[0].contains("\"error_code\":\"unauthorized\""));
@@ -306,7 +295,7 @@ async fn sign_in_overview_and_sign_out() {
     }
     assert!(!header.contains("Domain"), "__Host- cookies have no Domain");
     assert_eq!(id.len(), 43);
-    assert_eq!(events(&journal(&s), "console_sign_in", "ok").len(), 1);
+    assert_eq!(events(&s.journal(), "console_sign_in", "ok").len(), 1);
     // The store keeps a digest of the id, never the id.
     let raw = std::fs::read(s.state.join("state.redb")).unwrap();
     assert!(
@@ -360,7 +349,7 @@ async fn sign_in_overview_and_sign_out() {
     let (st, h, _) = b.overview(&id).await;
     assert_to_sign_in(st, &h, "after sign-out");
     assert_eq!(b.overview(&other).await.0, StatusCode::OK);
-    assert_eq!(events(&journal(&s), "console_sign_out", "ok").len(), 1);
+    assert_eq!(events(&s.journal(), "console_sign_out", "ok").len(), 1);
     s.stop().await;
 }
 
@@ -411,7 +400,7 @@ async fn changed_users_are_out_at_the_next_request() {
     let r = b.post_sign_in(&csrf, &cookie, "gail", PASSWORD).await;
     assert_eq!(r.status(), StatusCode::FORBIDDEN);
     assert!(set_cookie(r.headers(), SESSION).is_none());
-    let j = journal(&s);
+    let j = s.journal();
     assert!(
         events(&j, "console_sign_in", "rejected")
             .iter()
@@ -692,7 +681,7 @@ async fn approvals_queue_review_and_decisions() {
     assert!(!html.contains("value=\"approve\""), "no form once decided");
     clean(&html, &alice);
     assert_eq!(plan_state(&s, &agent, &plan1).await, "approved");
-    let j = journal(&s);
+    let j = s.journal();
     assert_eq!(events(&j, "task_approve", "ok").len(), 1, "{j}");
     assert!(!j.contains(secret1) && !j.contains("looked fine"));
     // Gone from the queue.
@@ -755,7 +744,7 @@ async fn approvals_queue_review_and_decisions() {
     );
     assert_eq!(plan_state(&s, &agent, &plan2).await, "pending_approval");
     assert_eq!(
-        refusals(&journal(&s), "task_approve", "action_denied").len(),
+        refusals(&s.journal(), "task_approve", "action_denied").len(),
         1
     );
 
@@ -820,7 +809,7 @@ async fn approvals_queue_review_and_decisions() {
     let (_, html) = b.page(&format!("/console/plans/{plan3}"), &alice).await;
     assert!(html.contains("pending_approval"), "{html}");
     assert_eq!(
-        refusals(&journal(&s), "task_approve", "self_approval_denied").len(),
+        refusals(&s.journal(), "task_approve", "self_approval_denied").len(),
         1
     );
 

@@ -606,7 +606,7 @@ async fn tasks_list_detail_receipt_and_cancel() {
     }
 
     // The journal: the listings, the reads and the refusals, no secret.
-    let j = journal(&s);
+    let j = s.journal();
     assert!(events(&j, "task_list", "ok").len() >= 10, "{j}");
     assert!(!events(&j, "task_status", "ok").is_empty());
     assert!(!events(&j, "task_receipt", "ok").is_empty());

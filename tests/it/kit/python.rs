@@ -1,11 +1,12 @@
-//! The Python the tests drive, in two virtualenvs with pinned packages from
-//! PyPI: `target/sdk-venv` (the official SDKs) and `target/spec-venv`
-//! (schemathesis, which checks the appliance against `docs/openapi.yaml`).
+//! The Python the tests drive, in virtualenvs with pinned packages from
+//! PyPI: `target/sdk-venv` (the official SDKs), `target/spec-venv`
+//! (schemathesis, which checks the appliance against `docs/openapi.yaml`)
+//! and `target/hosts-venv` (Hermes Agent, a real MCP host).
 //! Each is made once: one thread per process makes (or checks) it while
 //! the others wait (`OnceLock`), and one process at a time (an exclusive
 //! `flock` on `target/<name>.lock`), so tests that need one at once, in one
 //! test binary or several, never build it concurrently. `.ci/run` makes
-//! both up front with the same pins.
+//! them up front with the same pins.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,6 +19,9 @@ const SDKS: &[(&str, &str)] = &[("cubesandbox", "0.7.3"), ("mcp", "2.3.0")];
 
 /// The property-based API tester, pinned.
 const SPEC_TOOLS: &[(&str, &str)] = &[("schemathesis", "4.32.5")];
+
+/// A real MCP host, pinned: Hermes Agent with its MCP extra.
+const HOSTS: &[(&str, &str)] = &[("hermes-agent[mcp]", "0.19.0")];
 
 /// The SDK venv's python (created once, reused by later runs).
 pub fn sdk_python() -> PathBuf {
@@ -35,6 +39,13 @@ pub fn spec_tools() -> PathBuf {
             .to_path_buf()
     })
     .clone()
+}
+
+/// The `hermes` command of the hosts venv (`target/hosts-venv`).
+pub fn hermes() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| venv("hosts-venv", HOSTS).with_file_name("hermes"))
+        .clone()
 }
 
 /// `target/<name>` with `pins` installed; its python.
@@ -59,7 +70,11 @@ fn make_venv(venv: &Path, pins: &[(&str, &str)]) -> PathBuf {
     let py = venv.join("bin/python");
     let check = pins
         .iter()
-        .map(|(p, v)| format!("assert m.version('{p}') == '{v}'"))
+        // A pin may name extras (`pkg[extra]`); the distribution is `pkg`.
+        .map(|(p, v)| {
+            let dist = p.split('[').next().unwrap_or(p);
+            format!("assert m.version('{dist}') == '{v}'")
+        })
         .collect::<Vec<_>>()
         .join("; ");
     let installed = py.exists()

@@ -179,6 +179,23 @@ impl Server {
         v["lease_ref"].as_str().unwrap().to_string()
     }
 
+    /// The audit journal as `audit export` prints it, one JSON event a line.
+    pub fn journal(&self) -> String {
+        let out = std::process::Command::new(BIN)
+            .args(["audit", "export", "--state-dir"])
+            .arg(&self.state)
+            .arg("--config")
+            .arg(self.empty_config())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "audit export: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     pub fn sandboxes(&self) -> usize {
         std::fs::read_dir(self.embedded.join("sandboxes"))
             .map(|d| d.count())
