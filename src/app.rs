@@ -80,6 +80,36 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// The embedded backend's settings from the configuration (`serve`, and
+/// `sandboxes` on a stopped service's state directory).
+pub fn embedded_settings(cfg: &Config, state: &Path, launcher: PathBuf) -> Settings {
+    let e = &cfg.embedded;
+    Settings {
+        state_dir: e
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| state.join("embedded")),
+        isolation: e.isolation,
+        templates: e.templates.clone(),
+        limits: Limits {
+            memory_mb: e.memory_mb,
+            max_processes: e.max_processes,
+            ..Limits::default()
+        },
+        cpus: e.cpus,
+        domain: "cube.local".into(),
+        launcher,
+        uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
+        mask: masks(cfg, state),
+        default_timeout: None,
+        orphan_grace_secs: i64::try_from(e.orphan_grace_seconds).unwrap_or(i64::MAX),
+        faithful: e.faithful.then(|| crate::embedded::sandbox::Faithful {
+            pause_delay: std::time::Duration::from_millis(e.faithful_pause_ms),
+            envd_version: e.faithful_envd_version.clone(),
+        }),
+    }
+}
+
 /// How a running service is reloaded.
 #[derive(Debug, Clone)]
 pub enum Reload {
@@ -273,30 +303,7 @@ pub async fn serve_with(
             )
         }
         None => {
-            let e = &cfg.embedded;
-            let settings = Settings {
-                state_dir: e
-                    .state_dir
-                    .clone()
-                    .unwrap_or_else(|| state.join("embedded")),
-                isolation: e.isolation,
-                templates: e.templates.clone(),
-                limits: Limits {
-                    memory_mb: e.memory_mb,
-                    max_processes: e.max_processes,
-                    ..Limits::default()
-                },
-                cpus: e.cpus,
-                domain: "cube.local".into(),
-                launcher,
-                uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
-                mask: masks(&cfg, &state),
-                default_timeout: None,
-                faithful: e.faithful.then(|| crate::embedded::sandbox::Faithful {
-                    pause_delay: std::time::Duration::from_millis(e.faithful_pause_ms),
-                    envd_version: e.faithful_envd_version.clone(),
-                }),
-            };
+            let settings = embedded_settings(&cfg, &state, launcher);
             let backend = Backend::open(settings, None)
                 .map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;
             let bl = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
@@ -328,7 +335,10 @@ pub async fn serve_with(
             bc.client_key_pem = Some(Secret::new(ca.read_key(&ckey)?));
             (
                 CubeClient::new(bc)?,
-                format!("embedded ({:?} isolation) on {baddr}", e.isolation),
+                format!(
+                    "embedded ({:?} isolation) on {baddr}",
+                    cfg.embedded.isolation
+                ),
             )
         }
     };

@@ -47,6 +47,7 @@ pub fn settings(o: &Options) -> Settings {
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![o.state_dir.clone()],
         default_timeout: None,
+        orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         faithful: o.faithful.clone(),
     }
 }

@@ -312,6 +312,7 @@ pub async fn loopback_backend(
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
+        orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         faithful: None,
     };
     let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;

@@ -158,6 +158,11 @@ codes! {
     PtyNotRunning = "pty_not_running", CONFLICT, Rejected, None;
     ForkConflict = "fork_conflict", CONFLICT, Rejected, None;
 
+    // 410
+    /// The sandbox behind the lease is gone (it ended, was killed, timed
+    /// out or died): acquire again with the same session key for a new one.
+    SandboxGone = "sandbox_gone", GONE, Error, None;
+
     // 413
     /// A body over 16 MiB: the reference's 413 `invalid_body`, the same
     /// wire name as `InvalidBody` with another status.

@@ -55,6 +55,11 @@ pub struct LeaseAnswer {
     pub request_id: String,
     /// The session's existing lease was returned.
     pub reused: bool,
+    /// The session's previous lease, whose sandbox was gone: this new
+    /// lease (and sandbox, empty) takes its place. Only in the answer of
+    /// the acquire that replaced it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_lease_ref: Option<String>,
     pub sandbox_ref: String,
     pub state: LeaseState,
 }
@@ -904,6 +909,7 @@ mod tests {
             profile: "default".into(),
             request_id: "r".into(),
             reused: true,
+            replaced_lease_ref: None,
             sandbox_ref: "sbx".into(),
             state: LeaseState::Running,
         });

@@ -53,6 +53,7 @@ mod common;
 pub mod connect;
 mod mcp;
 mod ops;
+mod sandboxes;
 mod serve;
 mod tokens;
 mod users;
@@ -67,6 +68,7 @@ use self::backend::EmbeddedBackendArgs;
 use self::backup::{BackupArgs, RestoreArgs};
 use self::bench::BenchCommand;
 use self::ops::{CertCommand, InitArgs, StatusArgs};
+use self::sandboxes::SandboxesCommand;
 use self::serve::{ConfigCommand, ServeArgs};
 use self::tokens::TokenCommand;
 use self::users::UserCommand;
@@ -208,6 +210,10 @@ pub enum Command {
     /// unreachable or a template not ready), 3 when not running.
     #[command(after_help = EXIT_CODES)]
     Status(StatusArgs),
+    /// The embedded backend's sandboxes on this host: list them, or end
+    /// those of a stopped service.
+    #[command(subcommand)]
+    Sandboxes(SandboxesCommand),
     /// The server certificate.
     #[command(subcommand)]
     Cert(CertCommand),
@@ -282,6 +288,8 @@ fn dispatch(command: Command) -> Exit {
         Command::EmbeddedBackend(a) => backend::run(a),
         Command::Init(a) => ops::init(a),
         Command::Status(a) => ops::status(a),
+        Command::Sandboxes(SandboxesCommand::List(a)) => sandboxes::list(a),
+        Command::Sandboxes(SandboxesCommand::Kill(a)) => sandboxes::kill(a),
         Command::Cert(CertCommand::Show(a)) => ops::cert_show(a),
         Command::Cert(CertCommand::Renew(a)) => ops::cert_renew(a),
         Command::Backup(a) => backup::backup(a),

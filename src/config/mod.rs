@@ -526,6 +526,10 @@ pub struct EmbeddedSection {
     /// With `faithful`: stand in for this older envd version (e.g. "0.5.1"):
     /// reported as `envdVersion`, and refusing what it refuses.
     pub faithful_envd_version: Option<String>,
+    /// A sandbox's own init ends it when no backend has run for its idle
+    /// timeout plus this long (s), and its lifecycle kills at the timeout
+    /// (docs/security.md, "Orphans").
+    pub orphan_grace_seconds: u64,
 }
 
 impl Default for EmbeddedSection {
@@ -540,6 +544,7 @@ impl Default for EmbeddedSection {
             faithful: false,
             faithful_pause_ms: 0,
             faithful_envd_version: None,
+            orphan_grace_seconds: 60,
         }
     }
 }

@@ -12,8 +12,9 @@
 //! 3. the child forks the sandbox's init (pid 1 of the new pid namespace),
 //!    which builds the sandbox's root (read-only template, private `/tmp`,
 //!    `/workspace`, home, fresh `/proc`, `/dev` with its own devpts),
-//!    pivots into it, sets limits, forks the envd agent and then only reaps
-//!    orphans;
+//!    pivots into it, sets limits, forks the envd agent (which locks the
+//!    mounts in a nested user namespace and installs the system-call filter,
+//!    `seccomp`, with `no_new_privs`) and then only reaps orphans;
 //! 4. the launcher writes `init.json` (the init's host pid and start time)
 //!    and exits. The init is re-parented to the host's init: the sandbox
 //!    outlives the backend, which re-adopts it from its state directory.
@@ -90,6 +91,10 @@ pub struct LaunchSpec {
     pub env_vars: Vec<(String, String)>,
     /// Host paths hidden from the sandbox (the appliance's state directories).
     pub mask: Vec<PathBuf>,
+    /// The backend's heartbeat file (`HEARTBEAT_FILE`), which the init
+    /// watches (see `Watch`). None: no watchdog (older specs).
+    #[serde(default)]
+    pub heartbeat: Option<PathBuf>,
     /// envd behaves as the real one does at deadlines (see `sandbox::Faithful`).
     #[serde(default)]
     pub faithful: bool,
@@ -106,6 +111,168 @@ pub struct InitInfo {
 }
 
 pub const SPEC_FILE: &str = "spec.json";
+/// In the backend's state directory: touched while a backend runs.
+pub const HEARTBEAT_FILE: &str = "heartbeat";
+/// In a sandbox's directory: its idle timeout and what it does then
+/// (`Lifecycle`), for its init to act on when no backend runs.
+pub const LIFECYCLE_FILE: &str = "lifecycle";
+/// How often a running backend touches the heartbeat.
+pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// How often a sandbox's init looks at its directory and the heartbeat.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long past its idle timeout, counted from the last heartbeat, a
+/// sandbox's init waits before it ends the sandbox itself (default of
+/// `[embedded] orphan_grace_seconds`).
+pub const ORPHAN_GRACE_SECS: i64 = 60;
+
+/// Touch the heartbeat in a backend's state directory (made if missing).
+pub fn beat(state_dir: &Path) -> std::io::Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(state_dir.join(HEARTBEAT_FILE))?;
+    f.set_modified(crate::clock::system_time())
+}
+
+/// A sandbox's idle timeout as its init needs it: one fixed-width line,
+/// `SECONDS|- GRACE pause|kill`, written in place (the init holds the file open
+/// and reads it again each time it looks; an atomic rename would leave it
+/// reading the old file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lifecycle {
+    /// None: never times out.
+    pub timeout_secs: Option<i64>,
+    /// Pause rather than kill at the timeout.
+    pub pause: bool,
+    /// How long past the timeout, with no backend, the init waits.
+    pub grace_secs: i64,
+}
+
+const LIFECYCLE_LEN: usize = 32;
+
+impl Lifecycle {
+    pub fn write(&self, sandbox_dir: &Path) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let t = self
+            .timeout_secs
+            .map_or_else(|| "-".to_string(), |t| t.to_string());
+        let what = if self.pause { "pause" } else { "kill" };
+        let line = format!(
+            "{:<width$}\n",
+            format!("{t} {} {what}", self.grace_secs),
+            width = LIFECYCLE_LEN - 1
+        );
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(sandbox_dir.join(LIFECYCLE_FILE))?;
+        f.write_all_at(line.as_bytes(), 0)?;
+        f.set_len(line.len() as u64)
+    }
+
+    /// Parse what `write` wrote; None for anything else (a torn read).
+    fn parse(s: &str) -> Option<Self> {
+        let mut it = s.split_whitespace();
+        let timeout_secs = match it.next()? {
+            "-" => None,
+            n => Some(n.parse().ok()?),
+        };
+        let grace_secs = it.next()?.parse().ok()?;
+        let pause = match it.next()? {
+            "pause" => true,
+            "kill" => false,
+            _ => return None,
+        };
+        it.next().is_none().then_some(Self {
+            timeout_secs,
+            pause,
+            grace_secs,
+        })
+    }
+}
+
+/// What a sandbox's init watches, opened by the launcher while it can
+/// still reach the backend's private state directory: the sandbox's own
+/// directory (removed: the sandbox has no owner left), the heartbeat (its
+/// age: how long no backend has run) and the lifecycle file. The init ends
+/// the sandbox (by exiting, which ends its pid namespace) when its
+/// directory is gone, or when no backend has run for longer than its idle
+/// timeout plus the grace (`Lifecycle`) and its lifecycle kills at the timeout
+/// (no request can reach a sandbox while no backend runs, so it has been
+/// idle all that time). A paused sandbox is frozen, init included: it stays
+/// paused. One that pauses at its timeout runs on until a backend pauses it.
+struct Watch {
+    dir: OwnedFd,
+    heartbeat: Option<OwnedFd>,
+    lifecycle: Option<std::fs::File>,
+}
+
+impl Watch {
+    fn open(dir: &Path, heartbeat: Option<&Path>) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let dir_fd = open(
+            dir,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .context("open the sandbox's directory")?;
+        let heartbeat =
+            heartbeat.and_then(|p| open(p, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).ok());
+        let lifecycle = std::fs::File::open(dir.join(LIFECYCLE_FILE)).ok();
+        Ok(Self {
+            dir: dir_fd,
+            heartbeat,
+            lifecycle,
+        })
+    }
+
+    /// Why the sandbox should end now, if it should.
+    fn verdict(&self) -> Option<String> {
+        use std::os::unix::fs::FileExt;
+        let st = nix::sys::stat::fstat(&self.dir).ok()?;
+        if st.st_nlink == 0 {
+            return Some("its state directory was removed".into());
+        }
+        let mut buf = [0u8; LIFECYCLE_LEN];
+        let n = self.lifecycle.as_ref()?.read_at(&mut buf, 0).ok()?;
+        let life = Lifecycle::parse(std::str::from_utf8(buf.get(..n)?).ok()?)?;
+        let timeout = life.timeout_secs?;
+        if life.pause {
+            return None;
+        }
+        let beat = nix::sys::stat::fstat(self.heartbeat.as_ref()?)
+            .ok()?
+            .st_mtime;
+        let now = crate::clock::system_now().unix_timestamp();
+        (now - beat > timeout.saturating_add(life.grace_secs)).then(|| {
+            format!(
+                "no backend has run for {} s (idle timeout {timeout} s)",
+                now - beat
+            )
+        })
+    }
+
+    /// Look every `WATCH_EVERY` from a thread of the init; exit the init
+    /// (and so the sandbox) when the verdict says so.
+    fn start(self) {
+        let spawned = std::thread::Builder::new()
+            .name("watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(WATCH_EVERY);
+                    if let Some(why) = self.verdict() {
+                        eprintln!("sandbox init: ending the sandbox: {why}");
+                        std::process::exit(0);
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("sandbox init: no watchdog ({e}); the backend still times the sandbox out");
+        }
+    }
+}
 pub const INIT_FILE: &str = "init.json";
 pub const SOCKET: &str = "run/envd.sock";
 
@@ -176,6 +343,10 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
                 let _ = nix::unistd::setsid();
                 let _ = nix::sys::prctl::set_dumpable(false);
                 let env = agent_env(&spec, Some(dir));
+                if let Err(e) = super::seccomp::install() {
+                    signal_line(&ready_w, &format!("error system-call filter: {e:#}"));
+                    std::process::exit(1);
+                }
                 signal_line(&ready_w, "ready");
                 drop(ready_w);
                 run_agent(listener, env)
@@ -338,6 +509,7 @@ fn unshare_child(
         tmp: opath(&dir.join("state/tmp"))?,
         home: opath(&dir.join("state/home"))?,
     };
+    let watch = Watch::open(dir, spec.heartbeat.as_deref())?;
     signal_line(ready, "unshared");
     let line = read_line(go)?;
     anyhow::ensure!(line == "mapped", "launcher did not map ids");
@@ -365,6 +537,8 @@ fn unshare_child(
                     Ok(((to_init, from_agent, to_agent, from_init), Forked::Child)) => {
                         drop(from_agent);
                         drop(to_agent);
+                        // The agent and what it runs never hold these.
+                        drop(watch);
                         let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
                         // Lock every mount: a nested user + mount namespace
                         // makes the mounts above un-unmountable and their
@@ -381,6 +555,13 @@ fn unshare_child(
                             std::process::exit(1);
                         }
                         let _ = nix::sys::prctl::set_dumpable(false);
+                        // The system-call filter, with no_new_privs, for
+                        // the agent and everything it starts.
+                        if let Err(e) = super::seccomp::install() {
+                            signal_line(&to_init, &format!("error system-call filter: {e:#}"));
+                            std::process::exit(1);
+                        }
+                        signal_line(&to_init, "sealed");
                         drop(to_init);
                         drop(from_init);
                         // This process never returns to the owners of these.
@@ -397,10 +578,16 @@ fn unshare_child(
                                 .map(|()| signal_line(&to_agent, "mapped"))
                                 .map_err(|e| format!("map the agent's ids: {e}")),
                             _ => Err("the agent could not lock the sandbox's mounts".to_string()),
-                        };
+                        }
+                        .and_then(|()| match read_line(&from_agent) {
+                            Ok(l) if l == "sealed" => Ok(()),
+                            Ok(l) => Err(l.trim_start_matches("error ").to_string()),
+                            Err(e) => Err(format!("the agent did not start: {e}")),
+                        });
                         drop(to_agent);
                         match locked {
                             Ok(()) => {
+                                watch.start();
                                 signal_line(ready, "ready");
                                 sys::close_inherited(ready);
                                 sys::close_inherited(go);
@@ -761,6 +948,50 @@ pub fn probe_main() -> i32 {
                  seccomp or container restrictions, or set isolation = \"none\" to run unisolated"
             );
             1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_lines_have_one_width_and_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LIFECYCLE_FILE);
+        for l in [
+            Lifecycle {
+                timeout_secs: Some(300),
+                pause: false,
+                grace_secs: 60,
+            },
+            Lifecycle {
+                timeout_secs: None,
+                pause: true,
+                grace_secs: 1,
+            },
+            Lifecycle {
+                timeout_secs: Some(i64::from(i32::MAX)),
+                pause: false,
+                grace_secs: 60,
+            },
+        ] {
+            // Written over a longer line, in place: nothing of it is left.
+            l.write(dir.path()).unwrap();
+            let s = std::fs::read_to_string(&path).unwrap();
+            assert_eq!(s.len(), LIFECYCLE_LEN, "{s:?}");
+            assert_eq!(Lifecycle::parse(&s), Some(l));
+        }
+        for torn in [
+            "",
+            "300",
+            "300 60",
+            "300 60 stop",
+            "x 60 kill",
+            "300 60 kill more",
+        ] {
+            assert_eq!(Lifecycle::parse(torn), None, "{torn:?}");
         }
     }
 }

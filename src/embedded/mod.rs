@@ -12,6 +12,7 @@ pub mod launch;
 pub mod procs;
 pub mod proxy;
 pub mod sandbox;
+pub mod seccomp;
 pub mod sys;
 pub mod tree;
 

@@ -54,6 +54,10 @@ pub struct Settings {
     pub mask: Vec<PathBuf>,
     /// Timeout (s) for sandboxes created without one; None = never.
     pub default_timeout: Option<i64>,
+    /// How long past its idle timeout, counted from the backend's last
+    /// heartbeat, a sandbox's init waits before it ends the sandbox itself
+    /// (`launch::Watch`).
+    pub orphan_grace_secs: i64,
     /// Behave as a real CubeSandbox does where this backend is otherwise
     /// kinder (see `Faithful`); `None` in production.
     pub faithful: Option<Faithful>,
@@ -217,6 +221,8 @@ pub struct Manager {
     entries: Mutex<HashMap<String, Arc<Entry>>>,
     snapshots: Mutex<HashMap<String, SnapMeta>>,
     snap_lock: tokio::sync::Mutex<()>,
+    /// When the heartbeat was last written (unix ms).
+    last_beat_ms: std::sync::atomic::AtomicI64,
 }
 
 pub fn now_unix() -> i64 {
@@ -329,7 +335,9 @@ impl Manager {
             entries: Mutex::default(),
             snapshots: Mutex::default(),
             snap_lock: tokio::sync::Mutex::new(()),
+            last_beat_ms: std::sync::atomic::AtomicI64::new(0),
         });
+        m.beat(now_ms());
         m.adopt();
         Ok(m)
     }
@@ -553,6 +561,7 @@ impl Manager {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             mask: self.settings.mask.clone(),
+            heartbeat: Some(self.settings.state_dir.join(launch::HEARTBEAT_FILE)),
             faithful: self.settings.faithful.is_some(),
             envd_version: self
                 .settings
@@ -597,8 +606,13 @@ impl Manager {
         }
         drop(slot_guard);
 
+        let lifecycle = launch::Lifecycle {
+            timeout_secs: timeout.filter(|t| *t >= 0),
+            pause: on_timeout_pause,
+            grace_secs: self.settings.orphan_grace_secs,
+        };
         let launched = self
-            .prepare_and_launch(&dir, &spec, from_snap.as_ref())
+            .prepare_and_launch(&dir, &spec, lifecycle, from_snap.as_ref())
             .await;
         let init = match launched {
             Ok(i) => i,
@@ -643,6 +657,7 @@ impl Manager {
         &self,
         dir: &Path,
         spec: &LaunchSpec,
+        lifecycle: launch::Lifecycle,
         snap: Option<&SnapMeta>,
     ) -> Result<InitInfo, BackendError> {
         let d = dir.to_path_buf();
@@ -686,6 +701,9 @@ impl Manager {
                 };
                 copy().map_err(|e| internal("restore snapshot", e))?;
             }
+            lifecycle
+                .write(&d)
+                .map_err(|e| internal("write lifecycle", e))?;
             write_json_atomic(&d.join(launch::SPEC_FILE), &spec2)
                 .map_err(|e| internal("write spec", e))
         })
@@ -727,7 +745,9 @@ impl Manager {
     pub fn detail(&self, id: &str) -> Result<SandboxDetail, BackendError> {
         let e = self.entry(id)?;
         let m = e.meta.lock().map_err(|_| internal("state", "poisoned"))?;
-        if m.init.pid == 0 {
+        // A sandbox whose init died (killed, out of memory) is gone now,
+        // not at the next tick that removes it.
+        if m.init.pid == 0 || !m.tree().init_alive() {
             return Err(BackendError::SandboxNotFound(id.to_string()));
         }
         Ok(self.detail_of(&m))
@@ -773,7 +793,7 @@ impl Manager {
         let mut v: Vec<SandboxDetail> = entries
             .iter()
             .filter_map(|e| e.meta.lock().ok().map(|m| m.clone()))
-            .filter(|m| m.init.pid != 0)
+            .filter(|m| m.init.pid != 0 && m.tree().init_alive())
             .filter(|m| {
                 metadata
                     .iter()
@@ -828,8 +848,17 @@ impl Manager {
             .lock()
             .map_err(|_| internal("state", "poisoned"))?
             .clone();
-        write_json_atomic(&self.sandbox_dir(&m.id).join("meta.json"), &m)
-            .map_err(|e| internal("persist sandbox", e))
+        let dir = self.sandbox_dir(&m.id);
+        write_json_atomic(&dir.join("meta.json"), &m)
+            .map_err(|e| internal("persist sandbox", e))?;
+        // What the sandbox's init times itself out by with no backend.
+        launch::Lifecycle {
+            timeout_secs: m.timeout_secs,
+            pause: m.on_timeout_pause,
+            grace_secs: self.settings.orphan_grace_secs,
+        }
+        .write(&dir)
+        .map_err(|e| internal("persist sandbox", e))
     }
 
     /// `POST /sandboxes/{id}/timeout`: the idle timeout becomes `secs`
@@ -1211,6 +1240,7 @@ impl Manager {
     /// sandbox with a data-plane request in flight is never timed out.
     pub async fn tick(&self) {
         let now = now_ms();
+        self.beat(now);
         let faithful = self.settings.faithful.is_some();
         let entries: Vec<Arc<Entry>> = self
             .entries
@@ -1237,6 +1267,21 @@ impl Manager {
                 tracing::info!(sandbox = %short(&m.id), "timeout: killing");
                 let _ = self.kill(&m.id).await;
             }
+        }
+    }
+
+    /// Tell the sandboxes' inits that a backend runs: the heartbeat file's
+    /// modification time, set at most every few seconds (see
+    /// `launch::Watch`).
+    fn beat(&self, now: i64) {
+        use std::sync::atomic::Ordering;
+        let last = self.last_beat_ms.load(Ordering::Relaxed);
+        if now - last < launch::HEARTBEAT_EVERY.as_millis() as i64 {
+            return;
+        }
+        self.last_beat_ms.store(now, Ordering::Relaxed);
+        if let Err(e) = launch::beat(&self.settings.state_dir) {
+            tracing::warn!(error = %e, "could not write the sandboxes' heartbeat");
         }
     }
 

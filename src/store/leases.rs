@@ -96,6 +96,10 @@ pub struct Lease {
     /// back (a real CubeSandbox keeps a timeout until it is set again).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_seconds: Option<u64>,
+    /// The session's previous lease, whose sandbox was found gone when
+    /// this one was acquired in its place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_lease_ref: Option<String>,
 }
 
 /// The session index key: `tenant \0 runtime \0 session_hash`.

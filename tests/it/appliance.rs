@@ -157,6 +157,170 @@ async fn concurrent_acquires_of_one_session_make_one_sandbox_and_quota_holds() {
     assert_eq!(s.sandboxes(), 2);
 }
 
+/// A sandbox that dies under its lease (OOM, a crash): the next call on
+/// the lease says so (410 `sandbox_gone`, "acquire again"), and the
+/// session's next acquire ends the dead lease (audited as a release,
+/// `gone`) and answers with a new sandbox in its place, naming the old
+/// lease; also when nothing was called in between. Permission denied in the
+/// sandbox is the path's fault: 403 `path_denied`, not a backend failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
+    let s = Server::start().await;
+    let agent = s.token(&["--tenant", "tenant-a"]);
+    let exec = |lease: String, command: &'static str| {
+        let s = &s;
+        let agent = agent.clone();
+        async move {
+            s.post(
+                &agent,
+                &format!("/v1/leases/{lease}/exec"),
+                json!({"command": command}),
+            )
+            .await
+        }
+    };
+    let first = s.acquire(&agent, "dies").await;
+    let (st, v) = exec(
+        first.clone(),
+        "echo old > /workspace/f; ln -s /etc/shadow /workspace/secret",
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    // Permission denied inside: 403 path_denied.
+    let (st, v) = s
+        .post(
+            &agent,
+            &format!("/v1/leases/{first}/read"),
+            json!({"path": "/workspace/secret"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "path_denied"),
+        "{v}"
+    );
+
+    s.kill_sandboxes();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let gone = loop {
+        let (st, v) = exec(first.clone(), "true").await;
+        if st != StatusCode::OK || std::time::Instant::now() > deadline {
+            break (st, v);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (gone.0, code(&gone.1)),
+        (StatusCode::GONE, "sandbox_gone"),
+        "{}",
+        gone.1
+    );
+    assert!(
+        gone.1["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("acquire again"),
+        "{}",
+        gone.1
+    );
+    let (_, status) = s
+        .get(&agent, &format!("/v1/leases/{first}/status?refresh=false"))
+        .await;
+    assert_eq!(status["state"], "gone", "{status}");
+
+    let (st, v) = s
+        .post(
+            &agent,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "dies"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["reused"], false, "{v}");
+    assert_eq!(v["replaced_lease_ref"], first.as_str(), "{v}");
+    let second = v["lease_ref"].as_str().unwrap().to_string();
+    assert_ne!(second, first);
+    let (st, v) = exec(second.clone(), "cat /workspace/f 2>&1; true").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(
+        v["stdout"].as_str().unwrap().contains("No such file"),
+        "a new, empty sandbox: {v}"
+    );
+    let (st, v) = s.get(&agent, &format!("/v1/leases/{first}/status")).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::NOT_FOUND, "lease_not_found"),
+        "{v}"
+    );
+    // The same session again: the new lease, reused, naming nothing.
+    let (_, v) = s
+        .post(
+            &agent,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "dies"}),
+        )
+        .await;
+    assert_eq!(
+        (v["lease_ref"].as_str(), v["reused"].as_bool()),
+        (Some(second.as_str()), Some(true)),
+        "{v}"
+    );
+    assert!(v.get("replaced_lease_ref").is_none(), "{v}");
+
+    // Dead again, and acquired with no call in between: replaced at once.
+    s.kill_sandboxes();
+    let mut third = None;
+    for _ in 0..200 {
+        let (st, v) = s
+            .post(
+                &agent,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": "dies"}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        if v["reused"] == false {
+            assert_eq!(v["replaced_lease_ref"], second.as_str(), "{v}");
+            third = v["lease_ref"].as_str().map(str::to_string);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let third = third.expect("the dead sandbox was replaced");
+    let (st, v) = exec(third, "echo alive").await;
+    assert_eq!(
+        (st, v["stdout"].as_str()),
+        (StatusCode::OK, Some("alive\n")),
+        "{v}"
+    );
+
+    // The journal: the failed call as sandbox_gone, each dead lease ended
+    // as a release `gone`.
+    let j = s.journal();
+    let events: Vec<Value> = j
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        events.iter().any(|e| e["action"] == "exec"
+            && e["lease_ref"] == first.as_str()
+            && e["outcome"] == "error"
+            && e["error_code"] == "sandbox_gone"),
+        "{j}"
+    );
+    for old in [&first, &second] {
+        let ends: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["action"] == "release" && e["lease_ref"] == old.as_str())
+            .collect();
+        assert_eq!(ends.len(), 2, "intent and outcome for {old}: {j}");
+        assert!(ends.iter().all(|e| e["release_action"] == "gone"), "{j}");
+        assert_eq!(ends[1]["outcome"], "ok", "{j}");
+    }
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_scopes_and_tokens() {
     let s = Server::start().await;

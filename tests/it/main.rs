@@ -16,6 +16,7 @@ mod connections;
 mod console;
 mod cube_client;
 mod embedded;
+mod escape;
 mod export;
 mod hosts;
 mod identities;

@@ -122,13 +122,14 @@ impl Broker {
         let _session_lock = self.lock(format!("session:{skey}")).await;
 
         // Reuse.
+        let mut replaced: Option<String> = None;
         let sk = skey.clone();
         let existing: Option<Lease> = self
             .inner
             .store
             .read(move |txn| store::leases::by_session(txn, &sk))
             .await?;
-        if let Some(mut l) = existing {
+        if let Some(l) = existing {
             if let Some((_, ckpt)) = &snapshot
                 && l.forked_from.as_ref() != Some(ckpt)
             {
@@ -164,26 +165,15 @@ impl Broker {
                     )
                     .await);
             }
-            let (ts, unix) = self.now();
-            l.last_used_at = ts;
-            l.last_used_unix = unix;
-            let action = ev.action.clone();
-            let mut ev2 = self.lease_event(p, &action, ctx, &l);
-            ev2.outcome = "ok".into();
-            ev2.reused = Some(true);
-            ev2.phase = "event".into();
-            ev2.checkpoint_ref = ev.checkpoint_ref.clone();
-            ev2.task_ref = ev.task_ref.clone();
-            let l2 = l.clone();
-            self.inner
-                .store
-                .write(move |txn, chain| {
-                    put_lease(txn, &l2)?;
-                    chain.append(txn, ev2)?;
-                    Ok(())
-                })
-                .await?;
-            return Ok((l, true));
+            if l.state == LeaseState::Gone || self.sandbox_gone(&l).await {
+                // A dead sandbox is not handed out again: its lease ends
+                // (audited as a release, `gone`) and a new one takes its
+                // place below, the answer naming the old one.
+                replaced = Some(l.lease_ref.clone());
+                self.retire_gone(p, ctx, l).await?;
+            } else {
+                return self.reuse(p, ctx, &ev, l).await;
+            }
         }
 
         // Quota, across the tenant's leases.
@@ -339,6 +329,7 @@ impl Broker {
                 forked_from: snapshot.as_ref().map(|(_, c)| c.clone()),
                 envd_version: Some(created.envd_version.clone()).filter(|v| !v.is_empty()),
                 ttl_seconds: None,
+                replaced_lease_ref: replaced,
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
@@ -377,6 +368,58 @@ impl Broker {
             .await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok((lease, false))
+    }
+
+    /// Hand out the session's existing lease again (touched, recorded).
+    async fn reuse(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+        ev: &Event,
+        mut l: Lease,
+    ) -> Result<(Lease, bool)> {
+        let (ts, unix) = self.now();
+        l.last_used_at = ts;
+        l.last_used_unix = unix;
+        let mut ev2 = self.lease_event(p, &ev.action, ctx, &l);
+        ev2.outcome = "ok".into();
+        ev2.reused = Some(true);
+        ev2.phase = "event".into();
+        ev2.checkpoint_ref = ev.checkpoint_ref.clone();
+        ev2.task_ref = ev.task_ref.clone();
+        let l2 = l.clone();
+        self.inner
+            .store
+            .write(move |txn, chain| {
+                put_lease(txn, &l2)?;
+                chain.append(txn, ev2)?;
+                Ok(())
+            })
+            .await?;
+        Ok((l, true))
+    }
+
+    /// Whether the backend says the lease's sandbox no longer exists. Any
+    /// other answer (running, paused, or no answer at all) is not "gone".
+    pub(crate) async fn sandbox_gone(&self, l: &Lease) -> bool {
+        matches!(
+            self.inner.cube.get(&l.sandbox_id).await,
+            Err(e) if e.kind == ErrorKind::NotFound
+        )
+    }
+
+    /// End a lease whose sandbox is gone, as a kill would (its checkpoints'
+    /// snapshots too), audited as `release` with `release_action: gone`.
+    async fn retire_gone(&self, p: &Principal, ctx: &Ctx, l: Lease) -> Result<()> {
+        let mut ev = self.lease_event(p, "release", ctx, &l);
+        ev.release_action = Some("gone".to_string());
+        let intent = self.inner.journal.intent(ev).await?;
+        let b = self.clone();
+        self.inner
+            .tracker
+            .spawn(async move { b.release_effect(intent, l, true).await })
+            .await
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
     }
 
     /// This appliance's mark on the sandboxes it creates (a keyed digest:

@@ -68,6 +68,16 @@ impl Broker {
                 Err(e) => Err(e),
             };
             drop(busy);
+            // A backend failure on a sandbox that no longer exists is
+            // `sandbox_gone`, and the lease is marked so (the session's
+            // next acquire replaces it).
+            let r = match r {
+                Err(e) if e.code == Code::ExecutionFailed && b.sandbox_gone(&l).await => {
+                    b.mark_gone(&l).await;
+                    Err(Self::gone())
+                }
+                r => r,
+            };
             let restore = l.ttl_seconds.is_some();
             let r = b.finish(intent, l, r).await;
             drop(hold);
@@ -78,6 +88,34 @@ impl Broker {
         });
         task.await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
+    }
+
+    /// The answer for a lease whose sandbox is gone.
+    pub(crate) fn gone() -> Error {
+        Error::new(
+            Code::SandboxGone,
+            "the sandbox behind this lease is gone (it ended, was killed, timed out or died); \
+             acquire again with the same session_key for a new, empty one",
+        )
+    }
+
+    /// Record that a lease's sandbox is gone (if the lease still exists).
+    pub(crate) async fn mark_gone(&self, l: &Lease) {
+        let lease_ref = l.lease_ref.clone();
+        let r = self
+            .inner
+            .store
+            .write(move |txn, _| {
+                if let Some(mut l) = store::leases::get(txn, &lease_ref)? {
+                    l.state = LeaseState::Gone;
+                    put_lease(txn, &l)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "could not mark a lease gone");
+        }
     }
 
     /// A lease released with `pause` (or found paused) is resumed before

@@ -42,16 +42,19 @@ impl Broker {
                         let mut o = StartOptions::shell(&command);
                         o.cwd = Some(cwd.clone());
                         o.timeout = Some(Duration::from_millis(ms));
-                        let out =
-                            b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(|e| {
-                                match e.kind {
-                                    ErrorKind::InvalidArgument => Error::new(
-                                        Code::InvalidPath,
-                                        "the working directory does not exist",
-                                    ),
-                                    _ => backend(&e),
-                                }
-                            })?;
+                        let out = b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(
+                            |e| match e.kind {
+                                ErrorKind::InvalidArgument => Error::new(
+                                    Code::InvalidPath,
+                                    "the working directory does not exist",
+                                ),
+                                ErrorKind::Denied => Error::new(
+                                    Code::PathDenied,
+                                    "permission denied in the sandbox for the working directory",
+                                ),
+                                _ => backend(&e),
+                            },
+                        )?;
                         // Killed at its deadline (with all it started): the
                         // reference's 504 `timeout`.
                         if out.timed_out {

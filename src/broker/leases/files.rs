@@ -96,6 +96,13 @@ impl Broker {
                         ErrorKind::Conflict => {
                             Error::new(Code::AlreadyExists, "the path already exists")
                         }
+                        // The sandbox's own permissions (a read-only
+                        // directory, a file of another user): the path's
+                        // fault, not the backend's.
+                        ErrorKind::Denied => Error::new(
+                            Code::PathDenied,
+                            "permission denied in the sandbox for this path",
+                        ),
                         _ => backend(&e),
                     };
                     let r: (dto::FileAnswer, Option<u64>) = match op {

@@ -224,7 +224,7 @@ impl Broker {
 
     /// The effect of a release, after its intent: pause or kill, the
     /// checkpoints' snapshots, and the outcome with the lease's new state.
-    async fn release_effect(&self, intent: Intent, l: Lease, kill: bool) -> Result<()> {
+    pub(super) async fn release_effect(&self, intent: Intent, l: Lease, kill: bool) -> Result<()> {
         let r = if !kill {
             match self.inner.cube.pause(&l.sandbox_id).await {
                 Ok(()) => Ok(()),

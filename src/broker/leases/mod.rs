@@ -240,6 +240,7 @@ impl Broker {
             profile: l.profile.clone(),
             request_id: ctx.request_id.clone(),
             reused,
+            replaced_lease_ref: l.replaced_lease_ref.clone().filter(|_| !reused),
             sandbox_ref: l.sandbox_ref.clone(),
             state: l.state.clone(),
         }

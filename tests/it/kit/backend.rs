@@ -37,6 +37,7 @@ pub fn settings(dir: &std::path::Path) -> Settings {
         uid_base: cube_adapter::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
+        orphan_grace_secs: cube_adapter::embedded::launch::ORPHAN_GRACE_SECS,
         // A faithful stand-in for a real CubeSandbox, as in every test.
         faithful: Some(cube_adapter::embedded::sandbox::Faithful::default()),
     }
@@ -102,6 +103,12 @@ impl TestBackend {
             ..Default::default()
         })
         .await
+    }
+
+    /// Stop the backend's upkeep (timeouts, heartbeat) while it keeps
+    /// serving: to its sandboxes' inits, the backend is gone.
+    pub fn stop_upkeep(&self) {
+        self.reaper.abort();
     }
 
     pub async fn sandbox_with(&self, req: CreateSandbox) -> SandboxAddr {

@@ -103,6 +103,11 @@ impl Server {
     }
 
     pub async fn stop(mut self) {
+        self.halt().await;
+    }
+
+    /// Stop serving (as `stop`), keeping the state directory until dropped.
+    pub async fn halt(&mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
@@ -194,6 +199,12 @@ impl Server {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// SIGKILL every sandbox's init, as the kernel's OOM killer or a crash
+    /// would: the sandboxes die under their leases.
+    pub fn kill_sandboxes(&self) {
+        super::end_sandboxes(&self.embedded.join("sandboxes"));
     }
 
     pub fn sandboxes(&self) -> usize {
