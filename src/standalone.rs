@@ -48,6 +48,7 @@ pub fn settings(o: &Options) -> Settings {
         mask: vec![o.state_dir.clone()],
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
+        min_free_mb: 512,
         faithful: o.faithful.clone(),
     }
 }

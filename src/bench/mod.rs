@@ -313,6 +313,7 @@ pub async fn loopback_backend(
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
+        min_free_mb: 0,
         faithful: None,
     };
     let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;

@@ -194,6 +194,9 @@ codes! {
     /// The audit journal (or the store, or the identity store) is
     /// unavailable.
     AuditUnavailable = "audit_unavailable", SERVICE_UNAVAILABLE, Error, Some(5);
+    /// The disk the appliance (or its embedded backend) writes is nearly
+    /// full: no new sandboxes until space returns.
+    StorageLow = "storage_low", SERVICE_UNAVAILABLE, Error, Some(30);
     /// Too many open connections (from the client's address, or in all):
     /// the listener answers only health checks until some close.
     ConnectionLimit = "connection_limit", SERVICE_UNAVAILABLE, Error, Some(5);

@@ -68,7 +68,7 @@ use self::backend::EmbeddedBackendArgs;
 use self::backup::{BackupArgs, RestoreArgs};
 use self::bench::BenchCommand;
 use self::ops::{CertCommand, InitArgs, StatusArgs};
-use self::sandboxes::SandboxesCommand;
+use self::sandboxes::{SandboxesCommand, TemplateCommand};
 use self::serve::{ConfigCommand, ServeArgs};
 use self::tokens::TokenCommand;
 use self::users::UserCommand;
@@ -214,6 +214,10 @@ pub enum Command {
     /// those of a stopped service.
     #[command(subcommand)]
     Sandboxes(SandboxesCommand),
+    /// The embedded backend's templates: import a root filesystem, list,
+    /// remove.
+    #[command(subcommand)]
+    Template(TemplateCommand),
     /// The server certificate.
     #[command(subcommand)]
     Cert(CertCommand),
@@ -290,6 +294,9 @@ fn dispatch(command: Command) -> Exit {
         Command::Status(a) => ops::status(a),
         Command::Sandboxes(SandboxesCommand::List(a)) => sandboxes::list(a),
         Command::Sandboxes(SandboxesCommand::Kill(a)) => sandboxes::kill(a),
+        Command::Template(TemplateCommand::Add(a)) => sandboxes::template_add(a),
+        Command::Template(TemplateCommand::List(a)) => sandboxes::template_list(a),
+        Command::Template(TemplateCommand::Remove(a)) => sandboxes::template_remove(a),
         Command::Cert(CertCommand::Show(a)) => ops::cert_show(a),
         Command::Cert(CertCommand::Renew(a)) => ops::cert_renew(a),
         Command::Backup(a) => backup::backup(a),

@@ -1,5 +1,6 @@
-//! `sandboxes list|kill`: the embedded backend's sandboxes as they are on
-//! this host, for an operator. Sandboxes outlive the service by design, and
+//! `sandboxes list|kill` and `template add|list|remove`: the embedded
+//! backend's sandboxes and templates as they are on this host, for an
+//! operator. Sandboxes outlive the service by design, and
 //! their own inits end only those whose idle timeout kills them
 //! (docs/security.md, "Orphans"): these commands find and end the rest,
 //! with the service running (list) or stopped (list and kill).
@@ -217,4 +218,165 @@ pub fn kill(a: KillArgs) -> Exit {
         }
     }
     if failed > 0 { Exit::Failed } else { Exit::Ok }
+}
+
+#[derive(Subcommand)]
+pub enum TemplateCommand {
+    /// Import a root filesystem as a template of the embedded backend.
+    ///
+    /// --rootfs is a directory (copied) or an uncompressed tar archive (for
+    /// example `mmdebstrap --variant=apt bookworm debian.tar`): directories,
+    /// files and links are unpacked below the template's own root, never
+    /// outside it; device nodes and FIFOs are passed over. Stored under the
+    /// backend's state directory (templates/NAME); a running service offers
+    /// it at once (`GET /templates`), and a profile uses it with
+    /// `template = "NAME"`. Exit 2 for a bad name or one taken, 1 when the
+    /// import fails (nothing is left of it).
+    #[command(after_help = super::EXIT_CODES)]
+    Add(TemplateAddArgs),
+    /// The templates: built-in, imported and configured.
+    #[command(after_help = super::EXIT_CODES)]
+    List(TemplateListArgs),
+    /// Remove an imported template. Refused (exit 1) while a sandbox uses it.
+    #[command(after_help = super::EXIT_CODES)]
+    Remove(TemplateRemoveArgs),
+}
+
+#[derive(Args)]
+pub struct TemplateAddArgs {
+    #[command(flatten)]
+    pub common: Common,
+    /// The template's name: 1 to 63 of a-z, 0-9, '.', '_', '-'.
+    pub name: String,
+    /// A directory, or an uncompressed tar archive, holding the root.
+    #[arg(long)]
+    pub rootfs: PathBuf,
+}
+
+#[derive(Args)]
+pub struct TemplateListArgs {
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Args)]
+pub struct TemplateRemoveArgs {
+    #[command(flatten)]
+    pub common: Common,
+    pub name: String,
+}
+
+pub fn template_add(a: TemplateAddArgs) -> Exit {
+    use crate::embedded::templates;
+    let (dir, cfg) = match backend_dir(&a.common) {
+        Ok(d) => d,
+        Err(e) => return e,
+    };
+    if let Err(m) = templates::check_id(&a.name) {
+        eprintln!("error: {m}");
+        return Exit::Usage;
+    }
+    if cfg.embedded.templates.iter().any(|t| t.id == a.name) {
+        eprintln!("error: template {} is in the configuration", a.name);
+        return Exit::Usage;
+    }
+    if !a.rootfs.exists() {
+        eprintln!("error: no such file or directory: {}", a.rootfs.display());
+        return Exit::Usage;
+    }
+    match templates::import(&dir, &a.name, &a.rootfs, &crate::clock::now().0) {
+        Ok(t) => {
+            println!(
+                "imported template {} ({} entries{}) into {}",
+                t.id,
+                t.entries,
+                if t.skipped > 0 {
+                    format!(
+                        ", {} device nodes, FIFOs or unsafe paths passed over",
+                        t.skipped
+                    )
+                } else {
+                    String::new()
+                },
+                t.rootfs.display()
+            );
+            Exit::Ok
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            eprintln!("error: {e}");
+            Exit::Usage
+        }
+        Err(e) => {
+            eprintln!("error: importing {}: {e}", a.rootfs.display());
+            Exit::Failed
+        }
+    }
+}
+
+pub fn template_list(a: TemplateListArgs) -> Exit {
+    use crate::embedded::sandbox::{HOST_TEMPLATE, MINIMAL_TEMPLATE};
+    let (dir, cfg) = match backend_dir(&a.common) {
+        Ok(d) => d,
+        Err(e) => return e,
+    };
+    println!("{:<24} {:<10} ROOT", "TEMPLATE", "FROM");
+    println!(
+        "{MINIMAL_TEMPLATE:<24} {:<10} the host's programs, libraries and a filtered /etc",
+        "built-in"
+    );
+    println!(
+        "{HOST_TEMPLATE:<24} {:<10} the host's whole root, read-only",
+        "built-in"
+    );
+    for t in crate::embedded::templates::imported(&dir) {
+        println!(
+            "{:<24} {:<10} {} (from {}, {})",
+            t.id,
+            "imported",
+            t.rootfs.display(),
+            t.source,
+            t.imported_at
+        );
+    }
+    for t in &cfg.embedded.templates {
+        let missing = if t.rootfs.is_dir() { "" } else { " (missing)" };
+        println!(
+            "{:<24} {:<10} {}{missing}",
+            t.id,
+            "config",
+            t.rootfs.display()
+        );
+    }
+    Exit::Ok
+}
+
+pub fn template_remove(a: TemplateRemoveArgs) -> Exit {
+    let (dir, _) = match backend_dir(&a.common) {
+        Ok(d) => d,
+        Err(e) => return e,
+    };
+    let users: Vec<String> = found(&dir)
+        .into_iter()
+        .filter(|f| f.meta.template_id == a.name)
+        .map(|f| f.meta.id)
+        .collect();
+    if !users.is_empty() {
+        eprintln!(
+            "error: template {} is in use by {} sandbox(es): {}",
+            a.name,
+            users.len(),
+            users.join(", ")
+        );
+        return Exit::Failed;
+    }
+    match crate::embedded::templates::remove(&dir, &a.name) {
+        Ok(()) => {
+            println!("removed template {}", a.name);
+            Exit::Ok
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Exit::Failed
+        }
+    }
 }

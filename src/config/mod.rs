@@ -530,6 +530,11 @@ pub struct EmbeddedSection {
     /// timeout plus this long (s), and its lifecycle kills at the timeout
     /// (docs/security.md, "Orphans").
     pub orphan_grace_seconds: u64,
+    /// New sandboxes are refused (503 `storage_low`) while the disk of the
+    /// backend's or the appliance's state directory has less than this
+    /// free (MiB); they are made again as soon as space returns. 0: no
+    /// check.
+    pub min_free_mb: u64,
 }
 
 impl Default for EmbeddedSection {
@@ -545,6 +550,7 @@ impl Default for EmbeddedSection {
             faithful_pause_ms: 0,
             faithful_envd_version: None,
             orphan_grace_seconds: 60,
+            min_free_mb: 512,
         }
     }
 }
@@ -584,7 +590,8 @@ pub struct Profile {
 impl Default for Profile {
     fn default() -> Self {
         Self {
-            template: "host".into(),
+            // The embedded backend's `minimal` (`embedded::sandbox::MINIMAL_TEMPLATE`).
+            template: "minimal".into(),
             sandbox_timeout_seconds: 300,
             max_command_seconds: 120,
             lease_idle_ttl_seconds: 3600,

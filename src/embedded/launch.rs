@@ -78,6 +78,10 @@ pub struct LaunchSpec {
     /// Whether `rootfs` is the host's own root (then `/home`, `/mnt`, … are
     /// hidden rather than shared).
     pub host_root: bool,
+    /// Of the host's root, only the programs and libraries and a filtered
+    /// `/etc` (the `minimal` template; see `MINIMAL_TOP`, `MINIMAL_ETC`).
+    #[serde(default)]
+    pub minimal: bool,
     pub internet: bool,
     /// Host uid/gid that sandbox root maps to, and how many ids are mapped.
     pub host_uid: u32,
@@ -727,6 +731,9 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         if special.contains(&name_s) || name_s.starts_with('.') {
             continue;
         }
+        if spec.minimal && name_s != "etc" && !MINIMAL_TOP.contains(&name_s) {
+            continue;
+        }
         let target = nr.join(&name);
         let ft = e.file_type()?;
         if ft.is_symlink() {
@@ -737,8 +744,17 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
             if spec.host_root && host_hidden.contains(&name_s) {
                 continue;
             }
+            if spec.minimal && name_s == "etc" {
+                minimal_etc(&e.path(), &target).context("build a filtered /etc")?;
+                continue;
+            }
             bind_ro(&e.path(), &target).with_context(|| format!("bind /{name_s}"))?;
         }
+    }
+    if spec.minimal {
+        // Programs expect /var/tmp; it is the sandbox's own /tmp.
+        std::fs::create_dir_all(nr.join("var"))?;
+        std::os::unix::fs::symlink("/tmp", nr.join("var/tmp"))?;
     }
     for d in special {
         std::fs::create_dir_all(nr.join(d))?;
@@ -759,7 +775,9 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         mount(none, &nr.join(d), none, rw | MsFlags::MS_REMOUNT, none)
             .with_context(|| format!("remount /{d}"))?;
     }
-    setup_dev(&nr.join("dev")).context("set up /dev")?;
+    // /dev/shm holds at most half the sandbox's memory: without a memory
+    // cgroup its pages would otherwise count against nothing.
+    setup_dev(&nr.join("dev"), (spec.limits.memory_mb / 2).max(16)).context("set up /dev")?;
     mount(
         Some("proc"),
         &nr.join("proc"),
@@ -778,7 +796,7 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         &nr.join("run"),
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=0755"),
+        Some("mode=0755,size=16m"),
     )
     .context("mount /run")?;
     // Hide the appliance's own files: an empty read-only tmpfs over a
@@ -841,6 +859,132 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the `minimal` template shows of the host's root, read-only: its
+/// programs and libraries (on a merged-/usr host most of these are links
+/// into `/usr`), and `/etc` as `MINIMAL_ETC` filters it. Not `/home`,
+/// `/root`, `/var`, `/opt`, `/srv`, `/mnt`, `/boot` or any other tree.
+pub const MINIMAL_TOP: &[&str] = &["usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+
+/// The entries of the host's `/etc` the `minimal` template shows (a
+/// trailing `*` matches a prefix): name resolution, the dynamic linker,
+/// CA certificates, time zone, shells' defaults, Debian's alternatives
+/// (`awk`, `java`, … are links through them) and language runtimes'
+/// settings. Not `ssh`, `sudoers`, `shadow`, package managers' credentials
+/// (`pip.conf`, `npmrc`, apt's auth), `machine-id`, or the host's services'
+/// configuration. `passwd` and `group` are rewritten: only system accounts
+/// and groups (ids below 1000, and nobody/nogroup), so the host's people's
+/// names do not show.
+pub const MINIMAL_ETC: &[&str] = &[
+    "passwd",
+    "group",
+    "hosts",
+    "resolv.conf",
+    "nsswitch.conf",
+    "host.conf",
+    "gai.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "protocols",
+    "services",
+    "rpc",
+    "networks",
+    "ethertypes",
+    "mime.types",
+    "mailcap",
+    "os-release",
+    "lsb-release",
+    "debian_version",
+    "shells",
+    "profile",
+    "profile.d",
+    "bash.bashrc",
+    "environment",
+    "inputrc",
+    "login.defs",
+    "skel",
+    "terminfo",
+    "alternatives",
+    "ssl",
+    "pki",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "crypto-policies",
+    "fonts",
+    "python3*",
+    "perl",
+    "java-*",
+    "vim",
+    "magic",
+    "magic.mime",
+    "papersize",
+];
+
+fn minimal_etc_allows(name: &str) -> bool {
+    MINIMAL_ETC.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == *p,
+    })
+}
+
+/// `passwd` or `group` lines with ids below 1000 (and 65534), `root` first.
+fn system_accounts(text: &str) -> String {
+    let mut out = String::new();
+    for line in text.lines() {
+        let id = line.split(':').nth(2).and_then(|f| f.parse::<u32>().ok());
+        if id.is_some_and(|i| i < 1000 || i == 65534) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// Fill `dst` (a directory of the new root's tmpfs) with what
+/// `MINIMAL_ETC` lets through of the host's `src`.
+fn minimal_etc(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let mut entries: Vec<_> = std::fs::read_dir(src)?.filter_map(Result::ok).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name();
+        let Some(name_s) = name.to_str() else {
+            continue;
+        };
+        if !minimal_etc_allows(name_s) {
+            continue;
+        }
+        let target = dst.join(&name);
+        if name_s == "passwd" || name_s == "group" {
+            let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+            let mut kept = system_accounts(&text);
+            if !kept.starts_with("root:") && !kept.contains("\nroot:") {
+                let root = if name_s == "passwd" {
+                    "root:x:0:0:root:/root:/bin/sh\n"
+                } else {
+                    "root:x:0:\n"
+                };
+                kept.insert_str(0, root);
+            }
+            std::fs::write(&target, kept)?;
+            continue;
+        }
+        let ft = e.file_type()?;
+        if ft.is_symlink() {
+            std::os::unix::fs::symlink(std::fs::read_link(e.path())?, &target)?;
+        } else if ft.is_dir() {
+            std::fs::create_dir(&target)?;
+            bind_ro(&e.path(), &target).with_context(|| format!("bind /etc/{name_s}"))?;
+        } else if ft.is_file() {
+            std::fs::File::create(&target)?;
+            bind_ro(&e.path(), &target).with_context(|| format!("bind /etc/{name_s}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Bind a directory read-only, keeping the source mount's locked flags
 /// (a user namespace may not clear nosuid/nodev/noexec/atime flags).
 fn bind_ro(src: &Path, dst: &Path) -> anyhow::Result<()> {
@@ -868,7 +1012,7 @@ fn bind_ro(src: &Path, dst: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn setup_dev(dev: &Path) -> anyhow::Result<()> {
+fn setup_dev(dev: &Path, shm_mb: u64) -> anyhow::Result<()> {
     let none: Option<&str> = None;
     mount(
         Some("tmpfs"),
@@ -905,7 +1049,7 @@ fn setup_dev(dev: &Path) -> anyhow::Result<()> {
         &shm,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777"),
+        Some(format!("mode=1777,size={shm_mb}m").as_str()),
     )?;
     for (l, t) in [
         ("fd", "/proc/self/fd"),

@@ -14,6 +14,7 @@ pub mod proxy;
 pub mod sandbox;
 pub mod seccomp;
 pub mod sys;
+pub mod templates;
 pub mod tree;
 
 use std::sync::Arc;

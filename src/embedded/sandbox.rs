@@ -29,6 +29,9 @@ const IDS_PER_SANDBOX: u32 = 65536;
 /// and `/root`).
 const WRITABLE: [&str; 3] = ["workspace", "tmp", "home"];
 pub const HOST_TEMPLATE: &str = "host";
+/// The default template: of the host's root, only programs, libraries and
+/// a filtered `/etc` (`launch::MINIMAL_TOP`, `launch::MINIMAL_ETC`).
+pub const MINIMAL_TEMPLATE: &str = "minimal";
 
 /// A template backed by a root directory.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -58,6 +61,10 @@ pub struct Settings {
     /// heartbeat, a sandbox's init waits before it ends the sandbox itself
     /// (`launch::Watch`).
     pub orphan_grace_secs: i64,
+    /// New sandboxes are refused while the file system of the state
+    /// directory, or of any masked directory (the appliance's own state),
+    /// has less than this free (MiB).
+    pub min_free_mb: u64,
     /// Behave as a real CubeSandbox does where this backend is otherwise
     /// kinder (see `Faithful`); `None` in production.
     pub faithful: Option<Faithful>,
@@ -95,6 +102,9 @@ pub enum BackendError {
     BadRequest(String),
     #[error("{0}")]
     Conflict(String),
+    /// Too little disk left for another sandbox (507).
+    #[error("{0}")]
+    StorageLow(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -105,6 +115,7 @@ impl BackendError {
             Self::SandboxNotFound(_) | Self::TemplateNotFound(_) | Self::SnapshotNotFound(_) => 404,
             Self::BadRequest(_) => 400,
             Self::Conflict(_) => 409,
+            Self::StorageLow(_) => 507,
             Self::Internal(_) => 500,
         }
     }
@@ -421,13 +432,25 @@ impl Manager {
     }
 
     pub fn templates(&self) -> Vec<TemplateInfo> {
-        let mut v = vec![TemplateInfo {
-            template_id: HOST_TEMPLATE.into(),
-            public: false,
-            status: "READY".into(),
-            aliases: vec![HOST_TEMPLATE.into()],
-            created_at: None,
-        }];
+        let mut v: Vec<TemplateInfo> = [MINIMAL_TEMPLATE, HOST_TEMPLATE]
+            .into_iter()
+            .map(|t| TemplateInfo {
+                template_id: t.into(),
+                public: false,
+                status: "READY".into(),
+                aliases: vec![t.into()],
+                created_at: None,
+            })
+            .collect();
+        for t in super::templates::imported(&self.settings.state_dir) {
+            v.push(TemplateInfo {
+                template_id: t.id,
+                public: false,
+                status: "READY".into(),
+                aliases: vec![],
+                created_at: Some(t.imported_at),
+            });
+        }
         for t in &self.settings.templates {
             let ready = t.rootfs.is_dir();
             v.push(TemplateInfo {
@@ -446,8 +469,11 @@ impl Manager {
     }
 
     fn template_rootfs(&self, id: &str) -> Option<(PathBuf, bool)> {
-        if id == HOST_TEMPLATE {
+        if id == HOST_TEMPLATE || id == MINIMAL_TEMPLATE {
             return Some((PathBuf::from("/"), true));
+        }
+        if let Some(t) = super::templates::find(&self.settings.state_dir, id) {
+            return Some((t.rootfs, false));
         }
         self.settings
             .templates
@@ -486,7 +512,32 @@ impl Manager {
     }
 
     /// `POST /sandboxes`.
+    /// Refuse a new sandbox while a file system it could fill (the state
+    /// directory's, the appliance's) is nearly full: one agent must not
+    /// take the disk the audit journal lives on.
+    fn check_free_space(&self) -> Result<(), BackendError> {
+        let want = self.settings.min_free_mb;
+        if want == 0 {
+            return Ok(());
+        }
+        for dir in std::iter::once(&self.settings.state_dir).chain(&self.settings.mask) {
+            let Ok(st) = nix::sys::statvfs::statvfs(dir) else {
+                continue;
+            };
+            let free_mb = st.blocks_available().saturating_mul(st.fragment_size()) / (1024 * 1024);
+            if free_mb < want {
+                return Err(BackendError::StorageLow(format!(
+                    "the disk of {} has {free_mb} MiB free, below the {want} MiB kept free: \
+                     no new sandboxes until space returns",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<Sandbox, BackendError> {
+        self.check_free_space()?;
         validate_env(&req.env_vars)?;
         let timeout = req.timeout.or(self.settings.default_timeout);
         if let Some(t) = timeout {
@@ -549,6 +600,7 @@ impl Manager {
             isolation: self.settings.isolation,
             rootfs: rootfs.clone(),
             host_root,
+            minimal: template_id == MINIMAL_TEMPLATE,
             internet,
             host_uid,
             host_gid,

@@ -182,7 +182,9 @@ async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
     let first = s.acquire(&agent, "dies").await;
     let (st, v) = exec(
         first.clone(),
-        "echo old > /workspace/f; ln -s /etc/shadow /workspace/secret",
+        // The init's environment: the init is not dumpable, so not even
+        // the sandbox's root may read it.
+        "echo old > /workspace/f; ln -s /proc/1/environ /workspace/secret",
     )
     .await;
     assert_eq!(st, StatusCode::OK, "{v}");
@@ -1153,6 +1155,67 @@ async fn reference_principals_file() {
     s.stop().await;
 }
 
+/// One agent filling the disk does not take the appliance down: while the
+/// disk its sandboxes write to has less than `[embedded] min_free_mb`
+/// free, new sandboxes are refused (503 `storage_low`, Retry-After), the
+/// existing ones keep working, and new ones are made again as soon as space
+/// returns, with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_sandboxes_wait_for_disk_space() {
+    let outer = tempfile::tempdir().unwrap();
+    let sandboxes = outer.path().join("sandboxes");
+    let _fs = Tmpfs::mount(&sandboxes, "64m");
+    let s = Server::start_with(|c| {
+        c.embedded.state_dir = Some(sandboxes.clone());
+        c.embedded.min_free_mb = 40;
+    })
+    .await;
+    let first = s.acquire(&s.admin, "filler").await;
+    let exec = |command: &'static str| {
+        let s = &s;
+        let first = first.clone();
+        async move {
+            s.post(
+                &s.admin,
+                &format!("/v1/leases/{first}/exec"),
+                json!({"command": command}),
+            )
+            .await
+        }
+    };
+    let (st, v) = exec("head -c 30000000 /dev/zero > /workspace/big && echo filled").await;
+    assert_eq!(
+        (st, v["stdout"].as_str()),
+        (StatusCode::OK, Some("filled\n")),
+        "{v}"
+    );
+    let r = s
+        .http
+        .post(format!("{}/v1/leases/acquire", s.url))
+        .bearer_auth(&s.admin)
+        .json(&json!({"runtime": "mcp", "session_key": "second"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.headers()["retry-after"], "30");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(code(&v), "storage_low", "{v}");
+    assert_eq!(s.sandboxes(), 1, "no sandbox was made");
+    // The existing sandbox keeps working, and frees the space.
+    let (st, _) = exec("rm /workspace/big").await;
+    assert_eq!(st, StatusCode::OK);
+    let second = s.acquire(&s.admin, "second").await;
+    assert_ne!(second, first);
+    let j = s.journal();
+    assert!(
+        j.lines().any(|l| l.contains("\"action\":\"acquire\"")
+            && l.contains("\"error_code\":\"storage_low\"")),
+        "{j}"
+    );
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_store_fails_closed_with_no_sandbox_created() {
     let outer = tempfile::tempdir().unwrap();
@@ -1162,6 +1225,9 @@ async fn a_full_store_fails_closed_with_no_sandbox_created() {
     let s = Server::start_with(|c| {
         c.state_dir = state.clone();
         c.embedded.state_dir = Some(sandboxes.clone());
+        // The store fills up here, past the free-space guard (tested in
+        // `new_sandboxes_wait_for_disk_space`).
+        c.embedded.min_free_mb = 0;
     })
     .await;
     let count = || {

@@ -270,3 +270,298 @@ async fn sandboxes_of_a_stopped_service_are_listed_and_killed() {
     let out = sandboxes_cli(&s, &["kill", "deadbeefcafe"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
 }
+
+/// The default template (`minimal`) shows of the host only its programs,
+/// libraries and a filtered `/etc`: no `/home`, `/root`, `/var`, `/opt`,
+/// `/srv` or other tree of the host, no host secrets or people in `/etc`;
+/// and programs still run (the dynamic linker, Debian's alternatives,
+/// name resolution). `host` shows more, by the operator's choice only.
+#[tokio::test]
+async fn the_default_template_shows_programs_not_the_host() {
+    // A file of the host's, somewhere a sandbox of `host` can read it.
+    let marker_dir = tempfile::Builder::new()
+        .prefix("cube-escape-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let marker = marker_dir.path().join("secret.txt");
+    std::fs::write(&marker, "host data\n").unwrap();
+    std::fs::set_permissions(
+        marker_dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::fs::set_permissions(&marker, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let t = TestBackend::start().await;
+    let minimal = t
+        .sandbox_with(cube_adapter::cube::wire::CreateSandbox {
+            template_id: "minimal".into(),
+            ..Default::default()
+        })
+        .await;
+    let look = format!(
+        "ls -A /; echo ---; ls -A /etc | tr '\\n' ' '; echo; echo ---; \
+         cut -d: -f3 /etc/passwd | sort -n | tr '\\n' ' '; echo; echo ---; \
+         cat {} 2>&1; ls /var/lib 2>&1; echo ---; \
+         awk 'BEGIN {{ print \"awk works\" }}'; /usr/bin/python3 -c 'print(\"python works\")'; \
+         getent hosts localhost | head -n 1; id -un; echo tmp > /var/tmp/x && cat /tmp/x",
+        marker.display()
+    );
+    let out = t.client.run(&minimal, &sh(&look), MB).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let parts: Vec<&str> = text.split("---\n").collect();
+    assert_eq!(
+        parts.len(),
+        5,
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let top: Vec<&str> = parts[0].lines().collect();
+    for hidden in ["home", "opt", "srv", "mnt", "boot", "media"] {
+        assert!(!top.contains(&hidden), "/{hidden} shows: {top:?}");
+    }
+    assert!(top.contains(&"usr") && top.contains(&"etc"), "{top:?}");
+    let etc = parts[1];
+    for hidden in [" shadow ", " sudoers ", " ssh ", " machine-id ", " apt "] {
+        assert!(
+            !format!(" {etc}").contains(hidden),
+            "/etc{hidden}shows: {etc}"
+        );
+    }
+    assert!(
+        etc.contains("passwd") && etc.contains("resolv.conf"),
+        "{etc}"
+    );
+    for uid in parts[2].split_whitespace() {
+        let uid: u32 = uid.parse().unwrap();
+        assert!(
+            uid < 1000 || uid == 65534,
+            "a person's account shows: {}",
+            parts[2]
+        );
+    }
+    assert!(
+        parts[3].contains("No such file"),
+        "the host's /var shows: {}",
+        parts[3]
+    );
+    assert!(!parts[3].contains("host data"), "{}", parts[3]);
+    let works = parts[4];
+    for w in ["awk works", "python works", "localhost", "root\n", "tmp\n"] {
+        assert!(works.contains(w), "{w:?} missing: {works}");
+    }
+
+    // `host`, an operator's explicit choice, shows the host's /var.
+    let host = t.sandbox().await;
+    let out = t
+        .client
+        .run(&host, &sh(&format!("cat {}", marker.display())), MB)
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "host data\n");
+}
+
+/// A tiny root filesystem: bash and the libraries it links, and a file
+/// naming the template, as an uncompressed tar (what `mmdebstrap` makes).
+fn tiny_rootfs_tar(dir: &std::path::Path) -> std::path::PathBuf {
+    let root = dir.join("tiny");
+    let ldd = std::process::Command::new("ldd")
+        .arg("/bin/bash")
+        .output()
+        .unwrap();
+    let mut files = vec![std::path::PathBuf::from("/bin/bash")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        if let Some(p) = line.split_whitespace().find(|w| w.starts_with('/')) {
+            files.push(p.into());
+        }
+    }
+    for f in &files {
+        let to = root.join(f.strip_prefix("/").unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(f, &to).unwrap();
+    }
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    std::fs::write(root.join("etc/template-name"), "tiny\n").unwrap();
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/bash\n").unwrap();
+    let tar = dir.join("tiny.tar");
+    let mut b = tar::Builder::new(std::fs::File::create(&tar).unwrap());
+    b.follow_symlinks(false);
+    b.append_dir_all(".", &root).unwrap();
+    b.finish().unwrap();
+    tar
+}
+
+/// `cube-adapter template add NAME --rootfs FILE.tar` imports a root
+/// filesystem that a running service offers at once: a profile naming it
+/// gets sandboxes that see that root, not the host's; a template in use
+/// cannot be removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_root_filesystem_is_a_template() {
+    let s = crate::kit::Server::start_with(|c| {
+        if let Some(p) = c.profiles.get_mut("offline-code") {
+            p.template = "tiny".into();
+        }
+    })
+    .await;
+    let tar = tiny_rootfs_tar(s.dir.path());
+    let cli = |args: &[&str]| {
+        std::process::Command::new(crate::kit::BIN)
+            .arg("template")
+            .args(args)
+            .arg("--state-dir")
+            .arg(&s.state)
+            .arg("--config")
+            .arg(s.empty_config())
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["add", "minimal", "--rootfs", tar.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "a built-in name: {out:?}");
+    let out = cli(&["add", "tiny", "--rootfs", tar.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("imported template tiny"),
+        "{out:?}"
+    );
+    let out = cli(&["list"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("tiny "),
+        "{out:?}"
+    );
+
+    let lease = s.acquire(&s.admin, "tiny").await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo \"$(< /etc/template-name)\"; [ -e /usr/bin/python3 ] && echo host || echo own-root"}),
+        )
+        .await;
+    assert_eq!(st, reqwest::StatusCode::OK, "{v}");
+    assert_eq!(v["stdout"], "tiny\nown-root\n", "{v}");
+
+    let out = cli(&["remove", "tiny"]);
+    assert_eq!(out.status.code(), Some(1), "in use: {out:?}");
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, reqwest::StatusCode::OK);
+    let out = cli(&["remove", "tiny"]);
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// Memory-backed file systems are bounded: `/dev/shm` holds at most half
+/// the sandbox's memory and `/run` 16 MiB, so filling them ends in ENOSPC
+/// inside the sandbox, not in the host's memory.
+#[tokio::test]
+async fn shared_memory_and_run_are_bounded() {
+    let t = TestBackend::start_with(|s| s.limits.memory_mb = 64).await;
+    let sb = t.sandbox().await;
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(
+                "df -m --output=size /dev/shm /run | tail -n +2 | tr -s ' \\n' ' '; echo; \
+                 head -c 40000000 /dev/zero > /dev/shm/fill; echo shm=$?; rm -f /dev/shm/fill; \
+                 head -c 20000000 /dev/zero > /run/fill 2>&1; echo run=$?",
+            ),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let sizes: Vec<u64> = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(sizes, vec![32, 16], "{text}");
+    assert!(text.contains("shm=1") && text.contains("run=1"), "{text}");
+}
+
+/// The attempts an agent's code makes from inside, in a sandbox of each
+/// built-in template: each must fail. The backend's own state (a secret
+/// beside it, another sandbox's files), the host's processes, its loopback
+/// (the backend listens there), raw sockets, device nodes, the init's
+/// memory and kernel settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attacks_from_inside_a_sandbox_fail() {
+    let t = TestBackend::start().await;
+    // A secret of the appliance's, in the state directory the backend
+    // masks (as `serve` masks its own).
+    let secret = t.dir.path().join("secret.key");
+    std::fs::write(&secret, "appliance secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let port = t.url.rsplit(':').next().unwrap().to_string();
+    let other = t.sandbox().await;
+    t.client
+        .run(&other, &sh("echo other-sandbox > /workspace/theirs"), MB)
+        .await
+        .unwrap();
+    let theirs = t
+        .dir
+        .path()
+        .join("embedded/sandboxes")
+        .join(&other.id)
+        .join("state/workspace/theirs");
+    assert!(
+        theirs.exists(),
+        "the other sandbox's file is where the test looks"
+    );
+
+    for template in ["minimal", "host"] {
+        let sb = t
+            .sandbox_with(cube_adapter::cube::wire::CreateSandbox {
+                template_id: template.into(),
+                ..Default::default()
+            })
+            .await;
+        let attempts: &[(&str, String)] = &[
+            ("appliance secret", format!("cat {} 2>&1", secret.display())),
+            ("other sandbox", format!("cat {} 2>&1", theirs.display())),
+            ("host processes", "ls /proc | grep -c '^[0-9]'".into()),
+            ("host init", "tr '\\0' ' ' < /proc/1/cmdline; echo".into()),
+            ("backend port", format!("(echo > /dev/tcp/127.0.0.1/{port}) 2>&1 && echo CONNECTED")),
+            ("raw socket", "/usr/bin/python3 -c 'import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)' 2>&1 | tail -n 1".into()),
+            ("device node", "mknod /tmp/disk b 8 0 2>&1; mknod /workspace/disk b 8 0 2>&1".into()),
+            ("init memory", "cat /proc/1/mem 2>&1 | head -c 200; cat /proc/1/environ 2>&1 | head -c 200".into()),
+            // core_pattern: a pipe there runs as host root (a classic escape).
+            ("kernel setting", "echo '|/tmp/x' > /proc/sys/kernel/core_pattern 2>&1; echo 2 > /proc/sys/vm/overcommit_memory 2>&1".into()),
+            ("ptrace init", "/usr/bin/python3 -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True); print(l.ptrace(16, 1, 0, 0), ctypes.get_errno())'".into()),
+        ];
+        for (what, cmd) in attempts {
+            let out = t.client.run(&sb, &sh(cmd), MB).await.unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let held = match *what {
+                "appliance secret" => !text.contains("appliance secret"),
+                "other sandbox" => !text.contains("other-sandbox"),
+                "host processes" => text.trim().parse::<u32>().is_ok_and(|n| n < 10),
+                "host init" => text.contains("__sandbox-launch"),
+                "backend port" => !text.contains("CONNECTED") && text.contains("refused"),
+                "raw socket" => text.contains("Operation not permitted"),
+                "device node" => text.matches("Operation not permitted").count() == 2,
+                "init memory" => text.matches("Permission denied").count() == 2,
+                // Each write is refused (the files belong to the host's root).
+                "kernel setting" => {
+                    text.lines()
+                        .filter(|l| l.contains("Permission denied") || l.contains("Read-only"))
+                        .count()
+                        == 2
+                }
+                "ptrace init" => text.trim() == "-1 1",
+                _ => unreachable!(),
+            };
+            assert!(held, "{template}: {what} ({cmd}) got through: {text}");
+        }
+    }
+}

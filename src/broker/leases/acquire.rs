@@ -265,6 +265,10 @@ impl Broker {
                             Code::CheckpointNotFound,
                             "the checkpoint's snapshot is gone",
                         ),
+                        ErrorKind::TooLarge => Error::new(
+                            Code::StorageLow,
+                            "the backend's disk is nearly full: no new sandboxes until space returns",
+                        ),
                         ErrorKind::NotFound => Error::new(
                             Code::ExecutionFailed,
                             format!(

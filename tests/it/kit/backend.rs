@@ -38,6 +38,7 @@ pub fn settings(dir: &std::path::Path) -> Settings {
         mask: vec![dir.to_path_buf()],
         default_timeout: None,
         orphan_grace_secs: cube_adapter::embedded::launch::ORPHAN_GRACE_SECS,
+        min_free_mb: 0,
         // A faithful stand-in for a real CubeSandbox, as in every test.
         faithful: Some(cube_adapter::embedded::sandbox::Faithful::default()),
     }

@@ -202,9 +202,26 @@ impl Server {
     }
 
     /// SIGKILL every sandbox's init, as the kernel's OOM killer or a crash
-    /// would: the sandboxes die under their leases.
+    /// would, and wait until they are dead: the sandboxes die under their
+    /// leases.
     pub fn kill_sandboxes(&self) {
-        super::end_sandboxes(&self.embedded.join("sandboxes"));
+        let dir = self.embedded.join("sandboxes");
+        let inits: Vec<i32> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|d| std::fs::read(d.path().join("init.json")).ok())
+            .filter_map(|b| serde_json::from_slice::<Value>(&b).ok())
+            .filter_map(|v| v["pid"].as_i64())
+            .map(|p| p as i32)
+            .collect();
+        super::end_sandboxes(&dir);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while inits.iter().any(|p| !super::backend::is_zombie(*p))
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     pub fn sandboxes(&self) -> usize {
