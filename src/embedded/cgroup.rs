@@ -254,3 +254,132 @@ impl Groups {
         }
     }
 }
+
+/// Every sandbox group directory of ours on this host, by sandbox id.
+fn group_dirs() -> std::collections::BTreeMap<String, Vec<PathBuf>> {
+    let root = Path::new(ROOT);
+    let parents = [
+        root.join(GROUP),
+        root.join("pids").join(GROUP),
+        root.join("memory").join(GROUP),
+        root.join("cpu").join(GROUP),
+        root.join("freezer").join(GROUP),
+    ];
+    let mut by_id: std::collections::BTreeMap<String, Vec<PathBuf>> = Default::default();
+    for p in parents {
+        for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                by_id
+                    .entry(e.file_name().to_string_lossy().into_owned())
+                    .or_default()
+                    .push(e.path());
+            }
+        }
+    }
+    by_id
+}
+
+/// Whether `pid` is a sandbox launcher or init (`__sandbox-launch DIR`)
+/// whose DIR was removed: it holds that directory open (the init's
+/// watchdog does) and the kernel says the directory is deleted. Read
+/// through the process's own descriptors, so it holds whatever mount
+/// namespace the directory was made in.
+fn owner_gone(pid: i32) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let (Some(verb), Some(dir)) = (args.get(1), args.get(2)) else {
+        return false;
+    };
+    if *verb != b"__sandbox-launch" {
+        return false;
+    }
+    let gone = format!("{} (deleted)", String::from_utf8_lossy(dir));
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .any(|target| target.as_os_str().to_string_lossy() == gone)
+}
+
+/// What [`end_ownerless`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Swept {
+    /// Sandboxes whose directory was gone, thawed and killed.
+    pub killed: usize,
+    /// Empty groups older than ten minutes, removed.
+    pub removed: usize,
+}
+
+/// End the sandboxes on this host whose owner is gone, whoever made them:
+/// one whose state directory was removed ends itself, unless it is paused
+/// (frozen, its watchdog too); this thaws and kills it. Also removes our
+/// empty groups older than ten minutes (a sandbox's group is never empty
+/// for long: it is made just before its launcher joins it, and removed
+/// when it ends). Safe beside other backends: a sandbox whose directory
+/// still exists is never touched.
+pub fn end_ownerless() -> Swept {
+    let mut swept = Swept::default();
+    for (_, dirs) in group_dirs() {
+        let pids: Vec<i32> = dirs
+            .iter()
+            .flat_map(|d| {
+                std::fs::read_to_string(d.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .collect();
+        if pids.is_empty() {
+            let old = dirs.iter().all(|d| {
+                std::fs::metadata(d)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| crate::clock::system_time().duration_since(t).ok())
+                    .is_some_and(|age| age > Duration::from_secs(600))
+            });
+            if old {
+                for d in &dirs {
+                    if std::fs::remove_dir(d).is_ok() {
+                        swept.removed += 1;
+                    }
+                }
+            }
+            continue;
+        }
+        if !pids.iter().any(|p| owner_gone(*p)) {
+            continue;
+        }
+        for d in &dirs {
+            let _ = std::fs::write(d.join("cgroup.freeze"), "0");
+            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+        }
+        for p in &pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(*p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let g = Groups {
+            v2: dirs
+                .iter()
+                .find(|d| d.parent().is_some_and(|p| p == Path::new(ROOT).join(GROUP)))
+                .cloned(),
+            ..Groups::default()
+        };
+        let _ = g.kill_all();
+        for d in &dirs {
+            for _ in 0..100 {
+                if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        swept.killed += 1;
+    }
+    swept
+}

@@ -234,6 +234,8 @@ pub struct Manager {
     snap_lock: tokio::sync::Mutex<()>,
     /// When the heartbeat was last written (unix ms).
     last_beat_ms: std::sync::atomic::AtomicI64,
+    /// When ownerless sandboxes were last looked for (unix ms; 0: never).
+    last_sweep_ms: std::sync::atomic::AtomicI64,
 }
 
 pub fn now_unix() -> i64 {
@@ -347,6 +349,7 @@ impl Manager {
             snapshots: Mutex::default(),
             snap_lock: tokio::sync::Mutex::new(()),
             last_beat_ms: std::sync::atomic::AtomicI64::new(0),
+            last_sweep_ms: std::sync::atomic::AtomicI64::new(0),
         });
         m.beat(now_ms());
         m.adopt();
@@ -1293,6 +1296,7 @@ impl Manager {
     pub async fn tick(&self) {
         let now = now_ms();
         self.beat(now);
+        self.sweep_ownerless(now);
         let faithful = self.settings.faithful.is_some();
         let entries: Vec<Arc<Entry>> = self
             .entries
@@ -1335,6 +1339,27 @@ impl Manager {
         if let Err(e) = launch::beat(&self.settings.state_dir) {
             tracing::warn!(error = %e, "could not write the sandboxes' heartbeat");
         }
+    }
+
+    /// Every minute (and at start), end the sandboxes on this host whose
+    /// state directory is gone, paused ones included (`cgroup::end_ownerless`).
+    fn sweep_ownerless(&self, now: i64) {
+        use std::sync::atomic::Ordering;
+        let last = self.last_sweep_ms.load(Ordering::Relaxed);
+        if last != 0 && now - last < 60_000 {
+            return;
+        }
+        self.last_sweep_ms.store(now, Ordering::Relaxed);
+        tokio::task::spawn_blocking(|| {
+            let s = cgroup::end_ownerless();
+            if s.killed > 0 || s.removed > 0 {
+                tracing::warn!(
+                    killed = s.killed,
+                    removed_groups = s.removed,
+                    "ended sandboxes whose state directory is gone"
+                );
+            }
+        });
     }
 
     /// Number of live sandboxes.

@@ -179,6 +179,13 @@ async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
             .await
         }
     };
+    let acquire = || {
+        s.post(
+            &agent,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "dies"}),
+        )
+    };
     let first = s.acquire(&agent, "dies").await;
     let (st, v) = exec(
         first.clone(),
@@ -231,13 +238,7 @@ async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
         .await;
     assert_eq!(status["state"], "gone", "{status}");
 
-    let (st, v) = s
-        .post(
-            &agent,
-            "/v1/leases/acquire",
-            json!({"runtime": "mcp", "session_key": "dies"}),
-        )
-        .await;
+    let (st, v) = acquire().await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["reused"], false, "{v}");
     assert_eq!(v["replaced_lease_ref"], first.as_str(), "{v}");
@@ -256,13 +257,7 @@ async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
         "{v}"
     );
     // The same session again: the new lease, reused, naming nothing.
-    let (_, v) = s
-        .post(
-            &agent,
-            "/v1/leases/acquire",
-            json!({"runtime": "mcp", "session_key": "dies"}),
-        )
-        .await;
+    let (_, v) = acquire().await;
     assert_eq!(
         (v["lease_ref"].as_str(), v["reused"].as_bool()),
         (Some(second.as_str()), Some(true)),
@@ -274,13 +269,7 @@ async fn a_dead_sandbox_is_replaced_and_permission_denied_is_403() {
     s.kill_sandboxes();
     let mut third = None;
     for _ in 0..200 {
-        let (st, v) = s
-            .post(
-                &agent,
-                "/v1/leases/acquire",
-                json!({"runtime": "mcp", "session_key": "dies"}),
-            )
-            .await;
+        let (st, v) = acquire().await;
         assert_eq!(st, StatusCode::OK, "{v}");
         if v["reused"] == false {
             assert_eq!(v["replaced_lease_ref"], second.as_str(), "{v}");

@@ -8,13 +8,7 @@ use cube_adapter::cube::wire::{CreateSandbox, NetworkPolicy, ProcessEvent, PtySi
 use cube_adapter::cube::{BackendConfig, CubeClient, ErrorKind, StartOptions};
 use sha2::Digest;
 
-use crate::kit::{TestBackend, pids_in_ns};
-
-const MB: usize = 1024 * 1024;
-
-fn sh(cmd: &str) -> StartOptions {
-    StartOptions::shell(cmd)
-}
+use crate::kit::{MB, TestBackend, pids_in_ns, sh};
 
 fn b64(s: &str) -> Vec<u8> {
     base64::engine::general_purpose::STANDARD.decode(s).unwrap()

@@ -2,16 +2,9 @@
 //! attacker would, and must not get (docs/security.md). Each test runs the
 //! attempt inside a real sandbox and checks the kernel's answer.
 
-use cube_adapter::cube::StartOptions;
 use serde_json::json;
 
-use crate::kit::TestBackend;
-
-const MB: usize = 1024 * 1024;
-
-fn sh(cmd: &str) -> StartOptions {
-    StartOptions::shell(cmd)
-}
+use crate::kit::{MB, TestBackend, sh};
 
 /// `syscall(nr, args…)` from Python's ctypes inside the sandbox: prints
 /// `NAME RESULT ERRNO` per call.
@@ -201,19 +194,6 @@ async fn sandboxes_end_themselves_when_orphaned() {
     );
 }
 
-/// `cube-adapter sandboxes` with the service's flags.
-fn sandboxes_cli(s: &crate::kit::Server, args: &[&str]) -> std::process::Output {
-    std::process::Command::new(crate::kit::BIN)
-        .arg("sandboxes")
-        .args(args)
-        .arg("--state-dir")
-        .arg(&s.state)
-        .arg("--config")
-        .arg(s.empty_config())
-        .output()
-        .unwrap()
-}
-
 /// An operator finds the sandboxes a service left (they outlive it by
 /// design) and ends them: `sandboxes list` with the service running or
 /// stopped, `sandboxes kill` only once it is stopped.
@@ -230,7 +210,7 @@ async fn sandboxes_of_a_stopped_service_are_listed_and_killed() {
         .await;
     assert_eq!(st, reqwest::StatusCode::OK, "{v}");
 
-    let out = sandboxes_cli(&s, &["list", "--json"]);
+    let out = s.cli(&["sandboxes", "list", "--json"]);
     assert!(out.status.success(), "{out:?}");
     let listed: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -241,7 +221,7 @@ async fn sandboxes_of_a_stopped_service_are_listed_and_killed() {
     let pid = listed[0]["init_pid"].as_i64().unwrap() as i32;
     let id = listed[0]["sandbox_id"].as_str().unwrap().to_string();
 
-    let out = sandboxes_cli(&s, &["kill", "--all"]);
+    let out = s.cli(&["sandboxes", "kill", "--all"]);
     assert_eq!(
         out.status.code(),
         Some(3),
@@ -255,19 +235,19 @@ async fn sandboxes_of_a_stopped_service_are_listed_and_killed() {
 
     s.halt().await;
     assert!(alive(pid), "sandboxes outlive the service");
-    let out = sandboxes_cli(&s, &["list"]);
+    let out = s.cli(&["sandboxes", "list"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains(&id) && text.contains("running"), "{text}");
-    let out = sandboxes_cli(&s, &["kill", &id[..8]]);
+    let out = s.cli(&["sandboxes", "kill", &id[..8]]);
     assert!(out.status.success(), "{out:?}");
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
         format!("killed {id}\n")
     );
     assert!(!alive(pid), "its init is gone");
-    let out = sandboxes_cli(&s, &["list", "--json"]);
+    let out = s.cli(&["sandboxes", "list", "--json"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "", "{out:?}");
-    let out = sandboxes_cli(&s, &["kill", "deadbeefcafe"]);
+    let out = s.cli(&["sandboxes", "kill", "deadbeefcafe"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
 }
 
@@ -403,17 +383,7 @@ async fn an_imported_root_filesystem_is_a_template() {
     })
     .await;
     let tar = tiny_rootfs_tar(s.dir.path());
-    let cli = |args: &[&str]| {
-        std::process::Command::new(crate::kit::BIN)
-            .arg("template")
-            .args(args)
-            .arg("--state-dir")
-            .arg(&s.state)
-            .arg("--config")
-            .arg(s.empty_config())
-            .output()
-            .unwrap()
-    };
+    let cli = |args: &[&str]| s.cli(&[&["template"], args].concat());
     let out = cli(&["add", "minimal", "--rootfs", tar.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2), "a built-in name: {out:?}");
     let out = cli(&["add", "tiny", "--rootfs", tar.to_str().unwrap()]);
@@ -564,4 +534,40 @@ async fn attacks_from_inside_a_sandbox_fail() {
             assert!(held, "{template}: {what} ({cmd}) got through: {text}");
         }
     }
+}
+
+/// A paused sandbox whose state directory is removed cannot end itself
+/// (frozen, its watchdog too): any backend on the host ends it, whoever
+/// made it, by the deleted directory its init still holds; a sandbox whose
+/// directory exists is never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_orphans_are_ended_by_any_backend() {
+    let t = TestBackend::start().await;
+    let paused = t.sandbox().await;
+    let kept = t.sandbox().await;
+    let (p, k) = (
+        t.backend.manager.init_pid(&paused.id).unwrap(),
+        t.backend.manager.init_pid(&kept.id).unwrap(),
+    );
+    t.client.pause(&paused.id).await.unwrap();
+    t.client.pause(&kept.id).await.unwrap();
+    t.stop_upkeep();
+    // Frozen, its watchdog cannot end it (seen staying frozen for 8 s).
+    std::fs::remove_dir_all(t.dir.path().join("embedded/sandboxes").join(&paused.id)).unwrap();
+    let swept = tokio::task::spawn_blocking(cube_adapter::embedded::cgroup::end_ownerless)
+        .await
+        .unwrap();
+    // (The backend's own sweep at its start may have got there first.)
+    assert!(
+        ends_within(p, 10).await,
+        "the ownerless sandbox was ended: {swept:?}"
+    );
+    assert!(alive(k), "the one whose directory exists lives on, paused");
+    t.client.connect(&kept.id, None).await.unwrap();
+    let out = t
+        .client
+        .run(&kept, &sh("echo still here"), MB)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, b"still here\n");
 }

@@ -30,3 +30,11 @@ pub use tmpfs::Tmpfs;
 
 /// The `cube-adapter` binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_cube-adapter");
+
+/// A mebibyte: the output cap most sandbox commands in tests run with.
+pub const MB: usize = 1024 * 1024;
+
+/// A shell command as the SDK runs it (`/bin/bash -l -c`).
+pub fn sh(cmd: &str) -> cube_adapter::cube::StartOptions {
+    cube_adapter::cube::StartOptions::shell(cmd)
+}

@@ -145,14 +145,7 @@ impl Server {
 
     /// Issue a token through the CLI (reaches the running server's admin socket).
     pub fn token(&self, args: &[&str]) -> String {
-        let out = std::process::Command::new(BIN)
-            .args(["token", "create", "--state-dir"])
-            .arg(&self.state)
-            .arg("--config")
-            .arg(self.empty_config())
-            .args(args)
-            .output()
-            .unwrap();
+        let out = self.cli(&[&["token", "create"], args].concat());
         assert!(
             out.status.success(),
             "token create failed: {}",
@@ -184,15 +177,22 @@ impl Server {
         v["lease_ref"].as_str().unwrap().to_string()
     }
 
-    /// The audit journal as `audit export` prints it, one JSON event a line.
-    pub fn journal(&self) -> String {
-        let out = std::process::Command::new(BIN)
-            .args(["audit", "export", "--state-dir"])
+    /// `cube-adapter ARGS… --state-dir STATE --config EMPTY`: a command on
+    /// this appliance's state directory, as an operator runs it.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(BIN)
+            .args(args)
+            .arg("--state-dir")
             .arg(&self.state)
             .arg("--config")
             .arg(self.empty_config())
             .output()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// The audit journal as `audit export` prints it, one JSON event a line.
+    pub fn journal(&self) -> String {
+        let out = self.cli(&["audit", "export"]);
         assert!(
             out.status.success(),
             "audit export: {}",
