@@ -99,6 +99,10 @@ pub fn run(args: EmbeddedBackendArgs) -> Exit {
             eprintln!("error: template id '{id}' must be letters, digits and '-'");
             return Exit::Usage;
         }
+        if crate::embedded::templates::BUILT_IN.contains(&id) {
+            eprintln!("error: '{id}' is a built-in template; give yours another name");
+            return Exit::Usage;
+        }
         tpls.push(TemplateConfig {
             id: id.into(),
             rootfs: dir.into(),

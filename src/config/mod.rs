@@ -796,6 +796,15 @@ impl Config {
         if let Some(b) = &self.backend {
             b.validate()?;
         }
+        for t in &self.embedded.templates {
+            // The built-in ones would win silently.
+            if ["minimal", "host"].contains(&t.id.as_str()) {
+                return Err(format!(
+                    "embedded.templates: '{}' is a built-in template; give yours another name",
+                    t.id
+                ));
+            }
+        }
         if self.embedded.faithful_pause_ms > 600_000 {
             return Err("embedded.faithful_pause_ms must be at most 600000 (10 minutes)".into());
         }
@@ -878,6 +887,16 @@ mod tests {
             std::fs::write(&f, format!("[connections]\n{bad}\n")).unwrap();
             let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
+        }
+        // A configured template may not take a built-in one's name.
+        for name in ["minimal", "host"] {
+            std::fs::write(
+                &f,
+                format!("[[embedded.templates]]\nid = \"{name}\"\nrootfs = \"/srv/x\"\n"),
+            )
+            .unwrap();
+            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            assert!(e.contains("built-in template"), "{name}: {e}");
         }
         assert!(
             Config::load(
