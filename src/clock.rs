@@ -118,6 +118,13 @@ pub fn now() -> (String, i64) {
     Clock::System.stamp()
 }
 
+/// The Unix seconds of an RFC 3339 timestamp (None if it is not one).
+pub fn parse_unix(ts: &str) -> Option<i64> {
+    OffsetDateTime::parse(ts, &Rfc3339)
+        .ok()
+        .map(|t| t.unix_timestamp())
+}
+
 /// Unix seconds as `YYYY-MM-DDTHH:MM:SSZ` (empty if out of range).
 pub fn format_unix(secs: i64) -> String {
     OffsetDateTime::from_unix_timestamp(secs)

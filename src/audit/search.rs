@@ -196,8 +196,8 @@ pub fn forward(
 /// (UTC; what a browser's date and time fields send). Unix seconds.
 pub fn parse_time(s: &str) -> Option<i64> {
     let s = s.trim();
-    if let Ok(t) = OffsetDateTime::parse(s, &Rfc3339) {
-        return Some(t.unix_timestamp());
+    if let Some(t) = crate::clock::parse_unix(s) {
+        return Some(t);
     }
     let fmt_date = time::macros::format_description!("[year]-[month]-[day]");
     let fmt_min = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]");

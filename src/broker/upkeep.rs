@@ -320,12 +320,7 @@ impl Broker {
             .collect();
         let now = self.now().1;
         for s in found {
-            let started = time::OffsetDateTime::parse(
-                &s.started_at,
-                &time::format_description::well_known::Rfc3339,
-            )
-            .map(|t| t.unix_timestamp())
-            .unwrap_or(now);
+            let started = crate::clock::parse_unix(&s.started_at).unwrap_or(now);
             if held.contains(&s.sandbox_id) || now - started < ORPHAN_AGE {
                 continue;
             }

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use super::ConsoleState;
 use super::pages::{
     Notice, Outcome, Page, age, broker_refused as refused, checked_form, ctx, html, scope_text,
-    signed_in, span, unix_of,
+    signed_in, span,
 };
 use crate::broker::Code;
 
@@ -189,7 +189,7 @@ pub async fn review(
     let page = ReviewPage {
         page: Page::new(Some(&who), "approvals"),
         notice: notice(&q),
-        left: unix_of(&v.expires_at)
+        left: crate::clock::parse_unix(&v.expires_at)
             .map(|e| span(e - now))
             .unwrap_or_default(),
         tenant: r.tenant,

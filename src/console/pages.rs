@@ -533,7 +533,7 @@ impl Outcome {
 /// How long ago `ts` (RFC 3339) was at `now`, or `ts` itself if it does
 /// not parse.
 pub(super) fn age(ts: &str, now: i64) -> String {
-    unix_of(ts)
+    crate::clock::parse_unix(ts)
         .map(|c| span(now - c))
         .unwrap_or_else(|| ts.to_string())
 }
@@ -565,13 +565,6 @@ pub fn span(secs: i64) -> String {
         3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
         _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
     }
-}
-
-/// The Unix time of an RFC 3339 timestamp.
-pub(super) fn unix_of(ts: &str) -> Option<i64> {
-    time::OffsetDateTime::parse(ts, &time::format_description::well_known::Rfc3339)
-        .ok()
-        .map(|t| t.unix_timestamp())
 }
 
 /// A request context for a broker call from the console.

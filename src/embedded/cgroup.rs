@@ -218,6 +218,16 @@ impl Groups {
         Err(std::io::Error::other("no freezer available"))
     }
 
+    /// Thaw without waiting (the caller kills next).
+    fn thaw_now(&self) {
+        if let Some(d) = &self.v2 {
+            let _ = std::fs::write(d.join("cgroup.freeze"), "0");
+        }
+        if let Some(d) = &self.freezer {
+            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
+        }
+    }
+
     /// Every pid in the sandbox's groups.
     pub fn pids(&self) -> Vec<i32> {
         let mut v: Vec<i32> = self
@@ -255,25 +265,33 @@ impl Groups {
     }
 }
 
-/// Every sandbox group directory of ours on this host, by sandbox id.
-fn group_dirs() -> std::collections::BTreeMap<String, Vec<PathBuf>> {
+/// Every sandbox's groups of ours on this host (whoever made them), by
+/// sandbox id.
+fn all_groups() -> std::collections::BTreeMap<String, Groups> {
     let root = Path::new(ROOT);
-    let parents = [
-        root.join(GROUP),
-        root.join("pids").join(GROUP),
-        root.join("memory").join(GROUP),
-        root.join("cpu").join(GROUP),
-        root.join("freezer").join(GROUP),
-    ];
-    let mut by_id: std::collections::BTreeMap<String, Vec<PathBuf>> = Default::default();
-    for p in parents {
-        for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                by_id
-                    .entry(e.file_name().to_string_lossy().into_owned())
-                    .or_default()
-                    .push(e.path());
+    let mut by_id: std::collections::BTreeMap<String, Groups> = Default::default();
+    for (ctrl, parent) in [
+        ("", root.join(GROUP)),
+        ("pids", root.join("pids").join(GROUP)),
+        ("memory", root.join("memory").join(GROUP)),
+        ("cpu", root.join("cpu").join(GROUP)),
+        ("freezer", root.join("freezer").join(GROUP)),
+    ] {
+        for e in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
             }
+            let g = by_id
+                .entry(e.file_name().to_string_lossy().into_owned())
+                .or_default();
+            let slot = match ctrl {
+                "" => &mut g.v2,
+                "pids" => &mut g.pids,
+                "memory" => &mut g.memory,
+                "cpu" => &mut g.cpu,
+                _ => &mut g.freezer,
+            };
+            *slot = Some(e.path());
         }
     }
     by_id
@@ -322,19 +340,10 @@ pub struct Swept {
 /// still exists is never touched.
 pub fn end_ownerless() -> Swept {
     let mut swept = Swept::default();
-    for (_, dirs) in group_dirs() {
-        let pids: Vec<i32> = dirs
-            .iter()
-            .flat_map(|d| {
-                std::fs::read_to_string(d.join("cgroup.procs"))
-                    .unwrap_or_default()
-                    .lines()
-                    .filter_map(|l| l.trim().parse().ok())
-                    .collect::<Vec<i32>>()
-            })
-            .collect();
+    for g in all_groups().into_values() {
+        let pids = g.pids();
         if pids.is_empty() {
-            let old = dirs.iter().all(|d| {
+            let old = g.dirs().all(|d| {
                 std::fs::metadata(d)
                     .and_then(|m| m.modified())
                     .ok()
@@ -342,43 +351,25 @@ pub fn end_ownerless() -> Swept {
                     .is_some_and(|age| age > Duration::from_secs(600))
             });
             if old {
-                for d in &dirs {
-                    if std::fs::remove_dir(d).is_ok() {
-                        swept.removed += 1;
-                    }
-                }
+                swept.removed += g.dirs().count();
+                g.remove();
             }
             continue;
         }
         if !pids.iter().any(|p| owner_gone(*p)) {
             continue;
         }
-        for d in &dirs {
-            let _ = std::fs::write(d.join("cgroup.freeze"), "0");
-            let _ = std::fs::write(d.join("freezer.state"), "THAWED");
-        }
-        for p in &pids {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(*p),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        let g = Groups {
-            v2: dirs
-                .iter()
-                .find(|d| d.parent().is_some_and(|p| p == Path::new(ROOT).join(GROUP)))
-                .cloned(),
-            ..Groups::default()
-        };
-        let _ = g.kill_all();
-        for d in &dirs {
-            for _ in 0..100 {
-                if std::fs::remove_dir(d).is_ok() || !d.exists() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
+        // Thawed first: a frozen process does not die of SIGKILL.
+        g.thaw_now();
+        if !g.kill_all() {
+            for p in &pids {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*p),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
+        g.remove();
         swept.killed += 1;
     }
     swept

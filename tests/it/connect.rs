@@ -148,19 +148,6 @@ fn token_in(home: &Path, host: &str) -> String {
         .to_string()
 }
 
-fn token_count(s: &Server) -> usize {
-    let out = std::process::Command::new(BIN)
-        .args(["token", "list", "--json", "--state-dir"])
-        .arg(&s.state)
-        .arg("--config")
-        .arg(s.empty_config())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_array().unwrap().len()
-}
-
 /// The token acquires a lease over /v1 as the host's runtime.
 async fn lease_with(s: &Server, token: &str, runtime: &str) {
     let (st, v) = s
@@ -230,10 +217,10 @@ async fn each_host_gets_its_entry_a_token_file_and_the_ca() {
     let home = tempfile::tempdir().unwrap();
     let ca = std::fs::read(s.state.join("tls/ca.pem")).unwrap();
     for (host, file, format, keys, runtime) in HOSTS {
-        let before = token_count(&s);
+        let before = s.token_list().len();
         let r = connect(&s, home.path(), &[host, "--tenant", "team-a"]);
         ok(&r);
-        assert_eq!(token_count(&s), before + 1, "{host}: one new token");
+        assert_eq!(s.token_list().len(), before + 1, "{host}: one new token");
         let token_file = home
             .path()
             .join(format!(".config/cube-adapter/{host}.token"));
@@ -468,7 +455,7 @@ async fn dry_run_prints_the_change_and_writes_nothing() {
         let path = home.path().join(file);
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(&path, existing(host)).unwrap();
-        let before = token_count(&s);
+        let before = s.token_list().len();
         let r = connect(&s, home.path(), &[host, "--tenant", "team-a", "--dry-run"]);
         ok(&r);
         assert_eq!(
@@ -477,7 +464,7 @@ async fn dry_run_prints_the_change_and_writes_nothing() {
             "{host}"
         );
         assert!(backups(&path).is_empty(), "{host}");
-        assert_eq!(token_count(&s), before, "{host}: no token made");
+        assert_eq!(s.token_list().len(), before, "{host}: no token made");
         assert!(!home.path().join(".config/cube-adapter").exists(), "{host}");
         assert!(
             r.out.contains(&format!("+++ {}", path.display())),
@@ -580,12 +567,12 @@ async fn tools_are_restricted_with_each_hosts_filter() {
     assert_eq!(backups(&settings).len(), 1);
 
     // OpenClaw has no filter in its file: refused, nothing written.
-    let before = token_count(&s);
+    let before = s.token_list().len();
     let r = connect(&s, home.path(), &args("openclaw"));
     assert_eq!(r.code, 2, "{}", r.err);
     assert!(r.err.contains("openclaw mcp tools cube"), "{}", r.err);
     assert!(!home.path().join(".openclaw").exists());
-    assert_eq!(token_count(&s), before);
+    assert_eq!(s.token_list().len(), before);
 
     // An unknown tool is refused before anything happens.
     let r = connect(
@@ -599,7 +586,7 @@ async fn tools_are_restricted_with_each_hosts_filter() {
         "{}",
         r.err
     );
-    assert_eq!(token_count(&s), before);
+    assert_eq!(s.token_list().len(), before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -610,14 +597,14 @@ async fn a_given_token_file_is_used_and_bad_input_is_refused() {
     let token = s.token(&["--tenant", "team-b", "--runtime", "mcp"]);
     let tf = home.path().join("my.token");
     std::fs::write(&tf, format!("{token}\n")).unwrap();
-    let before = token_count(&s);
+    let before = s.token_list().len();
     let r = connect(
         &s,
         home.path(),
         &["codex", "--token-file", tf.to_str().unwrap()],
     );
     ok(&r);
-    assert_eq!(token_count(&s), before);
+    assert_eq!(s.token_list().len(), before);
     assert!(!r.out.contains(&token) && !r.err.contains(&token));
     let doc = parse(
         &std::fs::read_to_string(home.path().join(".codex/config.toml")).unwrap(),
@@ -642,7 +629,7 @@ async fn a_given_token_file_is_used_and_bad_input_is_refused() {
     assert!(r.err.contains("not valid JSON"), "{}", r.err);
     assert_eq!(std::fs::read_to_string(&bad).unwrap(), "{ not json");
     assert!(backups(&bad).is_empty());
-    assert_eq!(token_count(&s), before);
+    assert_eq!(s.token_list().len(), before);
 
     // A bad profile, URL or token file.
     for (args, says) in [

@@ -25,19 +25,6 @@ impl Browser {
     }
 }
 
-/// `token list --json` of the CLI.
-fn token_list(s: &Server) -> Vec<Value> {
-    let out = std::process::Command::new(BIN)
-        .args(["token", "list", "--json", "--state-dir"])
-        .arg(&s.state)
-        .arg("--config")
-        .arg(s.empty_config())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// `user list --json` of the CLI.
 fn user_list(s: &Server) -> Vec<Value> {
     let out = std::process::Command::new(BIN)
@@ -122,7 +109,7 @@ async fn an_admin_manages_tokens_and_people() {
         assert!(html.contains(part), "{part}");
     }
     // The bootstrap admin token is listed by id, never shown.
-    let before = token_list(&s);
+    let before = s.token_list();
     let admin_id = before[0]["id"].as_str().unwrap();
     assert!(html.contains(&format!("<code>{admin_id}</code>")));
     let csrf = csrf_field(&html);
@@ -136,7 +123,7 @@ async fn an_admin_manages_tokens_and_people() {
         )
         .await;
     assert_eq!(r.status(), StatusCode::FORBIDDEN);
-    assert_eq!(token_list(&s).len(), before.len());
+    assert_eq!(s.token_list().len(), before.len());
 
     // Bad input: the validation and codes of `token create`.
     for (fields, code) in [
@@ -157,7 +144,7 @@ async fn an_admin_manages_tokens_and_people() {
         assert!(html.contains(&format!("({code})")), "{code}: {html}");
         assert_clean(&html, &s, Some(&root));
     }
-    assert_eq!(token_list(&s).len(), before.len());
+    assert_eq!(s.token_list().len(), before.len());
 
     // Create: shown once, with a copy button for the script.
     let r = b
@@ -193,7 +180,7 @@ async fn an_admin_manages_tokens_and_people() {
 
     // It works on /v1 and the CLI lists it.
     assert_eq!(v1_status(&s, &token).await, StatusCode::OK);
-    let listed = token_list(&s);
+    let listed = s.token_list();
     let mine = listed
         .iter()
         .find(|t| t["id"] == id.as_str())
@@ -435,7 +422,7 @@ async fn only_admins_manage_identities() {
     );
     user(&s, &["add", "ada", "--tenant", "acme", "--role", "auditor"]);
     let b = Browser::new(&s);
-    let tokens = token_list(&s).len();
+    let tokens = s.token_list().len();
     for name in ["alice", "ada"] {
         let id = b.sign_in(name).await;
         let (_, _, html) = b.overview(&id).await;
@@ -485,7 +472,7 @@ async fn only_admins_manage_identities() {
             assert!(!html.contains("cat_"), "{name} {path}");
         }
     }
-    assert_eq!(token_list(&s).len(), tokens, "no token was made");
+    assert_eq!(s.token_list().len(), tokens, "no token was made");
     let users = user_list(&s);
     assert_eq!(users.len(), 2);
     assert!(users.iter().all(|u| u["disabled_at"].is_null()));
@@ -567,7 +554,7 @@ async fn certificate_identities_download_and_revoke() {
     let (cert, key) = (get("client.pem").1, get("client.key").1);
 
     // Listed with its certificate's digest; never the key.
-    let listed = token_list(&s);
+    let listed = s.token_list();
     let rec = listed.iter().find(|t| t["id"] == id.as_str()).unwrap();
     assert_eq!(rec["principal"]["subject"], "ci-runner");
     let (_, html) = b.page("/console/identities", &root).await;
@@ -668,7 +655,7 @@ async fn connect_an_agent_for_each_host() {
         std::fs::read(s.state.join("tls/ca.pem")).unwrap()
     );
 
-    let before = token_list(&s).len();
+    let before = s.token_list().len();
     let r = b
         .id_post(
             "/console/connect",
@@ -708,7 +695,7 @@ async fn connect_an_agent_for_each_host() {
             "{code}"
         );
     }
-    assert_eq!(token_list(&s).len(), before);
+    assert_eq!(s.token_list().len(), before);
     // Each refused choice is recorded as a refused token_create, with its
     // code (as the Identities page records its refusals).
     let j = s.journal();
@@ -780,7 +767,7 @@ async fn connect_an_agent_for_each_host() {
             made.push((token, format!("{host}-{transport}")));
         }
     }
-    let listed = token_list(&s);
+    let listed = s.token_list();
     for (token, subject) in &made {
         let id = token.split('_').nth(1).unwrap();
         let t = listed.iter().find(|t| t["id"] == id).unwrap();

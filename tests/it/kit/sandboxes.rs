@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 /// `meta.json`; a paused sandbox's tasks die only once thawed), then SIGKILL
 /// its init (the `pid` of its `init.json`), which ends its whole pid
 /// namespace. Best effort: a missing or malformed file is passed over.
-pub fn end_sandboxes(dir: &Path) {
+/// The inits it signalled.
+pub fn end_sandboxes(dir: &Path) -> Vec<i32> {
+    let mut inits = Vec::new();
     for d in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         let groups: Vec<PathBuf> = std::fs::read(d.path().join("meta.json"))
             .ok()
@@ -34,8 +36,10 @@ pub fn end_sandboxes(dir: &Path) {
                 nix::unistd::Pid::from_raw(pid as i32),
                 nix::sys::signal::Signal::SIGKILL,
             );
+            inits.push(pid as i32);
         }
     }
+    inits
 }
 
 /// Ends the sandboxes under a directory (as [`end_sandboxes`]) when a test
@@ -44,6 +48,6 @@ pub struct SandboxReaper(pub PathBuf);
 
 impl Drop for SandboxReaper {
     fn drop(&mut self) {
-        end_sandboxes(&self.0);
+        let _ = end_sandboxes(&self.0);
     }
 }

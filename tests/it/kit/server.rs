@@ -190,6 +190,13 @@ impl Server {
             .unwrap()
     }
 
+    /// `token list --json`: the tokens as the CLI lists them.
+    pub fn token_list(&self) -> Vec<Value> {
+        let out = self.cli(&["token", "list", "--json"]);
+        assert!(out.status.success(), "token list: {out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
     /// The audit journal as `audit export` prints it, one JSON event a line.
     pub fn journal(&self) -> String {
         let out = self.cli(&["audit", "export"]);
@@ -205,17 +212,7 @@ impl Server {
     /// would, and wait until they are dead: the sandboxes die under their
     /// leases.
     pub fn kill_sandboxes(&self) {
-        let dir = self.embedded.join("sandboxes");
-        let inits: Vec<i32> = std::fs::read_dir(&dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|d| std::fs::read(d.path().join("init.json")).ok())
-            .filter_map(|b| serde_json::from_slice::<Value>(&b).ok())
-            .filter_map(|v| v["pid"].as_i64())
-            .map(|p| p as i32)
-            .collect();
-        super::end_sandboxes(&dir);
+        let inits = super::end_sandboxes(&self.embedded.join("sandboxes"));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while inits.iter().any(|p| !super::backend::is_zombie(*p))
             && std::time::Instant::now() < deadline
