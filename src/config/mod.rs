@@ -573,6 +573,9 @@ pub struct Profile {
     pub max_active_leases_per_tenant: u32,
     pub max_jobs_per_lease: u32,
     pub allow_internet_access: bool,
+    /// Which destinations sandboxes may reach (`allowOut` beats `denyOut`
+    /// beats `allow_internet_access`).
+    pub network: ProfileNetwork,
     pub allowed_runtimes: Vec<String>,
     pub checkpoints_enabled: bool,
     pub allow_checkpoint_with_mounts: bool,
@@ -598,6 +601,7 @@ impl Default for Profile {
             max_active_leases_per_tenant: 8,
             max_jobs_per_lease: 8,
             allow_internet_access: false,
+            network: ProfileNetwork::default(),
             allowed_runtimes: RUNTIMES.iter().map(|s| s.to_string()).collect(),
             checkpoints_enabled: false,
             allow_checkpoint_with_mounts: false,
@@ -610,6 +614,60 @@ impl Default for Profile {
             admin_self_approval: false,
             max_keepalive_seconds: 3600,
         }
+    }
+}
+
+/// A profile's egress policy, sent to the backend as CubeSandbox's
+/// `network.allowOut` and `network.denyOut` (`cube-protocol.md` §1.16): a
+/// destination named in `allow_out` is reachable; else one named in
+/// `deny_out` is not; else `allow_internet_access` decides. Entries are
+/// IPv4 addresses or CIDRs (a real CubeSandbox also takes domain names in
+/// `allow_out`; the embedded backend takes `:PORT` or `:LOW-HIGH` after an
+/// address or CIDR instead).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProfileNetwork {
+    pub allow_out: Vec<String>,
+    pub deny_out: Vec<String>,
+}
+
+/// What internet access does not include unless `allow_out` names it: the
+/// private, shared (carrier-grade NAT) and link-local ranges, where a jump
+/// host's own networks and cloud metadata services live.
+pub const DEFAULT_DENY_OUT: &[&str] = &[
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+];
+
+impl Default for ProfileNetwork {
+    fn default() -> Self {
+        Self {
+            allow_out: vec![],
+            deny_out: DEFAULT_DENY_OUT.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+}
+
+impl ProfileNetwork {
+    fn validate(&self, profile: &str, embedded: bool) -> Result<(), String> {
+        for (key, list) in [("allow_out", &self.allow_out), ("deny_out", &self.deny_out)] {
+            for e in list {
+                let bad = e.trim().is_empty() || e.chars().any(char::is_whitespace);
+                if bad {
+                    return Err(format!(
+                        "profile {profile}: network.{key} entry {e:?} is empty or has spaces"
+                    ));
+                }
+                if embedded {
+                    crate::embedded::egress::Dest::parse(e)
+                        .map_err(|m| format!("profile {profile}: network.{key}: {m}"))?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -780,6 +838,7 @@ impl Config {
                     "profile {name}: lifecycle.on_timeout must be pause or kill"
                 ));
             }
+            p.network.validate(name, self.backend.is_none())?;
             if p.sandbox_timeout_seconds == 0 || p.max_command_seconds == 0 {
                 return Err(format!(
                     "profile {name}: timeouts must be at least 1 second"

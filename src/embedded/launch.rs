@@ -83,6 +83,10 @@ pub struct LaunchSpec {
     #[serde(default)]
     pub minimal: bool,
     pub internet: bool,
+    /// Network access through pasta, filtered (`egress.rs`). None with
+    /// `internet`: the host's network namespace (specs of older builds).
+    #[serde(default)]
+    pub egress: Option<super::egress::Egress>,
     /// Host uid/gid that sandbox root maps to, and how many ids are mapped.
     pub host_uid: u32,
     pub host_gid: u32,
@@ -105,6 +109,13 @@ pub struct LaunchSpec {
     /// envd stands in for this (older) version (see `sandbox::Faithful`).
     #[serde(default)]
     pub envd_version: Option<String>,
+}
+
+impl LaunchSpec {
+    /// Whether the sandbox has a network namespace of its own.
+    pub fn own_netns(&self) -> bool {
+        !self.internet || self.egress.is_some()
+    }
 }
 
 /// Written by the launcher: who the sandbox's init is.
@@ -491,7 +502,9 @@ fn unshare_child(
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWIPC
         | CloneFlags::CLONE_NEWUTS;
-    if !spec.internet {
+    if !spec.internet && spec.egress.is_none() {
+        // With egress the init enters its network namespace itself, once
+        // pasta (which stays in the host's) is started.
         flags |= CloneFlags::CLONE_NEWNET;
     }
     unshare(flags).context("unshare")?;
@@ -694,6 +707,9 @@ const NEW_ROOT: &str = "/tmp";
 /// Build and enter the sandbox's root. Runs as pid 1 of the new namespaces.
 fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
     use anyhow::Context;
+    if let Some(egress) = &spec.egress {
+        super::egress::enter(egress).context("set up the sandbox's network")?;
+    }
     let none: Option<&str> = None;
     mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)
         .context("make mounts private")?;
@@ -745,7 +761,8 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
                 continue;
             }
             if spec.minimal && name_s == "etc" {
-                minimal_etc(&e.path(), &target).context("build a filtered /etc")?;
+                minimal_etc(&e.path(), &target, spec.egress.is_some())
+                    .context("build a filtered /etc")?;
                 continue;
             }
             bind_ro(&e.path(), &target).with_context(|| format!("bind /{name_s}"))?;
@@ -787,7 +804,7 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
     )
     .context("mount /proc")?;
     let ro = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY;
-    if !spec.internet {
+    if spec.own_netns() {
         // Best effort: sysfs is optional for most tools.
         let _ = mount(Some("sysfs"), &nr.join("sys"), Some("sysfs"), ro, none);
     }
@@ -799,6 +816,17 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         Some("mode=0755,size=16m"),
     )
     .context("mount /run")?;
+    if spec.egress.is_some() && !spec.minimal {
+        // The template's own /etc/resolv.conf (the minimal one is written
+        // in minimal_etc) gives way to pasta's forwarder, if it is a file.
+        let target = nr.join("etc/resolv.conf");
+        if std::fs::symlink_metadata(&target).is_ok_and(|m| m.is_file()) {
+            let src = nr.join("run/.resolv.conf");
+            std::fs::write(&src, super::egress::resolv_conf())?;
+            mount(Some(&src), &target, none, MsFlags::MS_BIND, none)
+                .context("bind /etc/resolv.conf")?;
+        }
+    }
     // Hide the appliance's own files: an empty read-only tmpfs over a
     // directory, /dev/null over a file. A mask that cannot be put in place
     // fails the launch.
@@ -844,7 +872,7 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
     .context("make / read-only")?;
 
     nix::unistd::sethostname(&spec.hostname).context("sethostname")?;
-    if !spec.internet {
+    if !spec.internet && spec.egress.is_none() {
         sys::loopback_up().context("bring up lo")?;
     }
     let l = &spec.limits;
@@ -944,8 +972,13 @@ fn system_accounts(text: &str) -> String {
 
 /// Fill `dst` (a directory of the new root's tmpfs) with what
 /// `MINIMAL_ETC` lets through of the host's `src`.
-fn minimal_etc(src: &Path, dst: &Path) -> anyhow::Result<()> {
+fn minimal_etc(src: &Path, dst: &Path, egress: bool) -> anyhow::Result<()> {
     use anyhow::Context;
+    if egress {
+        // Names resolve through pasta's forwarder (the host's resolver may
+        // be on its loopback, or a link into its /run).
+        std::fs::write(dst.join("resolv.conf"), super::egress::resolv_conf())?;
+    }
     let mut entries: Vec<_> = std::fs::read_dir(src)?.filter_map(Result::ok).collect();
     entries.sort_by_key(|e| e.file_name());
     for e in entries {
@@ -953,7 +986,7 @@ fn minimal_etc(src: &Path, dst: &Path) -> anyhow::Result<()> {
         let Some(name_s) = name.to_str() else {
             continue;
         };
-        if !minimal_etc_allows(name_s) {
+        if !minimal_etc_allows(name_s) || (egress && name_s == "resolv.conf") {
             continue;
         }
         let target = dst.join(&name);

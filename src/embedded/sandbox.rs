@@ -15,6 +15,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use super::cgroup::{self, Groups};
+use super::egress::Egress;
 use super::launch::{self, InitInfo, Isolation, LaunchSpec, Limits};
 use super::procs::Tree;
 use super::tree::{self, Shift};
@@ -167,6 +168,9 @@ pub struct Meta {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub internet: bool,
+    /// What the sandbox may reach (`egress.rs`); None: no network.
+    #[serde(default)]
+    pub egress: Option<Egress>,
     pub traffic_token: Option<String>,
     pub slot: u32,
     pub host_uid: u32,
@@ -205,6 +209,8 @@ pub struct SnapMeta {
     pub host_uid: u32,
     pub host_gid: u32,
     pub internet: bool,
+    #[serde(default)]
+    pub egress: Option<Egress>,
     pub env_vars: BTreeMap<String, String>,
 }
 
@@ -539,6 +545,38 @@ impl Manager {
         Ok(())
     }
 
+    /// What a new sandbox may reach: the request's `allowOut` and
+    /// `denyOut`, else its snapshot's; None without any network.
+    fn egress_for(
+        &self,
+        req: &CreateSandbox,
+        internet: bool,
+        snap: Option<&SnapMeta>,
+    ) -> Result<Option<Egress>, BackendError> {
+        if self.settings.isolation != Isolation::Namespaces {
+            return Ok(None);
+        }
+        let net = req.network.as_ref();
+        let (allow, deny) = (
+            net.and_then(|n| n.allow_out.as_deref()),
+            net.and_then(|n| n.deny_out.as_deref()),
+        );
+        let inherited = snap.and_then(|s| s.egress.as_ref());
+        let egress = match (allow, deny, inherited) {
+            (None, None, Some(e)) => (internet || !e.allow.is_empty()).then(|| Egress {
+                default_allow: internet,
+                host: super::egress::host_addresses(),
+                ..e.clone()
+            }),
+            _ => Egress::from_request(internet, allow.unwrap_or(&[]), deny.unwrap_or(&[]))
+                .map_err(BackendError::BadRequest)?,
+        };
+        if egress.is_some() {
+            super::egress::Tools::find().map_err(BackendError::Internal)?;
+        }
+        Ok(egress)
+    }
+
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<Sandbox, BackendError> {
         self.check_free_space()?;
         validate_env(&req.env_vars)?;
@@ -570,6 +608,7 @@ impl Manager {
         let internet = req
             .allow_internet_access
             .unwrap_or(from_snap.as_ref().is_some_and(|s| s.internet));
+        let egress = self.egress_for(&req, internet, from_snap.as_ref())?;
         let traffic_token = match req.network.as_ref().and_then(|n| n.allow_public_traffic) {
             Some(false) => Some(random_hex(24)),
             _ => None,
@@ -605,6 +644,7 @@ impl Manager {
             host_root,
             minimal: template_id == MINIMAL_TEMPLATE,
             internet,
+            egress: egress.clone(),
             host_uid,
             host_gid,
             id_count,
@@ -640,6 +680,7 @@ impl Manager {
             metadata: req.metadata.clone(),
             env_vars,
             internet,
+            egress,
             traffic_token: traffic_token.clone(),
             slot,
             host_uid,
@@ -1126,6 +1167,7 @@ impl Manager {
             host_uid: meta.host_uid,
             host_gid: meta.host_gid,
             internet: meta.internet,
+            egress: meta.egress.clone(),
             env_vars: meta.env_vars.clone(),
         };
         write_json_atomic(&sdir.join("meta.json"), &sm)

@@ -24,6 +24,7 @@ mod jobs;
 mod kit;
 mod layers;
 mod mcp;
+mod network;
 mod production;
 mod ptys;
 mod rollback_race;

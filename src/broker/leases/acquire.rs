@@ -248,7 +248,8 @@ impl Broker {
                 allow_internet_access: Some(prof.allow_internet_access),
                 network: Some(NetworkPolicy {
                     allow_public_traffic: Some(false),
-                    ..Default::default()
+                    allow_out: Some(prof.network.allow_out.clone()).filter(|v| !v.is_empty()),
+                    deny_out: Some(prof.network.deny_out.clone()).filter(|v| !v.is_empty()),
                 }),
                 metadata: metadata.into_iter().collect(),
                 ..Default::default()

@@ -20,6 +20,7 @@ pub mod sandboxes;
 pub mod server;
 pub mod spec;
 pub mod tmpfs;
+pub mod world;
 
 pub use backend::{TestBackend, pids_in_ns, settings};
 pub use python::{sdk_python, spec_tools};
