@@ -104,6 +104,7 @@ pub fn embedded_settings(cfg: &Config, state: &Path, launcher: PathBuf) -> Setti
         default_timeout: None,
         orphan_grace_secs: i64::try_from(e.orphan_grace_seconds).unwrap_or(i64::MAX),
         min_free_mb: e.min_free_mb,
+        disk_mb: e.disk_mb,
         faithful: e.faithful.then(|| crate::embedded::sandbox::Faithful {
             pause_delay: std::time::Duration::from_millis(e.faithful_pause_ms),
             envd_version: e.faithful_envd_version.clone(),

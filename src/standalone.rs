@@ -49,6 +49,7 @@ pub fn settings(o: &Options) -> Settings {
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 512,
+        disk_mb: crate::embedded::disk::DEFAULT_MB,
         faithful: o.faithful.clone(),
     }
 }

@@ -314,6 +314,7 @@ pub async fn loopback_backend(
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 0,
+        disk_mb: crate::embedded::disk::DEFAULT_MB,
         faithful: None,
     };
     let backend = Backend::open(settings, None).map_err(|e| anyhow::anyhow!(e))?;

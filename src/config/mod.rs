@@ -535,6 +535,12 @@ pub struct EmbeddedSection {
     /// free (MiB); they are made again as soon as space returns. 0: no
     /// check.
     pub min_free_mb: u64,
+    /// Each sandbox's `/workspace`, `/tmp` and `/root` live on a disk of
+    /// its own of this size (MiB), where a profile's `disk_mb` names none:
+    /// filling it is "No space left on device" inside, never a full host
+    /// disk (docs/security.md, "Disk"). 0: no disk of its own. Needs the
+    /// service to run as root.
+    pub disk_mb: u64,
 }
 
 impl Default for EmbeddedSection {
@@ -551,6 +557,7 @@ impl Default for EmbeddedSection {
             faithful_envd_version: None,
             orphan_grace_seconds: 60,
             min_free_mb: 512,
+            disk_mb: crate::embedded::disk::DEFAULT_MB,
         }
     }
 }
@@ -576,6 +583,9 @@ pub struct Profile {
     /// Which destinations sandboxes may reach (`allowOut` beats `denyOut`
     /// beats `allow_internet_access`).
     pub network: ProfileNetwork,
+    /// The size of each sandbox's own disk (MiB); 0: the backend's default
+    /// (`[embedded] disk_mb`).
+    pub disk_mb: u64,
     pub allowed_runtimes: Vec<String>,
     pub checkpoints_enabled: bool,
     pub allow_checkpoint_with_mounts: bool,
@@ -602,6 +612,7 @@ impl Default for Profile {
             max_jobs_per_lease: 8,
             allow_internet_access: false,
             network: ProfileNetwork::default(),
+            disk_mb: 0,
             allowed_runtimes: RUNTIMES.iter().map(|s| s.to_string()).collect(),
             checkpoints_enabled: false,
             allow_checkpoint_with_mounts: false,
@@ -839,6 +850,12 @@ impl Config {
                 ));
             }
             p.network.validate(name, self.backend.is_none())?;
+            if p.disk_mb > 0 && p.disk_mb < crate::embedded::disk::MIN_MB {
+                return Err(format!(
+                    "profile {name}: disk_mb must be 0 (the backend's default) or at least {}",
+                    crate::embedded::disk::MIN_MB
+                ));
+            }
             if p.sandbox_timeout_seconds == 0 || p.max_command_seconds == 0 {
                 return Err(format!(
                     "profile {name}: timeouts must be at least 1 second"
@@ -854,6 +871,12 @@ impl Config {
         }
         if let Some(b) = &self.backend {
             b.validate()?;
+        }
+        if self.embedded.disk_mb > 0 && self.embedded.disk_mb < crate::embedded::disk::MIN_MB {
+            return Err(format!(
+                "[embedded] disk_mb must be 0 (no disk of their own) or at least {}",
+                crate::embedded::disk::MIN_MB
+            ));
         }
         for t in &self.embedded.templates {
             // The built-in ones would win silently.

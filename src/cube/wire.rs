@@ -68,6 +68,15 @@ pub struct CreateSandbox {
     pub allow_internet_access: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkPolicy>,
+    /// The size of the sandbox's own disk (MiB): an extension the embedded
+    /// backend honours (`embedded::disk`); CubeSandbox ignores it (its
+    /// templates size their disks).
+    #[serde(
+        default,
+        rename = "diskSizeMB",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub disk_size_mb: Option<u64>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
     #[serde(

@@ -87,6 +87,10 @@ pub struct LaunchSpec {
     /// `internet`: the host's network namespace (specs of older builds).
     #[serde(default)]
     pub egress: Option<super::egress::Egress>,
+    /// The size of the sandbox's own disk (`disk.rs`), made by the backend
+    /// before the launch; None: its directories are on the state directory's.
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
     /// Host uid/gid that sandbox root maps to, and how many ids are mapped.
     pub host_uid: u32,
     pub host_gid: u32,

@@ -7,6 +7,7 @@
 //! uses CubeSandbox MicroVMs.
 
 pub mod cgroup;
+pub mod disk;
 pub mod egress;
 pub mod envd;
 pub mod launch;

@@ -62,6 +62,9 @@ pub struct Settings {
     /// heartbeat, a sandbox's init waits before it ends the sandbox itself
     /// (`launch::Watch`).
     pub orphan_grace_secs: i64,
+    /// The size of each sandbox's own disk for its writable directories
+    /// (MiB; `disk.rs`) when the request names none; 0: no disk of its own.
+    pub disk_mb: u64,
     /// New sandboxes are refused while the file system of the state
     /// directory, or of any masked directory (the appliance's own state),
     /// has less than this free (MiB).
@@ -171,6 +174,9 @@ pub struct Meta {
     /// What the sandbox may reach (`egress.rs`); None: no network.
     #[serde(default)]
     pub egress: Option<Egress>,
+    /// The size of its own disk (`disk.rs`); None: none.
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
     pub traffic_token: Option<String>,
     pub slot: u32,
     pub host_uid: u32,
@@ -242,6 +248,8 @@ pub struct Manager {
     last_beat_ms: std::sync::atomic::AtomicI64,
     /// When ownerless sandboxes were last looked for (unix ms; 0: never).
     last_sweep_ms: std::sync::atomic::AtomicI64,
+    /// Whether sandboxes can have disks of their own (`disk::available`).
+    disks: Result<(), String>,
 }
 
 pub fn now_unix() -> i64 {
@@ -348,6 +356,13 @@ impl Manager {
                 cgroup::Host::None
             };
         tracing::info!(cgroups = %cgroups.describe(), isolation = ?settings.isolation, "embedded backend");
+        let disks = super::disk::available();
+        if let Err(why) = &disks
+            && settings.disk_mb > 0
+            && settings.isolation == Isolation::Namespaces
+        {
+            tracing::warn!(reason = %why, "sandboxes get no disk of their own: their files share the state directory's disk, bounded only by min_free_mb");
+        }
         let m = Arc::new(Self {
             settings,
             cgroups,
@@ -356,6 +371,7 @@ impl Manager {
             snap_lock: tokio::sync::Mutex::new(()),
             last_beat_ms: std::sync::atomic::AtomicI64::new(0),
             last_sweep_ms: std::sync::atomic::AtomicI64::new(0),
+            disks,
         });
         m.beat(now_ms());
         m.adopt();
@@ -403,9 +419,11 @@ impl Manager {
                 Some(m) => {
                     tracing::info!(sandbox = %short(&m.id), "sandbox ended while the backend was down; cleaning up");
                     m.groups.remove();
+                    super::disk::release(&path);
                     let _ = tree::remove_tree(&path);
                 }
                 None => {
+                    super::disk::release(&path);
                     let _ = tree::remove_tree(&path);
                 }
             }
@@ -577,6 +595,23 @@ impl Manager {
         Ok(egress)
     }
 
+    /// The size of a new sandbox's own disk: the request's, else the
+    /// backend's default; None when 0, or when this backend cannot make
+    /// disks (`disks`).
+    fn disk_for(&self, req: &CreateSandbox) -> Result<Option<u64>, BackendError> {
+        let mb = req.disk_size_mb.unwrap_or(self.settings.disk_mb);
+        if mb == 0 || self.disks.is_err() || self.settings.isolation != Isolation::Namespaces {
+            return Ok(None);
+        }
+        if mb < super::disk::MIN_MB {
+            return Err(BackendError::BadRequest(format!(
+                "diskSizeMB must be 0 (none) or at least {}",
+                super::disk::MIN_MB
+            )));
+        }
+        Ok(Some(mb))
+    }
+
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<Sandbox, BackendError> {
         self.check_free_space()?;
         validate_env(&req.env_vars)?;
@@ -609,6 +644,7 @@ impl Manager {
             .allow_internet_access
             .unwrap_or(from_snap.as_ref().is_some_and(|s| s.internet));
         let egress = self.egress_for(&req, internet, from_snap.as_ref())?;
+        let disk_mb = self.disk_for(&req)?;
         let traffic_token = match req.network.as_ref().and_then(|n| n.allow_public_traffic) {
             Some(false) => Some(random_hex(24)),
             _ => None,
@@ -645,6 +681,7 @@ impl Manager {
             minimal: template_id == MINIMAL_TEMPLATE,
             internet,
             egress: egress.clone(),
+            disk_mb,
             host_uid,
             host_gid,
             id_count,
@@ -681,6 +718,7 @@ impl Manager {
             env_vars,
             internet,
             egress,
+            disk_mb,
             traffic_token: traffic_token.clone(),
             slot,
             host_uid,
@@ -720,6 +758,7 @@ impl Manager {
                 let d = dir.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     g.remove();
+                    super::disk::release(&d);
                     let _ = tree::remove_tree(&d);
                 })
                 .await;
@@ -770,6 +809,9 @@ impl Manager {
                 .map_err(|e| internal("create sandbox dir", e))?;
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))
                 .map_err(|e| internal("chmod", e))?;
+            if let Some(mb) = spec2.disk_mb {
+                super::disk::make(&d, mb).map_err(|e| internal("make the sandbox's disk", e))?;
+            }
             for (sub, mode) in WRITABLE.into_iter().zip([0o755, 0o1777, 0o700]) {
                 let p = d.join("state").join(sub);
                 std::fs::create_dir_all(&p).map_err(|e| internal("create sandbox dir", e))?;
@@ -928,6 +970,7 @@ impl Manager {
         let groups = meta.groups.clone();
         tokio::task::spawn_blocking(move || {
             groups.remove();
+            super::disk::release(&dir);
             if let Err(e) = tree::remove_tree(&dir) {
                 tracing::warn!(dir = %dir.display(), error = %e, "could not remove a killed sandbox's files");
             }
@@ -936,6 +979,18 @@ impl Manager {
         .map_err(|e| internal("cleanup", e))?;
         tracing::info!(sandbox = %short(id), "sandbox killed");
         Ok(())
+    }
+
+    /// The sandbox's own disk, if it has one, is mounted on its `state`
+    /// here (this process may be a new one, in a mount namespace of its
+    /// own: `disk::remount`), so that its files are what a snapshot or a
+    /// rollback sees.
+    fn disk_mounted(&self, meta: &Meta) -> Result<(), BackendError> {
+        if meta.disk_mb.is_none() {
+            return Ok(());
+        }
+        super::disk::remount(&self.sandbox_dir(&meta.id))
+            .map_err(|e| internal("mount the sandbox's disk", e))
     }
 
     fn persist(&self, e: &Entry) -> Result<(), BackendError> {
@@ -1114,6 +1169,7 @@ impl Manager {
             .lock()
             .map_err(|_| internal("state", "poisoned"))?
             .clone();
+        self.disk_mounted(&meta)?;
         let was_running = meta.state == State::Running;
         if was_running {
             meta.tree()
@@ -1248,6 +1304,7 @@ impl Manager {
                 "sandbox {id} is not running"
             )));
         }
+        self.disk_mounted(&meta)?;
         let dir = self.sandbox_dir(id);
         let data = self.snapshot_dir(snap_id).join("data");
         let shift = Shift {
@@ -1257,7 +1314,9 @@ impl Manager {
             to_gid: meta.host_gid,
             count: if meta.isolated { IDS_PER_SANDBOX } else { 1 },
         };
-        let staging = dir.join("restore");
+        // On the sandbox's own disk, if it has one (the staged entries are
+        // renamed into place), where the sandbox does not reach.
+        let staging = dir.join("state").join(".restore");
         let st = staging.clone();
         tokio::task::spawn_blocking(move || {
             let staged = stage(&data, &st, &shift);
@@ -1393,6 +1452,13 @@ impl Manager {
         }
         self.last_sweep_ms.store(now, Ordering::Relaxed);
         tokio::task::spawn_blocking(|| {
+            let released = super::disk::release_dead();
+            if released > 0 {
+                tracing::warn!(
+                    released,
+                    "unmounted the disks of sandboxes that ended unattended"
+                );
+            }
             let s = cgroup::end_ownerless();
             if s.killed > 0 || s.removed > 0 {
                 tracing::warn!(
@@ -1428,7 +1494,7 @@ fn num_cpus() -> u32 {
 }
 
 /// Copy a snapshot's `data/` into a fresh staging directory (the backend's
-/// alone: `sandboxes/<id>/restore`, never mounted in the sandbox).
+/// alone: `sandboxes/<id>/state/.restore`, never mounted in the sandbox).
 fn stage(data: &Path, staging: &Path, shift: &Shift) -> std::io::Result<()> {
     tree::remove_tree(staging)?;
     std::fs::create_dir(staging)?;

@@ -1172,7 +1172,9 @@ async fn new_sandboxes_wait_for_disk_space() {
             .await
         }
     };
-    let (st, v) = exec("head -c 30000000 /dev/zero > /workspace/big && echo filled").await;
+    // (sync: the sandbox's own disk is an image on this file system, whose
+    // blocks are taken as the written pages reach it.)
+    let (st, v) = exec("head -c 30000000 /dev/zero > /workspace/big && sync && echo filled").await;
     assert_eq!(
         (st, v["stdout"].as_str()),
         (StatusCode::OK, Some("filled\n")),
@@ -1192,7 +1194,7 @@ async fn new_sandboxes_wait_for_disk_space() {
     assert_eq!(code(&v), "storage_low", "{v}");
     assert_eq!(s.sandboxes(), 1, "no sandbox was made");
     // The existing sandbox keeps working, and frees the space.
-    let (st, _) = exec("rm /workspace/big").await;
+    let (st, _) = exec("rm /workspace/big && sync").await;
     assert_eq!(st, StatusCode::OK);
     let second = s.acquire(&s.admin, "second").await;
     assert_ne!(second, first);

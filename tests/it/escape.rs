@@ -455,6 +455,141 @@ async fn shared_memory_and_run_are_bounded() {
     assert!(text.contains("shm=1") && text.contains("run=1"), "{text}");
 }
 
+/// A sandbox fills only its own disk: `/workspace`, `/tmp` and `/root`
+/// share one file system of the size asked for, filling it is "No space
+/// left on device" inside, the host's disk gives it no more than that, the
+/// next sandbox is made as usual, and a killed sandbox leaves no mount or
+/// loop device behind. A backend started in another mount namespace (a new
+/// service process) mounts the same disk again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_fills_only_its_own_disk() {
+    use std::os::unix::fs::MetadataExt;
+    let t = TestBackend::start().await;
+    let sb = t
+        .sandbox_with(cube_adapter::cube::wire::CreateSandbox {
+            template_id: "minimal".into(),
+            disk_size_mb: Some(64),
+            ..Default::default()
+        })
+        .await;
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(
+                "df -m --output=size /workspace /tmp /root | tail -n +2 | tr -s ' \\n' ' '; echo; \
+                 echo kept > /workspace/kept; \
+                 head -c 100000000 /dev/zero 2>&1 > /workspace/fill; echo ws=$?; \
+                 head -c 1000000 /dev/zero > /root/more 2>&1; echo root=$?",
+            ),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let sizes: Vec<u64> = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(sizes.len(), 3, "{text}");
+    assert!(sizes.iter().all(|m| (50..=64).contains(m)), "{text}");
+    assert!(text.contains("ws=1"), "{text}");
+    assert!(text.contains("No space left on device"), "{text}");
+    assert!(text.contains("root=1"), "the same disk: {text}");
+
+    let dir = t.dir.path().join("embedded/sandboxes").join(&sb.id);
+    let img = dir.join(cube_adapter::embedded::disk::IMAGE);
+    let used = std::fs::metadata(&img).unwrap().blocks() * 512;
+    assert!(
+        used <= 64 * 1024 * 1024,
+        "the host's disk gave {used} bytes"
+    );
+    let other = t.sandbox().await;
+    let out = t
+        .client
+        .run(
+            &other,
+            &sh("echo fine > /workspace/f && cat /workspace/f"),
+            MB,
+        )
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "fine\n");
+
+    // A new mount namespace does not see the host's mount of the disk: the
+    // backend mounts the same loop device again, and the files are there.
+    cube_adapter::embedded::disk::release(&dir);
+    assert!(!dir.join("state/workspace/kept").exists());
+    cube_adapter::embedded::disk::remount(&dir).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(dir.join("state/workspace/kept")).unwrap(),
+        "kept\n"
+    );
+
+    let canonical = img.canonicalize().unwrap();
+    t.client.kill(&sb.id).await.unwrap();
+    let mounted = |p: &std::path::Path| {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(p.to_str().unwrap()))
+    };
+    assert!(!mounted(&dir.join("state")), "unmounted");
+    assert!(!dir.exists(), "removed");
+    let mut attached = true;
+    for _ in 0..100 {
+        attached = std::fs::read_dir("/sys/block").unwrap().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.trim().starts_with(canonical.to_str().unwrap()))
+        });
+        if !attached {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(!attached, "the loop device detached");
+}
+
+/// Profiles size their sandboxes' disks: `disk_mb`, else `[embedded]
+/// disk_mb` (4 GiB by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profiles_size_the_disk() {
+    let s = crate::kit::Server::start_with(|c| {
+        let small = cube_adapter::config::Profile {
+            disk_mb: 32,
+            ..Default::default()
+        };
+        c.profiles.insert("small".into(), small);
+    })
+    .await;
+    let mut sizes = vec![];
+    for profile in ["small", "offline-code"] {
+        let (st, v) = s
+            .post(
+                &s.admin,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": profile, "profile": profile}),
+            )
+            .await;
+        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
+        let lease = v["lease_ref"].as_str().unwrap().to_string();
+        let (st, v) = s
+            .post(
+                &s.admin,
+                &format!("/v1/leases/{lease}/exec"),
+                json!({"command": "df -m --output=size /workspace | tail -n 1"}),
+            )
+            .await;
+        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
+        sizes.push(v["stdout"].as_str().unwrap().trim().parse::<u64>().unwrap());
+    }
+    assert!((20..=32).contains(&sizes[0]), "{sizes:?}");
+    assert!((3800..=4096).contains(&sizes[1]), "{sizes:?}");
+}
+
 /// The attempts an agent's code makes from inside, in a sandbox of each
 /// built-in template: each must fail. The backend's own state (a secret
 /// beside it, another sandbox's files), the host's processes, its loopback

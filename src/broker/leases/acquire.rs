@@ -251,6 +251,7 @@ impl Broker {
                     allow_out: Some(prof.network.allow_out.clone()).filter(|v| !v.is_empty()),
                     deny_out: Some(prof.network.deny_out.clone()).filter(|v| !v.is_empty()),
                 }),
+                disk_size_mb: (prof.disk_mb > 0).then_some(prof.disk_mb),
                 metadata: metadata.into_iter().collect(),
                 ..Default::default()
             };

@@ -39,6 +39,9 @@ pub fn settings(dir: &std::path::Path) -> Settings {
         default_timeout: None,
         orphan_grace_secs: cube_adapter::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 0,
+        // No disk of its own unless a test asks (escape::, appliance tests
+        // get the configured default).
+        disk_mb: 0,
         // A faithful stand-in for a real CubeSandbox, as in every test.
         faithful: Some(cube_adapter::embedded::sandbox::Faithful::default()),
     }

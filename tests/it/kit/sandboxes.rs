@@ -38,6 +38,10 @@ pub fn end_sandboxes(dir: &Path) -> Vec<i32> {
             );
             inits.push(pid as i32);
         }
+        // Its own disk (`embedded::disk`): unmounted, so that the test's
+        // directory can go (the loop device detaches once the sandbox's
+        // own mounts end with it).
+        cube_adapter::embedded::disk::release(&d.path());
     }
     inits
 }
