@@ -60,7 +60,7 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "test-install: needs root (it installs a package): not run"
     exit 0
 fi
-for t in dpkg python3 curl setpriv; do
+for t in dpkg python3 curl setpriv newuidmap; do
     command -v "$t" >/dev/null || fail "$t is missing"
 done
 
@@ -142,6 +142,8 @@ DEBIAN_FRONTEND=noninteractive dpkg -i "$DEB1" >"$PKG/install.out" 2>&1 ||
 touch "$MARKER"
 check "postinst prints the next steps" grep -q "cube-adapter init" "$PKG/install.out"
 check "the service user exists" getent passwd cube-adapter
+check "it has subordinate uids" grep -q '^cube-adapter:[0-9]*:67108864$' /etc/subuid
+check "and gids" grep -q '^cube-adapter:[0-9]*:67108864$' /etc/subgid
 check "its shell is nologin" test "$(getent passwd cube-adapter | cut -d: -f7)" = /usr/sbin/nologin
 check "its home is the state directory" test "$(getent passwd cube-adapter | cut -d: -f6)" = "$STATE"
 want /usr/bin/cube-adapter 755 root root
@@ -184,17 +186,18 @@ want "$STATE/secret.key" 600 cube-adapter cube-adapter
 want "$STATE/state.redb" 600 cube-adapter cube-adapter
 check "init again changes nothing" sh -c "/usr/bin/cube-adapter init | grep -q 'none issued'"
 
-# Start it the way the unit and the drop-in do: User=/Group=cube-adapter,
-# NoNewPrivileges=yes, CapabilityBoundingSet= and AmbientCapabilities=
-# (empty), UMask=0077, StateDirectory=cube-adapter, the unit's ExecStart
-# (plus a free loopback port), a clean environment.
+# Start it the way the unit with the embedded drop-in does: User=/Group=
+# cube-adapter, the drop-in's CapabilityBoundingSet= (what newuidmap and
+# newgidmap need) and NoNewPrivileges=no, AmbientCapabilities= (empty),
+# UMask=0077, StateDirectory=cube-adapter, the unit's ExecStart (plus a free
+# loopback port), a clean environment.
 start_service() {
     : >"$LOG"
     (
         umask 0077
         cd /
         exec setpriv --reuid=cube-adapter --regid=cube-adapter --init-groups \
-            --no-new-privs --bounding-set=-all --inh-caps=-all \
+            --bounding-set=-all,+setuid,+setgid,+dac_override,+sys_admin --inh-caps=-all \
             env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
             /usr/bin/cube-adapter serve --config /etc/cube-adapter/config.toml \
             --listen 127.0.0.1:0
@@ -208,10 +211,14 @@ start_service() {
     done
     [[ -n $URL ]] || fail "serve did not start in 60 s"
     check "the service runs as cube-adapter" test "$(stat -c %U /proc/$SERVE_PID)" = cube-adapter
-    check "without capabilities" grep -q '^CapEff:[[:space:]]*0000000000000000$' /proc/$SERVE_PID/status
-    check "with no_new_privs" grep -q '^NoNewPrivs:[[:space:]]*1$' /proc/$SERVE_PID/status
-    # Not dumpable: /proc/PID/{environ,mem,…} belong to root, no core dumps.
-    check "not dumpable" test "$(stat -c %U /proc/$SERVE_PID/environ)" = root
+    # In a user namespace of its own (its capabilities are that namespace's,
+    # none on the host): root there is cube-adapter, ids 1 and up are its
+    # subordinate range.
+    local uid sub
+    uid=$(id -u cube-adapter)
+    sub=$(sed -n 's/^cube-adapter:\([0-9]*\):\([0-9]*\)$/\1 \2/p' /etc/subuid)
+    check "in a user namespace of its own" test "$(awk '{print $1, $2, $3}' /proc/$SERVE_PID/uid_map | tr '\n' ' ')" = "0 $uid 1 1 $sub "
+    check "the log says so" grep -q 'sandboxes get subordinate ids of their own' "$LOG"
     check "no warning about loose files" lacks 'others can read it' "$(cat "$LOG")"
 }
 stop_service() {
@@ -236,6 +243,12 @@ L=$(curl "${C[@]}" "$URL/v1/leases/acquire" -d '{"runtime":"mcp","session_key":"
 check "acquire gave a lease" test -n "$L"
 out=$(curl "${C[@]}" "$URL/v1/leases/$L/exec" -d '{"command":"echo installed-ok; cat /etc/hostname >/dev/null; pwd"}')
 check "exec ran in the sandbox: $out" grep -q 'installed-ok' <<<"$out"
+# The sandbox's root is a host uid of cube-adapter's subordinate range.
+read -r SUB_START SUB_COUNT < <(sed -n 's/^cube-adapter:\([0-9]*\):\([0-9]*\)$/\1 \2/p' /etc/subuid)
+INIT=$(pgrep -f -- '__sandbox-launch /var/lib/cube-adapter/' | head -n1)
+INIT_UID=$(ps -o uid= -p "$INIT" | tr -d ' ')
+check "the sandbox runs as a subordinate uid ($INIT_UID)" \
+    test "${INIT_UID:-0}" -ge "$SUB_START" -a "${INIT_UID:-0}" -lt $((SUB_START + SUB_COUNT))
 curl "${C[@]}" "$URL/v1/leases/$L/release" -d '{"action":"kill"}' >/dev/null
 ok
 check "status: running and ready" /usr/bin/cube-adapter status >"$PKG/status.out"
@@ -267,6 +280,7 @@ check "the operator's config edit is kept" grep -q '^# \[backend\]$' /etc/cube-a
 want /etc/cube-adapter/config.toml 640 root cube-adapter
 want "$STATE" 700 cube-adapter cube-adapter
 check "state kept: the journal verifies with the same events" test "$(audit_events)" = "$EVENTS"
+check "the subordinate ids are not given twice" test "$(grep -c '^cube-adapter:' /etc/subuid)" = 1
 start_service
 v=$(/usr/bin/cube-adapter status --json)
 check "the upgraded service reads the old state" test "$(json 'v["store"]["audit_last_seq"] >= '"$EVENTS" <<<"$v")" = True

@@ -80,6 +80,30 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// An unprivileged process that will run embedded sandboxes enters a user
+/// namespace with its subordinate ids first (`embedded::subids`), so that
+/// each sandbox gets ids of its own. Call single-threaded, before any
+/// runtime. Err: it cannot go on (the namespace was entered, unmapped).
+pub fn enter_subordinate_ids(isolation: crate::embedded::launch::Isolation) -> Result<(), String> {
+    use crate::embedded::subids::{self, Entered, PER_SANDBOX};
+    if isolation != crate::embedded::launch::Isolation::Namespaces {
+        return Ok(());
+    }
+    match subids::enter()? {
+        Entered::Root => {}
+        Entered::Mapped(ids) => tracing::info!(
+            ids,
+            sandboxes = ids / PER_SANDBOX - 1,
+            "sandboxes get subordinate ids of their own"
+        ),
+        Entered::Unchanged(why) => tracing::warn!(
+            reason = %why,
+            "sandboxes share this process's one uid and gid (docs/security.md, \"Ids\")"
+        ),
+    }
+    Ok(())
+}
+
 /// The embedded backend's settings from the configuration (`serve`, and
 /// `sandboxes` on a stopped service's state directory).
 pub fn embedded_settings(cfg: &Config, state: &Path, launcher: PathBuf) -> Settings {

@@ -3,6 +3,33 @@
 # The config directory is readable by the service's group only; the state
 # directory is the service user's alone (systemd's StateDirectory= would
 # create it too; here so that `cube-adapter init` can run first).
+# Subordinate ids for the embedded backend's sandboxes (docs/security.md,
+# "Ids"): 65536 per sandbox, room for 1023, in the first free range at or
+# above 2^30. Given once, kept on upgrade and removal.
+subids() { # FILE: the first free 65536-aligned id at or above 2^30
+    awk -F: -v s=1073741824 'NF >= 3 { e = $2 + $3; if (e > s) s = e }
+        END { printf "%.0f\n", int((s + 65535) / 65536) * 65536 }' "$1" 2>/dev/null ||
+        echo 1073741824
+}
+for f in /etc/subuid /etc/subgid; do
+    [ -f "$f" ] || : >"$f"
+done
+if ! grep -q '^cube-adapter:' /etc/subuid; then
+    s=$(subids /etc/subuid)
+    if [ $((s + 67108863)) -le 4294967295 ]; then
+        usermod --add-subuids "$s-$((s + 67108863))" cube-adapter
+    else
+        echo "cube-adapter: no free subordinate uid range; sandboxes will share one uid" >&2
+    fi
+fi
+if ! grep -q '^cube-adapter:' /etc/subgid; then
+    s=$(subids /etc/subgid)
+    if [ $((s + 67108863)) -le 4294967295 ]; then
+        usermod --add-subgids "$s-$((s + 67108863))" cube-adapter
+    else
+        echo "cube-adapter: no free subordinate gid range; sandboxes will share one gid" >&2
+    fi
+fi
 chown root:cube-adapter /etc/cube-adapter
 chmod 0750 /etc/cube-adapter
 if [ ! -d /var/lib/cube-adapter ]; then

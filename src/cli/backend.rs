@@ -149,6 +149,10 @@ pub fn run(args: EmbeddedBackendArgs) -> Exit {
             envd_version: faithful_envd_version,
         }),
     };
+    if let Err(e) = crate::app::enter_subordinate_ids(opts.isolation) {
+        eprintln!("error: {e}");
+        return Exit::Failed;
+    }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -67,6 +67,12 @@ struct Found {
 /// The backend's state directory under this configuration.
 fn backend_dir(common: &Common) -> Result<(PathBuf, crate::config::Config), Exit> {
     let cfg = common.load()?;
+    // The sandboxes' files belong to their ids: under an unprivileged
+    // service, only its user namespace may remove them.
+    if let Err(e) = crate::app::enter_subordinate_ids(cfg.embedded.isolation) {
+        eprintln!("error: {e}");
+        return Err(Exit::Failed);
+    }
     let state = cfg.state_dir.clone();
     if !state.exists() {
         eprintln!("error: no state directory at {}", state.display());

@@ -71,6 +71,12 @@ pub fn serve(args: ServeArgs) -> Exit {
             return Exit::Store;
         }
     };
+    if cfg.backend.is_none()
+        && let Err(e) = crate::app::enter_subordinate_ids(cfg.embedded.isolation)
+    {
+        eprintln!("error: {e}");
+        return Exit::Failed;
+    }
     let secrets = crate::app::EnvSecrets {
         shared_token: std::env::var("CUBE_ADAPTER_TOKEN")
             .ok()

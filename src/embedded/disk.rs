@@ -33,8 +33,8 @@ fn tool(name: &str) -> Option<PathBuf> {
 
 /// Whether this process can make sandbox disks (root, and the tools).
 pub fn available() -> Result<(), String> {
-    if !nix::unistd::geteuid().is_root() {
-        return Err("per-sandbox disks need the backend to run as root".into());
+    if !nix::unistd::geteuid().is_root() || super::subids::in_user_namespace() {
+        return Err("per-sandbox disks need the backend to run as root on the host".into());
     }
     for t in ["mkfs.ext4", "mount"] {
         if tool(t).is_none() {

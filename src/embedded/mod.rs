@@ -15,6 +15,7 @@ pub mod procs;
 pub mod proxy;
 pub mod sandbox;
 pub mod seccomp;
+pub mod subids;
 pub mod sys;
 pub mod templates;
 pub mod tree;

@@ -250,6 +250,10 @@ pub struct Manager {
     last_sweep_ms: std::sync::atomic::AtomicI64,
     /// Whether sandboxes can have disks of their own (`disk::available`).
     disks: Result<(), String>,
+    /// Where sandboxes' ids come from (`subids::id_space`): the first id of
+    /// the first sandbox's slice (0: `uid_base`, under the host's root) and
+    /// how many slices there are (None: no bound); None: one id for all.
+    id_space: Option<(u32, Option<u32>)>,
 }
 
 pub fn now_unix() -> i64 {
@@ -372,6 +376,7 @@ impl Manager {
             last_beat_ms: std::sync::atomic::AtomicI64::new(0),
             last_sweep_ms: std::sync::atomic::AtomicI64::new(0),
             disks,
+            id_space: super::subids::id_space(),
         });
         m.beat(now_ms());
         m.adopt();
@@ -523,11 +528,15 @@ impl Manager {
     }
 
     fn ids_for_slot(&self, slot: u32) -> (u32, u32, u32) {
-        if nix::unistd::geteuid().is_root() && self.settings.isolation == Isolation::Namespaces {
-            let uid = self
-                .settings
-                .uid_base
-                .saturating_add(slot.saturating_mul(IDS_PER_SANDBOX));
+        if let Some((first, _)) = self.id_space
+            && self.settings.isolation == Isolation::Namespaces
+        {
+            let base = if first == 0 {
+                self.settings.uid_base
+            } else {
+                first
+            };
+            let uid = base.saturating_add(slot.saturating_mul(IDS_PER_SANDBOX));
             (uid, uid, IDS_PER_SANDBOX)
         } else {
             (
@@ -663,6 +672,16 @@ impl Manager {
         let dir = self.sandbox_dir(&id);
         let slot_guard = self.snap_lock.lock().await; // serialise slot allocation
         let slot = self.next_slot();
+        if let Some((_, Some(slots))) = self.id_space
+            && self.settings.isolation == Isolation::Namespaces
+            && slot >= slots
+        {
+            return Err(BackendError::Conflict(format!(
+                "all {slots} id ranges for sandboxes are in use (the service's subordinate \
+                 ids hold {slots} sandboxes at once): end a sandbox, or give the service \
+                 more subordinate ids"
+            )));
+        }
         let (host_uid, host_gid, id_count) = self.ids_for_slot(slot);
         // cgroups also track an unisolated sandbox's orphans, so kill finds them.
         let groups = Groups::create(
