@@ -415,8 +415,45 @@ async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<R
         rt_stat.push(t.elapsed());
     }
     client.kill(&sb.id).await?;
+
+    // What a sandbox's own disk and network cost at create (the cycles
+    // above use the backend's defaults: a disk of its own where it runs as
+    // root, no network). Interleaved, so that the machine's drift hits all
+    // three alike.
+    let kinds = [
+        CreateSandbox {
+            template_id: "minimal".into(),
+            disk_size_mb: Some(0),
+            ..Default::default()
+        },
+        CreateSandbox {
+            template_id: "minimal".into(),
+            ..Default::default()
+        },
+        CreateSandbox {
+            template_id: "minimal".into(),
+            allow_internet_access: Some(true),
+            ..Default::default()
+        },
+    ];
+    let mut by_kind: [Vec<Duration>; 3] = Default::default();
+    let network = crate::embedded::egress::Tools::find().is_ok();
+    for _ in 0..o.cycles.div_ceil(2) {
+        for (k, (req, times)) in kinds.iter().zip(by_kind.iter_mut()).enumerate() {
+            if k == 2 && !network {
+                continue;
+            }
+            let t = Instant::now();
+            let s = client.create(req).await?;
+            let sb = client.addr(&s);
+            client.run(&sb, &direct_true, 1024).await?;
+            times.push(t.elapsed());
+            client.kill(&sb.id).await?;
+        }
+    }
     let _ = tx.send(());
     let _ = server.await;
+    let [no_disk, disk, net] = by_kind;
 
     Ok(Report {
         scenario: "backend".into(),
@@ -430,6 +467,15 @@ async fn backend_in(o: &BackendBench, dir: &std::path::Path) -> anyhow::Result<R
             Summary::of("exec /bin/true (live sandbox)", &rt_direct),
             Summary::of("exec bash -l -c true (live)", &rt_shell),
             Summary::of("filesystem Stat (unary RPC)", &rt_stat),
+            Summary::of("create + first exec, minimal, no disk of its own", &no_disk),
+            Summary::of(
+                "create + first exec, minimal, own disk (default size)",
+                &disk,
+            ),
+            Summary::of(
+                "create + first exec, minimal, own disk, network (pasta + nft)",
+                &net,
+            ),
         ],
     })
 }
