@@ -11,25 +11,17 @@ subids() { # FILE: the first free 65536-aligned id at or above 2^30
         END { printf "%.0f\n", int((s + 65535) / 65536) * 65536 }' "$1" 2>/dev/null ||
         echo 1073741824
 }
-for f in /etc/subuid /etc/subgid; do
-    [ -f "$f" ] || : >"$f"
+for kind in uid gid; do
+    [ -f /etc/sub$kind ] || : >/etc/sub$kind
+    if ! grep -q '^cube-adapter:' /etc/sub$kind; then
+        s=$(subids /etc/sub$kind)
+        if [ $((s + 67108863)) -le 4294967295 ]; then
+            usermod --add-sub${kind}s "$s-$((s + 67108863))" cube-adapter
+        else
+            echo "cube-adapter: no free subordinate ${kind} range; sandboxes will share one ${kind}" >&2
+        fi
+    fi
 done
-if ! grep -q '^cube-adapter:' /etc/subuid; then
-    s=$(subids /etc/subuid)
-    if [ $((s + 67108863)) -le 4294967295 ]; then
-        usermod --add-subuids "$s-$((s + 67108863))" cube-adapter
-    else
-        echo "cube-adapter: no free subordinate uid range; sandboxes will share one uid" >&2
-    fi
-fi
-if ! grep -q '^cube-adapter:' /etc/subgid; then
-    s=$(subids /etc/subgid)
-    if [ $((s + 67108863)) -le 4294967295 ]; then
-        usermod --add-subgids "$s-$((s + 67108863))" cube-adapter
-    else
-        echo "cube-adapter: no free subordinate gid range; sandboxes will share one gid" >&2
-    fi
-fi
 chown root:cube-adapter /etc/cube-adapter
 chmod 0750 /etc/cube-adapter
 if [ ! -d /var/lib/cube-adapter ]; then

@@ -229,19 +229,10 @@ fn prepare() -> Result<Option<Plan>, String> {
 }
 
 impl Plan {
-    fn run(self) -> Result<Entered, String> {
+    fn run(&self) -> Result<Entered, String> {
         use nix::sys::wait::{WaitStatus, waitpid};
 
         use super::sys::{self, Forked};
-        let Plan {
-            name,
-            uid,
-            gid,
-            uids,
-            gids,
-            newuidmap,
-            newgidmap,
-        } = self;
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
         let me = nix::unistd::getpid();
         let helper = match sys::fork_single_threaded().map_err(|e| e.to_string())? {
@@ -258,8 +249,8 @@ impl Plan {
                         .is_ok_and(|s| s.success())
                 };
                 let ok = go
-                    && map(&newuidmap, uid.as_raw(), uids)
-                    && map(&newgidmap, gid.as_raw(), gids);
+                    && map(&self.newuidmap, self.uid.as_raw(), self.uids)
+                    && map(&self.newgidmap, self.gid.as_raw(), self.gids);
                 std::process::exit(if ok { 0 } else { 1 })
             }
             Forked::Parent(p) => p,
@@ -277,14 +268,15 @@ impl Plan {
         if !mapped {
             // Unmapped, in a namespace of our own: nothing here could work.
             return Err(format!(
-                "{} or {} refused to map {name}'s subordinate ids (under systemd, the \
+                "{} or {} refused to map {}'s subordinate ids (under systemd, the \
              embedded drop-in lets them: NoNewPrivileges=no, CapabilityBoundingSet=CAP_SETUID \
              CAP_SETGID CAP_DAC_OVERRIDE CAP_SYS_ADMIN)",
-                newuidmap.display(),
-                newgidmap.display()
+                self.newuidmap.display(),
+                self.newgidmap.display(),
+                self.name
             ));
         }
-        Ok(Entered::Mapped(uids.count.min(gids.count)))
+        Ok(Entered::Mapped(self.uids.count.min(self.gids.count)))
     }
 }
 

@@ -567,24 +567,10 @@ async fn profiles_size_the_disk() {
     .await;
     let mut sizes = vec![];
     for profile in ["small", "offline-code"] {
-        let (st, v) = s
-            .post(
-                &s.admin,
-                "/v1/leases/acquire",
-                json!({"runtime": "mcp", "session_key": profile, "profile": profile}),
-            )
+        let out = s
+            .run_in_profile(profile, "df -m --output=size /workspace | tail -n 1")
             .await;
-        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
-        let lease = v["lease_ref"].as_str().unwrap().to_string();
-        let (st, v) = s
-            .post(
-                &s.admin,
-                &format!("/v1/leases/{lease}/exec"),
-                json!({"command": "df -m --output=size /workspace | tail -n 1"}),
-            )
-            .await;
-        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
-        sizes.push(v["stdout"].as_str().unwrap().trim().parse::<u64>().unwrap());
+        sizes.push(out.trim().parse::<u64>().unwrap());
     }
     assert!((20..=32).contains(&sizes[0]), "{sizes:?}");
     assert!((3800..=4096).contains(&sizes[1]), "{sizes:?}");

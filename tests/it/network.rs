@@ -6,7 +6,6 @@
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 
 use cube_adapter::cube::wire::{CreateSandbox, NetworkPolicy};
-use serde_json::json;
 
 use crate::kit::world::{World, hello};
 use crate::kit::{BIN, MB, TestBackend, sh};
@@ -275,24 +274,7 @@ async fn profiles_carry_the_policy() {
     let targets = ["10.77.2.2:8081".to_string(), "10.77.2.2:8082".to_string()];
     let mut seen = vec![];
     for profile in ["open", "one", "offline-code"] {
-        let (st, v) = s
-            .post(
-                &s.admin,
-                "/v1/leases/acquire",
-                json!({"runtime": "mcp", "session_key": profile, "profile": profile}),
-            )
-            .await;
-        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
-        let lease = v["lease_ref"].as_str().unwrap().to_string();
-        let (st, v) = s
-            .post(
-                &s.admin,
-                &format!("/v1/leases/{lease}/exec"),
-                json!({"command": probes(&targets)}),
-            )
-            .await;
-        assert_eq!(st, reqwest::StatusCode::OK, "{v}");
-        let out = v["stdout"].as_str().unwrap().to_string();
+        let out = s.run_in_profile(profile, &probes(&targets)).await;
         seen.push((
             profile,
             reached(&out, "10.77.2.2:8081"),

@@ -177,6 +177,29 @@ impl Server {
         v["lease_ref"].as_str().unwrap().to_string()
     }
 
+    /// As the admin, acquire a lease of `profile` (session named after it)
+    /// and run `command` there through `/v1` exec: its stdout.
+    pub async fn run_in_profile(&self, profile: &str, command: &str) -> String {
+        let (st, v) = self
+            .post(
+                &self.admin,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": profile, "profile": profile}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let lease = v["lease_ref"].as_str().unwrap().to_string();
+        let (st, v) = self
+            .post(
+                &self.admin,
+                &format!("/v1/leases/{lease}/exec"),
+                json!({"command": command}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        v["stdout"].as_str().unwrap().to_string()
+    }
+
     /// `cube-adapter ARGS… --state-dir STATE --config EMPTY`: a command on
     /// this appliance's state directory, as an operator runs it.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
