@@ -423,6 +423,16 @@ async fn an_imported_root_filesystem_is_a_template() {
     assert!(out.status.success(), "{out:?}");
 }
 
+/// The numbers on the first line of a command's output (`df` sizes).
+fn first_line_numbers(text: &str) -> Vec<u64> {
+    text.lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect()
+}
+
 /// Memory-backed file systems are bounded: `/dev/shm` holds at most half
 /// the sandbox's memory and `/run` 16 MiB, so filling them ends in ENOSPC
 /// inside the sandbox, not in the host's memory.
@@ -444,13 +454,7 @@ async fn shared_memory_and_run_are_bounded() {
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    let sizes: Vec<u64> = text
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|n| n.parse().unwrap())
-        .collect();
+    let sizes = first_line_numbers(&text);
     assert_eq!(sizes, vec![32, 16], "{text}");
     assert!(text.contains("shm=1") && text.contains("run=1"), "{text}");
 }
@@ -487,13 +491,7 @@ async fn a_sandbox_fills_only_its_own_disk() {
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let sizes: Vec<u64> = text
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|n| n.parse().unwrap())
-        .collect();
+    let sizes = first_line_numbers(&text);
     assert_eq!(sizes.len(), 3, "{text}");
     assert!(sizes.iter().all(|m| (50..=64).contains(m)), "{text}");
     assert!(text.contains("ws=1"), "{text}");
