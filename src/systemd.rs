@@ -8,6 +8,9 @@
 use std::os::unix::net::UnixDatagram;
 use std::time::Duration;
 
+/// How long one notification may wait for room in the receiver's queue.
+const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Send one notification; false when there is no socket or it failed.
 pub fn notify(msg: &str) -> bool {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
@@ -16,6 +19,9 @@ pub fn notify(msg: &str) -> bool {
     let Ok(sock) = UnixDatagram::unbound() else {
         return false;
     };
+    // A receiver whose queue is full (systemd busy, or a test that is not
+    // reading) must not hold the service: give up after a moment.
+    let _ = sock.set_write_timeout(Some(SEND_TIMEOUT));
     let bytes = path.as_encoded_bytes();
     let sent = match bytes.strip_prefix(b"@") {
         // An abstract socket (Linux).
@@ -52,7 +58,8 @@ pub fn ready(status: &str) {
             let mut t = tokio::time::interval(every / 2);
             loop {
                 t.tick().await;
-                notify("WATCHDOG=1");
+                // Off the runtime's workers: a send may wait SEND_TIMEOUT.
+                let _ = tokio::task::spawn_blocking(|| notify("WATCHDOG=1")).await;
             }
         });
     }

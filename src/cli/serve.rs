@@ -124,9 +124,12 @@ pub fn serve(args: ServeArgs) -> Exit {
 /// The shutdown signal, told to systemd (STOPPING=1) as it arrives.
 async fn stopping() {
     shutdown_signal().await;
-    crate::systemd::notify(
-        "STOPPING=1\nSTATUS=stopping: letting effects in flight record their outcome",
-    );
+    let _ = tokio::task::spawn_blocking(|| {
+        crate::systemd::notify(
+            "STOPPING=1\nSTATUS=stopping: letting effects in flight record their outcome",
+        )
+    })
+    .await;
 }
 
 fn print_started(s: &crate::app::Started) {
