@@ -193,6 +193,10 @@ check "init again changes nothing" sh -c "/usr/bin/cube-adapter init | grep -q '
 # loopback port), a clean environment.
 start_service() {
     : >"$LOG"
+    # The drop-in's ExecStartPre=+ (as root): the cgroups sandboxes' limits
+    # need, given to the service user.
+    check "sandboxes prepare gives cube-adapter its cgroups" \
+        sh -c '/usr/bin/cube-adapter sandboxes prepare --owner cube-adapter | grep -q "given to uid\|nothing to prepare"'
     (
         umask 0077
         cd /
@@ -249,8 +253,26 @@ INIT=$(pgrep -f -- '__sandbox-launch /var/lib/cube-adapter/' | head -n1)
 INIT_UID=$(ps -o uid= -p "$INIT" | tr -d ' ')
 check "the sandbox runs as a subordinate uid ($INIT_UID)" \
     test "${INIT_UID:-0}" -ge "$SUB_START" -a "${INIT_UID:-0}" -lt $((SUB_START + SUB_COUNT))
+# Its limits are cgroup limits, in groups the unprivileged service made
+# (cgroup v1 here; on v2 systemd's delegation does it, which needs systemd).
+MEMCG=
+if [[ ! -e /sys/fs/cgroup/cgroup.controllers ]]; then
+    check "the backend found its cgroups" grep -q 'cgroups=cgroup v1 (pids, memory, cpu, freezer)' "$LOG"
+    SBX=$(tr '\0' ' ' <"/proc/$INIT/cmdline" | awk '{print $3}' | xargs basename)
+    check "the sandbox is in its own memory cgroup" grep -q ":memory:/cube-adapter/$SBX\$" "/proc/$INIT/cgroup"
+    MEMCG=/sys/fs/cgroup/memory/cube-adapter/$SBX
+    check "made by the service user" test "$(stat -c %U "$MEMCG")" = cube-adapter
+    check "with the default memory limit" test "$(cat "$MEMCG/memory.limit_in_bytes")" = $((2048 * 1024 * 1024))
+    check "and the default process limit" test "$(cat "/sys/fs/cgroup/pids/cube-adapter/$SBX/pids.max")" = 512
+else
+    log "cgroup v2 host: delegation needs systemd, not checked here"
+fi
 curl "${C[@]}" "$URL/v1/leases/$L/release" -d '{"action":"kill"}' >/dev/null
 ok
+if [[ -n $MEMCG ]]; then
+    for _ in $(seq 1 50); do [[ -e $MEMCG ]] || break; sleep 0.1; done
+    check "the killed sandbox's cgroups are removed" test ! -e "$MEMCG"
+fi
 check "status: running and ready" /usr/bin/cube-adapter status >"$PKG/status.out"
 check "status shows the embedded backend" grep -q 'backend:      embedded' "$PKG/status.out"
 

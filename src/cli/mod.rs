@@ -294,6 +294,7 @@ fn dispatch(command: Command) -> Exit {
         Command::Status(a) => ops::status(a),
         Command::Sandboxes(SandboxesCommand::List(a)) => sandboxes::list(a),
         Command::Sandboxes(SandboxesCommand::Kill(a)) => sandboxes::kill(a),
+        Command::Sandboxes(SandboxesCommand::Prepare(a)) => sandboxes::prepare(a),
         Command::Template(TemplateCommand::Add(a)) => sandboxes::template_add(a),
         Command::Template(TemplateCommand::List(a)) => sandboxes::template_list(a),
         Command::Template(TemplateCommand::Remove(a)) => sandboxes::template_remove(a),

@@ -35,6 +35,55 @@ pub enum SandboxesCommand {
     /// `sandbox_gone`) and replaced at the session's next acquire.
     #[command(after_help = super::EXIT_CODES)]
     Kill(KillArgs),
+    /// As root, before an unprivileged service starts: give its user the
+    /// cgroups its sandboxes' limits need.
+    ///
+    /// On cgroup v1, makes `/sys/fs/cgroup/{pids,memory,cpu,freezer}/cube-adapter`
+    /// and gives them to --owner (systemd delegates no v1 controller to an
+    /// unprivileged service); on cgroup v2 there is nothing to do (the
+    /// embedded drop-in's `Delegate=yes` gives the service its own cgroup).
+    /// The embedded drop-in runs it (`ExecStartPre=+`). Exit 0, or 1 when a
+    /// cgroup cannot be made or given, 2 when not run as root or the user
+    /// does not exist.
+    #[command(after_help = super::EXIT_CODES)]
+    Prepare(PrepareArgs),
+}
+
+#[derive(Args)]
+pub struct PrepareArgs {
+    /// The user (and its primary group) the service runs as.
+    #[arg(long, default_value = "cube-adapter")]
+    pub owner: String,
+}
+
+pub fn prepare(a: PrepareArgs) -> Exit {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!(
+            "error: sandboxes prepare must run as root (the drop-in runs it with ExecStartPre=+)"
+        );
+        return Exit::Usage;
+    }
+    let user = match nix::unistd::User::from_name(&a.owner) {
+        Ok(Some(u)) => u,
+        Ok(None) => {
+            eprintln!("error: no user {}", a.owner);
+            return Exit::Usage;
+        }
+        Err(e) => {
+            eprintln!("error: cannot look up user {}: {e}", a.owner);
+            return Exit::Usage;
+        }
+    };
+    match crate::embedded::cgroup::prepare(user.uid, user.gid) {
+        Ok(said) => {
+            println!("{said}");
+            Exit::Ok
+        }
+        Err(e) => {
+            eprintln!("error: cannot prepare the sandboxes' cgroups: {e}");
+            Exit::Failed
+        }
+    }
 }
 
 #[derive(Args)]

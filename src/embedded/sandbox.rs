@@ -1470,7 +1470,8 @@ impl Manager {
             return;
         }
         self.last_sweep_ms.store(now, Ordering::Relaxed);
-        tokio::task::spawn_blocking(|| {
+        let host = self.cgroups.clone();
+        tokio::task::spawn_blocking(move || {
             let released = super::disk::release_dead();
             if released > 0 {
                 tracing::warn!(
@@ -1478,7 +1479,7 @@ impl Manager {
                     "unmounted the disks of sandboxes that ended unattended"
                 );
             }
-            let s = cgroup::end_ownerless();
+            let s = cgroup::end_ownerless(&host);
             if s.killed > 0 || s.removed > 0 {
                 tracing::warn!(
                     killed = s.killed,

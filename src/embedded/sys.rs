@@ -124,3 +124,22 @@ pub fn close_fds_from(first: i32) {
         }
     }
 }
+
+/// `getxattr(2)`: the value of extended attribute `name` of `path` into
+/// `buf`; its length.
+pub fn getxattr(path: &std::path::Path, name: &str, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let name = std::ffi::CString::new(name)?;
+    // SAFETY: both strings are NUL-terminated and outlive the call; the
+    // kernel writes at most `buf.len()` bytes into `buf`.
+    let n = unsafe {
+        libc::getxattr(
+            path.as_ptr(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
+}

@@ -73,11 +73,19 @@ fn systemd_units_verify() {
         .output()
         .expect("systemd-analyze is needed (Debian's systemd package; .ci/run installs it)");
     assert!(which.status.success());
+    let version: u32 = String::from_utf8_lossy(&which.stdout)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("systemd-analyze --version names its version");
+    let old_systemd = version < 254;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd");
     let unit = std::fs::read_to_string(root.join("cube-adapter.service"))
         .unwrap()
         .replace("/usr/bin/cube-adapter", crate::kit::BIN);
-    let dropin = std::fs::read_to_string(root.join("embedded.conf")).unwrap();
+    let dropin = std::fs::read_to_string(root.join("embedded.conf"))
+        .unwrap()
+        .replace("/usr/bin/cube-adapter", crate::kit::BIN);
     let dir = tempfile::tempdir().unwrap();
     let plain = dir.path().join("cube-adapter.service");
     std::fs::write(&plain, &unit).unwrap();
@@ -90,7 +98,12 @@ fn systemd_units_verify() {
             .arg(f)
             .output()
             .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
+        // systemd before 254 does not know DelegateSubgroup= and ignores it
+        // (the drop-in says what that costs); nothing else may warn.
+        let err: String = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| !(old_systemd && l.contains("Unknown key 'DelegateSubgroup'")))
+            .collect();
         assert!(
             out.status.success() && err.trim().is_empty(),
             "{}: {err}",
