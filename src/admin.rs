@@ -358,10 +358,7 @@ pub(crate) fn identity_event(
             principal,
             session_key,
         } => {
-            ev.identity_digest = Some(j.digest(
-                "identity",
-                format!("{}\0{}", principal.tenant, principal.subject).as_bytes(),
-            ));
+            ev.identity_digest = Some(j.digest("identity", principal.identity_key().as_bytes()));
             ev.session_digest = Some(j.digest("console_session", session_key.as_bytes()));
         }
     }

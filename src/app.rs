@@ -190,6 +190,7 @@ pub(crate) async fn bootstrap_admin(
         actions: vec!["*".into()],
         task_templates: vec!["*".into()],
         task: None,
+        issuer: None,
     };
     let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()), clock)
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -284,15 +285,23 @@ pub async fn serve_with(
                 actions: vec!["*".into()],
                 task_templates: vec!["*".into()],
                 task: None,
+                issuer: None,
             },
         ));
     }
     let file = crate::ops::tokens_file_principals(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     // Sign-in blocks (repeated failures) are audited, one event per block.
     let (block_tx, block_rx) = tokio::sync::mpsc::channel(256);
-    let authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots)
+    let mut authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots)
         .with_clock(clock.clone())
         .with_block_reports(block_tx);
+    if !cfg.auth.oidc.is_empty() {
+        let v = Arc::new(
+            crate::auth::oidc::Verifier::new(&cfg.auth.oidc).map_err(|e| anyhow::anyhow!(e))?,
+        );
+        v.prefetch();
+        authn = authn.with_oidc(v);
+    }
 
     // The backend: configured, or the embedded one on loopback with mTLS.
     // Tasks that end when `stop` is cancelled, and tasks that are aborted.

@@ -290,6 +290,7 @@ pub(crate) async fn identify_by(
     match r {
         Ok(p) => Ok(p),
         Err(AuthError::Unauthorized) => Err(err(Code::Unauthorized, what)),
+        Err(AuthError::InvalidToken(why)) => Err(err(Code::InvalidToken, why)),
         Err(AuthError::Throttled(secs)) => Err(ApiError(
             Error::new(
                 Code::SignInThrottled,

@@ -29,6 +29,7 @@ use crate::store::typed::{self, ReadOps};
 use crate::store::{Store, StoreError, tables};
 
 mod argon;
+pub mod oidc;
 pub mod throttle;
 pub mod users;
 
@@ -167,6 +168,10 @@ pub struct Principal {
     /// never read from a token.
     #[serde(skip)]
     pub task: Option<String>,
+    /// The OIDC issuer that vouched for this identity (`[[auth.oidc]]`);
+    /// None for the appliance's own identities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issuer: Option<String>,
 }
 
 fn all() -> Vec<String> {
@@ -174,6 +179,16 @@ fn all() -> Vec<String> {
 }
 
 impl Principal {
+    /// What identifies this caller in digests (requester and approver
+    /// binding, audit): tenant and subject, and the issuer of an OIDC
+    /// identity (one provider's `sub` is not another's).
+    pub fn identity_key(&self) -> String {
+        match &self.issuer {
+            Some(iss) => format!("{}\0{}\0{}", self.tenant, self.subject, iss),
+            None => format!("{}\0{}", self.tenant, self.subject),
+        }
+    }
+
     pub fn is_admin(&self) -> bool {
         self.roles.contains(&Role::Admin)
     }
@@ -645,6 +660,7 @@ impl TokenSpec {
                 self.task_templates
             },
             task: None,
+            issuer: None,
         })
     }
 }
@@ -766,6 +782,7 @@ pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> 
                     .map(|l| l.items())
                     .unwrap_or_else(all),
                 task: None,
+                issuer: None,
             },
         ));
     }
@@ -783,6 +800,9 @@ pub enum AuthError {
     /// given.
     #[error("too many sign-in attempts")]
     Throttled(u64),
+    /// An OIDC token that does not hold (401 `invalid_token`), and why.
+    #[error("invalid token: {0}")]
+    InvalidToken(String),
 }
 
 struct Cached {
@@ -820,6 +840,8 @@ pub struct Authenticator {
     /// Keys the Basic cache entries (a password's plain hash is never
     /// kept), made at start.
     basic_key: Arc<[u8; 32]>,
+    /// Trusted OIDC issuers (`[[auth.oidc]]`), if any.
+    oidc: Option<Arc<oidc::Verifier>>,
 }
 
 pub use throttle::{MAX_FAILURES, Source};
@@ -886,7 +908,14 @@ impl Authenticator {
             blocks: None,
             basic_key: Arc::new(rand::random()),
             clock: crate::clock::Clock::System,
+            oidc: None,
         }
+    }
+
+    /// The same authenticator, also accepting the JWTs of these issuers.
+    pub fn with_oidc(mut self, verifier: Arc<oidc::Verifier>) -> Self {
+        self.oidc = Some(verifier);
+        self
     }
 
     /// The same authenticator, reporting each sign-in block it starts to
@@ -957,6 +986,11 @@ impl Authenticator {
     /// Cache a verified principal, unless the cache was cleared since the
     /// check began (`generation`).
     fn remember(&self, key: [u8; 32], principal: &Principal, generation: u64) {
+        self.remember_for(key, principal, generation, CACHE_TTL);
+    }
+
+    /// [`Authenticator::remember`] for at most `ttl`.
+    fn remember_for(&self, key: [u8; 32], principal: &Principal, generation: u64, ttl: Duration) {
         let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if self.generation() != generation {
             return;
@@ -972,7 +1006,7 @@ impl Authenticator {
             key,
             Cached {
                 principal: principal.clone(),
-                until: Instant::now() + CACHE_TTL,
+                until: Instant::now() + ttl.min(CACHE_TTL),
             },
         );
     }
@@ -1002,6 +1036,11 @@ impl Authenticator {
         source: Option<Source>,
     ) -> Result<Principal, AuthError> {
         let source = source.unwrap_or(UNKNOWN_SOURCE);
+        if let Some(v) = &self.oidc
+            && oidc::looks_like_jwt(token)
+        {
+            return self.authenticate_jwt(v, token, source).await;
+        }
         let cred = match parse_token(token) {
             Some((id, _)) => throttle::Credential::Token(id.to_string()),
             None => throttle::Credential::Unknown,
@@ -1029,6 +1068,38 @@ impl Authenticator {
             Err(_) => {}
         }
         r
+    }
+
+    /// An OIDC token's principal: cached (by its SHA-256) until it expires,
+    /// a minute at most; failures count against the source address.
+    async fn authenticate_jwt(
+        &self,
+        v: &oidc::Verifier,
+        token: &str,
+        source: Source,
+    ) -> Result<Principal, AuthError> {
+        let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        if let Some(p) = self.cached(&key) {
+            return Ok(p);
+        }
+        let cred = throttle::Credential::Unknown;
+        self.throttle
+            .admit(source, &cred)
+            .map_err(AuthError::Throttled)?;
+        let generation = self.generation();
+        let now = self.clock.unix().max(0).unsigned_abs();
+        match v.verify(token, now).await {
+            Ok(ok) => {
+                let left = Duration::from_secs(ok.expires.saturating_sub(now));
+                self.remember_for(key, &ok.principal, generation, left);
+                Ok(ok.principal)
+            }
+            Err(why) => {
+                tracing::info!(reason = %why, "OIDC token refused");
+                self.failed(source, &cred);
+                Err(AuthError::InvalidToken(why.0))
+            }
+        }
     }
 
     fn cached(&self, key: &[u8; 32]) -> Option<Principal> {
@@ -1391,6 +1462,7 @@ mod tests {
             actions: actions.iter().map(|s| s.to_string()).collect(),
             task_templates: vec!["train".into()],
             task: None,
+            issuer: None,
         }
     }
 

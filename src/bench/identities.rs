@@ -83,6 +83,7 @@ async fn identities_in(
                     actions: crate::auth::default_actions(&[Role::Agent]),
                     task_templates: vec!["*".into()],
                     task: None,
+                    issuer: None,
                 };
                 let out = crate::admin::call(
                     &sock,

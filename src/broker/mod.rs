@@ -282,10 +282,8 @@ impl Broker {
         let j = &self.inner.journal;
         let mut ev = j.event(action);
         ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
-        ev.identity_digest = Some(j.digest(
-            "identity",
-            format!("{}\0{}", p.tenant, p.subject).as_bytes(),
-        ));
+        ev.issuer_digest = p.issuer.as_ref().map(|i| j.digest("issuer", i.as_bytes()));
+        ev.identity_digest = Some(j.digest("identity", p.identity_key().as_bytes()));
         if !ctx.request_id.is_empty() {
             ev.request_id = Some(ctx.request_id.clone());
         }

@@ -57,6 +57,8 @@ pub struct Config {
     pub connections: ConnectionsSection,
     /// The web console (`/console`).
     pub console: ConsoleSection,
+    /// Identities from elsewhere (`[auth]`): OIDC issuers.
+    pub auth: AuthSection,
     /// MCP on the appliance (`/mcp`).
     pub mcp: McpSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
@@ -157,6 +159,164 @@ impl McpSection {
                 "mcp: session_idle_timeout_seconds must be between 60 and 86400 (got {})",
                 self.session_idle_timeout_seconds
             ));
+        }
+        Ok(())
+    }
+}
+
+/// Identities from elsewhere (`[auth]`; `src/auth/oidc.rs`,
+/// docs/operations.md "OIDC"). A change needs a restart.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    /// Identity providers whose JWTs are bearer tokens here
+    /// (`[[auth.oidc]]`), each trusted for its own keys only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub oidc: Vec<OidcIssuer>,
+}
+
+/// One trusted OIDC issuer (`[[auth.oidc]]`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct OidcIssuer {
+    /// The issuer exactly as its tokens' `iss` says (`https://…`, or
+    /// `http://` to a loopback address only). Its keys are discovered at
+    /// `<issuer>/.well-known/openid-configuration` unless `jwks_url` is
+    /// given.
+    pub issuer: String,
+    /// The audience tokens must carry in `aud` (required).
+    pub audience: String,
+    /// The algorithms its tokens may be signed with: asymmetric only (RS256,
+    /// RS384, RS512, PS256, PS384, PS512, ES256, ES384, EdDSA).
+    #[serde(default = "oidc_algorithms")]
+    pub algorithms: Vec<String>,
+    /// Where its keys are, instead of discovery.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jwks_url: Option<String>,
+    /// PEM CA certificates to trust for the issuer's URLs instead of the
+    /// public web PKI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// Clock skew allowed on `exp` and `nbf` (0..=300 s).
+    #[serde(default = "oidc_leeway")]
+    pub leeway_seconds: u64,
+    /// Which claims hold what (`[auth.oidc.claims]`).
+    #[serde(default)]
+    pub claims: ClaimNames,
+}
+
+fn oidc_algorithms() -> Vec<String> {
+    vec!["RS256".into()]
+}
+fn oidc_leeway() -> u64 {
+    60
+}
+
+/// The claims an OIDC token's principal is read from; the reference
+/// adapter's names by default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClaimNames {
+    /// The tenant (else `sub`).
+    pub tenant: String,
+    /// Roles: agent (or runtime), approver, auditor, admin; absent: agent.
+    /// Other names in the claim are ignored.
+    pub roles: String,
+    /// Profiles it may use; absent or empty: all.
+    pub profiles: String,
+    /// Runtimes it may be; absent or empty: all.
+    pub runtimes: String,
+    /// Action scopes; absent: `*`; an empty list: none.
+    pub actions: String,
+    /// Task templates it may plan; absent: `*`; an empty list: none.
+    pub task_templates: String,
+}
+
+impl Default for ClaimNames {
+    fn default() -> Self {
+        Self {
+            tenant: "tenant_id".into(),
+            roles: "roles".into(),
+            profiles: "cube_profiles".into(),
+            runtimes: "cube_runtimes".into(),
+            actions: "cube_actions".into(),
+            task_templates: "cube_task_templates".into(),
+        }
+    }
+}
+
+/// A URL the appliance fetches from: `https://`, or `http://` to a
+/// loopback address only; with a host, without a user or fragment.
+pub fn check_fetch_url(u: &str) -> Result<(), String> {
+    let url = url::Url::parse(u).map_err(|e| format!("{u:?} is not a URL ({e})"))?;
+    match url.scheme() {
+        "https" => {}
+        "http" if loopback_host(&url) => {}
+        "http" => {
+            return Err(format!(
+                "{u} must be https:// (plain http:// only to a loopback address)"
+            ));
+        }
+        other => return Err(format!("{u} must be https:// (got {other}://)")),
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(format!("{u} has no host"));
+    }
+    if !url.username().is_empty() || url.password().is_some() || url.fragment().is_some() {
+        return Err(format!("{u} must not carry a user, password or fragment"));
+    }
+    Ok(())
+}
+
+impl AuthSection {
+    fn validate(&self) -> Result<(), String> {
+        let mut seen = std::collections::BTreeSet::new();
+        for o in &self.oidc {
+            let at = |e: String| format!("auth.oidc {}: {e}", o.issuer);
+            check_fetch_url(&o.issuer).map_err(at)?;
+            if o.issuer.contains('?') {
+                return Err(at("the issuer has no query".into()));
+            }
+            if !seen.insert(o.issuer.as_str()) {
+                return Err(at("configured twice".into()));
+            }
+            if o.audience.trim().is_empty() {
+                return Err(at("audience is required".into()));
+            }
+            if o.algorithms.is_empty() {
+                return Err(at("algorithms must name at least one".into()));
+            }
+            for a in &o.algorithms {
+                if crate::auth::oidc::algorithm(a).is_none() {
+                    return Err(at(format!(
+                        "algorithm {a:?} is not allowed (asymmetric only: {})",
+                        crate::auth::oidc::ALGORITHMS
+                            .iter()
+                            .map(|(n, _)| *n)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+            }
+            if let Some(j) = &o.jwks_url {
+                check_fetch_url(j).map_err(|e| at(format!("jwks_url: {e}")))?;
+            }
+            if o.leeway_seconds > 300 {
+                return Err(at("leeway_seconds must be at most 300".into()));
+            }
+            let c = &o.claims;
+            for n in [
+                &c.tenant,
+                &c.roles,
+                &c.profiles,
+                &c.runtimes,
+                &c.actions,
+                &c.task_templates,
+            ] {
+                if n.trim().is_empty() {
+                    return Err(at("claim names must not be empty".into()));
+                }
+            }
         }
         Ok(())
     }
@@ -723,6 +883,7 @@ impl Default for Config {
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
             console: ConsoleSection::default(),
+            auth: AuthSection::default(),
             mcp: McpSection::default(),
             clock: crate::clock::Clock::System,
         }
@@ -767,6 +928,7 @@ impl Config {
         };
         let mut bind: Option<String> = None;
         let mut port: Option<String> = None;
+        let mut oidc: BTreeMap<&str, String> = BTreeMap::new();
         for (k, v) in env {
             let Some(name) = k.strip_prefix("CUBE_ADAPTER_") else {
                 continue;
@@ -786,6 +948,11 @@ impl Config {
                     }
                 }
                 "TOKENS_FILE" => cfg.tokens_file = Some(PathBuf::from(v)),
+                // The reference's one OIDC issuer.
+                "OIDC_JWKS_URL" | "OIDC_ISSUER" | "OIDC_AUDIENCE" | "OIDC_TENANT_CLAIM"
+                | "OIDC_ROLES_CLAIM" => {
+                    oidc.insert(name, v.clone());
+                }
                 "INSECURE_PLAIN_HTTP" => cfg.insecure_plain_http = parse_bool(k, v)?,
                 // Read elsewhere (secrets, clients of the appliance).
                 "TOKEN" | "TOKEN_FILE" | "URL" | "CA_FILE" | "CLIENT_CERT_FILE"
@@ -796,6 +963,36 @@ impl Config {
                 )),
                 _ => warnings.push(format!("unknown environment variable {k} ignored")),
             }
+        }
+        if !oidc.is_empty() {
+            let (Some(issuer), Some(audience)) =
+                (oidc.get("OIDC_ISSUER"), oidc.get("OIDC_AUDIENCE"))
+            else {
+                return Err(
+                    "CUBE_ADAPTER_OIDC_*: both CUBE_ADAPTER_OIDC_ISSUER and CUBE_ADAPTER_OIDC_AUDIENCE are required"
+                        .into(),
+                );
+            };
+            let mut claims = ClaimNames::default();
+            if let Some(t) = oidc.get("OIDC_TENANT_CLAIM") {
+                claims.tenant = t.clone();
+            }
+            if let Some(r) = oidc.get("OIDC_ROLES_CLAIM") {
+                claims.roles = r.clone();
+            }
+            cfg.auth.oidc.retain(|o| &o.issuer != issuer);
+            cfg.auth.oidc.push(OidcIssuer {
+                issuer: issuer.clone(),
+                audience: audience.clone(),
+                // The reference's.
+                algorithms: ["RS256", "RS384", "RS512", "ES256", "ES384"]
+                    .map(String::from)
+                    .to_vec(),
+                jwks_url: oidc.get("OIDC_JWKS_URL").cloned(),
+                ca_file: None,
+                leeway_seconds: oidc_leeway(),
+                claims,
+            });
         }
         if bind.is_some() || port.is_some() {
             let host = bind.unwrap_or_else(|| cfg.listen.ip().to_string());
@@ -864,6 +1061,7 @@ impl Config {
         }
         self.connections.validate()?;
         self.console.validate()?;
+        self.auth.validate()?;
         self.mcp.validate()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
@@ -905,6 +1103,64 @@ fn parse_bool(k: &str, v: &str) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn oidc_issuers_are_checked_and_the_reference_variables_make_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        let load = |text: &str, env: &[(&str, &str)]| {
+            std::fs::write(&f, text).unwrap();
+            let env: Vec<(String, String)> = env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            Config::load(Some(&f), &env, &Flags::default())
+        };
+        let ok = "[[auth.oidc]]\nissuer = \"https://idp.example.test/realms/x\"\naudience = \"cube\"\nalgorithms = [\"RS256\", \"EdDSA\"]\n[auth.oidc.claims]\nroles = \"groups\"\n";
+        let (c, _) = load(ok, &[]).unwrap();
+        assert_eq!(c.auth.oidc[0].claims.roles, "groups");
+        assert_eq!(c.auth.oidc[0].claims.tenant, "tenant_id");
+        for (bad, why) in [
+            (ok.replace("RS256", "HS256"), "not allowed"),
+            (ok.replace("https://idp", "http://idp"), "https"),
+            (ok.replace("\"cube\"", "\" \""), "audience"),
+            (
+                format!(
+                    "{ok}{}",
+                    ok.replace("[auth.oidc.claims]\nroles = \"groups\"\n", "")
+                ),
+                "twice",
+            ),
+        ] {
+            let e = load(&bad, &[]).unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+        }
+        // http on loopback is fine (a provider on the same host).
+        assert!(
+            load(
+                &ok.replace("https://idp.example.test", "http://127.0.0.1:9"),
+                &[]
+            )
+            .is_ok()
+        );
+        let (c, _) = load(
+            "",
+            &[
+                ("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test"),
+                ("CUBE_ADAPTER_OIDC_AUDIENCE", "cube"),
+                ("CUBE_ADAPTER_OIDC_ROLES_CLAIM", "groups"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.auth.oidc.len(), 1);
+        assert_eq!(c.auth.oidc[0].claims.roles, "groups");
+        let e = load(
+            "",
+            &[("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test")],
+        )
+        .unwrap_err();
+        assert!(e.contains("AUDIENCE"), "{e}");
+    }
 
     #[test]
     fn precedence_and_strictness() {

@@ -388,7 +388,8 @@ pub async fn sign_in(
             }
             return r;
         }
-        Err(AuthError::Unauthorized) => {
+        // (A password check never yields an OIDC refusal.)
+        Err(AuthError::Unauthorized | AuthError::InvalidToken(_)) => {
             refused(&st, source, &f.name, "unauthorized").await;
             return sign_in_page(
                 StatusCode::UNAUTHORIZED,

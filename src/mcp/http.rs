@@ -151,10 +151,7 @@ impl Guard {
         let mut ev = j.event("mcp_session_evicted");
         ev.outcome = "ok".into();
         ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
-        ev.identity_digest = Some(j.digest(
-            "identity",
-            format!("{}\0{}", p.tenant, p.subject).as_bytes(),
-        ));
+        ev.identity_digest = Some(j.digest("identity", p.identity_key().as_bytes()));
         ev.session_digest = Some(j.digest("mcp_session", id.as_bytes()));
         // How long it had been idle.
         let idle_ms = u64::try_from(h.last_used.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -175,7 +172,7 @@ impl Guard {
 }
 
 fn identity(p: &Principal) -> String {
-    format!("{}\0{}", p.tenant, p.subject)
+    p.identity_key()
 }
 
 /// `/mcp`, over `v1` (the appliance's router without `/mcp`). `hosts`: the

@@ -32,6 +32,9 @@ pub struct Event {
     pub tenant_digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub identity_digest: Option<String>,
+    /// The OIDC issuer of the identity (absent for the appliance's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issuer_digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -63,6 +63,7 @@ async fn old_token_records_keep_working_and_are_rekeyed() {
             actions: vec!["*".into()],
             task_templates: vec!["*".into()],
             task: None,
+            issuer: None,
         },
         created_at: "2025-01-01T00:00:00Z".into(),
         revoked_at: None,

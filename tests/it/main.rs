@@ -25,6 +25,7 @@ mod kit;
 mod layers;
 mod mcp;
 mod network;
+mod oidc;
 mod production;
 mod ptys;
 mod rollback_race;

@@ -88,10 +88,9 @@ fn dotted(pointer: &str) -> String {
 
 impl Broker {
     fn identity(&self, p: &Principal) -> String {
-        self.inner.journal.digest(
-            "identity",
-            format!("{}\0{}", p.tenant, p.subject).as_bytes(),
-        )
+        self.inner
+            .journal
+            .digest("identity", p.identity_key().as_bytes())
     }
 
     fn subject_digest(&self, p: &Principal) -> String {
@@ -159,6 +158,7 @@ impl Broker {
                 actions: vec![],
                 task_templates: vec![],
                 task: None,
+                issuer: None,
             }
             .for_task(task_ref),
         };

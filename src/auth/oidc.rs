@@ -1,0 +1,470 @@
+//! OIDC JWT bearers: tokens an enterprise identity provider issues,
+//! accepted on `/v1`, `/mcp` and the event streams beside our own tokens.
+//!
+//! Each `[[auth.oidc]]` issuer is trusted for its own keys only: a token
+//! names its issuer (`iss`), and is checked against that issuer's JWKS
+//! (discovered from `issuer` + `/.well-known/openid-configuration`, or
+//! `jwks_url`), its audience, its pinned asymmetric algorithms and its
+//! clock skew (`leeway_seconds`). `alg: none` and symmetric algorithms are
+//! never accepted (no HMAC key is ever taken from a JWKS, so a token signed
+//! with the public key as an HMAC secret finds nothing to verify it).
+//!
+//! Keys are fetched in the background at start and kept; a token whose
+//! `kid` is unknown makes one refetch, at most once a minute per issuer. A
+//! JWKS that is down leaves the keys already fetched working; a new `kid`
+//! is then 401 `invalid_token`, never a 503. Claims map to a principal as
+//! the reference adapter maps them (docs/operations.md, "OIDC").
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, PublicKeyUse};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use serde_json::{Map, Value};
+
+use super::{Principal, Role, all, valid_tenant, valid_word};
+use crate::config::OidcIssuer;
+
+/// The algorithms an issuer may be pinned to: asymmetric ones only.
+pub const ALGORITHMS: &[(&str, Algorithm)] = &[
+    ("RS256", Algorithm::RS256),
+    ("RS384", Algorithm::RS384),
+    ("RS512", Algorithm::RS512),
+    ("PS256", Algorithm::PS256),
+    ("PS384", Algorithm::PS384),
+    ("PS512", Algorithm::PS512),
+    ("ES256", Algorithm::ES256),
+    ("ES384", Algorithm::ES384),
+    ("EdDSA", Algorithm::EdDSA),
+];
+
+/// A JWT is longer than our own tokens; none is longer than this.
+pub const MAX_TOKEN: usize = 16 * 1024;
+/// An unknown `kid` refetches an issuer's keys at most this often.
+const REFETCH_EVERY: Duration = Duration::from_secs(60);
+/// One discovery or JWKS request may take this long.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+/// A JWKS document larger than this is refused.
+const MAX_JWKS: usize = 1024 * 1024;
+
+/// The algorithm named `name`, if an issuer may be pinned to it.
+pub fn algorithm(name: &str) -> Option<Algorithm> {
+    ALGORITHMS.iter().find(|(n, _)| *n == name).map(|(_, a)| *a)
+}
+
+/// Whether `s` looks like a JWT (three base64url parts), not one of our
+/// tokens or a reference principal's.
+pub fn looks_like_jwt(s: &str) -> bool {
+    let mut parts = s.split('.');
+    let ok = |p: Option<&str>| {
+        p.is_some_and(|p| {
+            !p.is_empty()
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+    };
+    s.starts_with("eyJ")
+        && ok(parts.next())
+        && ok(parts.next())
+        && ok(parts.next())
+        && parts.next().is_none()
+}
+
+/// Why a token was refused: said to the caller (401 `invalid_token`) and
+/// logged, never with the token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+fn refused(why: impl Into<String>) -> Refused {
+    Refused(why.into())
+}
+
+/// A verified token: its principal and when it expires (unix seconds).
+pub struct Verified {
+    pub principal: Principal,
+    pub expires: u64,
+}
+
+/// The configured issuers. Cheap to share (`Arc`).
+pub struct Verifier {
+    issuers: Vec<Arc<Issuer>>,
+}
+
+struct Issuer {
+    cfg: OidcIssuer,
+    algorithms: Vec<Algorithm>,
+    http: reqwest::Client,
+    /// Keys by `kid` ("" for a key without one).
+    keys: RwLock<Arc<HashMap<String, DecodingKey>>>,
+    /// One fetch at a time; when an unknown `kid` last made one.
+    fetching: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl Verifier {
+    /// The verifier for `issuers` (already validated by `config check`),
+    /// or why it cannot be built (an unreadable CA file).
+    pub fn new(issuers: &[OidcIssuer]) -> Result<Self, String> {
+        let mut out = vec![];
+        for cfg in issuers {
+            let ca = match &cfg.ca_file {
+                Some(f) => Some(std::fs::read(f).map_err(|e| {
+                    format!("auth.oidc {}: ca_file {}: {e}", cfg.issuer, f.display())
+                })?),
+                None => None,
+            };
+            let tls = crate::tls::client_config(ca.as_deref(), None)
+                .map_err(|e| format!("auth.oidc {}: TLS: {e}", cfg.issuer))?;
+            let http = reqwest::Client::builder()
+                .tls_backend_preconfigured(tls)
+                .http1_only()
+                .no_proxy()
+                .redirect(reqwest::redirect::Policy::none())
+                .connect_timeout(FETCH_TIMEOUT)
+                .timeout(FETCH_TIMEOUT)
+                .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
+                .build()
+                .map_err(|e| format!("auth.oidc {}: HTTP client: {e}", cfg.issuer))?;
+            out.push(Arc::new(Issuer {
+                algorithms: cfg.algorithms.iter().filter_map(|a| algorithm(a)).collect(),
+                cfg: cfg.clone(),
+                http,
+                keys: RwLock::default(),
+                fetching: tokio::sync::Mutex::new(None),
+            }));
+        }
+        Ok(Self { issuers: out })
+    }
+
+    /// Fetch every issuer's keys in the background (at start: the first
+    /// tokens then find them). A failure is logged; the first token with
+    /// an unknown `kid` tries again.
+    pub fn prefetch(self: &Arc<Self>) {
+        for i in &self.issuers {
+            let i = i.clone();
+            tokio::spawn(async move {
+                let _ = i.refetch(true).await;
+            });
+        }
+    }
+
+    /// Verify `token` and map its claims: `wall` is the time now (unix
+    /// seconds).
+    pub async fn verify(&self, token: &str, wall: u64) -> Result<Verified, Refused> {
+        if token.len() > MAX_TOKEN {
+            return Err(refused("the token is too long"));
+        }
+        let header = jsonwebtoken::decode_header(token).map_err(|_| {
+            refused("the token's header is not a JWT header with an allowed algorithm")
+        })?;
+        let claims = unverified_claims(token)?;
+        let iss = claims
+            .get("iss")
+            .and_then(Value::as_str)
+            .ok_or_else(|| refused("the token has no issuer (iss)"))?;
+        let issuer = self
+            .issuers
+            .iter()
+            .find(|i| i.cfg.issuer == iss)
+            .ok_or_else(|| refused("the token's issuer is not trusted here"))?;
+        if !issuer.algorithms.contains(&header.alg) {
+            return Err(refused(format!(
+                "algorithm {:?} is not allowed for this issuer",
+                header.alg
+            )));
+        }
+        let key = issuer.key(header.kid.as_deref(), header.alg).await?;
+        let mut v = Validation::new(header.alg);
+        v.algorithms = vec![header.alg];
+        v.set_issuer(&[&issuer.cfg.issuer]);
+        v.set_audience(&[&issuer.cfg.audience]);
+        v.leeway = issuer.cfg.leeway_seconds;
+        v.validate_exp = true;
+        v.validate_nbf = true;
+        v.set_required_spec_claims(&["exp", "sub", "iss", "aud"]);
+        let data = jsonwebtoken::decode::<Map<String, Value>>(token, &key, &v).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind as K;
+            refused(match e.kind() {
+                K::ExpiredSignature => "the token has expired",
+                K::ImmatureSignature => "the token is not valid yet (nbf)",
+                K::InvalidAudience => "the token is not for this audience",
+                K::InvalidIssuer => "the token's issuer is not trusted here",
+                K::InvalidSignature => "the token's signature does not verify",
+                K::MissingRequiredClaim(_) => {
+                    "the token lacks a required claim (exp, sub, iss, aud)"
+                }
+                K::InvalidAlgorithm => "the token's algorithm does not match its key",
+                _ => "the token is not valid",
+            })
+        })?;
+        let exp = data
+            .claims
+            .get("exp")
+            .and_then(Value::as_u64)
+            .unwrap_or(wall);
+        let principal = issuer.principal(&data.claims)?;
+        Ok(Verified {
+            principal,
+            expires: exp,
+        })
+    }
+}
+
+/// The payload, before any check: only to find the issuer whose key checks
+/// it.
+fn unverified_claims(token: &str) -> Result<Map<String, Value>, Refused> {
+    let payload = token
+        .split('.')
+        .nth(1)
+        .ok_or_else(|| refused("the token is not a JWT"))?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .map_err(|_| refused("the token's payload is not base64url"))?;
+    serde_json::from_slice(&bytes).map_err(|_| refused("the token's payload is not a JSON object"))
+}
+
+impl Issuer {
+    /// The key for `kid` (or the only key, when the token names none),
+    /// fetching the keys again (at most once a minute) when it is unknown.
+    async fn key(&self, kid: Option<&str>, alg: Algorithm) -> Result<DecodingKey, Refused> {
+        if let Some(k) = self.lookup(kid) {
+            return Ok(k);
+        }
+        self.refetch(false).await;
+        self.lookup(kid).ok_or_else(|| {
+            refused(match kid {
+                Some(_) => format!("no key of this issuer has the token's kid ({alg:?})"),
+                None => "the token names no kid and the issuer has several keys".to_string(),
+            })
+        })
+    }
+
+    fn lookup(&self, kid: Option<&str>) -> Option<DecodingKey> {
+        let keys = self.keys.read().unwrap_or_else(|p| p.into_inner()).clone();
+        match kid {
+            Some(k) => keys.get(k).cloned(),
+            None if keys.len() == 1 => keys.values().next().cloned(),
+            None => None,
+        }
+    }
+
+    /// Fetch the keys again, unless an unknown `kid` made one less than a
+    /// minute ago (`force`: at start, which does not count). Keeps the keys
+    /// it had when the fetch fails.
+    async fn refetch(&self, force: bool) {
+        let mut last = self.fetching.lock().await;
+        if !force {
+            if last.is_some_and(|t| t.elapsed() < REFETCH_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        match self.fetch().await {
+            Ok(keys) => {
+                tracing::info!(issuer = %self.cfg.issuer, keys = keys.len(), "OIDC keys fetched");
+                *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
+            }
+            Err(e) => {
+                tracing::warn!(issuer = %self.cfg.issuer, error = %e, "cannot fetch the OIDC keys; the ones fetched before stay in use")
+            }
+        }
+    }
+
+    async fn get_json(&self, url: &str) -> Result<Value, String> {
+        let r = self
+            .http
+            .get(url)
+            .header(reqwest::header::ACCEPT, "application/json")
+            .send()
+            .await
+            .map_err(|e| format!("GET {url}: {e}"))?;
+        if !r.status().is_success() {
+            return Err(format!("GET {url}: HTTP {}", r.status()));
+        }
+        let body = r.bytes().await.map_err(|e| format!("GET {url}: {e}"))?;
+        if body.len() > MAX_JWKS {
+            return Err(format!("GET {url}: more than {MAX_JWKS} bytes"));
+        }
+        serde_json::from_slice(&body).map_err(|e| format!("GET {url}: not JSON: {e}"))
+    }
+
+    async fn jwks_url(&self) -> Result<String, String> {
+        if let Some(u) = &self.cfg.jwks_url {
+            return Ok(u.clone());
+        }
+        let url = format!(
+            "{}/.well-known/openid-configuration",
+            self.cfg.issuer.trim_end_matches('/')
+        );
+        let doc = self.get_json(&url).await?;
+        if doc.get("issuer").and_then(Value::as_str) != Some(self.cfg.issuer.as_str()) {
+            return Err(format!("{url} names another issuer"));
+        }
+        let jwks = doc
+            .get("jwks_uri")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("{url} has no jwks_uri"))?;
+        crate::config::check_fetch_url(jwks).map_err(|e| format!("{url}: jwks_uri: {e}"))?;
+        Ok(jwks.to_string())
+    }
+
+    async fn fetch(&self) -> Result<HashMap<String, DecodingKey>, String> {
+        let url = self.jwks_url().await?;
+        let doc = self.get_json(&url).await?;
+        let listed = doc
+            .get("keys")
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("{url}: no keys"))?;
+        let mut keys = HashMap::new();
+        for k in listed {
+            // A key of a kind this build does not know is skipped, not fatal.
+            let Ok(jwk) = serde_json::from_value::<Jwk>(k.clone()) else {
+                continue;
+            };
+            if let Some(key) = self.usable(&jwk) {
+                keys.insert(jwk.common.key_id.clone().unwrap_or_default(), key);
+            }
+        }
+        if keys.is_empty() {
+            return Err(format!("{url}: no signing key for the allowed algorithms"));
+        }
+        Ok(keys)
+    }
+
+    /// A JWKS entry as a verification key: an asymmetric signing key of a
+    /// family the issuer's algorithms use (never `oct`: no HMAC secret
+    /// comes from a JWKS).
+    fn usable(&self, jwk: &Jwk) -> Option<DecodingKey> {
+        if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
+            return None;
+        }
+        let family_ok = |names: &[&str]| {
+            self.cfg
+                .algorithms
+                .iter()
+                .any(|a| names.iter().any(|n| a.starts_with(n)))
+        };
+        let ok = match &jwk.algorithm {
+            AlgorithmParameters::RSA(_) => family_ok(&["RS", "PS"]),
+            AlgorithmParameters::EllipticCurve(_) => family_ok(&["ES"]),
+            AlgorithmParameters::OctetKeyPair(_) => family_ok(&["EdDSA"]),
+            AlgorithmParameters::OctetKey(_) => false,
+        };
+        ok.then(|| DecodingKey::from_jwk(jwk).ok()).flatten()
+    }
+
+    /// The principal a verified token's claims stand for.
+    fn principal(&self, c: &Map<String, Value>) -> Result<Principal, Refused> {
+        let names = &self.cfg.claims;
+        let sub = c
+            .get("sub")
+            .and_then(Value::as_str)
+            .filter(|s| valid_word(s))
+            .ok_or_else(|| refused("the token's sub is not 1-256 bytes of text"))?;
+        let tenant = match c.get(&names.tenant) {
+            Some(Value::String(t)) => t.as_str(),
+            Some(_) => return Err(refused(format!("claim {} is not a string", names.tenant))),
+            None => sub,
+        };
+        if !valid_tenant(tenant) {
+            return Err(refused(format!(
+                "the tenant ({} claim, else sub) must be 1-128 characters of [A-Za-z0-9_.:-]",
+                names.tenant
+            )));
+        }
+        let list = |name: &str| -> Result<Option<Vec<String>>, Refused> {
+            match c.get(name) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => {
+                    let items = claim_list(v).ok_or_else(|| {
+                        refused(format!("claim {name} is not a list or a string"))
+                    })?;
+                    if let Some(w) = items.iter().find(|w| !valid_word(w)) {
+                        return Err(refused(format!("claim {name} holds {w:?}, not a name")));
+                    }
+                    Ok(Some(items))
+                }
+            }
+        };
+        let roles = match list(&names.roles)? {
+            None => vec![Role::Agent],
+            Some(named) => {
+                // Providers put roles of their own in the same claim
+                // (Keycloak's offline_access): those are not ours.
+                let mut r: Vec<Role> = named.iter().filter_map(|n| n.parse().ok()).collect();
+                r.sort();
+                r.dedup();
+                if r.is_empty() {
+                    return Err(refused(format!(
+                        "claim {} names no role of this appliance (agent or runtime, approver, auditor, admin)",
+                        names.roles
+                    )));
+                }
+                r
+            }
+        };
+        // As the reference: an empty profile or runtime list means all;
+        // actions and task templates absent mean `*`.
+        let nonempty = |v: Option<Vec<String>>| v.filter(|v| !v.is_empty());
+        Ok(Principal {
+            tenant: tenant.to_string(),
+            subject: sub.to_string(),
+            runtimes: nonempty(list(&names.runtimes)?),
+            profiles: nonempty(list(&names.profiles)?),
+            actions: list(&names.actions)?.unwrap_or_else(all),
+            task_templates: list(&names.task_templates)?.unwrap_or_else(all),
+            roles,
+            task: None,
+            issuer: Some(self.cfg.issuer.clone()),
+        })
+    }
+}
+
+/// A claim that is a list of strings, or one string of names separated by
+/// spaces or commas.
+fn claim_list(v: &Value) -> Option<Vec<String>> {
+    match v {
+        Value::String(s) => Some(
+            s.split([',', ' '])
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect(),
+        ),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map(|s| s.trim().to_string()))
+            .collect::<Option<Vec<String>>>()
+            .map(|v| v.into_iter().filter(|s| !s.is_empty()).collect()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jwts_are_told_from_other_tokens() {
+        assert!(looks_like_jwt("eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln"));
+        assert!(!looks_like_jwt("cat_abc.def"));
+        assert!(!looks_like_jwt("eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."));
+        assert!(!looks_like_jwt("eyJ.a.b.c"));
+    }
+
+    #[test]
+    fn claim_lists_take_lists_and_separated_strings() {
+        assert_eq!(
+            claim_list(&serde_json::json!("a, b c")).unwrap(),
+            vec!["a", "b", "c"]
+        );
+        assert_eq!(
+            claim_list(&serde_json::json!(["x", " y "])).unwrap(),
+            vec!["x", "y"]
+        );
+        assert!(claim_list(&serde_json::json!([1])).is_none());
+        assert!(claim_list(&serde_json::json!({})).is_none());
+    }
+}

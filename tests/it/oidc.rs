@@ -1,0 +1,487 @@
+//! Identity from the enterprise (issue 19): OIDC JWT bearers, from a real
+//! provider (`oidc-provider` from npm, `tests/oidc/provider.mjs`) and from
+//! keys the test makes, served by a JWKS the test can rotate and take
+//! down.
+
+use std::sync::{Arc, Mutex};
+
+use cube_adapter::config::{ClaimNames, OidcIssuer};
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::kit::{Server, code};
+
+fn now() -> u64 {
+    cube_adapter::clock::system_time()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
+}
+
+/// An ES256 key made here, and its JWK.
+struct TestKey {
+    kid: String,
+    enc: EncodingKey,
+    jwk: Value,
+    /// The public key's bytes (for a token "signed" with them as an HMAC
+    /// secret).
+    public: Vec<u8>,
+}
+
+impl TestKey {
+    fn new(kid: &str) -> Self {
+        let kp = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let raw = kp.public_key_raw().to_vec();
+        // Uncompressed point: 0x04, x (32 bytes), y (32 bytes).
+        let jwk = json!({
+            "kty": "EC", "crv": "P-256", "use": "sig", "alg": "ES256", "kid": kid,
+            "x": b64(&raw[1..33]), "y": b64(&raw[33..65]),
+        });
+        Self {
+            kid: kid.into(),
+            enc: EncodingKey::from_ec_der(&kp.serialize_der()),
+            jwk,
+            public: kp.public_key_pem().into_bytes(),
+        }
+    }
+
+    fn sign(&self, claims: &Value) -> String {
+        let mut h = Header::new(Algorithm::ES256);
+        h.kid = Some(self.kid.clone());
+        jsonwebtoken::encode(&h, claims, &self.enc).unwrap()
+    }
+}
+
+#[derive(Default)]
+struct JwksState {
+    keys: Vec<Value>,
+    down: bool,
+    fetches: usize,
+    /// Requests answered 503 while down.
+    refused: usize,
+}
+
+/// A provider's discovery document and JWKS on 127.0.0.1, as the test
+/// sets them.
+struct Jwks {
+    issuer: String,
+    state: Arc<Mutex<JwksState>>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl Jwks {
+    async fn start() -> Self {
+        use axum::routing::get;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let issuer = format!("http://{}", listener.local_addr().unwrap());
+        let state: Arc<Mutex<JwksState>> = Arc::default();
+        let (s1, s2, iss) = (state.clone(), state.clone(), issuer.clone());
+        let app = axum::Router::new()
+            .route(
+                "/.well-known/openid-configuration",
+                get(move || {
+                    let (s, iss) = (s1.clone(), iss.clone());
+                    async move {
+                        let mut s = s.lock().unwrap();
+                        if s.down {
+                            s.refused += 1;
+                            return Err(StatusCode::SERVICE_UNAVAILABLE);
+                        }
+                        Ok(axum::Json(
+                            json!({"issuer": iss, "jwks_uri": format!("{iss}/jwks")}),
+                        ))
+                    }
+                }),
+            )
+            .route(
+                "/jwks",
+                get(move || {
+                    let s = s2.clone();
+                    async move {
+                        let mut s = s.lock().unwrap();
+                        if s.down {
+                            s.refused += 1;
+                            return Err(StatusCode::SERVICE_UNAVAILABLE);
+                        }
+                        s.fetches += 1;
+                        Ok(axum::Json(json!({"keys": s.keys})))
+                    }
+                }),
+            );
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self {
+            issuer,
+            state,
+            _task: task,
+        }
+    }
+
+    fn publish(&self, k: &TestKey) {
+        self.state.lock().unwrap().keys.push(k.jwk.clone());
+    }
+
+    fn fetches(&self) -> usize {
+        self.state.lock().unwrap().fetches
+    }
+}
+
+fn issuer(iss: &str, audience: &str, algorithms: &[&str]) -> OidcIssuer {
+    OidcIssuer {
+        issuer: iss.into(),
+        audience: audience.into(),
+        algorithms: algorithms.iter().map(|a| a.to_string()).collect(),
+        jwks_url: None,
+        ca_file: None,
+        leeway_seconds: 30,
+        claims: ClaimNames::default(),
+    }
+}
+
+/// GET /v1/leases with `token`: the status and the error code, if any.
+async fn list_with(s: &Server, token: &str) -> (StatusCode, String) {
+    let (st, v) = s.get(token, "/v1/leases").await;
+    (st, code(&v).to_string())
+}
+
+/// Keys made here: what holds is accepted, what does not is 401
+/// `invalid_token`; keys are fetched again for a new `kid` (at most once a
+/// minute); a JWKS that is down leaves the keys already fetched working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_that_do_not_hold_are_refused() {
+    let jwks = Jwks::start().await;
+    let a = TestKey::new("key-a");
+    jwks.publish(&a);
+    // A second issuer, whose JWKS goes down.
+    let jwks2 = Jwks::start().await;
+    let e = TestKey::new("key-e");
+    jwks2.publish(&e);
+    let iss = jwks.issuer.clone();
+    let iss2 = jwks2.issuer.clone();
+    let s = Server::start_with(|c| {
+        c.auth.oidc = vec![
+            issuer(&iss, "cube-adapter", &["ES256"]),
+            issuer(&iss2, "cube-adapter", &["ES256"]),
+        ]
+    })
+    .await;
+    let t = now();
+    let claims = |over: Value| {
+        let mut c = json!({
+            "iss": iss, "aud": "cube-adapter", "sub": "agent-7", "tenant_id": "acme",
+            "iat": t, "exp": t + 300, "jti": rand::random::<u64>().to_string(),
+        });
+        for (k, v) in over.as_object().unwrap() {
+            if v.is_null() {
+                c.as_object_mut().unwrap().remove(k);
+            } else {
+                c[k] = v.clone();
+            }
+        }
+        c
+    };
+    let ok = a.sign(&claims(json!({})));
+    assert_eq!(list_with(&s, &ok).await.0, StatusCode::OK);
+
+    let refused = [
+        ("expired", a.sign(&claims(json!({"exp": t - 120})))),
+        ("not yet valid", a.sign(&claims(json!({"nbf": t + 3600})))),
+        (
+            "another issuer",
+            a.sign(&claims(json!({"iss": "http://127.0.0.1:9/other"}))),
+        ),
+        (
+            "another audience",
+            a.sign(&claims(json!({"aud": "someone-else"}))),
+        ),
+        ("no subject", a.sign(&claims(json!({"sub": null})))),
+        ("no expiry", a.sign(&claims(json!({"exp": null})))),
+        ("a bad tenant", a.sign(&claims(json!({"tenant_id": "a b"})))),
+        (
+            "roles none of ours",
+            a.sign(&claims(json!({"roles": ["offline_access"]}))),
+        ),
+        ("alg none", {
+            let h = b64(br#"{"alg":"none","typ":"JWT"}"#);
+            let p = b64(claims(json!({})).to_string().as_bytes());
+            format!("{h}.{p}.c2ln")
+        }),
+        ("HS256 with the public key as secret", {
+            let mut h = Header::new(Algorithm::HS256);
+            h.kid = Some(a.kid.clone());
+            jsonwebtoken::encode(&h, &claims(json!({})), &EncodingKey::from_secret(&a.public))
+                .unwrap()
+        }),
+        ("a forged signature", {
+            let other = TestKey::new("key-a");
+            other.sign(&claims(json!({})))
+        }),
+    ];
+    for (what, token) in &refused {
+        let (st, c) = list_with(&s, token).await;
+        assert_eq!(
+            (st, c.as_str()),
+            (StatusCode::UNAUTHORIZED, "invalid_token"),
+            "{what}"
+        );
+    }
+    // `alg: none` without a signature is not even taken for a JWT.
+    let bare = {
+        let h = b64(br#"{"alg":"none","typ":"JWT"}"#);
+        let p = b64(claims(json!({})).to_string().as_bytes());
+        format!("{h}.{p}.")
+    };
+    assert_eq!(list_with(&s, &bare).await.0, StatusCode::UNAUTHORIZED);
+    // Within the allowed clock skew (30 s).
+    let late = a.sign(&claims(json!({"exp": t - 5})));
+    assert_eq!(list_with(&s, &late).await.0, StatusCode::OK);
+
+    // A new key: one fetch finds it.
+    let b = TestKey::new("key-b");
+    jwks.publish(&b);
+    let before = jwks.fetches();
+    assert_eq!(
+        list_with(&s, &b.sign(&claims(json!({})))).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(jwks.fetches(), before + 1);
+    // Another unknown kid within the minute: no fetch, refused.
+    let c = TestKey::new("key-c");
+    jwks.publish(&c);
+    let (st, code) = list_with(&s, &c.sign(&claims(json!({})))).await;
+    assert_eq!(
+        (st, code.as_str()),
+        (StatusCode::UNAUTHORIZED, "invalid_token")
+    );
+    assert_eq!(jwks.fetches(), before + 1, "at most one fetch a minute");
+
+    // The second issuer's JWKS goes down: its known keys keep working, a
+    // new kid is a 401 (never a 503) after one failed fetch.
+    let claims2 = |exp: u64| {
+        json!({
+            "iss": iss2, "aud": "cube-adapter", "sub": "agent-9", "exp": exp,
+            "jti": rand::random::<u64>().to_string(),
+        })
+    };
+    assert_eq!(
+        list_with(&s, &e.sign(&claims2(t + 300))).await.0,
+        StatusCode::OK
+    );
+    jwks2.state.lock().unwrap().down = true;
+    let f = TestKey::new("key-f");
+    let (st, code) = list_with(&s, &f.sign(&claims2(t + 300))).await;
+    assert_eq!(
+        (st, code.as_str()),
+        (StatusCode::UNAUTHORIZED, "invalid_token")
+    );
+    assert!(jwks2.state.lock().unwrap().refused >= 1, "it tried");
+    assert_eq!(
+        list_with(&s, &e.sign(&claims2(t + 301))).await.0,
+        StatusCode::OK
+    );
+    // One issuer's key does not vouch for the other's tokens.
+    let (st, code) = list_with(&s, &a.sign(&claims2(t + 300))).await;
+    assert_eq!(
+        (st, code.as_str()),
+        (StatusCode::UNAUTHORIZED, "invalid_token")
+    );
+    s.stop().await;
+}
+
+/// The certified `oidc-provider` on 127.0.0.1 (tests/oidc/provider.mjs).
+pub struct Provider {
+    pub issuer: String,
+    child: std::process::Child,
+}
+
+impl Provider {
+    pub fn start(env: &[(&str, &str)]) -> Self {
+        use std::io::BufRead;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oidc");
+        assert!(
+            dir.join("node_modules/oidc-provider").exists(),
+            "oidc-provider is not installed: npm ci --prefix tests/oidc (.ci/run does it)"
+        );
+        let mut cmd = std::process::Command::new("node");
+        cmd.arg(dir.join("provider.mjs"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .spawn()
+            .expect("node (Debian's nodejs; .ci/run installs it)");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        Self {
+            issuer: v["issuer"].as_str().unwrap().to_string(),
+            child,
+        }
+    }
+
+    /// A machine token by client_credentials, for `resource` (its `aud`).
+    pub async fn agent_token(&self, client: &str, secret: &str, resource: &str) -> String {
+        let r = reqwest::Client::builder()
+            .no_proxy()
+            .build()
+            .unwrap()
+            .post(format!("{}/token", self.issuer))
+            .basic_auth(client, Some(secret))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(
+                url::form_urlencoded::Serializer::new(String::new())
+                    .append_pair("grant_type", "client_credentials")
+                    .append_pair("resource", resource)
+                    .finish(),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "token: {}", r.status());
+        let v: Value = r.json().await.unwrap();
+        v["access_token"].as_str().unwrap().to_string()
+    }
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const AUDIENCE: &str = "https://cube-adapter.test";
+const AGENT: (&str, &str) = ("cube-agent", "agent-secret-0123456789abcdef");
+
+/// A real provider's machine tokens are bearers on /v1 with the principal
+/// their claims say (tenant, profiles, actions); the audit names the
+/// issuer by digest; a token for another audience is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_providers_tokens_are_bearers_with_their_claims() {
+    let idp = Provider::start(&[(
+        "OIDC_AGENT_CLAIMS",
+        r#"{"tenant_id":"acme","roles":"runtime offline_access","cube_profiles":["offline-code"],"cube_actions":["lease:*","exec:run","job:*"]}"#,
+    )]);
+    let iss = idp.issuer.clone();
+    let s = Server::start_with(|c| c.auth.oidc = vec![issuer(&iss, AUDIENCE, &["RS256"])]).await;
+    let token = idp.agent_token(AGENT.0, AGENT.1, AUDIENCE).await;
+    assert!(token.len() > 512, "longer than any token of ours");
+
+    let (st, lease) = s
+        .post(
+            &token,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "oidc-1"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{lease}");
+    let lease_ref = lease["lease_ref"].as_str().unwrap().to_string();
+    let (st, out) = s
+        .post(
+            &token,
+            &format!("/v1/leases/{lease_ref}/exec"),
+            json!({"command": "echo via-oidc"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{out}");
+    assert_eq!(out["stdout"], "via-oidc\n");
+    // Not in its cube_actions.
+    let (st, v) = s
+        .post(
+            &token,
+            &format!("/v1/leases/{lease_ref}/write"),
+            json!({"path": "/workspace/x", "content": "x"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    // Not in its cube_profiles.
+    let (st, v) = s
+        .post(
+            &token,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "oidc-2", "profile": "persistent-code"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+    // Its tenant's listing (the token's) holds the lease.
+    let (st, mine) = s.get(&token, "/v1/leases").await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(mine.to_string().contains(&lease_ref), "{mine}");
+
+    // The same token on /mcp and on an event stream.
+    let mcp = |token: String| {
+        let (http, url) = (s.http.clone(), format!("{}/mcp", s.url));
+        async move {
+            http.post(url)
+                .bearer_auth(token)
+                .header("accept", "application/json, text/event-stream")
+                .json(
+                    &json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                    "protocolVersion": "2025-06-18", "capabilities": {},
+                    "clientInfo": {"name": "oidc-test", "version": "1"}}}),
+                )
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(mcp(token.clone()).await, StatusCode::OK);
+    let (st, job) = s
+        .post(
+            &token,
+            &format!("/v1/leases/{lease_ref}/jobs"),
+            json!({"command": "echo job-out"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{job}");
+    let job_ref = job["job_ref"].as_str().unwrap();
+    let events = s
+        .http
+        .get(format!("{}/v1/jobs/{job_ref}/events", s.url))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(events.status(), StatusCode::OK);
+    assert!(
+        events.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream"),
+        "an event stream"
+    );
+    drop(events);
+
+    let wrong = idp
+        .agent_token(AGENT.0, AGENT.1, "https://other.test")
+        .await;
+    assert_eq!(mcp(wrong.clone()).await, StatusCode::UNAUTHORIZED);
+    let (st, v) = s.get(&wrong, "/v1/leases").await;
+    assert_eq!((st, code(&v)), (StatusCode::UNAUTHORIZED, "invalid_token"));
+
+    let journal = s.journal();
+    let exec = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["action"] == "exec" && e["phase"] == "intent")
+        .expect("an exec intent");
+    assert!(exec["issuer_digest"].is_string(), "{exec}");
+    assert!(!journal.contains(&iss), "the issuer only as a digest");
+    assert!(
+        !journal.contains("cube-agent"),
+        "the subject only as a digest"
+    );
+    s.stop().await;
+}
