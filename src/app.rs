@@ -295,6 +295,15 @@ pub async fn serve_with(
     let mut authn = Authenticator::new(store.clone(), shared, file, cfg.hashing_slots)
         .with_clock(clock.clone())
         .with_block_reports(block_tx);
+    let console_oidc = match &cfg.console.oidc {
+        Some(o) => Some(Arc::new(
+            crate::auth::oidc::CodeFlow::new(o).map_err(|e| anyhow::anyhow!(e))?,
+        )),
+        None => None,
+    };
+    if !cfg.console.local_users {
+        authn = authn.without_local_users();
+    }
     if !cfg.auth.oidc.is_empty() {
         let v = Arc::new(
             crate::auth::oidc::Verifier::new(&cfg.auth.oidc).map_err(|e| anyhow::anyhow!(e))?,
@@ -420,6 +429,7 @@ pub async fn serve_with(
         auth: admin_authn.clone(),
         backend: backend_desc.clone(),
         cert_file: ca.dir.join("server.pem"),
+        oidc: console_oidc,
     });
     let app = crate::mcp::http::router(st, v1.clone(), hosts)
         .merge(v1)

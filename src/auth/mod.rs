@@ -842,6 +842,8 @@ pub struct Authenticator {
     basic_key: Arc<[u8; 32]>,
     /// Trusted OIDC issuers (`[[auth.oidc]]`), if any.
     oidc: Option<Arc<oidc::Verifier>>,
+    /// Whether local users sign in with their password (HTTP Basic).
+    local_users: bool,
 }
 
 pub use throttle::{MAX_FAILURES, Source};
@@ -909,7 +911,15 @@ impl Authenticator {
             basic_key: Arc::new(rand::random()),
             clock: crate::clock::Clock::System,
             oidc: None,
+            local_users: true,
         }
+    }
+
+    /// The same authenticator, refusing local users' passwords (`[console]
+    /// local_users = false`: people sign in with the identity provider).
+    pub fn without_local_users(mut self) -> Self {
+        self.local_users = false;
+        self
     }
 
     /// The same authenticator, also accepting the JWTs of these issuers.
@@ -1172,6 +1182,9 @@ impl Authenticator {
         source: Option<Source>,
     ) -> Result<Principal, AuthError> {
         let source = source.unwrap_or(UNKNOWN_SOURCE);
+        if !self.local_users {
+            return Err(AuthError::Unauthorized);
+        }
         if !users::valid_name(name) || password.is_empty() || password.len() > 1024 {
             // Nothing to check: counted against the source only, so that
             // made-up names add no keys (`throttle`).

@@ -101,6 +101,8 @@ struct Issuer {
     keys: RwLock<Arc<HashMap<String, DecodingKey>>>,
     /// One fetch at a time; when an unknown `kid` last made one.
     fetching: tokio::sync::Mutex<Option<Instant>>,
+    /// The discovery document, once fetched.
+    discovery: tokio::sync::OnceCell<Value>,
 }
 
 impl Verifier {
@@ -133,6 +135,7 @@ impl Verifier {
                 http,
                 keys: RwLock::default(),
                 fetching: tokio::sync::Mutex::new(None),
+                discovery: tokio::sync::OnceCell::new(),
             }));
         }
         Ok(Self { issuers: out })
@@ -153,6 +156,18 @@ impl Verifier {
     /// Verify `token` and map its claims: `wall` is the time now (unix
     /// seconds).
     pub async fn verify(&self, token: &str, wall: u64) -> Result<Verified, Refused> {
+        let (issuer, claims) = self.verify_claims(token).await?;
+        let exp = claims.get("exp").and_then(Value::as_u64).unwrap_or(wall);
+        let principal = issuer.principal(&claims)?;
+        Ok(Verified {
+            principal,
+            expires: exp,
+        })
+    }
+
+    /// Verify `token` (signature, algorithm, `iss`, `aud`, `exp`, `nbf`,
+    /// the claims every token must have): its issuer and claims.
+    async fn verify_claims(&self, token: &str) -> Result<(&Issuer, Map<String, Value>), Refused> {
         if token.len() > MAX_TOKEN {
             return Err(refused("the token is too long"));
         }
@@ -199,16 +214,7 @@ impl Verifier {
                 _ => "the token is not valid",
             })
         })?;
-        let exp = data
-            .claims
-            .get("exp")
-            .and_then(Value::as_u64)
-            .unwrap_or(wall);
-        let principal = issuer.principal(&data.claims)?;
-        Ok(Verified {
-            principal,
-            expires: exp,
-        })
+        Ok((issuer, data.claims))
     }
 }
 
@@ -290,18 +296,41 @@ impl Issuer {
         serde_json::from_slice(&body).map_err(|e| format!("GET {url}: not JSON: {e}"))
     }
 
+    /// The issuer's discovery document (fetched once, when it is right).
+    async fn discovery(&self) -> Result<&Value, String> {
+        self.discovery
+            .get_or_try_init(|| async {
+                let url = format!(
+                    "{}/.well-known/openid-configuration",
+                    self.cfg.issuer.trim_end_matches('/')
+                );
+                let doc = self.get_json(&url).await?;
+                if doc.get("issuer").and_then(Value::as_str) != Some(self.cfg.issuer.as_str()) {
+                    return Err(format!("{url} names another issuer"));
+                }
+                Ok(doc)
+            })
+            .await
+    }
+
+    /// An endpoint the discovery document names (`https://`, or `http://`
+    /// on loopback).
+    async fn endpoint(&self, name: &str) -> Result<String, String> {
+        let doc = self.discovery().await?;
+        let u = doc
+            .get(name)
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("the provider's discovery document has no {name}"))?;
+        crate::config::check_fetch_url(u).map_err(|e| format!("{name}: {e}"))?;
+        Ok(u.to_string())
+    }
+
     async fn jwks_url(&self) -> Result<String, String> {
         if let Some(u) = &self.cfg.jwks_url {
             return Ok(u.clone());
         }
-        let url = format!(
-            "{}/.well-known/openid-configuration",
-            self.cfg.issuer.trim_end_matches('/')
-        );
-        let doc = self.get_json(&url).await?;
-        if doc.get("issuer").and_then(Value::as_str) != Some(self.cfg.issuer.as_str()) {
-            return Err(format!("{url} names another issuer"));
-        }
+        let doc = self.discovery().await?;
+        let url = "the discovery document";
         let jwks = doc
             .get("jwks_uri")
             .and_then(Value::as_str)
@@ -418,6 +447,252 @@ impl Issuer {
             roles,
             task: None,
             issuer: Some(self.cfg.issuer.clone()),
+        })
+    }
+}
+
+/// How long a started sign-in may take to come back.
+const SIGN_IN_SECONDS: u64 = 600;
+/// Sign-ins started and not finished, at most (the oldest go first).
+const MAX_PENDING: usize = 10_000;
+
+/// A sign-in on its way through the provider.
+struct Pending {
+    nonce: String,
+    verifier: String,
+    started: Instant,
+}
+
+/// The console's sign-in with an OIDC provider: the authorization code
+/// flow with PKCE (S256), `state` and `nonce`, the ID token checked as a
+/// bearer is (signature, algorithm, issuer, audience = the client, time)
+/// and its nonce.
+pub struct CodeFlow {
+    cfg: crate::config::ConsoleOidc,
+    secret: crate::cube::client::Secret,
+    verifier: Verifier,
+    pending: std::sync::Mutex<HashMap<String, Pending>>,
+}
+
+/// A person the provider vouched for.
+pub struct Person {
+    /// What the console shows and the journal digests.
+    pub name: String,
+    pub principal: Principal,
+}
+
+/// Base64url without padding of SHA-256 (PKCE's S256).
+fn s256(v: &str) -> String {
+    use sha2::Digest;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sha2::Sha256::digest(v.as_bytes()))
+}
+
+fn random_token() -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(crate::ids::random_bytes(32))
+}
+
+impl CodeFlow {
+    /// The flow of `[console.oidc]`, its client secret read from its file.
+    pub fn new(cfg: &crate::config::ConsoleOidc) -> Result<Self, String> {
+        let secret = std::fs::read_to_string(&cfg.client_secret_file)
+            .map_err(|e| {
+                format!(
+                    "console.oidc: client_secret_file {}: {e}",
+                    cfg.client_secret_file.display()
+                )
+            })?
+            .trim()
+            .to_string();
+        if secret.is_empty() {
+            return Err("console.oidc: client_secret_file is empty".into());
+        }
+        Ok(Self {
+            verifier: Verifier::new(&[cfg.id_token_issuer()])?,
+            cfg: cfg.clone(),
+            secret: crate::cube::client::Secret::new(secret),
+            pending: std::sync::Mutex::default(),
+        })
+    }
+
+    /// What the sign-in button says.
+    pub fn label(&self) -> &str {
+        &self.cfg.label
+    }
+
+    fn issuer(&self) -> Result<&Issuer, Refused> {
+        self.verifier
+            .issuers
+            .first()
+            .map(|i| &**i)
+            .ok_or_else(|| refused("no issuer"))
+    }
+
+    /// Start a sign-in: the provider's URL to send the browser to, and the
+    /// `state` the browser must bring back (the caller binds it to the
+    /// browser with a cookie).
+    pub async fn start(&self) -> Result<(String, String), Refused> {
+        let issuer = self.issuer()?;
+        let auth = issuer
+            .endpoint("authorization_endpoint")
+            .await
+            .map_err(|e| refused(format!("the identity provider cannot be reached: {e}")))?;
+        let (state, nonce, verifier) = (random_token(), random_token(), random_token());
+        let mut scopes = vec!["openid".to_string()];
+        scopes.extend(self.cfg.scopes.iter().filter(|s| *s != "openid").cloned());
+        let mut url =
+            url::Url::parse(&auth).map_err(|e| refused(format!("authorization_endpoint: {e}")))?;
+        url.query_pairs_mut()
+            .append_pair("response_type", "code")
+            .append_pair("client_id", &self.cfg.client_id)
+            .append_pair("redirect_uri", &self.cfg.redirect_url)
+            .append_pair("scope", &scopes.join(" "))
+            .append_pair("state", &state)
+            .append_pair("nonce", &nonce)
+            .append_pair("code_challenge", &s256(&verifier))
+            .append_pair("code_challenge_method", "S256");
+        {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let max_age = Duration::from_secs(SIGN_IN_SECONDS);
+            p.retain(|_, v| v.started.elapsed() < max_age);
+            if p.len() >= MAX_PENDING
+                && let Some(oldest) = p
+                    .iter()
+                    .min_by_key(|(_, v)| v.started)
+                    .map(|(k, _)| k.clone())
+            {
+                p.remove(&oldest);
+            }
+            p.insert(
+                state.clone(),
+                Pending {
+                    nonce,
+                    verifier,
+                    started: Instant::now(),
+                },
+            );
+        }
+        Ok((url.into(), state))
+    }
+
+    /// Finish a sign-in the provider sent back with `code` for `state`
+    /// (already matched to the browser's cookie): the code is exchanged
+    /// once, the ID token checked, the person mapped.
+    pub async fn finish(&self, state: &str, code: &str) -> Result<Person, Refused> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(state)
+            .filter(|p| p.started.elapsed() < Duration::from_secs(SIGN_IN_SECONDS))
+            .ok_or_else(|| refused("this sign-in has expired or was not started here"))?;
+        let issuer = self.issuer()?;
+        let token_url = issuer
+            .endpoint("token_endpoint")
+            .await
+            .map_err(|e| refused(format!("the identity provider cannot be reached: {e}")))?;
+        let body = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("grant_type", "authorization_code")
+            .append_pair("code", code)
+            .append_pair("redirect_uri", &self.cfg.redirect_url)
+            .append_pair("code_verifier", &pending.verifier)
+            .finish();
+        let enc = |s: &str| url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+        let r = issuer
+            .http
+            .post(&token_url)
+            .basic_auth(enc(&self.cfg.client_id), Some(enc(self.secret.expose())))
+            .header(
+                reqwest::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
+            .header(reqwest::header::ACCEPT, "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| refused(format!("the identity provider cannot be reached: {e}")))?;
+        let status = r.status();
+        let answer: Value = r
+            .json()
+            .await
+            .map_err(|_| refused(format!("the token endpoint answered {status} without JSON")))?;
+        if !status.is_success() {
+            let err = answer
+                .get("error")
+                .and_then(Value::as_str)
+                .unwrap_or("error");
+            return Err(refused(format!(
+                "the provider refused the code ({status} {err})"
+            )));
+        }
+        let id_token = answer
+            .get("id_token")
+            .and_then(Value::as_str)
+            .ok_or_else(|| refused("the provider sent no ID token"))?;
+        let (_, claims) = self.verifier.verify_claims(id_token).await?;
+        let nonce = claims.get("nonce").and_then(Value::as_str).unwrap_or("");
+        if !crate::console::session::same(&pending.nonce, nonce) {
+            return Err(refused("the ID token's nonce is not this sign-in's"));
+        }
+        self.person(&claims)
+    }
+
+    /// The person an ID token's claims stand for, with the console roles
+    /// `[console.oidc]` maps their `roles_claim` values to.
+    fn person(&self, c: &Map<String, Value>) -> Result<Person, Refused> {
+        let cfg = &self.cfg;
+        let sub = c
+            .get("sub")
+            .and_then(Value::as_str)
+            .filter(|s| valid_word(s))
+            .ok_or_else(|| refused("the ID token's sub is not 1-256 bytes of text"))?;
+        let name = [cfg.name_claim.as_str(), "email"]
+            .iter()
+            .find_map(|n| c.get(*n).and_then(Value::as_str))
+            .filter(|n| valid_word(n))
+            .unwrap_or(sub);
+        let tenant = match c.get(&cfg.tenant_claim).and_then(Value::as_str) {
+            Some(t) => t.to_string(),
+            None => cfg.tenant.clone().ok_or_else(|| {
+                refused(format!(
+                    "the ID token has no {} claim and [console.oidc] names no tenant",
+                    cfg.tenant_claim
+                ))
+            })?,
+        };
+        if !valid_tenant(&tenant) {
+            return Err(refused(format!(
+                "the tenant ({}) must be 1-128 characters of [A-Za-z0-9_.:-]",
+                cfg.tenant_claim
+            )));
+        }
+        let values = c
+            .get(&cfg.roles_claim)
+            .and_then(claim_list)
+            .unwrap_or_default();
+        let has = |names: &[String]| values.iter().any(|v| names.contains(v));
+        let mut roles = vec![];
+        for (names, role) in [
+            (&cfg.approver, Role::Approver),
+            (&cfg.auditor, Role::Auditor),
+            (&cfg.admin, Role::Admin),
+        ] {
+            if has(names) {
+                roles.push(role);
+            }
+        }
+        Ok(Person {
+            name: name.to_string(),
+            principal: Principal {
+                tenant,
+                subject: sub.to_string(),
+                actions: super::default_actions(&roles),
+                roles,
+                runtimes: None,
+                profiles: None,
+                task_templates: all(),
+                task: None,
+                issuer: Some(cfg.issuer.clone()),
+            },
         })
     }
 }

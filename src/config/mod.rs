@@ -333,6 +333,14 @@ pub struct ConsoleSection {
     /// Approval notifications (`[console.notify]`): absent, none are sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub notify: Option<NotifySection>,
+    /// Sign-in with the company's identity provider (`[console.oidc]`):
+    /// absent, people sign in with local users only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oidc: Option<ConsoleOidc>,
+    /// Whether local users (`cube-adapter user`) may sign in with their
+    /// password, to the console and with HTTP Basic. Turning it off needs
+    /// `[console.oidc]`.
+    pub local_users: bool,
 }
 
 impl Default for ConsoleSection {
@@ -341,7 +349,135 @@ impl Default for ConsoleSection {
             idle_timeout_seconds: 30 * 60,
             absolute_timeout_seconds: 12 * 3600,
             notify: None,
+            oidc: None,
+            local_users: true,
         }
+    }
+}
+
+/// People sign in to the console with an OIDC provider (`[console.oidc]`;
+/// the authorization code flow with PKCE, `state` and `nonce`). A change
+/// needs a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleOidc {
+    /// The issuer (`https://…`, or `http://` to a loopback address), its
+    /// endpoints discovered at `<issuer>/.well-known/openid-configuration`.
+    pub issuer: String,
+    /// The console's client at the provider.
+    pub client_id: String,
+    /// A file holding the client's secret (surrounding whitespace ignored).
+    pub client_secret_file: PathBuf,
+    /// The redirect URI registered at the provider: the console's own
+    /// address + `/console/oidc/callback`.
+    pub redirect_url: String,
+    /// The sign-in button says "Sign in with LABEL".
+    #[serde(default = "oidc_label")]
+    pub label: String,
+    /// Scopes asked for (`openid` is always asked).
+    #[serde(default = "oidc_scopes")]
+    pub scopes: Vec<String>,
+    /// Algorithms the ID token may be signed with (asymmetric only).
+    #[serde(default = "oidc_algorithms")]
+    pub algorithms: Vec<String>,
+    /// PEM CA certificates to trust for the provider instead of the public
+    /// web PKI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// Clock skew allowed on the ID token's `exp` and `nbf` (0..=300 s).
+    #[serde(default = "oidc_leeway")]
+    pub leeway_seconds: u64,
+    /// The claim that names the person in the console and the journal's
+    /// digests (else `email`, else `sub`).
+    #[serde(default = "oidc_name_claim")]
+    pub name_claim: String,
+    /// The claim that holds the tenant.
+    #[serde(default = "oidc_tenant_claim")]
+    pub tenant_claim: String,
+    /// The tenant of people whose token has no tenant claim; absent: such a
+    /// sign-in is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The claim (a list, or names separated by spaces or commas) whose
+    /// values map to console roles.
+    #[serde(default = "oidc_groups_claim")]
+    pub roles_claim: String,
+    /// Values of `roles_claim` that make an approver.
+    #[serde(default)]
+    pub approver: Vec<String>,
+    /// Values that make an auditor.
+    #[serde(default)]
+    pub auditor: Vec<String>,
+    /// Values that make an admin.
+    #[serde(default)]
+    pub admin: Vec<String>,
+}
+
+fn oidc_label() -> String {
+    "single sign-on".into()
+}
+fn oidc_scopes() -> Vec<String> {
+    vec!["openid".into(), "profile".into(), "email".into()]
+}
+fn oidc_name_claim() -> String {
+    "preferred_username".into()
+}
+fn oidc_tenant_claim() -> String {
+    "tenant_id".into()
+}
+fn oidc_groups_claim() -> String {
+    "groups".into()
+}
+
+impl ConsoleOidc {
+    /// The issuer as `[[auth.oidc]]` would trust it, for the ID token: the
+    /// audience is the client.
+    pub fn id_token_issuer(&self) -> OidcIssuer {
+        OidcIssuer {
+            issuer: self.issuer.clone(),
+            audience: self.client_id.clone(),
+            algorithms: self.algorithms.clone(),
+            jwks_url: None,
+            ca_file: self.ca_file.clone(),
+            leeway_seconds: self.leeway_seconds,
+            claims: ClaimNames::default(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let at = |e: String| format!("console.oidc: {e}");
+        AuthSection {
+            oidc: vec![self.id_token_issuer()],
+        }
+        .validate()
+        .map_err(|e| at(e.replace("auth.oidc ", "")))?;
+        check_fetch_url(&self.redirect_url).map_err(|e| at(format!("redirect_url: {e}")))?;
+        if !self.redirect_url.ends_with("/console/oidc/callback") {
+            return Err(at(
+                "redirect_url must be the console's address + /console/oidc/callback".into(),
+            ));
+        }
+        if self.client_id.trim().is_empty() {
+            return Err(at("client_id is required".into()));
+        }
+        if self.approver.is_empty() && self.auditor.is_empty() && self.admin.is_empty() {
+            return Err(at(
+                "name the roles_claim values of approvers, auditors or admins (approver, auditor, admin)".into(),
+            ));
+        }
+        if let Some(t) = &self.tenant
+            && !crate::auth::valid_tenant_name(t)
+        {
+            return Err(at(
+                "tenant must be 1-128 characters of [A-Za-z0-9_.:-]".into()
+            ));
+        }
+        for n in [&self.name_claim, &self.tenant_claim, &self.roles_claim] {
+            if n.trim().is_empty() {
+                return Err(at("claim names must not be empty".into()));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -585,6 +721,14 @@ impl ConsoleSection {
             n.validate()?;
             // The files too, so that `config check` and a start say so.
             n.client()?;
+        }
+        if let Some(o) = &self.oidc {
+            o.validate()?;
+        } else if !self.local_users {
+            return Err(
+                "console: local_users = false leaves no way to sign in without [console.oidc]"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ mod connect;
 mod identities;
 mod live;
 pub mod notify;
+mod oidc;
 mod pages;
 pub mod session;
 mod tasks;
@@ -44,6 +45,8 @@ pub struct ConsoleState {
     pub backend: String,
     /// The served certificate's file (`TLS/server.pem`): its days left.
     pub cert_file: PathBuf,
+    /// Sign-in with the company's identity provider (`[console.oidc]`).
+    pub oidc: Option<std::sync::Arc<crate::auth::oidc::CodeFlow>>,
 }
 
 /// Largest form body accepted (sign-in is the largest form).
@@ -59,6 +62,8 @@ pub fn router(st: ConsoleState) -> Router {
             get(pages::sign_in_form).post(pages::sign_in),
         )
         .route("/console/sign-out", post(pages::sign_out))
+        .route("/console/oidc/start", get(oidc::start))
+        .route("/console/oidc/callback", get(oidc::callback))
         .route("/console/approvals", get(approvals::queue))
         .route("/console/plans/{plan_ref}", get(approvals::review))
         .route("/console/plans/{plan_ref}/decide", post(approvals::decide))

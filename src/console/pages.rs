@@ -57,6 +57,10 @@ struct SignInPage {
     csrf: String,
     name: String,
     message: Option<String>,
+    /// "Sign in with …", when `[console.oidc]` is configured.
+    sso: Option<String>,
+    /// Whether local users may sign in here (`[console] local_users`).
+    local: bool,
 }
 
 #[derive(Template)]
@@ -141,17 +145,18 @@ pub(super) fn roles_text(p: &Principal) -> String {
 }
 
 /// Approvers, auditors and admins use the console; agents do not.
-fn may_use_console(p: &Principal) -> bool {
+pub(super) fn may_use_console(p: &Principal) -> bool {
     p.roles
         .iter()
         .any(|r| matches!(r, Role::Approver | Role::Auditor | Role::Admin))
 }
 
-fn lifetimes(st: &ConsoleState) -> Lifetimes {
+pub(super) fn lifetimes(st: &ConsoleState) -> Lifetimes {
     let c = st.broker.config();
     Lifetimes {
         idle: c.console.idle_timeout_seconds,
         absolute: c.console.absolute_timeout_seconds,
+        local_users: c.console.local_users,
     }
 }
 
@@ -281,7 +286,12 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
 }
 
 /// The sign-in form, with a fresh double-submit token.
-fn sign_in_page(status: StatusCode, name: &str, message: Option<&str>) -> Response {
+pub(super) fn sign_in_page(
+    st: &ConsoleState,
+    status: StatusCode,
+    name: &str,
+    message: Option<&str>,
+) -> Response {
     let token = session::new_token();
     let mut r = html(
         status,
@@ -290,6 +300,8 @@ fn sign_in_page(status: StatusCode, name: &str, message: Option<&str>) -> Respon
             csrf: token.clone(),
             name: name.into(),
             message: message.map(str::to_string),
+            sso: st.oidc.as_ref().map(|o| o.label().to_string()),
+            local: st.broker.config().console.local_users,
         },
     );
     if let Ok(v) = HeaderValue::from_str(&session::set_cookie(
@@ -302,8 +314,8 @@ fn sign_in_page(status: StatusCode, name: &str, message: Option<&str>) -> Respon
     r
 }
 
-pub async fn sign_in_form() -> Response {
-    sign_in_page(StatusCode::OK, "", None)
+pub async fn sign_in_form(State(st): State<ConsoleState>) -> Response {
+    sign_in_page(&st, StatusCode::OK, "", None)
 }
 
 #[derive(Deserialize)]
@@ -317,7 +329,7 @@ pub struct SignInForm {
 }
 
 /// Record a sign-in attempt (never the password; the name as a digest).
-async fn audit_sign_in(
+pub(super) async fn audit_sign_in(
     st: &ConsoleState,
     source: Option<Source>,
     name: &str,
@@ -348,7 +360,7 @@ async fn audit_sign_in(
 
 /// Record a refused sign-in (a failure to record is logged: the answer is
 /// a refusal either way).
-async fn refused(st: &ConsoleState, source: Option<Source>, name: &str, code: &str) {
+pub(super) async fn refused(st: &ConsoleState, source: Option<Source>, name: &str, code: &str) {
     if let Err(e) = audit_sign_in(st, source, name, None, Some(code)).await {
         tracing::warn!(error = %e, "a console sign-in failure was not audited");
     }
@@ -361,6 +373,14 @@ pub async fn sign_in(
     Form(f): Form<SignInForm>,
 ) -> Response {
     let source = source.map(|Extension(s)| s);
+    if !st.broker.config().console.local_users {
+        return error_page(
+            StatusCode::FORBIDDEN,
+            None,
+            "Password sign-in is off",
+            "Sign in with the company's identity provider.",
+        );
+    }
     let expected = session::cookie(&headers, session::SIGN_IN_COOKIE).unwrap_or("");
     if !session::same(expected, &f.csrf) {
         return error_page(
@@ -379,6 +399,7 @@ pub async fn sign_in(
         Err(AuthError::Throttled(secs)) => {
             refused(&st, source, &f.name, "sign_in_throttled").await;
             let mut r = sign_in_page(
+                &st,
                 StatusCode::TOO_MANY_REQUESTS,
                 &f.name,
                 Some("Too many attempts. Wait a little, then try again."),
@@ -392,6 +413,7 @@ pub async fn sign_in(
         Err(AuthError::Unauthorized | AuthError::InvalidToken(_)) => {
             refused(&st, source, &f.name, "unauthorized").await;
             return sign_in_page(
+                &st,
                 StatusCode::UNAUTHORIZED,
                 &f.name,
                 Some("Wrong user name or password."),
@@ -407,6 +429,7 @@ pub async fn sign_in(
         Ok(_) => {
             refused(&st, source, &f.name, "unauthorized").await;
             return sign_in_page(
+                &st,
                 StatusCode::UNAUTHORIZED,
                 &f.name,
                 Some("Wrong user name or password."),

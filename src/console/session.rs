@@ -129,6 +129,9 @@ pub fn clear_cookie(name: &str) -> String {
 pub struct Lifetimes {
     pub idle: u64,
     pub absolute: u64,
+    /// Whether local users' sessions are honoured (`[console]
+    /// local_users`).
+    pub local_users: bool,
 }
 
 /// The person signed in with this request's cookie, checked now: the
@@ -152,6 +155,25 @@ pub async fn current(
     let Some(s) = found else {
         return Err(NoSession::SignIn);
     };
+    if let Some(p) = &s.principal {
+        // The provider's person: nothing local to check again.
+        if s.expired(now, life.idle, life.absolute) {
+            end(store, key).await.map_err(NoSession::Store)?;
+            return Err(NoSession::SignIn);
+        }
+        let signed = SignedIn {
+            name: s.user.clone(),
+            principal: p.clone(),
+            csrf: csrf_of(id),
+            key: key.clone(),
+        };
+        touch(store, &key, &s, now).await?;
+        return Ok(signed);
+    }
+    if !life.local_users {
+        end(store, key).await.map_err(NoSession::Store)?;
+        return Err(NoSession::SignIn);
+    }
     let user = users::get_user(store, &s.user).map_err(NoSession::Store)?;
     let valid = !s.expired(now, life.idle, life.absolute)
         && user.as_ref().is_some_and(|u| {
@@ -161,29 +183,35 @@ pub async fn current(
         end(store, key).await.map_err(NoSession::Store)?;
         return Err(NoSession::SignIn);
     };
-    if now.saturating_sub(s.seen_unix) >= SEEN_PRECISION {
-        let k2 = key.clone();
-        let seen = ConsoleSession {
-            seen_unix: now,
-            ..s.clone()
-        };
-        store
-            .write(move |txn, _| {
-                // Only if it is still there (a sign-out may have won).
-                if records::get(txn, &k2)?.is_some() {
-                    records::put(txn, &k2, &seen)?;
-                }
-                Ok(())
-            })
-            .await
-            .map_err(NoSession::Store)?;
-    }
+    touch(store, &key, &s, now).await?;
     Ok(SignedIn {
         name: user.name,
         principal: user.principal,
         csrf: csrf_of(id),
         key,
     })
+}
+
+/// Record a session's use, at most once a minute.
+async fn touch(store: &Store, key: &str, s: &ConsoleSession, now: i64) -> Result<(), NoSession> {
+    if now.saturating_sub(s.seen_unix) < SEEN_PRECISION {
+        return Ok(());
+    }
+    let k2 = key.to_string();
+    let seen = ConsoleSession {
+        seen_unix: now,
+        ..s.clone()
+    };
+    store
+        .write(move |txn, _| {
+            // Only if it is still there (a sign-out may have won).
+            if records::get(txn, &k2)?.is_some() {
+                records::put(txn, &k2, &seen)?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(NoSession::Store)
 }
 
 /// Open a session for `user` (whose record was just checked): the new
@@ -194,14 +222,52 @@ pub async fn open(
     now: i64,
     life: Lifetimes,
 ) -> Result<String, StoreError> {
+    store_new(
+        store,
+        ConsoleSession {
+            user: user.name.clone(),
+            created_unix: now,
+            seen_unix: now,
+            password_fingerprint: fingerprint(user),
+            principal: None,
+        },
+        now,
+        life,
+    )
+    .await
+}
+
+/// Open a session for a person the identity provider vouched for.
+pub async fn open_person(
+    store: &Store,
+    name: &str,
+    principal: &Principal,
+    now: i64,
+    life: Lifetimes,
+) -> Result<String, StoreError> {
+    store_new(
+        store,
+        ConsoleSession {
+            user: name.to_string(),
+            created_unix: now,
+            seen_unix: now,
+            password_fingerprint: String::new(),
+            principal: Some(principal.clone()),
+        },
+        now,
+        life,
+    )
+    .await
+}
+
+async fn store_new(
+    store: &Store,
+    s: ConsoleSession,
+    now: i64,
+    life: Lifetimes,
+) -> Result<String, StoreError> {
     let id = new_token();
     let key = key_of(&id);
-    let s = ConsoleSession {
-        user: user.name.clone(),
-        created_unix: now,
-        seen_unix: now,
-        password_fingerprint: fingerprint(user),
-    };
     store
         .write(move |txn, _| {
             records::remove_expired(txn, now, life.idle, life.absolute)?;

@@ -22,6 +22,11 @@ pub struct ConsoleSession {
     /// A digest of the user's password hash at sign-in: a new password
     /// ends the session.
     pub password_fingerprint: String,
+    /// A person the identity provider vouched for (`[console.oidc]`), as
+    /// signed in: `user` is then their name, not a local user's, and the
+    /// session lasts as its lifetimes allow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<crate::auth::Principal>,
 }
 
 impl ConsoleSession {
@@ -83,6 +88,7 @@ mod tests {
             created_unix: 1000,
             seen_unix: 2000,
             password_fingerprint: "f".into(),
+            principal: None,
         };
         assert!(!s.expired(2000 + 60, 60, 10_000));
         assert!(s.expired(2000 + 61, 60, 10_000), "idle");

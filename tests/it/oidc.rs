@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cube_adapter::config::{ClaimNames, OidcIssuer};
+use cube_adapter::config::{ClaimNames, ConsoleOidc, OidcIssuer};
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -483,5 +483,179 @@ async fn a_real_providers_tokens_are_bearers_with_their_claims() {
         !journal.contains("cube-agent"),
         "the subject only as a digest"
     );
+    s.stop().await;
+}
+
+/// `[console.oidc]` for a provider on 127.0.0.1 and a console at `console`
+/// (`https://127.0.0.1:PORT`); the client secret in `dir`.
+fn console_oidc(issuer: &str, console: &str, dir: &std::path::Path) -> ConsoleOidc {
+    let secret = dir.join("console-secret");
+    std::fs::write(&secret, format!("{CONSOLE_SECRET}\n")).unwrap();
+    toml::from_str(&format!(
+        r#"
+        issuer = "{issuer}"
+        client_id = "cube-console"
+        client_secret_file = "{}"
+        redirect_url = "{console}/console/oidc/callback"
+        label = "Test IdP"
+        approver = ["cube-approvers"]
+        auditor = ["cube-auditors"]
+        "#,
+        secret.display()
+    ))
+    .unwrap()
+}
+
+const CONSOLE_SECRET: &str = "console-secret-0123456789abcdef";
+const ACCOUNTS: &str = r#"{
+  "alice": {"email": "alice@example.test", "tenant_id": "acme", "groups": ["cube-approvers", "staff"]},
+  "bob": {"email": "bob@example.test", "tenant_id": "acme", "groups": "cube-auditors"},
+  "carol": {"email": "carol@example.test", "tenant_id": "acme", "groups": ["staff"]}
+}"#;
+
+/// People sign in to the console through a real provider in headless
+/// Chromium (`tests/browser/oidc.mjs`): an approver and an auditor get their
+/// roles from their groups, sign-out ends the session, a person with no
+/// console role and a forged callback are refused; every sign-in is in
+/// the journal with the issuer's digest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn people_sign_in_to_the_console_with_the_provider_in_chromium() {
+    let browser = crate::console::browser::preflight();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let console = format!("https://{}", listener.local_addr().unwrap());
+    let idp = Provider::start(&[
+        (
+            "OIDC_REDIRECT_URIS",
+            &format!("{console}/console/oidc/callback"),
+        ),
+        ("OIDC_ACCOUNTS", ACCOUNTS),
+    ]);
+    let keep = tempfile::tempdir().unwrap();
+    let oidc = console_oidc(&idp.issuer, &console, keep.path());
+    let s = Server::start_on(
+        listener,
+        |c| c.console.oidc = Some(oidc),
+        Default::default(),
+    )
+    .await;
+    assert_eq!(s.url, console);
+
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/console-oidc");
+    let _ = std::fs::remove_dir_all(&out);
+    let spki = crate::console::browser::spki_sha256(
+        &std::fs::read(s.state.join("tls/server.pem")).unwrap(),
+    );
+    let run = tokio::time::timeout(
+        std::time::Duration::from_secs(180),
+        tokio::process::Command::new("node")
+            .arg(browser.join("oidc.mjs"))
+            .current_dir(&browser)
+            .env("CUBE_URL", &s.url)
+            .env("CUBE_SPKI", &spki)
+            .env("CUBE_OUT", &out)
+            .env("CUBE_SCREENS", out.join("screens"))
+            .env("OIDC_ISSUER", &idp.issuer)
+            .env("OIDC_APPROVER", "alice")
+            .env("OIDC_AUDITOR", "bob")
+            .env("OIDC_NOBODY", "carol")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the browser script ends within 3 minutes")
+    .expect("node runs");
+    let log = String::from_utf8_lossy(&run.stderr).into_owned();
+    let report: Value = serde_json::from_slice(
+        &std::fs::read(out.join("report.json"))
+            .unwrap_or_else(|e| panic!("no report from the browser script ({e}):\n{log}")),
+    )
+    .unwrap();
+    assert!(
+        run.status.success() && report["ok"] == true,
+        "the browser sign-in failed (target/console-oidc/ has the report and pages):\n{log}\n{report:#}"
+    );
+
+    let events: Vec<Value> = s
+        .journal()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "console_sign_in")
+        .collect();
+    let ok: Vec<&Value> = events.iter().filter(|e| e["outcome"] == "ok").collect();
+    assert_eq!(ok.len(), 2, "alice and bob: {events:#?}");
+    assert!(ok.iter().all(|e| e["issuer_digest"].is_string()));
+    let refused: Vec<&str> = events
+        .iter()
+        .filter(|e| e["outcome"] == "rejected")
+        .filter_map(|e| e["error_code"].as_str())
+        .collect();
+    assert!(refused.contains(&"forbidden"), "carol: {refused:?}");
+    assert!(
+        refused.contains(&"invalid_state"),
+        "the forged callback: {refused:?}"
+    );
+    let journal = s.journal();
+    assert!(!journal.contains("alice"), "names only as digests");
+    s.stop().await;
+}
+
+/// With `local_users = false`, people sign in only with the provider:
+/// the password form is gone, posting it is refused, and HTTP Basic is
+/// refused on /v1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_users_can_be_turned_off() {
+    let keep = tempfile::tempdir().unwrap();
+    let oidc = console_oidc("http://127.0.0.1:9", "https://127.0.0.1:1", keep.path());
+    let s = Server::start_with(|c| {
+        c.console.oidc = Some(oidc);
+        c.console.local_users = false;
+    })
+    .await;
+    let pw = keep.path().join("pw");
+    std::fs::write(&pw, "long-enough-password\n").unwrap();
+    let out = s.cli(&[
+        "user",
+        "add",
+        "dora",
+        "--tenant",
+        "acme",
+        "--role",
+        "auditor",
+        "--password-file",
+        pw.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = s
+        .http
+        .get(format!("{}/console/sign-in", s.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(page.contains("id=\"oidc-sign-in\"") && page.contains("Sign in with Test IdP"));
+    assert!(!page.contains("type=\"password\""), "no password form");
+    let r = s
+        .http
+        .post(format!("{}/console/sign-in", s.url))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body("csrf=x&name=dora&password=long-enough-password")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    let r = s
+        .http
+        .get(format!("{}/v1/leases", s.url))
+        .basic_auth("dora", Some("long-enough-password"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     s.stop().await;
 }

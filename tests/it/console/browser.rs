@@ -30,7 +30,7 @@ fn manifest() -> PathBuf {
 }
 
 /// Chromium and the script's node_modules, or a clear failure.
-fn preflight() -> PathBuf {
+pub fn preflight() -> PathBuf {
     let chromium = std::env::var("CUBE_CHROMIUM").unwrap_or_else(|_| CHROMIUM.into());
     assert!(
         Path::new(&chromium).exists(),
@@ -49,7 +49,7 @@ fn preflight() -> PathBuf {
 
 /// Base64 SHA-256 of the certificate's SubjectPublicKeyInfo, as Chromium's
 /// `--ignore-certificate-errors-spki-list` wants it: that key and no other.
-fn spki_sha256(pem: &[u8]) -> String {
+pub fn spki_sha256(pem: &[u8]) -> String {
     let (_, pem) = x509_parser::pem::parse_x509_pem(pem).unwrap();
     let cert = pem.parse_x509().unwrap();
     let spki = cert.tbs_certificate.subject_pki.raw;

@@ -4,7 +4,7 @@
 //! attribute can be checked.
 
 mod audit;
-mod browser;
+pub mod browser;
 mod identities;
 mod live;
 mod tasks;

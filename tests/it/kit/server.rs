@@ -39,6 +39,17 @@ impl Server {
         tweak: impl FnOnce(&mut Config),
         secrets: cube_adapter::app::EnvSecrets,
     ) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on(listener, tweak, secrets).await
+    }
+
+    /// As `start_full`, on a listener the test bound (it needs the address
+    /// before the appliance starts: a provider's redirect URI).
+    pub async fn start_on(
+        listener: tokio::net::TcpListener,
+        tweak: impl FnOnce(&mut Config),
+        secrets: cube_adapter::app::EnvSecrets,
+    ) -> Self {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config {
@@ -56,7 +67,6 @@ impl Server {
             .state_dir
             .clone()
             .unwrap_or_else(|| state.join("embedded"));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let (started_tx, started_rx) = std::sync::mpsc::channel();
         let task = tokio::spawn(cube_adapter::app::serve(
