@@ -261,8 +261,44 @@ pub async fn serve_with(
         Some(store.sealer.clone()),
         clock.clone(),
     )?;
-    let server_tls =
-        crate::tls::server_config_swappable(served.clone(), Some(identity_ca.cert_pem.as_bytes()))?;
+    // And the company's CA (`[auth.client_ca]`): its certificates stand for
+    // the identities listed there. A certificate neither CA issued does not
+    // fail the handshake (its bearer token may still count): it is judged
+    // after, and stands for nothing.
+    let company = match &cfg.auth.client_ca {
+        Some(c) => {
+            let pem = std::fs::read(&c.ca_file).map_err(|e| {
+                anyhow::anyhow!("auth.client_ca: ca_file {}: {e}", c.ca_file.display())
+            })?;
+            let map = crate::auth::client_ca::CompanyCa::new(c).map_err(|e| anyhow::anyhow!(e))?;
+            Some((pem, Arc::new(map)))
+        }
+        None => None,
+    };
+    let trust = Arc::new(crate::tls::ClientTrust::new(
+        identity_ca.cert_pem.as_bytes(),
+        company.as_ref().map(|(pem, _)| pem.as_slice()),
+    )?);
+    let server_tls = crate::tls::server_config_trusting(served.clone(), trust.clone())?;
+    let company_map = company.map(|(_, m)| m);
+    let judge: crate::server::PeerJudge = Arc::new(move |chain| {
+        use sha2::Digest;
+        let first = chain.first()?;
+        let sha256: [u8; 32] = sha2::Sha256::digest(first.as_ref()).into();
+        match trust.classify(chain) {
+            crate::tls::Verdict::Own => Some(crate::auth::PeerCert::own(sha256)),
+            crate::tls::Verdict::Company => {
+                let p = company_map
+                    .as_ref()?
+                    .identity(first.as_ref(), &hex::encode(sha256))?;
+                Some(crate::auth::PeerCert {
+                    sha256,
+                    company: Some(p),
+                })
+            }
+            crate::tls::Verdict::Untrusted => None,
+        }
+    });
 
     // First start: a bootstrap admin token, written once.
     let admin_token_file = bootstrap_admin(&store, &state.join("admin.token"), &clock).await?;
@@ -485,7 +521,8 @@ pub async fn serve_with(
     let upkeep = tokio_util::sync::CancellationToken::new();
     broker.spawn_upkeep(upkeep.clone());
     let limits = crate::server::Limits::from_config(&cfg.connections);
-    let r = crate::server::serve_with_limits(listener, app, tls, limits, shutdown).await;
+    let judge = tls.is_some().then_some(judge);
+    let r = crate::server::serve_with_limits(listener, app, tls, limits, judge, shutdown).await;
     upkeep.cancel();
     // Let effects in flight record their outcome before the store closes.
     if !broker.drain(std::time::Duration::from_secs(30)).await {

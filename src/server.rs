@@ -140,14 +140,23 @@ pub async fn serve(
     tls: Option<Arc<rustls::ServerConfig>>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
-    serve_with_limits(listener, app, tls, Limits::backend(), shutdown).await
+    serve_with_limits(listener, app, tls, Limits::backend(), None, shutdown).await
 }
+
+/// Who a client's certificate chain stands for, judged after the
+/// handshake (`tls::ClientTrust`); None: none.
+pub type PeerJudge = Arc<
+    dyn Fn(&[rustls_pki_types::CertificateDer<'_>]) -> Option<crate::auth::PeerCert> + Send + Sync,
+>;
 
 /// What every connection task shares.
 struct Shared {
     app: Router,
     acceptor: Option<tokio_rustls::TlsAcceptor>,
     limits: Limits,
+    /// Judges client certificates; without it, a certificate the handshake
+    /// verified identifies by its SHA-256.
+    judge: Option<PeerJudge>,
     /// Cancelled at shutdown: connections end gracefully.
     drain: CancellationToken,
 }
@@ -158,6 +167,7 @@ pub async fn serve_with_limits(
     app: Router,
     tls: Option<Arc<rustls::ServerConfig>>,
     limits: Limits,
+    judge: Option<PeerJudge>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let limits = limits.fit_to_open_files();
@@ -166,6 +176,7 @@ pub async fn serve_with_limits(
         app,
         acceptor: tls.map(tokio_rustls::TlsAcceptor::from),
         limits,
+        judge,
         drain: CancellationToken::new(),
     });
     // Every connection task, in its handshake or serving; what is still
@@ -253,17 +264,16 @@ async fn handle(stream: TcpStream, peer: SocketAddr, over_cap: bool, shared: &Sh
         },
         () = shared.drain.cancelled() => return,
     };
-    // A verified client certificate, for the handlers to look up (by its
-    // SHA-256).
-    let peer_cert = tls
-        .get_ref()
-        .1
-        .peer_certificates()
-        .and_then(|c| c.first())
-        .map(|c| {
+    // A client certificate, for the handlers: judged, or (verified by the
+    // handshake) by its SHA-256.
+    let chain = tls.get_ref().1.peer_certificates().unwrap_or_default();
+    let peer_cert = match &shared.judge {
+        Some(judge) => judge(chain),
+        None => chain.first().map(|c| {
             use sha2::Digest;
-            crate::auth::PeerCert(sha2::Sha256::digest(c.as_ref()).into())
-        });
+            crate::auth::PeerCert::own(sha2::Sha256::digest(c.as_ref()).into())
+        }),
+    };
     drive(tls, peer, peer_cert, over_cap, shared).await
 }
 
@@ -292,7 +302,7 @@ async fn drive<I>(
                 app.clone(),
                 req,
                 peer,
-                peer_cert,
+                peer_cert.clone(),
                 over_cap,
                 body_timeout,
                 activity.clone(),
@@ -895,9 +905,16 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve_with_limits(listener, app, None, limits, async move {
-            let _ = rx.await;
-        }));
+        tokio::spawn(serve_with_limits(
+            listener,
+            app,
+            None,
+            limits,
+            None,
+            async move {
+                let _ = rx.await;
+            },
+        ));
         (addr, tx)
     }
 

@@ -24,8 +24,8 @@ use jsonwebtoken::jwk::{AlgorithmParameters, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde_json::{Map, Value};
 
+use super::settings::OidcIssuer;
 use super::{Principal, Role, all, valid_tenant, valid_word};
-use crate::config::OidcIssuer;
 
 /// The algorithms an issuer may be pinned to: asymmetric ones only.
 pub const ALGORITHMS: &[(&str, Algorithm)] = &[
@@ -321,7 +321,7 @@ impl Issuer {
             .get(name)
             .and_then(Value::as_str)
             .ok_or_else(|| format!("the provider's discovery document has no {name}"))?;
-        crate::config::check_fetch_url(u).map_err(|e| format!("{name}: {e}"))?;
+        super::settings::check_fetch_url(u).map_err(|e| format!("{name}: {e}"))?;
         Ok(u.to_string())
     }
 
@@ -335,7 +335,7 @@ impl Issuer {
             .get("jwks_uri")
             .and_then(Value::as_str)
             .ok_or_else(|| format!("{url} has no jwks_uri"))?;
-        crate::config::check_fetch_url(jwks).map_err(|e| format!("{url}: jwks_uri: {e}"))?;
+        super::settings::check_fetch_url(jwks).map_err(|e| format!("{url}: jwks_uri: {e}"))?;
         Ok(jwks.to_string())
     }
 
@@ -468,8 +468,9 @@ struct Pending {
 /// bearer is (signature, algorithm, issuer, audience = the client, time)
 /// and its nonce.
 pub struct CodeFlow {
-    cfg: crate::config::ConsoleOidc,
-    secret: crate::cube::client::Secret,
+    cfg: super::settings::ConsoleOidc,
+    /// The client's secret (never shown: this type has no `Debug`).
+    secret: String,
     verifier: Verifier,
     pending: std::sync::Mutex<HashMap<String, Pending>>,
 }
@@ -493,7 +494,7 @@ fn random_token() -> String {
 
 impl CodeFlow {
     /// The flow of `[console.oidc]`, its client secret read from its file.
-    pub fn new(cfg: &crate::config::ConsoleOidc) -> Result<Self, String> {
+    pub fn new(cfg: &super::settings::ConsoleOidc) -> Result<Self, String> {
         let secret = std::fs::read_to_string(&cfg.client_secret_file)
             .map_err(|e| {
                 format!(
@@ -509,7 +510,7 @@ impl CodeFlow {
         Ok(Self {
             verifier: Verifier::new(&[cfg.id_token_issuer()])?,
             cfg: cfg.clone(),
-            secret: crate::cube::client::Secret::new(secret),
+            secret,
             pending: std::sync::Mutex::default(),
         })
     }
@@ -600,7 +601,7 @@ impl CodeFlow {
         let r = issuer
             .http
             .post(&token_url)
-            .basic_auth(enc(&self.cfg.client_id), Some(enc(self.secret.expose())))
+            .basic_auth(enc(&self.cfg.client_id), Some(enc(&self.secret)))
             .header(
                 reqwest::header::CONTENT_TYPE,
                 "application/x-www-form-urlencoded",
@@ -630,7 +631,12 @@ impl CodeFlow {
             .ok_or_else(|| refused("the provider sent no ID token"))?;
         let (_, claims) = self.verifier.verify_claims(id_token).await?;
         let nonce = claims.get("nonce").and_then(Value::as_str).unwrap_or("");
-        if !crate::console::session::same(&pending.nonce, nonce) {
+        let same = {
+            use subtle::ConstantTimeEq;
+            pending.nonce.len() == nonce.len()
+                && bool::from(pending.nonce.as_bytes().ct_eq(nonce.as_bytes()))
+        };
+        if !same {
             return Err(refused("the ID token's nonce is not this sign-in's"));
         }
         self.person(&claims)

@@ -295,7 +295,7 @@ fn cert_identity_create(
         bundle.ca_pem,
         bundle.cert_pem,
         bundle.key_pem,
-        auth::PeerCert(bundle.sha256),
+        auth::PeerCert::own(bundle.sha256),
     );
     let rec = auth::cert_record(principal, description, &fp, &crate::clock::Clock::System);
     let id = rec.id.clone();

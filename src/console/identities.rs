@@ -524,7 +524,7 @@ pub async fn issue_certificate(
     let rec = crate::auth::cert_record(
         principal,
         f.description(),
-        &crate::auth::PeerCert(bundle.sha256),
+        &crate::auth::PeerCert::own(bundle.sha256),
         st.broker.clock(),
     );
     let id = rec.id.clone();

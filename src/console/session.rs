@@ -155,15 +155,17 @@ pub async fn current(
     let Some(s) = found else {
         return Err(NoSession::SignIn);
     };
-    if let Some(p) = &s.principal {
-        // The provider's person: nothing local to check again.
-        if s.expired(now, life.idle, life.absolute) {
+    if let Some(v) = &s.principal {
+        // The provider's person: nothing local to check again. (A principal
+        // that no longer reads signs no one in.)
+        let p = serde_json::from_value::<Principal>(v.clone()).ok();
+        let Some(p) = p.filter(|_| !s.expired(now, life.idle, life.absolute)) else {
             end(store, key).await.map_err(NoSession::Store)?;
             return Err(NoSession::SignIn);
-        }
+        };
         let signed = SignedIn {
             name: s.user.clone(),
-            principal: p.clone(),
+            principal: p,
             csrf: csrf_of(id),
             key: key.clone(),
         };
@@ -252,7 +254,10 @@ pub async fn open_person(
             created_unix: now,
             seen_unix: now,
             password_fingerprint: String::new(),
-            principal: Some(principal.clone()),
+            principal: Some(
+                serde_json::to_value(principal)
+                    .map_err(|e| StoreError::Corrupt(format!("encode a console principal: {e}")))?,
+            ),
         },
         now,
         life,

@@ -111,7 +111,7 @@ impl McpServer {
                     .headers
                     .get(axum::http::header::AUTHORIZATION)
                     .cloned();
-                let cert = parts.extensions.get::<crate::auth::PeerCert>().copied();
+                let cert = parts.extensions.get::<crate::auth::PeerCert>().cloned();
                 if auth.is_none() && cert.is_none() {
                     return Err("the MCP request carried no identity".into());
                 }

@@ -22,11 +22,12 @@ pub struct ConsoleSession {
     /// A digest of the user's password hash at sign-in: a new password
     /// ends the session.
     pub password_fingerprint: String,
-    /// A person the identity provider vouched for (`[console.oidc]`), as
-    /// signed in: `user` is then their name, not a local user's, and the
-    /// session lasts as its lifetimes allow.
+    /// A person the identity provider vouched for (`[console.oidc]`): their
+    /// principal as signed in (kept as the console wrote it: the store
+    /// does not read it). `user` is then their name, not a local user's,
+    /// and the session lasts as its lifetimes allow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub principal: Option<crate::auth::Principal>,
+    pub principal: Option<serde_json::Value>,
 }
 
 impl ConsoleSession {

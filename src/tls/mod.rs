@@ -422,6 +422,141 @@ pub fn server_config_swappable(
     Ok(cfg)
 }
 
+/// Which CA vouches for a client certificate (`ClientTrust::classify`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The appliance's identity CA (`token create --client-cert`).
+    Own,
+    /// The company's CA (`[auth.client_ca]`).
+    Company,
+    /// Neither: the certificate stands for nothing (a bearer token may).
+    Untrusted,
+}
+
+/// The CAs whose client certificates may stand for identities: the
+/// identity CA, and the company's where configured.
+#[derive(Debug)]
+pub struct ClientTrust {
+    own: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    company: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    hints: Vec<rustls::DistinguishedName>,
+}
+
+impl ClientTrust {
+    pub fn new(own_ca: &[u8], company_ca: Option<&[u8]>) -> Result<Self, TlsError> {
+        let verifier =
+            |pem: &[u8]| -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+                rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots(pem)?),
+                    provider(),
+                )
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| TlsError::Pem(format!("client verifier: {e}")))
+            };
+        let own = verifier(own_ca)?;
+        let company = company_ca.map(verifier).transpose()?;
+        let mut hints = own.root_hint_subjects().to_vec();
+        if let Some(c) = &company {
+            hints.extend_from_slice(c.root_hint_subjects());
+        }
+        Ok(Self {
+            own,
+            company,
+            hints,
+        })
+    }
+
+    /// Which CA issued the certificate chain a client presented (its key
+    /// already proven by the handshake).
+    pub fn classify(&self, chain: &[CertificateDer<'_>]) -> Verdict {
+        let Some((ee, intermediates)) = chain.split_first() else {
+            return Verdict::Untrusted;
+        };
+        let now = rustls_pki_types::UnixTime::now();
+        if self.own.verify_client_cert(ee, intermediates, now).is_ok() {
+            return Verdict::Own;
+        }
+        if self
+            .company
+            .as_ref()
+            .is_some_and(|c| c.verify_client_cert(ee, intermediates, now).is_ok())
+        {
+            return Verdict::Company;
+        }
+        Verdict::Untrusted
+    }
+}
+
+/// The handshake's side of [`ClientTrust`]: it asks for a certificate
+/// (naming both CAs), needs none, and lets a client whose certificate no CA
+/// vouches for finish the handshake, so that its bearer token still counts;
+/// the holder must still prove its key. Which CA vouches is judged after
+/// the handshake (`classify`), and an untrusted certificate stands for no
+/// identity.
+#[derive(Debug)]
+struct Tolerant(Arc<ClientTrust>);
+
+impl rustls::server::danger::ClientCertVerifier for Tolerant {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        &self.0.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        Ok(rustls::server::danger::ClientCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.own.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.own.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.own.supported_verify_schemes()
+    }
+}
+
+/// The listener's config: the served certificate, and client certificates
+/// judged by `trust` after the handshake (none required, an untrusted one
+/// no reason to fail it).
+pub fn server_config_trusting(
+    cert: Arc<SwappableCert>,
+    trust: Arc<ClientTrust>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(Arc::new(Tolerant(trust)))
+        .with_cert_resolver(cert);
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
 /// What `cert show` prints about a certificate.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct CertInfo {

@@ -11,6 +11,7 @@
 )]
 
 mod appliance;
+mod client_ca;
 mod connect;
 mod connections;
 mod console;
