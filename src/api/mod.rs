@@ -109,8 +109,10 @@ pub(crate) fn int_in(
         Some(v) => v
             .as_u64()
             .or_else(|| {
+                // `u64::MAX as f64` is 2^64, one past the largest u64: the
+                // bound is exclusive, or 2^64 would saturate to u64::MAX.
                 v.as_f64()
-                    .filter(|f| f.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(f))
+                    .filter(|f| f.fract() == 0.0 && (0.0..u64::MAX as f64).contains(f))
                     .map(|f| f as u64)
             })
             .filter(|n| range.contains(n))
@@ -637,4 +639,25 @@ pub const OPENAPI: &str = include_str!("../../docs/openapi.yaml");
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/yaml")], OPENAPI).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_in_range_and_no_further() {
+        let check = |text: &str| {
+            let v: serde_json::Value = serde_json::from_str(text).unwrap();
+            int_in(Some(&v), 0..=u64::MAX, Code::InvalidOffset, "offset")
+                .ok()
+                .flatten()
+        };
+        assert_eq!(check("18446744073709551615"), Some(u64::MAX));
+        assert_eq!(check("7.0"), Some(7));
+        // 2^64 is a float here, and one past the largest u64.
+        assert_eq!(check("18446744073709551616"), None);
+        assert_eq!(check("-1"), None);
+        assert_eq!(check("1.5"), None);
+    }
 }
