@@ -686,6 +686,33 @@ async fn files_and_artifacts() {
         (StatusCode::OK, Some("back\n")),
         "{v}"
     );
+    // A file where a directory of the path is needed: the caller's path is
+    // wrong (400 invalid_path), not the sandbox (it was 502).
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &p("write"),
+            json!({"path": "/workspace/plain", "content": "x"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    for (op, body) in [
+        (
+            "write",
+            json!({"path": "/workspace/plain/x", "content": "x"}),
+        ),
+        (
+            "artifacts/upload",
+            json!({"path": "/workspace/plain/y", "content_base64": "eA=="}),
+        ),
+    ] {
+        let (st, v) = s.post(&s.admin, &p(op), body).await;
+        assert_eq!(
+            (st, code(&v)),
+            (StatusCode::BAD_REQUEST, "invalid_path"),
+            "{op}: {v}"
+        );
+    }
     s.stop().await;
 }
 

@@ -213,6 +213,12 @@ pub fn create_dirs_owned(p: &Path, user: &User) -> std::io::Result<()> {
             Ok(())
         }
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && p.is_dir() => Ok(()),
+        // A file where a directory is needed: the caller's path is wrong
+        // (a 4xx), not the sandbox (this used to answer 502).
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(std::io::Error::new(
+            std::io::ErrorKind::NotADirectory,
+            "a file is where a directory of the path is needed",
+        )),
         Err(e) => Err(e),
     }
 }
