@@ -6,6 +6,13 @@ pub fn random_hex(bytes: usize) -> String {
     hex::encode(random_bytes(bytes))
 }
 
+/// A random 256-bit token as 43 base64url characters (session ids, form
+/// tokens, OIDC state, nonce and PKCE verifier).
+pub fn random_token() -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(random_bytes(32))
+}
+
 /// `n` random bytes (keys, salts, nonces).
 pub fn random_bytes(n: usize) -> Vec<u8> {
     (0..n).map(|_| rand::random::<u8>()).collect()

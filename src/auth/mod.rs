@@ -589,6 +589,14 @@ pub struct TokenSpec {
     pub task_templates: Vec<String>,
 }
 
+/// Constant-time equality of two secrets (an empty expected one matches
+/// nothing): CSRF tokens, OIDC state and nonce.
+pub fn same_secret(expected: &str, given: &str) -> bool {
+    !expected.is_empty()
+        && expected.len() == given.len()
+        && bool::from(expected.as_bytes().ct_eq(given.as_bytes()))
+}
+
 /// A tenant name: 1-128 characters of `[A-Za-z0-9_.:-]`.
 pub fn valid_tenant_name(t: &str) -> bool {
     valid_tenant(t)

@@ -488,10 +488,6 @@ fn s256(v: &str) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sha2::Sha256::digest(v.as_bytes()))
 }
 
-fn random_token() -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(crate::ids::random_bytes(32))
-}
-
 impl CodeFlow {
     /// The flow of `[console.oidc]`, its client secret read from its file.
     pub fn new(cfg: &super::settings::ConsoleOidc) -> Result<Self, String> {
@@ -537,7 +533,8 @@ impl CodeFlow {
             .endpoint("authorization_endpoint")
             .await
             .map_err(|e| refused(format!("the identity provider cannot be reached: {e}")))?;
-        let (state, nonce, verifier) = (random_token(), random_token(), random_token());
+        let random = crate::ids::random_token;
+        let (state, nonce, verifier) = (random(), random(), random());
         let mut scopes = vec!["openid".to_string()];
         scopes.extend(self.cfg.scopes.iter().filter(|s| *s != "openid").cloned());
         let mut url =
@@ -631,12 +628,7 @@ impl CodeFlow {
             .ok_or_else(|| refused("the provider sent no ID token"))?;
         let (_, claims) = self.verifier.verify_claims(id_token).await?;
         let nonce = claims.get("nonce").and_then(Value::as_str).unwrap_or("");
-        let same = {
-            use subtle::ConstantTimeEq;
-            pending.nonce.len() == nonce.len()
-                && bool::from(pending.nonce.as_bytes().ct_eq(nonce.as_bytes()))
-        };
-        if !same {
+        if !super::same_secret(&pending.nonce, nonce) {
             return Err(refused("the ID token's nonce is not this sign-in's"));
         }
         self.person(&claims)

@@ -352,7 +352,7 @@ impl OidcIssuer {
 }
 
 /// Whether `u`'s host is a loopback name or address.
-fn loopback_host(u: &url::Url) -> bool {
+pub(crate) fn loopback_host(u: &url::Url) -> bool {
     match u.host() {
         Some(url::Host::Ipv4(a)) => a.is_loopback(),
         Some(url::Host::Ipv6(a)) => a.is_loopback(),

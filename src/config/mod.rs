@@ -328,16 +328,6 @@ impl std::fmt::Debug for NotifySection {
     }
 }
 
-/// Whether `host` is a loopback name or address.
-fn loopback_host(u: &url::Url) -> bool {
-    match u.host() {
-        Some(url::Host::Ipv4(a)) => a.is_loopback(),
-        Some(url::Host::Ipv6(a)) => a.is_loopback(),
-        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
-        None => false,
-    }
-}
-
 impl NotifySection {
     /// The shape (no file is read): the URL, the base URL, the ranges.
     fn validate(&self) -> Result<(), String> {
@@ -345,7 +335,7 @@ impl NotifySection {
             .map_err(|e| format!("console.notify: url is not a URL ({e})"))?;
         match u.scheme() {
             "https" => {}
-            "http" if loopback_host(&u) => {}
+            "http" if crate::auth::settings::loopback_host(&u) => {}
             "http" => {
                 return Err(
                     "console.notify: url must be https:// (plain http:// only to a loopback address)"

@@ -18,7 +18,6 @@ use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::Mac;
 use sha2::Digest;
-use subtle::ConstantTimeEq;
 
 use crate::auth::Principal;
 use crate::auth::users::{self, UserRecord};
@@ -55,7 +54,7 @@ pub enum NoSession {
 
 /// A fresh random token (session ids, sign-in form tokens).
 pub fn new_token() -> String {
-    URL_SAFE_NO_PAD.encode(crate::ids::random_bytes(32))
+    crate::ids::random_token()
 }
 
 /// Whether `t` looks like one of ours (43 base64url characters).
@@ -88,9 +87,7 @@ pub fn csrf_of(id: &str) -> String {
 /// Constant-time equality of two tokens (an empty expected token matches
 /// nothing).
 pub fn same(expected: &str, given: &str) -> bool {
-    !expected.is_empty()
-        && expected.len() == given.len()
-        && bool::from(expected.as_bytes().ct_eq(given.as_bytes()))
+    crate::auth::same_secret(expected, given)
 }
 
 /// A digest of a user's password hash: a new password ends the sessions

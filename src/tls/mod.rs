@@ -390,37 +390,10 @@ pub fn certified_key(
 
 /// Server config (as `server_config` without client certificates) whose
 /// certificate comes from `cert`.
-/// The appliance's own server config: its certificate swappable (reload),
-/// and a client certificate signed by `client_ca` accepted but never
-/// required (a certificate identity; bearer tokens need none).
 /// Under the state directory: the CA that issues client certificates for
 /// identities. Kept apart from the main CA (`tls/`), whose certificates the
 /// embedded backend accepts: an identity's certificate never reaches it.
 pub const IDENTITY_CA_DIR: &str = "tls/identities";
-
-pub fn server_config_swappable(
-    cert: Arc<SwappableCert>,
-    client_ca: Option<&[u8]>,
-) -> Result<rustls::ServerConfig, TlsError> {
-    let builder = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?;
-    let builder = match client_ca {
-        Some(ca) => {
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots(ca)?),
-                provider(),
-            )
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| TlsError::Pem(format!("client verifier: {e}")))?;
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let mut cfg = builder.with_cert_resolver(cert);
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(cfg)
-}
 
 /// Which CA vouches for a client certificate (`ClientTrust::classify`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
