@@ -67,9 +67,14 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
     if let Some(n) = &cfg.console.notify {
         v.extend(n.secret_file.iter().cloned());
     }
-    if let Some(b) = &cfg.backend {
-        v.extend(b.api_key_file.iter().cloned());
-        v.extend(b.client_key_file.iter().cloned());
+    for def in cfg.backend_defs().values() {
+        match def {
+            crate::config::BackendDef::Cubesandbox(b) => {
+                v.extend(b.api_key_file.iter().cloned());
+                v.extend(b.client_key_file.iter().cloned());
+            }
+            crate::config::BackendDef::Embedded(e) => v.extend(e.state_dir.iter().cloned()),
+        }
     }
     v.into_iter()
         .filter_map(|p| {
@@ -108,13 +113,19 @@ pub fn enter_subordinate_ids(isolation: crate::embedded::launch::Isolation) -> R
 /// `sandboxes` on a stopped service's state directory).
 pub fn embedded_settings(cfg: &Config, state: &Path, launcher: PathBuf) -> Settings {
     let e = &cfg.embedded;
+    // `[backends.NAME] kind = "embedded"` may name its own.
+    let own = cfg.embedded_backend().map(|(_, b)| b).unwrap_or_default();
     Settings {
-        state_dir: e
+        state_dir: own
             .state_dir
-            .clone()
+            .or_else(|| e.state_dir.clone())
             .unwrap_or_else(|| state.join("embedded")),
         isolation: e.isolation,
-        templates: e.templates.clone(),
+        templates: if own.templates.is_empty() {
+            e.templates.clone()
+        } else {
+            own.templates
+        },
         limits: Limits {
             memory_mb: e.memory_mb,
             max_processes: e.max_processes,
@@ -353,75 +364,69 @@ pub async fn serve_with(
     let stop = tokio_util::sync::CancellationToken::new();
     let mut background = vec![];
     let mut abortable = vec![];
-    let (cube, backend_desc) = match &cfg.backend {
-        Some(b) => {
-            let mut bc = BackendConfig::new("default", b.api_url.clone());
-            bc.proxy_url = b.proxy_url.clone();
-            bc.domain = b.domain.clone();
-            bc.insecure_plain_http = b.insecure_plain_http;
-            if let Some(f) = &b.api_key_file {
-                bc.api_key = Some(Secret::new(
-                    std::fs::read_to_string(f)
-                        .with_context(|| format!("read {}", f.display()))?
-                        .trim(),
-                ));
+    let mut list = vec![];
+    for (name, def) in cfg.backend_defs() {
+        let b = match def {
+            crate::config::BackendDef::Cubesandbox(b) => {
+                crate::broker::backends::Backend::from_section(&name, &b)
+                    .map_err(|e| anyhow::anyhow!("backend {name}: {e}"))?
             }
-            if let Some(f) = &b.ca_file {
-                bc.ca_pem =
-                    Some(std::fs::read(f).with_context(|| format!("read {}", f.display()))?);
+            crate::config::BackendDef::Embedded(_) => {
+                let settings = embedded_settings(&cfg, &state, launcher.clone());
+                let backend = Backend::open(settings, None)
+                    .map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;
+                let bl =
+                    tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+                let baddr = bl.local_addr()?;
+                let (bcert, bkey) =
+                    ca.leaf_files("embedded-server", Some(&["127.0.0.1".to_string()]))?;
+                let (ccert, ckey) = ca.leaf_files("broker-client", None)?;
+                let btls = crate::tls::server_config(
+                    &std::fs::read(&bcert)?,
+                    ca.read_key(&bkey)?.as_bytes(),
+                    Some(ca.cert_pem.as_bytes()),
+                )?;
+                background.push(backend.spawn_reaper(stop.clone()));
+                let router = backend.router();
+                let stopped = stop.clone().cancelled_owned();
+                background.push(tokio::spawn(async move {
+                    if let Err(e) =
+                        crate::server::serve(bl, router, Some(Arc::new(btls)), stopped).await
+                    {
+                        tracing::error!(error = %e, "embedded backend stopped");
+                    }
+                }));
+                let mut bc = BackendConfig::new(name.clone(), format!("https://{baddr}"));
+                // The embedded backend serves CubeAPI and CubeProxy on one address.
+                bc.proxy_url = Some(crate::cube::ProxyUrl::Url(format!("https://{baddr}")));
+                bc.domain = "cube.local".into();
+                bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
+                bc.client_cert_pem = Some(std::fs::read(&ccert)?);
+                bc.client_key_pem = Some(Secret::new(ca.read_key(&ckey)?));
+                crate::broker::backends::Backend::new(
+                    &name,
+                    crate::broker::backends::Kind::Embedded(cfg.embedded.isolation),
+                    CubeClient::new(bc)?,
+                    format!(
+                        "embedded ({:?} isolation) on {baddr}",
+                        cfg.embedded.isolation
+                    ),
+                )
             }
-            if let (Some(c), Some(k)) = (&b.client_cert_file, &b.client_key_file) {
-                bc.client_cert_pem =
-                    Some(std::fs::read(c).with_context(|| format!("read {}", c.display()))?);
-                bc.client_key_pem = Some(Secret::new(
-                    std::fs::read_to_string(k).with_context(|| format!("read {}", k.display()))?,
-                ));
-            }
-            (
-                CubeClient::new(bc)?,
-                format!("CubeSandbox at {}", b.api_url),
-            )
-        }
-        None => {
-            let settings = embedded_settings(&cfg, &state, launcher);
-            let backend = Backend::open(settings, None)
-                .map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;
-            let bl = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
-            let baddr = bl.local_addr()?;
-            let (bcert, bkey) =
-                ca.leaf_files("embedded-server", Some(&["127.0.0.1".to_string()]))?;
-            let (ccert, ckey) = ca.leaf_files("broker-client", None)?;
-            let btls = crate::tls::server_config(
-                &std::fs::read(&bcert)?,
-                ca.read_key(&bkey)?.as_bytes(),
-                Some(ca.cert_pem.as_bytes()),
-            )?;
-            background.push(backend.spawn_reaper(stop.clone()));
-            let router = backend.router();
-            let stopped = stop.clone().cancelled_owned();
-            background.push(tokio::spawn(async move {
-                if let Err(e) =
-                    crate::server::serve(bl, router, Some(Arc::new(btls)), stopped).await
-                {
-                    tracing::error!(error = %e, "embedded backend stopped");
-                }
-            }));
-            let mut bc = BackendConfig::new("embedded", format!("https://{baddr}"));
-            // The embedded backend serves CubeAPI and CubeProxy on one address.
-            bc.proxy_url = Some(crate::cube::ProxyUrl::Url(format!("https://{baddr}")));
-            bc.domain = "cube.local".into();
-            bc.ca_pem = Some(ca.cert_pem.as_bytes().to_vec());
-            bc.client_cert_pem = Some(std::fs::read(&ccert)?);
-            bc.client_key_pem = Some(Secret::new(ca.read_key(&ckey)?));
-            (
-                CubeClient::new(bc)?,
-                format!(
-                    "embedded ({:?} isolation) on {baddr}",
-                    cfg.embedded.isolation
-                ),
-            )
-        }
+        };
+        list.push(b);
+    }
+    // What `serve` prints and the console shows: the one backend, or each.
+    let backend_desc = match list.as_slice() {
+        [one] => one.description.clone(),
+        many => many
+            .iter()
+            .map(|b| format!("{}: {}", b.name, b.description))
+            .collect::<Vec<_>>()
+            .join("; "),
     };
+    let backends = crate::broker::Backends::new(list);
+    backends.spawn_watch(stop.clone());
 
     let hs_key = match &cfg.receipts.hmac_key_file {
         Some(f) => crate::broker::receipts::read_hs_key(f).map_err(|e| anyhow::anyhow!(e))?,
@@ -433,7 +438,7 @@ pub async fn serve_with(
         cfg.clone(),
         store.clone(),
         journal,
-        cube,
+        backends,
         key,
         signer,
         clock.clone(),

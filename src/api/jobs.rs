@@ -274,7 +274,10 @@ async fn events(
                 cur.stderr_offset = en;
             }
             let mut fields = serde_json::Map::new();
-            fields.insert("executor".into(), json!(broker.executor()));
+            fields.insert(
+                "executor".into(),
+                json!(broker.lease_executor(&job.lease_ref)),
+            );
             fields.insert("sandbox_ref".into(), json!(sandbox_ref));
             fields.insert("job_ref".into(), json!(job.job_ref));
             fields.insert("state".into(), json!(job.state));

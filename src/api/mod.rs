@@ -539,6 +539,38 @@ async fn healthz(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
+/// One backend's readiness checks: CubeAPI, CubeProxy and its templates,
+/// asked at once; and whether all of them hold.
+async fn backend_checks(
+    cube: &crate::cube::CubeClient,
+    templates: Vec<String>,
+) -> (bool, Vec<(String, String)>) {
+    let (reach, template_checks) = tokio::join!(
+        cube.reachability(),
+        futures_util::future::join_all(templates.iter().map(|t| cube.template_ready(t))),
+    );
+    let mut out = vec![];
+    let word = |ok: bool| if ok { "ok" } else { "unreachable" }.to_string();
+    out.push(("cube_api".to_string(), word(reach.cube_api.is_ok())));
+    out.push(("cube_proxy".to_string(), word(reach.cube_proxy.is_ok())));
+    let mut ready = reach.ok();
+    for (t, check) in templates.into_iter().zip(template_checks) {
+        let v = match check {
+            Ok(true) => "ready".to_string(),
+            Ok(false) => {
+                ready = false;
+                "not_ready".to_string()
+            }
+            Err(e) => {
+                ready = false;
+                format!("error:{:?}", e.kind)
+            }
+        };
+        out.push((format!("template:{t}"), v));
+    }
+    (ready, out)
+}
+
 async fn readyz(State(st): State<AppState>) -> Response {
     let j = st.broker.journal();
     if let Err(e) = j.check() {
@@ -559,45 +591,33 @@ async fn readyz(State(st): State<AppState>) -> Response {
     checks.insert("state".into(), json!("ok"));
     checks.insert("audit".into(), json!("ok"));
     let cfg = st.broker.config();
-    let mut templates: Vec<&str> = cfg.profiles.values().map(|p| p.template.as_str()).collect();
-    templates.sort_unstable();
-    templates.dedup();
-    // CubeAPI, CubeProxy and every template are asked at once.
-    let cube = st.broker.cube();
-    let (reach, template_checks) = tokio::join!(
-        cube.reachability(),
-        futures_util::future::join_all(templates.iter().map(|t| cube.template_ready(t))),
-    );
-    checks.insert(
-        "cube_api".into(),
-        json!(if reach.cube_api.is_ok() {
-            "ok"
-        } else {
-            "unreachable"
-        }),
-    );
-    checks.insert(
-        "cube_proxy".into(),
-        json!(if reach.cube_proxy.is_ok() {
-            "ok"
-        } else {
-            "unreachable"
-        }),
-    );
-    let mut ready = reach.ok();
-    for (t, check) in templates.into_iter().zip(template_checks) {
-        let v = match check {
-            Ok(true) => "ready".to_string(),
-            Ok(false) => {
-                ready = false;
-                "not_ready".to_string()
-            }
-            Err(e) => {
-                ready = false;
-                format!("error:{:?}", e.kind)
-            }
-        };
-        checks.insert(format!("template:{t}"), json!(v));
+    let backends = st.broker.backends().all();
+    // One backend: its checks as the reference names them; several: each
+    // named `backend:NAME:…`, and ready while one of them is.
+    let several = backends.len() > 1;
+    let results = futures_util::future::join_all(backends.iter().map(|b| {
+        let mut templates: Vec<String> = cfg
+            .profiles
+            .values()
+            .filter(|p| cfg.profile_backend(p) == Some(b.name.as_str()))
+            .map(|p| p.template.clone())
+            .collect();
+        templates.sort_unstable();
+        templates.dedup();
+        backend_checks(&b.client, templates)
+    }))
+    .await;
+    let mut ready = false;
+    for (b, (ok, list)) in backends.iter().zip(results) {
+        ready |= ok;
+        for (k, v) in list {
+            let k = if several {
+                format!("backend:{}:{k}", b.name)
+            } else {
+                k
+            };
+            checks.insert(k, json!(v));
+        }
     }
     let status = if ready {
         StatusCode::OK

@@ -252,7 +252,11 @@ async fn events(
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(2);
     tokio::spawn(async move {
         if tx
-            .send(status_event(&pty, broker.executor(), &sandbox_ref))
+            .send(status_event(
+                &pty,
+                broker.lease_executor(&pty.lease_ref),
+                &sandbox_ref,
+            ))
             .await
             .is_err()
         {
@@ -306,7 +310,11 @@ async fn events(
                         }
                         Ok(Some(p)) => {
                             let _ = tx
-                                .send(status_event(&p, broker.executor(), &sandbox_ref))
+                                .send(status_event(
+                                    &p,
+                                    broker.lease_executor(&p.lease_ref),
+                                    &sandbox_ref,
+                                ))
                                 .await;
                             return;
                         }

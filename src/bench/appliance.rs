@@ -49,6 +49,7 @@ impl Rig {
                 client_cert_file: Some(lb.client_cert),
                 client_key_file: Some(lb.client_key),
                 insecure_plain_http: false,
+                template: None,
             }),
             profiles,
             ..Config::default()

@@ -45,10 +45,24 @@ impl Broker {
         l: &Lease,
         action: &str,
     ) -> Result<()> {
-        if self
-            .profile(&l.profile)
-            .is_some_and(|pr| pr.checkpoints_enabled)
-        {
+        let prof = self.profile(&l.profile);
+        if prof.as_ref().is_some_and(|pr| pr.checkpoints_enabled) {
+            // A snapshot holds no volume: the workspace would not come back
+            // with it, so a lease with one needs the profile's say-so.
+            if l.volume.is_some() && !prof.is_some_and(|pr| pr.allow_checkpoint_with_mounts) {
+                return Err(self
+                    .reject(
+                        self.lease_event(p, action, ctx, l),
+                        Error::new(
+                            Code::CheckpointWithMountDenied,
+                            format!(
+                                "the lease has a workspace volume mounted, which checkpoints do not hold; profile {} does not allow checkpoints with mounts",
+                                l.profile
+                            ),
+                        ),
+                    )
+                    .await);
+            }
             return Ok(());
         }
         Err(self
@@ -87,7 +101,7 @@ impl Broker {
         let l = self.owned_lease(p, lease_ref).await?;
         Ok(dto::CheckpointList {
             checkpoints: self.checkpoints_summary(&l)?,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })
@@ -99,7 +113,7 @@ impl Broker {
             .inner
             .store
             .read_now(|txn| lease_checkpoints(txn, &l.lease_ref))?;
-        let executor = self.executor();
+        let executor = self.executor(&l.backend);
         Ok(cs
             .iter()
             .map(|c| dto::CheckpointSummary::new(c, executor, &l.sandbox_ref))
@@ -140,9 +154,8 @@ impl Broker {
                 "checkpoint_create",
                 |e| e.checkpoint_ref = Some(cr),
                 Some(lock),
-                move |b: Broker, l: Lease, _| async move {
-                    let snap = b
-                        .inner
+                move |b: Broker, l: Lease, addr| async move {
+                    let snap = addr
                         .cube
                         .create_snapshot(&l.sandbox_id, None)
                         .await
@@ -163,7 +176,7 @@ impl Broker {
         Ok(dto::CheckpointCreated {
             checkpoint_ref: c.checkpoint_ref,
             created_at: c.created_at,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             name: c.name,
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
@@ -193,9 +206,8 @@ impl Broker {
                 "checkpoint_rollback",
                 |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
                 Some(lock),
-                move |b: Broker, l: Lease, _| async move {
-                    b.inner
-                        .cube
+                move |_b: Broker, l: Lease, addr| async move {
+                    addr.cube
                         .rollback(&l.sandbox_id, &c.snapshot_id)
                         .await
                         .map_err(|e| match e.kind {
@@ -211,7 +223,7 @@ impl Broker {
             .await?;
         Ok(dto::RollbackResponse {
             checkpoint_ref: checkpoint_ref.to_string(),
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
             state: super::leases::LeaseState::Running,
@@ -239,8 +251,8 @@ impl Broker {
                 "checkpoint_delete",
                 |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
                 Some(lock),
-                move |b: Broker, _l: Lease, _| async move {
-                    match b.inner.cube.delete_snapshot(&c.snapshot_id).await {
+                move |_b: Broker, _l: Lease, addr| async move {
+                    match addr.cube.delete_snapshot(&c.snapshot_id).await {
                         Ok(()) => {}
                         Err(e) if e.kind == ErrorKind::NotFound => {}
                         Err(e) => return Err(backend(&e)),
@@ -252,7 +264,7 @@ impl Broker {
         Ok(dto::CheckpointDeleted {
             checkpoint_ref: checkpoint_ref.to_string(),
             deleted: true,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })
@@ -322,6 +334,8 @@ impl Broker {
             prof,
             snapshot: Some((c.snapshot_id.clone(), c.checkpoint_ref.clone())),
             task_ref: None,
+            // The snapshot lives on the source's backend.
+            backend: l.backend.clone(),
         };
         let (fork, reused) = self.lease_for_session(p, ctx, ev, want).await?;
         let a = self.lease_answer(&fork, reused, ctx);
@@ -342,13 +356,17 @@ impl Broker {
 
     /// Delete every snapshot of a lease at the backend (before the lease's
     /// records go). An error leaves the records, so the caller can retry.
-    pub(crate) async fn delete_lease_snapshots(&self, lease_ref: &str) -> Result<()> {
+    pub(crate) async fn delete_lease_snapshots(
+        &self,
+        lease_ref: &str,
+        backend: &str,
+    ) -> Result<()> {
         let cs = self
             .inner
             .store
             .read_now(|txn| lease_checkpoints(txn, lease_ref))?;
         for c in cs {
-            match self.inner.cube.delete_snapshot(&c.snapshot_id).await {
+            match self.client(backend)?.delete_snapshot(&c.snapshot_id).await {
                 Ok(()) => {}
                 Err(e) if e.kind == ErrorKind::NotFound => {}
                 Err(e) => {

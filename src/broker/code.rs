@@ -197,6 +197,9 @@ codes! {
     /// The disk the appliance (or its embedded backend) writes is nearly
     /// full: no new sandboxes until space returns.
     StorageLow = "storage_low", SERVICE_UNAVAILABLE, Error, Some(30);
+    /// The backend of the lease or profile does not answer (its health
+    /// watch found it down): nothing was done; the other backends serve.
+    BackendUnavailable = "backend_unavailable", SERVICE_UNAVAILABLE, Error, Some(5);
     /// Too many open connections (from the client's address, or in all):
     /// the listener answers only health checks until some close.
     ConnectionLimit = "connection_limit", SERVICE_UNAVAILABLE, Error, Some(5);

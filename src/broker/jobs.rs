@@ -22,7 +22,7 @@ use super::dto::{self, JobAnswer, OutputEncoding};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::auth::Principal;
-use crate::cube::{ErrorKind, SandboxAddr, StartOptions};
+use crate::cube::{ErrorKind, StartOptions};
 use crate::store::{self, StoreError};
 
 /// Where jobs keep their files inside the sandbox.
@@ -233,7 +233,7 @@ impl Probe {
 /// (`(offset, max)` per stream; max 0 reads nothing).
 async fn probe(
     b: &Broker,
-    addr: &SandboxAddr,
+    addr: &super::leases::Addr,
     job: &Job,
     out: (u64, usize),
     err: (u64, usize),
@@ -243,13 +243,18 @@ async fn probe(
 
 /// One read of a job: state, sizes and the last `max` bytes of each stream
 /// (which start at `size - max`, or 0).
-async fn probe_tail(b: &Broker, addr: &SandboxAddr, job: &Job, max: usize) -> Result<Probe> {
+async fn probe_tail(
+    b: &Broker,
+    addr: &super::leases::Addr,
+    job: &Job,
+    max: usize,
+) -> Result<Probe> {
     read_job(b, addr, job, (0, max), (0, max), Some(max)).await
 }
 
 async fn read_job(
-    b: &Broker,
-    addr: &SandboxAddr,
+    _b: &Broker,
+    addr: &super::leases::Addr,
     job: &Job,
     out: (u64, usize),
     err: (u64, usize),
@@ -279,13 +284,13 @@ async fn read_job(
         kind: "gone".into(),
         ..Default::default()
     };
-    let r = match b.inner.cube.run(addr, &o, limit).await {
+    let r = match addr.cube.run(addr, &o, limit).await {
         Ok(r) => r,
         Err(e) if e.kind == ErrorKind::NotFound => return Ok(gone()),
         // The data plane cannot tell a missing sandbox from a hiccup (a
         // proxy answers 502 for both): ask the control plane.
         Err(e) => {
-            return match b.inner.cube.get(&addr.id).await {
+            return match addr.cube.get(&addr.id).await {
                 Err(g) if g.kind == ErrorKind::NotFound => Ok(gone()),
                 _ => Err(backend(&e)),
             };
@@ -400,7 +405,11 @@ impl Broker {
 
     /// How many of a lease's jobs are running; those that have ended since
     /// they were last looked at are brought up to date first.
-    pub(crate) async fn running_jobs(&self, addr: &SandboxAddr, lease_ref: &str) -> Result<u32> {
+    pub(crate) async fn running_jobs(
+        &self,
+        addr: &super::leases::Addr,
+        lease_ref: &str,
+    ) -> Result<u32> {
         let jobs = self
             .inner
             .store
@@ -498,7 +507,7 @@ impl Broker {
                         };
                         o.args
                             .extend(finished.iter().map(|j| format!("{JOBS_DIR}/{}", j.job_ref)));
-                        b.inner.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
+                        addr.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
                     }
                     let envs: BTreeMap<String, String> = [
                         ("CUBE_ADAPTER_JOB_REF", job_ref.clone()),
@@ -516,7 +525,7 @@ impl Broker {
                     let mut o = StartOptions::shell(LAUNCH);
                     o.envs = envs;
                     o.timeout = Some(Duration::from_secs(30));
-                    let out = b.inner.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
+                    let out = addr.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
                     let pid: u32 = String::from_utf8_lossy(&out.stdout)
                         .trim()
                         .lines()
@@ -558,7 +567,7 @@ impl Broker {
             )
             .await?;
         Ok(dto::JobStarted {
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             job_ref: job.job_ref,
             lease_ref: job.lease_ref,
             request_id: ctx.request_id.clone(),
@@ -662,7 +671,12 @@ impl Broker {
             )
             .await?;
         Ok(JobTail {
-            job: JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id),
+            job: JobAnswer::new(
+                &job,
+                self.executor(&lease.backend),
+                &lease.sandbox_ref,
+                &ctx.request_id,
+            ),
             tenant: lease.tenant,
             stdout: pr.stdout,
             stderr: pr.stderr,
@@ -680,7 +694,7 @@ impl Broker {
             .await?;
         Ok(JobAnswer::new(
             &job,
-            self.executor(),
+            self.executor(&lease.backend),
             &lease.sandbox_ref,
             &ctx.request_id,
         ))
@@ -721,7 +735,12 @@ impl Broker {
                 // As in the reference, the fragment holds the first MiB of
                 // each stream; say so when there is more (use the cursors).
                 let limit = COMPAT_LIMIT as u64;
-                let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
+                let a = JobAnswer::new(
+                    &job,
+                    self.executor(&lease.backend),
+                    &lease.sandbox_ref,
+                    &ctx.request_id,
+                );
                 Ok(dto::JobOutput::Fragment(dto::JobOutputFragment {
                     cancelled: a.cancelled,
                     created_at: a.created_at,
@@ -760,7 +779,12 @@ impl Broker {
                 // The state was read before the ranges: a job that had ended
                 // then has all its output in the files.
                 let eof = job.is_terminal() && on >= pr.out_size && en >= pr.err_size;
-                let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
+                let a = JobAnswer::new(
+                    &job,
+                    self.executor(&lease.backend),
+                    &lease.sandbox_ref,
+                    &ctx.request_id,
+                );
                 Ok(dto::JobOutput::Cursors(dto::JobOutputCursors {
                     cancelled: a.cancelled,
                     created_at: a.created_at,
@@ -810,7 +834,7 @@ impl Broker {
                             ..Default::default()
                         };
                         o.envs.insert("J".into(), job.job_ref.clone());
-                        match b.inner.cube.run(&addr, &o, 4096).await {
+                        match addr.cube.run(&addr, &o, 4096).await {
                             // Signalled, or to be by the runner as it starts.
                             Ok(r) if r.exit_code == 0 || r.exit_code == 4 => job.cancelled = true,
                             Ok(_) => {}
@@ -835,7 +859,7 @@ impl Broker {
             .await?;
         Ok(JobAnswer::new(
             &job,
-            self.executor(),
+            self.executor(&lease.backend),
             &lease.sandbox_ref,
             &ctx.request_id,
         ))
@@ -852,7 +876,12 @@ impl Broker {
         let (job, lease, pr) = self
             .job_read(p, ctx, job_ref, "job_recover", (0, 0), (0, 0))
             .await?;
-        let a = JobAnswer::new(&job, self.executor(), &lease.sandbox_ref, &ctx.request_id);
+        let a = JobAnswer::new(
+            &job,
+            self.executor(&lease.backend),
+            &lease.sandbox_ref,
+            &ctx.request_id,
+        );
         Ok(dto::JobRecovery {
             cancelled: a.cancelled,
             created_at: a.created_at,

@@ -3,6 +3,7 @@
 //! committed audit intent and followed by its outcome, which is written in
 //! the same transaction as the state change it causes.
 
+pub mod backends;
 pub mod checkpoints;
 pub mod code;
 pub mod dto;
@@ -20,6 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use hmac::{Hmac, Mac};
 
+pub use self::backends::Backends;
 pub use self::code::{Code, Outcome};
 pub use self::error::{Error, Result};
 use crate::audit::Journal;
@@ -58,7 +60,8 @@ pub(crate) struct Inner {
     policy: std::sync::RwLock<Arc<Policy>>,
     pub store: Store,
     pub journal: Journal,
-    pub cube: CubeClient,
+    /// The backends sandboxes run on, by name.
+    pub backends: Backends,
     key: Vec<u8>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Effects in flight (drained at shutdown).
@@ -137,7 +140,7 @@ impl Broker {
         cfg: Arc<Config>,
         store: Store,
         journal: Journal,
-        cube: CubeClient,
+        backends: Backends,
         key: Vec<u8>,
         receipts: receipts::Signer,
         clock: crate::clock::Clock,
@@ -155,7 +158,7 @@ impl Broker {
                 policy: std::sync::RwLock::new(Arc::new(policy)),
                 store,
                 journal,
-                cube,
+                backends,
                 key,
                 locks: Mutex::default(),
                 tracker: tokio_util::task::TaskTracker::new(),
@@ -190,18 +193,42 @@ impl Broker {
         &self.inner.journal
     }
 
-    /// The configuration as it is now (a reload may replace it).
-    /// What runs this appliance's sandboxes (`executor` in every lease
-    /// answer): a configured CubeSandbox, or the embedded backend.
-    pub fn executor(&self) -> dto::Executor {
-        let c = self.config();
-        match (&c.backend, c.embedded.isolation) {
-            (Some(_), _) => dto::Executor::CubesandboxMicrovm,
-            (None, crate::embedded::Isolation::Namespaces) => dto::Executor::EmbeddedNamespaces,
-            (None, crate::embedded::Isolation::None) => dto::Executor::EmbeddedProcesses,
+    /// What runs a backend's sandboxes (`executor` in every lease answer):
+    /// a CubeSandbox, or the embedded backend.
+    pub fn executor(&self, backend: &str) -> dto::Executor {
+        use self::backends::Kind;
+        let kind = match self.inner.backends.get(backend) {
+            Some(b) => b.kind,
+            None => match self.config().backend_defs().get(backend) {
+                Some(crate::config::BackendDef::Embedded(_)) => {
+                    Kind::Embedded(self.config().embedded.isolation)
+                }
+                _ => Kind::CubeSandbox,
+            },
+        };
+        match kind {
+            Kind::CubeSandbox => dto::Executor::CubesandboxMicrovm,
+            Kind::Embedded(crate::embedded::Isolation::Namespaces) => {
+                dto::Executor::EmbeddedNamespaces
+            }
+            Kind::Embedded(crate::embedded::Isolation::None) => dto::Executor::EmbeddedProcesses,
         }
     }
 
+    /// What runs a lease's sandbox (a lease gone: its backend's default).
+    pub fn lease_executor(&self, lease_ref: &str) -> dto::Executor {
+        let backend = self
+            .inner
+            .store
+            .read_now(|txn| crate::store::leases::get(txn, lease_ref))
+            .ok()
+            .flatten()
+            .map(|l| l.backend)
+            .unwrap_or_else(|| crate::config::DEFAULT_BACKEND.to_string());
+        self.executor(&backend)
+    }
+
+    /// The configuration as it is now (a reload may replace it).
     pub fn config(&self) -> Arc<Config> {
         self.policy().cfg.clone()
     }
@@ -240,8 +267,56 @@ impl Broker {
         }
     }
 
-    pub fn cube(&self) -> &CubeClient {
-        &self.inner.cube
+    /// The backends, by name.
+    pub fn backends(&self) -> &Backends {
+        &self.inner.backends
+    }
+
+    /// A backend's client; 503 `backend_unavailable` if it is not
+    /// configured (any more).
+    pub(crate) fn client(&self, backend: &str) -> Result<CubeClient> {
+        match self.inner.backends.get(backend) {
+            Some(b) => Ok(b.client.clone()),
+            None => Err(backends::unavailable(backend)),
+        }
+    }
+
+    /// A backend's client, and 503 `backend_unavailable` unless its health
+    /// watch finds it up: checked before any intent.
+    pub(crate) fn ready_client(&self, backend: &str) -> Result<CubeClient> {
+        match self.inner.backends.get(backend) {
+            Some(b) => {
+                b.ready()?;
+                Ok(b.client.clone())
+            }
+            None => Err(backends::unavailable(backend)),
+        }
+    }
+
+    /// A backend call failed to reach it: its watch asks again now.
+    pub(crate) fn suspect(&self, backend: &str, e: &crate::cube::CubeError) {
+        use crate::cube::ErrorKind as K;
+        if matches!(e.kind, K::Unavailable | K::Timeout)
+            && let Some(b) = self.inner.backends.get(backend)
+        {
+            b.suspect();
+        }
+    }
+
+    /// Live leases by backend.
+    pub fn lease_counts(&self) -> Result<std::collections::BTreeMap<String, usize>> {
+        let all = self.inner.store.read_now(crate::store::leases::all)?;
+        let mut m = std::collections::BTreeMap::new();
+        for l in all {
+            *m.entry(l.backend).or_insert(0) += 1;
+        }
+        Ok(m)
+    }
+
+    /// Whether a backend is configured and up (upkeep skips the leases of
+    /// one that is down).
+    pub(crate) fn backend_up(&self, backend: &str) -> bool {
+        self.inner.backends.get(backend).is_some_and(|b| b.is_up())
     }
 
     pub(crate) fn hmac_hex(&self, parts: &[&[u8]]) -> String {

@@ -308,7 +308,7 @@ impl Broker {
                         ..Default::default()
                     };
                     o.envs.insert("TERM".into(), "xterm-256color".into());
-                    let stream = b.inner.cube.start(&addr, &o).await.map_err(|e| backend(&e))?;
+                    let stream = addr.cube.start(&addr, &o).await.map_err(|e| backend(&e))?;
                     let (ts, _) = b.now();
                     let pty = Pty {
                         pty_ref,
@@ -332,7 +332,7 @@ impl Broker {
             .await?;
         Ok(PtyAnswer::new(
             &pty,
-            self.executor(),
+            self.executor(&l.backend),
             &l.sandbox_ref,
             &ctx.request_id,
         ))
@@ -408,7 +408,7 @@ impl Broker {
         let (pty, l) = self.owned_pty(p, pty_ref).await?;
         Ok(PtyAnswer::new(
             &pty,
-            self.executor(),
+            self.executor(&l.backend),
             &l.sandbox_ref,
             &ctx.request_id,
         ))
@@ -425,7 +425,7 @@ impl Broker {
         run: F,
     ) -> Result<(Pty, Lease)>
     where
-        F: FnOnce(Broker, Pty, crate::cube::SandboxAddr) -> Fut + Send + 'static,
+        F: FnOnce(Broker, Pty, super::leases::Addr) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<Pty>> + Send + 'static,
     {
         let ev = self.event(p, action, ctx);
@@ -478,12 +478,11 @@ impl Broker {
                 pty_ref,
                 ("pty_input", "pty:input"),
                 Some(n),
-                move |b, pty, addr| async move {
+                move |_b, pty, addr| async move {
                     if !pty.is_running() {
                         return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));
                     }
-                    b.inner
-                        .cube
+                    addr.cube
                         .send_pty_input(&addr, pty.pid, &data)
                         .await
                         .map_err(|e| backend(&e))?;
@@ -493,7 +492,7 @@ impl Broker {
             .await?;
         Ok(PtyAnswer::new(
             &pty,
-            self.executor(),
+            self.executor(&l.backend),
             &l.sandbox_ref,
             &ctx.request_id,
         ))
@@ -520,8 +519,7 @@ impl Broker {
                     if !pty.is_running() {
                         return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));
                     }
-                    b.inner
-                        .cube
+                    addr.cube
                         .resize_pty(&addr, pty.pid, PtySize { rows, cols })
                         .await
                         .map_err(|e| backend(&e))?;
@@ -534,7 +532,7 @@ impl Broker {
             .await?;
         Ok(PtyAnswer::new(
             &pty,
-            self.executor(),
+            self.executor(&l.backend),
             &l.sandbox_ref,
             &ctx.request_id,
         ))
@@ -553,7 +551,7 @@ impl Broker {
                     if !pty.is_running() {
                         return Ok(pty);
                     }
-                    match b.inner.cube.signal(&addr, pty.pid, true).await {
+                    match addr.cube.signal(&addr, pty.pid, true).await {
                         Ok(()) => {}
                         Err(e) if e.kind == ErrorKind::NotFound => {}
                         Err(e) => return Err(backend(&e)),
@@ -569,7 +567,7 @@ impl Broker {
             .await?;
         Ok(PtyAnswer::new(
             &pty,
-            self.executor(),
+            self.executor(&l.backend),
             &l.sandbox_ref,
             &ctx.request_id,
         ))
@@ -637,7 +635,12 @@ impl Broker {
         };
         use base64::Engine;
         let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
-        let a = PtyAnswer::new(&pty, self.executor(), &l.sandbox_ref, &ctx.request_id);
+        let a = PtyAnswer::new(
+            &pty,
+            self.executor(&l.backend),
+            &l.sandbox_ref,
+            &ctx.request_id,
+        );
         Ok(dto::PtyOutput {
             cols: a.cols,
             content_base64: b64,

@@ -139,9 +139,8 @@ impl Broker {
                 "renew",
                 |_| {},
                 None,
-                move |b: Broker, l: Lease, _| async move {
-                    b.inner
-                        .cube
+                move |_b: Broker, l: Lease, addr| async move {
+                    addr.cube
                         .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
                         .await
                         .map_err(|e| backend(&e))?;
@@ -154,7 +153,7 @@ impl Broker {
             .await?;
         Ok(dto::RenewResponse {
             capped: secs < want,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             keepalive_until: crate::clock::format_unix(until),
             lease_ref: l.lease_ref,
             request_id: ctx.request_id.clone(),
@@ -174,14 +173,14 @@ impl Broker {
         let ev = self.event(p, "lease_recover", ctx);
         self.authorize(p, "lease:status", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let state = match self.inner.cube.get(&l.sandbox_id).await {
+        let state = match self.ready_client(&l.backend)?.get(&l.sandbox_id).await {
             Ok(d) => LeaseState::from(d.state),
             Err(e) if e.kind == ErrorKind::NotFound => LeaseState::Gone,
             Err(e) => return Err(backend(&e)),
         };
         Ok(dto::LeaseRecovery {
             created_at: l.created_at,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             jobs: self.jobs_summary(&l.lease_ref)?,
             last_used_at: l.last_used_at,
             lease_ref: l.lease_ref,
@@ -202,6 +201,7 @@ impl Broker {
         ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
         ev.runtime = Some(l.runtime.clone());
         ev.profile = Some(l.profile.clone());
+        ev.backend = Some(l.backend.clone());
         ev.lease_ref = Some(l.lease_ref.clone());
         ev.sandbox_ref = Some(l.sandbox_ref.clone());
         ev.session_digest = Some(l.session_hash.clone());
@@ -235,19 +235,26 @@ impl Broker {
         if self.now().1 - l.last_used_unix < self.idle_ttl(&l) {
             return Ok(false);
         }
+        // Its backend is down: collected when it is back.
+        let Ok(cube) = self.ready_client(&l.backend) else {
+            return Ok(false);
+        };
         let intent = self
             .inner
             .journal
             .intent(self.system_event("gc_release", &l))
             .await?;
-        let killed = match self.inner.cube.kill(&l.sandbox_id).await {
+        let killed = match cube.kill(&l.sandbox_id).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind == ErrorKind::NotFound => Ok(()),
             Err(e) => Err(backend(&e)),
         };
+        if killed.is_ok() {
+            self.release_volume(&l).await;
+        }
         // Its checkpoints go with it (the reference's GC leaked them).
         let cleaned = match killed {
-            Ok(()) => self.delete_lease_snapshots(&l.lease_ref).await,
+            Ok(()) => self.delete_lease_snapshots(&l.lease_ref, &l.backend).await,
             Err(e) => Err(e),
         };
         if let Err(e) = cleaned {
@@ -271,7 +278,7 @@ impl Broker {
         let t = self.now().1;
         let (mut collected, mut failed) = (0, 0);
         for l in leases {
-            if t - l.last_used_unix < self.idle_ttl(&l) {
+            if t - l.last_used_unix < self.idle_ttl(&l) || !self.backend_up(&l.backend) {
                 continue;
             }
             match self.collect(&l.lease_ref).await {
@@ -286,8 +293,13 @@ impl Broker {
         if collected + failed > 0 {
             tracing::info!(collected, failed, "gc: idle leases");
         }
-        if let Err(e) = self.sweep_orphans().await {
-            tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not look for orphaned sandboxes");
+        for b in self.inner.backends.all() {
+            if !b.is_up() {
+                continue;
+            }
+            if let Err(e) = self.sweep_orphans(&b.name, &b.client).await {
+                tracing::warn!(backend = %b.name, code = e.code.as_str(), error = %e.message, "gc: could not look for orphaned sandboxes");
+            }
         }
         Ok((collected, failed))
     }
@@ -297,16 +309,15 @@ impl Broker {
     /// that failed on our side but finished on the backend after the
     /// lookups that followed it (or across a restart). Each kill under its
     /// own `orphan_kill` intent.
-    async fn sweep_orphans(&self) -> Result<()> {
+    async fn sweep_orphans(
+        &self,
+        backend_name: &str,
+        cube: &crate::cube::CubeClient,
+    ) -> Result<()> {
         const ORPHAN_AGE: i64 = 300;
         let filter: std::collections::BTreeMap<String, String> =
             [("appliance".to_string(), self.appliance_id())].into();
-        let found = self
-            .inner
-            .cube
-            .list(&filter, None)
-            .await
-            .map_err(|e| backend(&e))?;
+        let found = cube.list(&filter, None).await.map_err(|e| backend(&e))?;
         if found.is_empty() {
             return Ok(());
         }
@@ -324,7 +335,7 @@ impl Broker {
             if held.contains(&s.sandbox_id) || now - started < ORPHAN_AGE {
                 continue;
             }
-            if let Err(e) = self.kill_orphan(&s.sandbox_id, None).await {
+            if let Err(e) = self.kill_orphan(backend_name, &s.sandbox_id, None).await {
                 tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not kill a sandbox no lease holds");
             }
         }
@@ -334,9 +345,16 @@ impl Broker {
     /// Kill a sandbox no lease holds under an `orphan_kill` intent by the
     /// appliance (with the tenant, runtime, profile and session of `base`,
     /// the failed create's event, when known). Gone already counts as done.
-    pub(crate) async fn kill_orphan(&self, sandbox_id: &str, base: Option<&Event>) -> Result<()> {
+    pub(crate) async fn kill_orphan(
+        &self,
+        backend_name: &str,
+        sandbox_id: &str,
+        base: Option<&Event>,
+    ) -> Result<()> {
+        let cube = self.client(backend_name)?;
         let j = &self.inner.journal;
         let mut ev = j.event("orphan_kill");
+        ev.backend = Some(backend_name.to_string());
         ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
         if let Some(b) = base {
             ev.tenant_digest = b.tenant_digest.clone();
@@ -346,7 +364,7 @@ impl Broker {
         }
         ev.sandbox_ref = Some(sandbox_id.chars().take(8).collect());
         let intent = j.intent(ev).await?;
-        match self.inner.cube.kill(sandbox_id).await {
+        match cube.kill(sandbox_id).await {
             Ok(()) => {
                 tracing::warn!(sandbox = %sandbox_id.get(..8).unwrap_or_default(), "killed a sandbox no lease holds");
                 j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
@@ -399,8 +417,7 @@ impl Broker {
             .intent(self.system_event(action, l))
             .await?;
         match self
-            .inner
-            .cube
+            .client(&l.backend)?
             .set_timeout(&l.sandbox_id, i64::try_from(secs).unwrap_or(i64::MAX))
             .await
         {
@@ -460,7 +477,7 @@ impl Broker {
             let Some(prof) = self.profile(&l.profile) else {
                 continue;
             };
-            if l.state != LeaseState::Running {
+            if l.state != LeaseState::Running || !self.backend_up(&l.backend) {
                 continue;
             }
             let every = Duration::from_secs((prof.sandbox_timeout_seconds / 3).max(1));

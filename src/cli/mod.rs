@@ -11,6 +11,7 @@
 //!   the configuration, the runtime, the shutdown signal, reaching the
 //!   store or the running service (STATE/admin.sock).
 //! - `serve`: `serve`, `config check`.
+//! - `config`: `config import` (the reference adapter's configuration).
 //! - `tokens`: `token create|list|revoke` (and client certificates).
 //! - `users`: `user add|list|passwd|disable|enable|remove`.
 //! - `audit`: `audit verify|export|reconcile`, `receipt verify`.
@@ -49,6 +50,7 @@ mod backend;
 mod backup;
 mod bench;
 mod common;
+mod config;
 /// `pub`: the console's "Connect an agent" page shares its generator.
 pub mod connect;
 mod mcp;
@@ -67,9 +69,10 @@ use self::audit::{AuditCommand, ReceiptCommand};
 use self::backend::EmbeddedBackendArgs;
 use self::backup::{BackupArgs, RestoreArgs};
 use self::bench::BenchCommand;
+use self::config::ConfigCommand;
 use self::ops::{CertCommand, InitArgs, StatusArgs};
 use self::sandboxes::{SandboxesCommand, TemplateCommand};
-use self::serve::{ConfigCommand, ServeArgs};
+use self::serve::ServeArgs;
 use self::tokens::TokenCommand;
 use self::users::UserCommand;
 
@@ -272,7 +275,10 @@ pub fn run() -> ExitCode {
 fn dispatch(command: Command) -> Exit {
     match command {
         Command::Serve(a) => serve::serve(a),
-        Command::Config(ConfigCommand::Check(a)) => serve::config_check(a),
+        Command::Config(ConfigCommand::Check(serve::ConfigCommand::Check(a))) => {
+            serve::config_check(a)
+        }
+        Command::Config(ConfigCommand::Import(a)) => config::import(a),
         Command::Token(TokenCommand::Create(a)) => tokens::create(a),
         Command::Token(TokenCommand::List(a)) => tokens::list(a),
         Command::Token(TokenCommand::Revoke(a)) => tokens::revoke(a),

@@ -226,34 +226,18 @@ fn print_status(v: &Value) {
             s("/url"),
             if ready { "ready" } else { "NOT READY" }
         );
-        let templates: Vec<String> = v
-            .pointer("/backend/templates")
+        // Each backend (one: as before, under `backend`).
+        let several = v
+            .get("backends")
             .and_then(Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .map(|(k, x)| format!("{k}: {}", x.as_str().unwrap_or("")))
-                    .collect()
-            })
-            .unwrap_or_default();
-        println!(
-            "  backend:      {} ({})",
-            s("/backend/description"),
-            templates.join(", ")
-        );
-        for c in v
-            .pointer("/backend/checklist")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            let ok = c.get("ok").and_then(Value::as_bool) == Some(true);
-            let what = c.get("check").and_then(Value::as_str).unwrap_or("");
-            let detail = c.get("detail").and_then(Value::as_str).unwrap_or("");
-            if ok {
-                println!("    [ok]   {what}");
-            } else {
-                println!("    [FAIL] {what}: {detail}");
-            }
+            .filter(|m| m.len() > 1);
+        let one = v.get("backend").cloned().unwrap_or_default();
+        let list: Vec<(String, Value)> = match several {
+            Some(m) => m.iter().map(|(k, x)| (k.clone(), x.clone())).collect(),
+            None => vec![(String::new(), one)],
+        };
+        for (name, b) in list {
+            print_backend(&name, &b);
         }
         println!(
             "  audit:        {} mode, {}",
@@ -490,4 +474,60 @@ pub fn cert_renew(args: CertRenewArgs) -> Exit {
         );
     }
     Exit::Ok
+}
+
+/// One backend of `status`: what it is, its templates, its checklist;
+/// DOWN when its health watch finds it so.
+fn print_backend(name: &str, b: &Value) {
+    let templates: Vec<String> = b
+        .get("templates")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .map(|(k, x)| format!("{k}: {}", x.as_str().unwrap_or("")))
+                .collect()
+        })
+        .unwrap_or_default();
+    let desc = b.get("description").and_then(Value::as_str).unwrap_or("");
+    let down = b.get("up").and_then(Value::as_bool) == Some(false);
+    let label = if name.is_empty() {
+        "backend:".to_string()
+    } else {
+        format!("backend {name}:")
+    };
+    let leases = b.get("leases").and_then(Value::as_u64).unwrap_or(0);
+    println!(
+        "  {label:<13} {desc} ({}){}{}",
+        templates.join(", "),
+        if name.is_empty() {
+            String::new()
+        } else {
+            format!(", {leases} lease(s)")
+        },
+        if down {
+            format!(
+                ", DOWN: {}",
+                b.get("problem")
+                    .and_then(Value::as_str)
+                    .unwrap_or("no answer")
+            )
+        } else {
+            String::new()
+        }
+    );
+    for c in b
+        .get("checklist")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let ok = c.get("ok").and_then(Value::as_bool) == Some(true);
+        let what = c.get("check").and_then(Value::as_str).unwrap_or("");
+        let detail = c.get("detail").and_then(Value::as_str).unwrap_or("");
+        if ok {
+            println!("    [ok]   {what}");
+        } else {
+            println!("    [FAIL] {what}: {detail}");
+        }
+    }
 }

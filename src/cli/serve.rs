@@ -71,7 +71,7 @@ pub fn serve(args: ServeArgs) -> Exit {
             return Exit::Store;
         }
     };
-    if cfg.backend.is_none()
+    if cfg.embedded_backend().is_some()
         && let Err(e) = crate::app::enter_subordinate_ids(cfg.embedded.isolation)
     {
         eprintln!("error: {e}");

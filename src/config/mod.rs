@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub mod import;
 pub mod paths;
 pub mod tasks;
 
@@ -36,8 +37,13 @@ pub struct Config {
     /// Reference-format principals file (JSON).
     pub tokens_file: Option<PathBuf>,
     pub audit: AuditConfig,
-    /// A CubeSandbox backend; absent: the embedded backend.
+    /// A CubeSandbox backend; absent: the embedded backend. The legacy
+    /// form of `[backends.default]` (one or the other, not both).
     pub backend: Option<BackendSection>,
+    /// The backends by name (`[backends.NAME]`): profiles name theirs
+    /// (`backend`), else run on the one named `default`, or the only one.
+    /// Empty: `[backend]` if set, else the embedded backend, as `default`.
+    pub backends: BTreeMap<String, BackendDef>,
     pub embedded: EmbeddedSection,
     /// Profiles by name; the shipped ones unless the file defines any.
     pub profiles: BTreeMap<String, Profile>,
@@ -514,6 +520,59 @@ pub struct BackendSection {
     pub client_key_file: Option<PathBuf>,
     #[serde(default)]
     pub insecure_plain_http: bool,
+    /// The template of the profiles on this backend that name none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+}
+
+pub use crate::store::leases::DEFAULT_BACKEND;
+
+/// One backend of `[backends.NAME]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum BackendDef {
+    /// A CubeSandbox cluster: CubeAPI, CubeProxy, credentials.
+    Cubesandbox(BackendSection),
+    /// The embedded backend (at most one), with `[embedded]`'s settings but
+    /// where this names its own.
+    Embedded(EmbeddedBackend),
+}
+
+impl BackendDef {
+    pub fn is_embedded(&self) -> bool {
+        matches!(self, Self::Embedded(_))
+    }
+
+    /// The template of the profiles on it that name none.
+    pub fn template(&self) -> Option<&str> {
+        match self {
+            Self::Cubesandbox(b) => b.template.as_deref(),
+            Self::Embedded(e) => e.template.as_deref(),
+        }
+    }
+
+    /// Whether two definitions describe the same backend (a reload that
+    /// changes one replaces its client).
+    pub fn same_as(&self, other: &Self) -> bool {
+        serde_json::to_value(self).ok() == serde_json::to_value(other).ok()
+    }
+}
+
+/// `[backends.NAME] kind = "embedded"`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddedBackend {
+    /// Where its sandboxes, snapshots and volumes live (default
+    /// `[embedded] state_dir`, else `STATE/embedded`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<PathBuf>,
+    /// Its templates, besides the built-in ones (default `[embedded]
+    /// templates`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub templates: Vec<TemplateConfig>,
+    /// The template of the profiles on it that name none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
 }
 
 impl BackendSection {
@@ -617,6 +676,10 @@ pub struct Lifecycle {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Profile {
+    /// The backend that runs it (`[backends.NAME]`); none: `default`, or
+    /// the only one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
     pub template: String,
     pub sandbox_timeout_seconds: u64,
     pub max_command_seconds: u64,
@@ -642,11 +705,123 @@ pub struct Profile {
     /// templates of this profile (off: nobody approves their own plan).
     pub admin_self_approval: bool,
     pub max_keepalive_seconds: u64,
+    /// A volume mounted in its sandboxes (the reference's `workspace`).
+    /// Not written when it is the default: profile digests made before
+    /// workspaces stay the same.
+    #[serde(skip_serializing_if = "Workspace::is_default")]
+    pub workspace: Workspace,
+}
+
+/// How a profile's sandboxes keep their files (`[profiles.NAME.workspace]`,
+/// the reference's §3.7).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Workspace {
+    pub mode: WorkspaceMode,
+    /// Where the volume is mounted.
+    pub mount_path: String,
+    /// `existing-volume`: the operator's volume (never destroyed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_id: Option<String>,
+    /// `per-session-volume`: a fixed name instead of one per session.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_name: Option<String>,
+    /// `per-session-volume`: the backend's volume driver.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    pub read_only: bool,
+    /// Keep an owned volume when its lease is killed or collected.
+    pub retain_on_kill: bool,
+    /// `per-session-volume`: the volume's size (MiB); 0: the backend's
+    /// default (the embedded backend: a directory, no limit).
+    pub size_mb: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkspaceMode {
+    #[default]
+    Ephemeral,
+    ExistingVolume,
+    PerSessionVolume,
+}
+
+impl Default for Workspace {
+    fn default() -> Self {
+        Self {
+            mode: WorkspaceMode::Ephemeral,
+            mount_path: "/workspace".into(),
+            volume_id: None,
+            volume_name: None,
+            driver: None,
+            read_only: false,
+            retain_on_kill: true,
+            size_mb: 0,
+        }
+    }
+}
+
+impl Workspace {
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    pub fn mounts(&self) -> bool {
+        self.mode != WorkspaceMode::Ephemeral
+    }
+
+    fn validate(&self, profile: &str) -> Result<(), String> {
+        let e = |m: String| Err(format!("profile {profile}: workspace.{m}"));
+        let volume_name_ok = |n: &str| {
+            !n.is_empty()
+                && n.len() <= 128
+                && n.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        };
+        if !self.mount_path.starts_with('/')
+            || self.mount_path == "/"
+            || self.mount_path.split('/').any(|c| c == ".." || c == ".")
+        {
+            return e(format!(
+                "mount_path must be an absolute path below / (got {:?})",
+                self.mount_path
+            ));
+        }
+        match self.mode {
+            WorkspaceMode::Ephemeral => {}
+            WorkspaceMode::ExistingVolume => match &self.volume_id {
+                Some(v) if volume_name_ok(v) => {}
+                Some(v) => {
+                    return e(format!(
+                        "volume_id {v:?} must match ^[A-Za-z0-9_-]{{1,128}}$"
+                    ));
+                }
+                None => return e("volume_id is required with mode existing-volume".into()),
+            },
+            WorkspaceMode::PerSessionVolume => {
+                if let Some(v) = &self.volume_name
+                    && !volume_name_ok(v)
+                {
+                    return e(format!(
+                        "volume_name {v:?} must match ^[A-Za-z0-9_-]{{1,128}}$"
+                    ));
+                }
+                if self.volume_id.is_some() {
+                    return e("volume_id belongs to mode existing-volume".into());
+                }
+            }
+        }
+        if self.mode != WorkspaceMode::PerSessionVolume && self.size_mb > 0 {
+            return e("size_mb applies to mode per-session-volume only".into());
+        }
+        Ok(())
+    }
 }
 
 impl Default for Profile {
     fn default() -> Self {
         Self {
+            backend: None,
             // The embedded backend's `minimal` (`embedded::sandbox::MINIMAL_TEMPLATE`).
             template: "minimal".into(),
             sandbox_timeout_seconds: 300,
@@ -668,6 +843,7 @@ impl Default for Profile {
             ptys_enabled: true,
             admin_self_approval: false,
             max_keepalive_seconds: 3600,
+            workspace: Workspace::default(),
         }
     }
 }
@@ -758,6 +934,7 @@ impl Default for Config {
             tokens_file: None,
             audit: AuditConfig::default(),
             backend: None,
+            backends: BTreeMap::new(),
             embedded: EmbeddedSection::default(),
             profiles: BTreeMap::new(),
             hashing_slots: 2,
@@ -801,9 +978,23 @@ impl Config {
         let path = file
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
+        // Profiles the file gives a template: the others take their
+        // backend's (`template` of `[backends.NAME]`), if it names one.
+        let mut explicit_templates = std::collections::BTreeSet::new();
         let mut cfg = match std::fs::read_to_string(&path) {
             Ok(text) => {
-                toml::from_str::<Config>(&text).map_err(|e| format!("{}: {e}", path.display()))?
+                let cfg = toml::from_str::<Config>(&text)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                if let Ok(raw) = toml::from_str::<toml::Table>(&text)
+                    && let Some(toml::Value::Table(ps)) = raw.get("profiles")
+                {
+                    for (name, p) in ps {
+                        if p.get("template").is_some() {
+                            explicit_templates.insert(name.clone());
+                        }
+                    }
+                }
+                cfg
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && file.is_none() => {
                 Config::default()
@@ -897,8 +1088,107 @@ impl Config {
         if cfg.profiles.is_empty() {
             cfg.profiles = shipped_profiles();
         }
+        let defs = cfg.backend_defs();
+        let fills: Vec<(String, String)> = cfg
+            .profiles
+            .iter()
+            .filter(|(name, _)| !explicit_templates.contains(*name))
+            .filter_map(|(name, p)| {
+                let t = defs.get(cfg.profile_backend(p)?)?.template()?;
+                Some((name.clone(), t.to_string()))
+            })
+            .collect();
+        for (name, t) in fills {
+            if let Some(p) = cfg.profiles.get_mut(&name) {
+                p.template = t;
+            }
+        }
         cfg.validate()?;
         Ok((cfg, warnings))
+    }
+
+    /// The backends by name: `[backends]`, else `[backend]` or the
+    /// embedded backend as `default`.
+    pub fn backend_defs(&self) -> BTreeMap<String, BackendDef> {
+        if !self.backends.is_empty() {
+            return self.backends.clone();
+        }
+        let def = match &self.backend {
+            Some(b) => BackendDef::Cubesandbox(b.clone()),
+            None => BackendDef::Embedded(EmbeddedBackend::default()),
+        };
+        BTreeMap::from([(DEFAULT_BACKEND.to_string(), def)])
+    }
+
+    /// The name of the backend a profile runs on: its own, else `default`,
+    /// else the only one (`None`: it names none and there is no telling).
+    pub fn profile_backend<'a>(&'a self, p: &'a Profile) -> Option<&'a str> {
+        if let Some(b) = &p.backend {
+            return Some(b);
+        }
+        if self.backends.is_empty() || self.backends.contains_key(DEFAULT_BACKEND) {
+            return Some(DEFAULT_BACKEND);
+        }
+        match self.backends.len() {
+            1 => self.backends.keys().next().map(String::as_str),
+            _ => None,
+        }
+    }
+
+    /// The embedded backend's name and definition, if one is configured.
+    pub fn embedded_backend(&self) -> Option<(String, EmbeddedBackend)> {
+        self.backend_defs().into_iter().find_map(|(n, d)| match d {
+            BackendDef::Embedded(e) => Some((n, e)),
+            BackendDef::Cubesandbox(_) => None,
+        })
+    }
+
+    fn validate_backends(&self) -> Result<(), String> {
+        if self.backend.is_some() && !self.backends.is_empty() {
+            return Err(
+                "[backend] and [backends.*] together: move [backend] to [backends.default] (kind = \"cubesandbox\")"
+                    .into(),
+            );
+        }
+        let mut embedded = vec![];
+        for (name, d) in &self.backends {
+            if !valid_profile_name(name) {
+                return Err(format!(
+                    "backend name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
+                ));
+            }
+            match d {
+                BackendDef::Cubesandbox(b) => {
+                    b.validate().map_err(|e| format!("backends.{name}: {e}"))?
+                }
+                BackendDef::Embedded(_) => embedded.push(name.as_str()),
+            }
+        }
+        if embedded.len() > 1 {
+            return Err(format!(
+                "backends: at most one embedded backend (found {})",
+                embedded.join(", ")
+            ));
+        }
+        let defs = self.backend_defs();
+        for (name, p) in &self.profiles {
+            match self.profile_backend(p) {
+                Some(b) if defs.contains_key(b) => {}
+                Some(b) => {
+                    return Err(format!(
+                        "profile {name}: backend '{b}' is not configured (backends: {})",
+                        defs.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ));
+                }
+                None => {
+                    return Err(format!(
+                        "profile {name}: name its backend (one of {}); with several backends and none named default, every profile names one",
+                        defs.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -930,7 +1220,12 @@ impl Config {
                     "profile {name}: lifecycle.on_timeout must be pause or kill"
                 ));
             }
-            p.network.validate(name, self.backend.is_none())?;
+            p.workspace.validate(name)?;
+            let embedded = self
+                .profile_backend(p)
+                .and_then(|b| self.backend_defs().remove(b))
+                .is_some_and(|d| d.is_embedded());
+            p.network.validate(name, embedded)?;
             if p.disk_mb > 0 && p.disk_mb < crate::embedded::disk::MIN_MB {
                 return Err(format!(
                     "profile {name}: disk_mb must be 0 (the backend's default) or at least {}",
@@ -943,6 +1238,7 @@ impl Config {
                 ));
             }
         }
+        self.validate_backends()?;
         self.connections.validate()?;
         self.console.validate()?;
         self.auth.validate()?;
@@ -1271,6 +1567,141 @@ mod tests {
             let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
             assert!(e.contains(bad.split(' ').next().unwrap()), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn backends_are_named_and_each_profile_runs_on_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        let load = |body: &str| {
+            std::fs::write(&f, body).unwrap();
+            Config::load(Some(&f), &[], &Flags::default())
+        };
+        // No backend at all: the embedded one, as `default`.
+        let (c, _) = load("").unwrap();
+        let defs = c.backend_defs();
+        assert_eq!(defs.keys().collect::<Vec<_>>(), ["default"]);
+        assert!(defs["default"].is_embedded());
+        let p = &c.profiles["offline-code"];
+        assert_eq!(c.profile_backend(p), Some("default"));
+        let two = r#"
+[backends.staging]
+kind = "cubesandbox"
+api_url = "https://staging.example:3000"
+proxy_url = "https://cube.staging.example"
+template = "tpl-staging"
+
+[backends.production]
+kind = "cubesandbox"
+api_url = "https://prod.example:3000"
+proxy_url = { url = "https://cube.app", dial = "10.0.0.5:443" }
+"#;
+        // Several, none named default: a profile must name its own.
+        let e = load(two).unwrap_err();
+        assert!(e.contains("name its backend"), "{e}");
+        let (c, _) = load(&format!(
+            "{two}
+[profiles.stage]
+backend = \"staging\"
+
+[profiles.prod]
+backend = \"production\"
+template = \"tpl-prod\"
+"
+        ))
+        .unwrap();
+        // A profile without a template takes its backend's.
+        assert_eq!(c.profiles["stage"].template, "tpl-staging");
+        assert_eq!(c.profiles["prod"].template, "tpl-prod");
+        assert_eq!(c.profile_backend(&c.profiles["prod"]), Some("production"));
+        // An unknown backend, an unknown key, two embedded, both forms.
+        let e = load(&format!(
+            "{two}
+[profiles.x]
+backend = \"nowhere\"
+"
+        ))
+        .unwrap_err();
+        assert!(e.contains("backend 'nowhere' is not configured"), "{e}");
+        let e = load(
+            "[backends.a]
+kind = \"cubesandbox\"
+api_url = \"https://a.example\"
+proxy_url = \"https://p.example\"
+bogus = 1
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("bogus"), "{e}");
+        let e = load(
+            "[backends.a]
+kind = \"embedded\"
+[backends.b]
+kind = \"embedded\"
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("at most one embedded"), "{e}");
+        let e = load(
+            "[backends.a]
+kind = \"kvm\"
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("kvm"), "{e}");
+        let e = load(
+            "[backend]
+api_url = \"https://a.example\"
+proxy_url = \"https://p.example\"
+[backends.default]
+kind = \"embedded\"
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("[backend] and [backends.*] together"), "{e}");
+        // One backend of any name serves profiles that name none.
+        let (c, _) = load(
+            "[backends.local]
+kind = \"embedded\"
+",
+        )
+        .unwrap();
+        assert_eq!(
+            c.profile_backend(&c.profiles["offline-code"]),
+            Some("local")
+        );
+        // Workspaces are checked.
+        let e = load(
+            "[profiles.w.workspace]
+mode = \"existing-volume\"
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("volume_id is required"), "{e}");
+        let e = load(
+            "[profiles.w.workspace]
+mode = \"per-session-volume\"
+mount_path = \"work\"
+",
+        )
+        .unwrap_err();
+        assert!(e.contains("mount_path must be an absolute path"), "{e}");
+        let (c, _) = load(
+            "[profiles.w.workspace]
+mode = \"per-session-volume\"
+size_mb = 64
+",
+        )
+        .unwrap();
+        let w = &c.profiles["w"].workspace;
+        assert_eq!(
+            (w.mount_path.as_str(), w.retain_on_kill, w.size_mb),
+            ("/workspace", true, 64)
+        );
+        // The default workspace is not part of a profile's serialised form
+        // (digests of plans made before workspaces stay the same).
+        let v = serde_json::to_value(Profile::default()).unwrap();
+        assert!(v.get("workspace").is_none() && v.get("backend").is_none());
     }
 
     #[test]

@@ -10,8 +10,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::wire::{
-    ApiErrorBody, CreateSandbox, RefreshBody, RollbackBody, RollbackDone, Sandbox, SandboxDetail,
-    SnapshotBody, SnapshotCreated, SnapshotInfo, TemplateInfo, TimeoutBody,
+    ApiErrorBody, CreateSandbox, CreateVolume, RefreshBody, RollbackBody, RollbackDone, Sandbox,
+    SandboxDetail, SnapshotBody, SnapshotCreated, SnapshotInfo, TemplateInfo, TimeoutBody, Volume,
 };
 use super::{CubeError, ErrorKind, Result};
 
@@ -926,6 +926,59 @@ impl CubeClient {
         }
     }
 
+    /// `POST /volumes`: 201 `{volumeID, name, token}`. An empty name lets
+    /// the server pick the ID.
+    pub async fn create_volume(&self, req: &CreateVolume) -> Result<Volume> {
+        let v: Volume = self
+            .call_json(
+                Method::POST,
+                "/volumes",
+                Some(req),
+                self.t(),
+                "create volume",
+            )
+            .await?;
+        if !super::wire::valid_volume_id(&v.volume_id) {
+            return Err(CubeError::protocol(
+                "create volume: invalid volumeID in response",
+            ));
+        }
+        Ok(v)
+    }
+
+    /// `GET /volumes/{id}`.
+    pub async fn get_volume(&self, id: &str) -> Result<Volume> {
+        check_volume_id(id)?;
+        self.call_json::<(), _>(
+            Method::GET,
+            &format!("/volumes/{id}"),
+            None,
+            self.t(),
+            "get volume",
+        )
+        .await
+    }
+
+    /// `DELETE /volumes/{id}`: a missing volume is a `NotFound` error.
+    pub async fn delete_volume(&self, id: &str) -> Result<()> {
+        check_volume_id(id)?;
+        self.call_empty::<()>(
+            Method::DELETE,
+            &format!("/volumes/{id}"),
+            None,
+            self.t(),
+            "delete volume",
+            Idempotent::Yes,
+        )
+        .await
+    }
+
+    /// `GET /volumes` (the list carries no tokens: each `token` is "").
+    pub async fn list_volumes(&self) -> Result<Vec<Volume>> {
+        self.call_json::<(), _>(Method::GET, "/volumes", None, self.t(), "list volumes")
+            .await
+    }
+
     /// The address of a sandbox for the data plane.
     pub fn addr(&self, s: &Sandbox) -> SandboxAddr {
         SandboxAddr {
@@ -965,6 +1018,18 @@ fn check_id(id: &str) -> Result<()> {
         Ok(())
     } else {
         Err(CubeError::new(ErrorKind::InvalidArgument, "invalid id"))
+    }
+}
+
+/// Volume ids are `[A-Za-z0-9_-]`, 1 to 128: never let one rewrite a path.
+fn check_volume_id(id: &str) -> Result<()> {
+    if super::wire::valid_volume_id(id) {
+        Ok(())
+    } else {
+        Err(CubeError::new(
+            ErrorKind::InvalidArgument,
+            "invalid volume id",
+        ))
     }
 }
 

@@ -86,6 +86,75 @@ pub struct CreateSandbox {
         skip_serializing_if = "BTreeMap::is_empty"
     )]
     pub env_vars: BTreeMap<String, String>,
+    /// Volumes to mount (`POST /volumes` made them). From a snapshot: None
+    /// re-attaches the volumes the snapshot recorded; `Some` (even empty)
+    /// replaces them.
+    #[serde(
+        default,
+        rename = "volumeMounts",
+        alias = "volume_mounts",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub volume_mounts: Option<Vec<VolumeMount>>,
+}
+
+/// One entry of `volumeMounts`: the volume `name` (its ID) at `path`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeMount {
+    /// The volume's ID.
+    pub name: String,
+    /// Where it appears in the sandbox (absolute).
+    pub path: String,
+    #[serde(
+        default,
+        rename = "readOnly",
+        alias = "read_only",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub read_only: Option<bool>,
+}
+
+impl VolumeMount {
+    pub fn is_read_only(&self) -> bool {
+        self.read_only == Some(true)
+    }
+}
+
+/// `POST /volumes` body.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct CreateVolume {
+    /// `^[a-zA-Z0-9_-]+$`, at most 128; empty: the server picks a UUID.
+    #[serde(default)]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    /// The volume's size (MiB): an extension the embedded backend honours
+    /// (a file system of that size, when it runs as root); CubeAPI ignores
+    /// it.
+    #[serde(default, rename = "sizeMB", skip_serializing_if = "Option::is_none")]
+    pub size_mb: Option<u64>,
+}
+
+/// A volume, as `POST /volumes` and `GET /volumes/{id}` return it (the
+/// list omits `token`, read as "").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Volume {
+    #[serde(rename = "volumeID")]
+    pub volume_id: String,
+    #[serde(default)]
+    pub name: String,
+    /// Always present on create and get, `""` when there is none.
+    #[serde(default)]
+    pub token: String,
+}
+
+/// One entry of `GET /volumes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeInfo {
+    #[serde(rename = "volumeID")]
+    pub volume_id: String,
+    #[serde(default)]
+    pub name: String,
 }
 
 /// `Sandbox` as returned by create, connect and resume.
@@ -136,6 +205,8 @@ pub struct SandboxDetail {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
     pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_mounts: Option<Vec<VolumeMount>>,
 }
 
 /// `POST /sandboxes/{id}/timeout` and `/connect` bodies.
@@ -659,6 +730,16 @@ pub fn valid_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
+/// A volume ID as CubeAPI validates it: `[A-Za-z0-9_-]`, 1 to 128 bytes
+/// (also what a volume name may be).
+pub fn valid_volume_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
 /// An envd version, for the features that depend on it (as the SDK 0.7.3
 /// decides them): CloseStdin needs 0.5.2; `application/octet-stream`
 /// uploads need 0.5.7 (older ones take multipart only). Unknown or
@@ -786,5 +867,40 @@ mod tests {
                 ..Default::default()
             })
         );
+    }
+
+    #[test]
+    fn volume_shapes() {
+        let c = CreateSandbox {
+            template_id: "t".into(),
+            ..Default::default()
+        };
+        assert!(!serde_json::to_string(&c).unwrap().contains("volumeMounts"));
+        let c = CreateSandbox {
+            volume_mounts: Some(vec![VolumeMount {
+                name: "v1".into(),
+                path: "/mnt/v".into(),
+                read_only: Some(true),
+            }]),
+            ..c
+        };
+        let s = serde_json::to_string(&c).unwrap();
+        assert!(
+            s.contains(r#""volumeMounts":[{"name":"v1","path":"/mnt/v","readOnly":true}]"#),
+            "{s}"
+        );
+        let v: Volume = serde_json::from_str(r#"{"volumeID":"a","name":"a"}"#).unwrap();
+        assert_eq!(v.token, "");
+        let s = serde_json::to_string(&CreateVolume {
+            name: "a".into(),
+            driver: None,
+            size_mb: Some(32),
+        })
+        .unwrap();
+        assert_eq!(s, r#"{"name":"a","sizeMB":32}"#);
+        assert!(valid_volume_id("a_b-C9"));
+        assert!(!valid_volume_id(""));
+        assert!(!valid_volume_id("a.b"));
+        assert!(!valid_volume_id(&"a".repeat(129)));
     }
 }

@@ -60,15 +60,22 @@ fn run(cmd: &mut Command) -> std::io::Result<()> {
 /// Make a disk of `mb` MiB for the sandbox in `dir` and mount it on
 /// `dir/state` (made here).
 pub fn make(dir: &Path, mb: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
     let img = dir.join(IMAGE);
     let state = dir.join("state");
     std::fs::create_dir_all(&state)?;
+    make_image(&img, mb)?;
+    mount_image(&img, &state)
+}
+
+/// Make the sparse image `img` (which must not exist) of `mb` MiB with an
+/// empty ext4 file system in it (also a sized volume's, `volumes.rs`).
+pub fn make_image(img: &Path, mb: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
-        .open(&img)?;
+        .open(img)?;
     f.set_len(mb.saturating_mul(1024 * 1024))?;
     drop(f);
     let mkfs = tool("mkfs.ext4").ok_or_else(|| std::io::Error::other("no mkfs.ext4"))?;
@@ -88,8 +95,7 @@ pub fn make(dir: &Path, mb: u64) -> std::io::Result<()> {
             "-E",
             "lazy_itable_init=1",
         ])
-        .arg(&img))?;
-    mount_image(&img, &state)
+        .arg(img))
 }
 
 fn mount_image(source: &Path, state: &Path) -> std::io::Result<()> {
@@ -101,7 +107,7 @@ fn mount_image(source: &Path, state: &Path) -> std::io::Result<()> {
 }
 
 /// Whether `path` is a mount point (its device differs from its parent's).
-fn is_mount_point(path: &Path) -> bool {
+pub fn is_mount_point(path: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     match (
         std::fs::metadata(path),
@@ -123,27 +129,62 @@ pub fn remount(dir: &Path) -> std::io::Result<()> {
     if !img.exists() || is_mount_point(&state) {
         return Ok(());
     }
+    match loop_device_of(&img)? {
+        Some(dev) => mount_device(&dev, &state),
+        None => Err(std::io::Error::other(format!(
+            "no loop device holds {}",
+            img.display()
+        ))),
+    }
+}
+
+/// The loop device whose backing file is `img`, if one is attached.
+pub fn loop_device_of(img: &Path) -> std::io::Result<Option<PathBuf>> {
     let canonical = img.canonicalize()?;
-    let dev = std::fs::read_dir("/sys/block")?
+    Ok(std::fs::read_dir("/sys/block")?
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
         .find(|e| {
             std::fs::read_to_string(e.path().join("loop/backing_file"))
                 .is_ok_and(|b| Path::new(b.trim()) == canonical)
         })
-        .map(|e| PathBuf::from("/dev").join(e.file_name()));
-    match dev {
-        Some(dev) => {
-            let mount = tool("mount").ok_or_else(|| std::io::Error::other("no mount"))?;
-            run(Command::new(mount)
-                .args(["-o", "nosuid,nodev,noatime,discard"])
-                .arg(dev)
-                .arg(&state))
+        .map(|e| PathBuf::from("/dev").join(e.file_name())))
+}
+
+fn mount_device(dev: &Path, point: &Path) -> std::io::Result<()> {
+    let mount = tool("mount").ok_or_else(|| std::io::Error::other("no mount"))?;
+    run(Command::new(mount)
+        .args(["-o", "nosuid,nodev,noatime,discard"])
+        .arg(dev)
+        .arg(point))
+}
+
+/// Mount the image `img` on `point` unless it is mounted there already:
+/// through the loop device that holds it still (a sandbox's mounts keep
+/// one after this process's own mount went), never a second one on the
+/// same image (two file systems on one image corrupt it); else through a
+/// new loop device, which detaches by itself when its last mount goes.
+pub fn attach_image(img: &Path, point: &Path) -> std::io::Result<()> {
+    if is_mount_point(point) {
+        return Ok(());
+    }
+    if let Some(dev) = loop_device_of(img)? {
+        match mount_device(&dev, point) {
+            Ok(()) => return Ok(()),
+            // It detached meanwhile (its last mount had just gone): a
+            // new one below.
+            Err(e) if loop_device_of(img)?.is_some() => return Err(e),
+            Err(_) => {}
         }
-        None => Err(std::io::Error::other(format!(
-            "no loop device holds {}",
-            img.display()
-        ))),
+    }
+    mount_image(img, point)
+}
+
+/// Unmount what is mounted on `point`, lazily (mounts of it elsewhere,
+/// in sandboxes, keep it until they end). Nothing when none is.
+pub fn detach(point: &Path) {
+    if is_mount_point(point) {
+        let _ = nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH);
     }
 }
 

@@ -103,6 +103,9 @@ pub struct LaunchSpec {
     pub env_vars: Vec<(String, String)>,
     /// Host paths hidden from the sandbox (the appliance's state directories).
     pub mask: Vec<PathBuf>,
+    /// Volumes bound into the sandbox (`volumes.rs`), after the masks.
+    #[serde(default)]
+    pub volumes: Vec<super::volumes::VolumeBind>,
     /// The backend's heartbeat file (`HEARTBEAT_FILE`), which the init
     /// watches (see `Watch`). None: no watchdog (older specs).
     #[serde(default)]
@@ -293,6 +296,9 @@ impl Watch {
     }
 }
 pub const INIT_FILE: &str = "init.json";
+/// How a launch that failed at a volume's mount point says so (the backend
+/// answers 400 with the rest of the line).
+pub const VOLUME_MOUNT_FAILED: &str = "cannot mount volume";
 pub const SOCKET: &str = "run/envd.sock";
 
 /// `/proc/self/fd/N/envd.sock` for a descriptor of a sandbox's run directory.
@@ -458,6 +464,8 @@ struct Dirs {
     workspace: OwnedFd,
     tmp: OwnedFd,
     home: OwnedFd,
+    /// Each of `spec.volumes`' `data/`, in order.
+    volumes: Vec<OwnedFd>,
 }
 
 fn fd_path(fd: &OwnedFd) -> PathBuf {
@@ -529,6 +537,11 @@ fn unshare_child(
         workspace: opath(&dir.join("state/workspace"))?,
         tmp: opath(&dir.join("state/tmp"))?,
         home: opath(&dir.join("state/home"))?,
+        volumes: spec
+            .volumes
+            .iter()
+            .map(|v| opath(&v.source))
+            .collect::<anyhow::Result<_>>()?,
     };
     let watch = Watch::open(dir, spec.heartbeat.as_deref())?;
     signal_line(ready, "unshared");
@@ -856,6 +869,12 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
                 .with_context(|| format!("mask {}", m.display()))?;
         }
     }
+    // Volumes, after the masks (a volume is bound by itself: nothing else
+    // of the state directory it is in shows).
+    for (v, fd) in spec.volumes.iter().zip(&fds.volumes) {
+        bind_volume(nr, fd, v)
+            .with_context(|| format!("{VOLUME_MOUNT_FAILED} {} at {}", v.id, v.target.display()))?;
+    }
 
     std::fs::create_dir(nr.join(".oldroot"))?;
     nix::unistd::pivot_root(nr, &nr.join(".oldroot")).context("pivot_root")?;
@@ -1022,20 +1041,59 @@ fn minimal_etc(src: &Path, dst: &Path, egress: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Bind volume `v` (its `data/`, open as `fd`) on its path in the new root
+/// `nr`, making the missing directories of the path on the way: each one
+/// that exists must be a directory, never a link (nothing of the sandbox
+/// runs yet, so nothing changes them meanwhile). Read-only if asked;
+/// nosuid and nodev always.
+fn bind_volume(nr: &Path, fd: &OwnedFd, v: &super::volumes::VolumeBind) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::path::Component;
+    let mut at = nr.to_path_buf();
+    for c in v.target.components() {
+        match c {
+            Component::RootDir => continue,
+            Component::Normal(n) => at.push(n),
+            _ => anyhow::bail!("the path is not plain"),
+        }
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.file_type().is_symlink() => {
+                anyhow::bail!("the path goes through a symbolic link of the template")
+            }
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => anyhow::bail!("the path goes through a file of the template"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir(&at)
+                .context(
+                    "no mount point can be made there (a read-only directory of the \
+                     template? mount volumes under /mnt, /workspace or a new top-level \
+                     directory)",
+                )?,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    bind_with(&fd_path(fd), &at, v.read_only)
+}
+
 /// Bind a directory read-only, keeping the source mount's locked flags
 /// (a user namespace may not clear nosuid/nodev/noexec/atime flags).
 fn bind_ro(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    bind_with(src, dst, true)
+}
+
+/// Bind a directory (nosuid, nodev; read-only if asked, or if its source
+/// mount is), keeping the source mount's locked flags.
+fn bind_with(src: &Path, dst: &Path, read_only: bool) -> anyhow::Result<()> {
     use nix::sys::statvfs::{FsFlags, statvfs};
     let none: Option<&str> = None;
     mount(Some(src), dst, none, MsFlags::MS_BIND, none)?;
     let st = statvfs(dst)?;
     let f = st.flags();
-    let mut flags = MsFlags::MS_REMOUNT
-        | MsFlags::MS_BIND
-        | MsFlags::MS_RDONLY
-        | MsFlags::MS_NOSUID
-        | MsFlags::MS_NODEV;
+    let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    if read_only {
+        flags |= MsFlags::MS_RDONLY;
+    }
     for (fs, ms) in [
+        (FsFlags::ST_RDONLY, MsFlags::MS_RDONLY),
         (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
         (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
         (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),

@@ -19,6 +19,7 @@ pub mod subids;
 pub mod sys;
 pub mod templates;
 pub mod tree;
+pub mod volumes;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +36,7 @@ use serde::de::DeserializeOwned;
 
 use self::sandbox::{BackendError, Manager};
 use crate::cube::wire::{
-    ApiErrorBody, CreateSandbox, RefreshBody, RollbackBody, SnapshotBody, TimeoutBody,
+    ApiErrorBody, CreateSandbox, CreateVolume, RefreshBody, RollbackBody, SnapshotBody, TimeoutBody,
 };
 
 pub use self::launch::{Isolation, Limits};
@@ -99,6 +100,8 @@ impl Backend {
             .route("/snapshots", get(list_snapshots))
             .route("/templates", get(templates))
             .route("/templates/{id}", get(template).delete(delete_template))
+            .route("/volumes", post(create_volume).get(list_volumes))
+            .route("/volumes/{id}", get(get_volume).delete(delete_volume))
             .layer(middleware::from_fn_with_state(
                 self.clone(),
                 require_api_key,
@@ -432,4 +435,44 @@ async fn delete_template(
         .into_response();
     }
     BackendError::TemplateNotFound(id).into_response()
+}
+
+fn check_volume_id(id: &str) -> Result<(), Response> {
+    if crate::cube::wire::valid_volume_id(id) {
+        Ok(())
+    } else {
+        Err(bad_request(format!(
+            "invalid volume id '{}'",
+            id.escape_debug()
+        )))
+    }
+}
+
+async fn create_volume(State(b): State<Backend>, body: Bytes) -> Response {
+    let req: CreateVolume = tri!(json_body(&body));
+    match b.manager.create_volume(req).await {
+        Ok(v) => (StatusCode::CREATED, axum::Json(v)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn list_volumes(State(b): State<Backend>) -> Response {
+    axum::Json(b.manager.list_volumes()).into_response()
+}
+
+async fn get_volume(State(b): State<Backend>, Path(id): Path<String>) -> Response {
+    tri!(check_volume_id(&id));
+    match b.manager.get_volume(&id) {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /volumes/{id}`: 204; 404; 409 while a sandbox mounts it.
+async fn delete_volume(State(b): State<Backend>, Path(id): Path<String>) -> Response {
+    tri!(check_volume_id(&id));
+    match b.manager.delete_volume(&id).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
 }

@@ -19,7 +19,11 @@ use super::egress::Egress;
 use super::launch::{self, InitInfo, Isolation, LaunchSpec, Limits};
 use super::procs::Tree;
 use super::tree::{self, Shift};
-use crate::cube::wire::{self, CreateSandbox, Sandbox, SandboxDetail, SnapshotInfo, TemplateInfo};
+use super::volumes::{self, VolumeBind, VolumeMeta, Volumes};
+use crate::cube::wire::{
+    self, CreateSandbox, CreateVolume, Sandbox, SandboxDetail, SnapshotInfo, TemplateInfo,
+    VolumeMount,
+};
 use crate::ids::random_hex;
 
 /// Host uid that the first sandbox's root maps to (each sandbox gets its own
@@ -102,6 +106,8 @@ pub enum BackendError {
     TemplateNotFound(String),
     #[error("snapshot {0} not found")]
     SnapshotNotFound(String),
+    #[error("volume {0} not found")]
+    VolumeNotFound(String),
     #[error("{0}")]
     BadRequest(String),
     #[error("{0}")]
@@ -116,7 +122,10 @@ pub enum BackendError {
 impl BackendError {
     pub fn status(&self) -> u16 {
         match self {
-            Self::SandboxNotFound(_) | Self::TemplateNotFound(_) | Self::SnapshotNotFound(_) => 404,
+            Self::SandboxNotFound(_)
+            | Self::TemplateNotFound(_)
+            | Self::SnapshotNotFound(_)
+            | Self::VolumeNotFound(_) => 404,
             Self::BadRequest(_) => 400,
             Self::Conflict(_) => 409,
             Self::StorageLow(_) => 507,
@@ -178,6 +187,9 @@ pub struct Meta {
     #[serde(default)]
     pub disk_mb: Option<u64>,
     pub traffic_token: Option<String>,
+    /// Its volumes (`volumes.rs`), as mounted.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
     pub slot: u32,
     pub host_uid: u32,
     pub host_gid: u32,
@@ -218,6 +230,11 @@ pub struct SnapMeta {
     #[serde(default)]
     pub egress: Option<Egress>,
     pub env_vars: BTreeMap<String, String>,
+    /// The volumes the sandbox had mounted (their files are not in the
+    /// snapshot): a sandbox made from it mounts them again unless its
+    /// create names its own.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
 }
 
 struct Entry {
@@ -254,6 +271,10 @@ pub struct Manager {
     /// the first sandbox's slice (0: `uid_base`, under the host's root) and
     /// how many slices there are (None: no bound); None: one id for all.
     id_space: Option<(u32, Option<u32>)>,
+    volumes: Arc<Volumes>,
+    /// The volumes of sandboxes being killed, by sandbox: in use until
+    /// their processes are gone.
+    draining: Mutex<HashMap<String, Vec<VolumeMount>>>,
 }
 
 pub fn now_unix() -> i64 {
@@ -353,6 +374,8 @@ impl Manager {
         }
         let _ =
             std::fs::set_permissions(&settings.state_dir, std::fs::Permissions::from_mode(0o700));
+        let volumes =
+            Arc::new(Volumes::open(&settings.state_dir).map_err(|e| internal("open volumes", e))?);
         let cgroups =
             if settings.isolation == Isolation::Namespaces || nix::unistd::geteuid().is_root() {
                 cgroup::Host::detect()
@@ -377,9 +400,17 @@ impl Manager {
             last_sweep_ms: std::sync::atomic::AtomicI64::new(0),
             disks,
             id_space: super::subids::id_space(),
+            volumes,
+            draining: Mutex::default(),
         });
         m.beat(now_ms());
         m.adopt();
+        // A volume no live sandbox uses has no file system mounted.
+        for id in m.volumes.ids() {
+            if m.volume_holders(&id).is_empty() {
+                m.volumes.release(&id);
+            }
+        }
         Ok(m)
     }
 
@@ -667,6 +698,22 @@ impl Manager {
         let on_timeout_pause =
             lifecycle.on_timeout.as_deref() == Some("pause") || req.auto_pause == Some(true);
         let auto_resume = lifecycle.auto_resume.unwrap_or(false);
+        // A snapshot's volumes unless the create names its own.
+        let mounts = match &req.volume_mounts {
+            Some(v) => v.clone(),
+            None => from_snap
+                .as_ref()
+                .map(|s| s.volumes.clone())
+                .unwrap_or_default(),
+        };
+        let mounts = volumes::check_mounts(&mounts)?;
+        if !mounts.is_empty() && self.settings.isolation != Isolation::Namespaces {
+            return Err(BackendError::BadRequest(
+                "volumeMounts need namespace isolation: with isolation = \"none\" a sandbox \
+                 has no mount namespace to mount volumes in"
+                    .into(),
+            ));
+        }
 
         let id = random_hex(16);
         let dir = self.sandbox_dir(&id);
@@ -683,6 +730,7 @@ impl Manager {
             )));
         }
         let (host_uid, host_gid, id_count) = self.ids_for_slot(slot);
+        self.claim_volumes(&mounts, host_uid, host_gid, id_count)?;
         // cgroups also track an unisolated sandbox's orphans, so kill finds them.
         let groups = Groups::create(
             &self.cgroups,
@@ -712,6 +760,15 @@ impl Manager {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             mask: self.settings.mask.clone(),
+            volumes: mounts
+                .iter()
+                .map(|m| VolumeBind {
+                    id: m.name.clone(),
+                    source: self.volumes.data_path(&m.name),
+                    target: PathBuf::from(&m.path),
+                    read_only: m.is_read_only(),
+                })
+                .collect(),
             heartbeat: Some(self.settings.state_dir.join(launch::HEARTBEAT_FILE)),
             faithful: self.settings.faithful.is_some(),
             envd_version: self
@@ -739,6 +796,7 @@ impl Manager {
             egress,
             disk_mb,
             traffic_token: traffic_token.clone(),
+            volumes: mounts.clone(),
             slot,
             host_uid,
             host_gid,
@@ -781,6 +839,7 @@ impl Manager {
                     let _ = tree::remove_tree(&d);
                 })
                 .await;
+                self.release_volumes(None, &mounts).await;
                 return Err(e);
             }
         };
@@ -816,6 +875,8 @@ impl Manager {
     ) -> Result<InitInfo, BackendError> {
         let d = dir.to_path_buf();
         let spec2 = spec.clone();
+        let vols = self.volumes.clone();
+        let slices = self.slices();
         let snap_data = snap.map(|s| {
             (
                 self.snapshot_dir(&s.id).join("data"),
@@ -858,6 +919,10 @@ impl Manager {
                 };
                 copy().map_err(|e| internal("restore snapshot", e))?;
             }
+            // Its volumes: file systems mounted, files given to its ids.
+            for v in &spec2.volumes {
+                vols.attach(&v.id, slices)?;
+            }
             lifecycle
                 .write(&d)
                 .map_err(|e| internal("write lifecycle", e))?;
@@ -890,6 +955,14 @@ impl Manager {
                 .rev()
                 .find(|l| l.contains("launch failed"))
                 .unwrap_or("see sandbox.log");
+            // A volume's mount point the sandbox's root cannot have (in a
+            // read-only directory of the template, through a link): the
+            // request's doing.
+            if let Some(at) = last.find(launch::VOLUME_MOUNT_FAILED) {
+                return Err(BackendError::BadRequest(
+                    last.get(at..).unwrap_or(last).trim().to_string(),
+                ));
+            }
             return Err(internal("launch sandbox", last.trim()));
         }
         let info: InitInfo = std::fs::read(dir.join(launch::INIT_FILE))
@@ -932,6 +1005,7 @@ impl Manager {
             disk_size_mb: 0,
             metadata,
             state: m.state.as_str().into(),
+            volume_mounts: (!m.volumes.is_empty()).then(|| m.volumes.clone()),
         }
     }
 
@@ -981,13 +1055,19 @@ impl Manager {
             .lock()
             .map_err(|_| internal("state", "poisoned"))?
             .clone();
+        // Its volumes stay in use until its processes are gone.
+        if !meta.volumes.is_empty()
+            && let Ok(mut d) = self.draining.lock()
+        {
+            d.insert(id.to_string(), meta.volumes.clone());
+        }
         if let Ok(mut m) = self.entries.lock() {
             m.remove(id);
         }
         meta.tree().terminate(meta.state == State::Paused).await;
         let dir = self.sandbox_dir(id);
         let groups = meta.groups.clone();
-        tokio::task::spawn_blocking(move || {
+        let cleaned = tokio::task::spawn_blocking(move || {
             groups.remove();
             super::disk::release(&dir);
             if let Err(e) = tree::remove_tree(&dir) {
@@ -995,7 +1075,9 @@ impl Manager {
             }
         })
         .await
-        .map_err(|e| internal("cleanup", e))?;
+        .map_err(|e| internal("cleanup", e));
+        self.release_volumes(Some(id), &meta.volumes).await;
+        cleaned?;
         tracing::info!(sandbox = %short(id), "sandbox killed");
         Ok(())
     }
@@ -1244,6 +1326,7 @@ impl Manager {
             internet: meta.internet,
             egress: meta.egress.clone(),
             env_vars: meta.env_vars.clone(),
+            volumes: meta.volumes.clone(),
         };
         write_json_atomic(&sdir.join("meta.json"), &sm)
             .map_err(|e| internal("persist snapshot", e))?;
@@ -1321,6 +1404,20 @@ impl Manager {
         if !meta.tree().init_alive() {
             return Err(BackendError::Conflict(format!(
                 "sandbox {id} is not running"
+            )));
+        }
+        // Emptying /workspace, /tmp or /root would take a volume's mount
+        // point in it away (the kernel detaches a mount whose directory is
+        // removed).
+        if let Some(v) = meta
+            .volumes
+            .iter()
+            .find(|v| volumes::under_writable(&v.path))
+        {
+            return Err(BackendError::Conflict(format!(
+                "rollback refused, nothing restored: volume {} is mounted at {}, inside a \
+                 directory a rollback replaces (mount volumes outside /workspace, /tmp and /root)",
+                v.name, v.path
             )));
         }
         self.disk_mounted(&meta)?;
@@ -1500,6 +1597,191 @@ impl Manager {
         self.entry(id)
             .ok()
             .and_then(|e| e.meta.lock().ok().map(|m| m.init.pid))
+    }
+}
+
+/// Volumes (`volumes.rs`): the CubeAPI calls, and what sandboxes' creates
+/// and kills do with them. Whether a volume is in use, and by whom, is
+/// decided under `snap_lock` from the live sandboxes (those being made
+/// included: their entry exists from the slot's allocation on) and those
+/// being killed (`draining`).
+impl Manager {
+    /// How ids move between sandboxes' slices.
+    fn slices(&self) -> volumes::Slices {
+        let base = match self.id_space {
+            Some((first, _)) if first != 0 => first,
+            _ => self.settings.uid_base,
+        };
+        volumes::Slices {
+            base,
+            count: IDS_PER_SANDBOX,
+        }
+    }
+
+    /// The sandboxes that mount volume `vol`, and whether read-write.
+    fn volume_holders(&self, vol: &str) -> Vec<(String, bool)> {
+        let mut out: Vec<(String, bool)> = self
+            .entries
+            .lock()
+            .map(|m| {
+                m.values()
+                    .filter_map(|e| {
+                        e.meta
+                            .lock()
+                            .ok()
+                            .map(|m| (m.id.clone(), m.volumes.clone()))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+            .into_iter()
+            .chain(
+                self.draining
+                    .lock()
+                    .map(|d| {
+                        d.iter()
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default(),
+            )
+            .filter_map(|(id, vs)| {
+                vs.iter()
+                    .find(|v| v.name == vol)
+                    .map(|v| (id, !v.is_read_only()))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// For a new sandbox, under `snap_lock`: every volume exists, and none
+    /// it mounts read-write is mounted read-write elsewhere; the files of
+    /// each go to its ids when it writes them, or nobody else uses them.
+    fn claim_volumes(
+        &self,
+        mounts: &[VolumeMount],
+        host_uid: u32,
+        host_gid: u32,
+        id_count: u32,
+    ) -> Result<(), BackendError> {
+        for m in mounts {
+            if self.volumes.get(&m.name).is_none() {
+                return Err(BackendError::BadRequest(format!(
+                    "volumeMounts: volume {} not found",
+                    m.name
+                )));
+            }
+            let holders = self.volume_holders(&m.name);
+            if !m.is_read_only()
+                && let Some((other, _)) = holders.iter().find(|(_, rw)| *rw)
+            {
+                return Err(BackendError::Conflict(format!(
+                    "volume {} is mounted read-write by sandbox {other}: one sandbox at a \
+                     time writes a volume (mount it read-only, or end that sandbox first)",
+                    m.name
+                )));
+            }
+        }
+        if id_count > 1 {
+            for m in mounts {
+                if !m.is_read_only() || self.volume_holders(&m.name).is_empty() {
+                    self.volumes.want_slice(&m.name, host_uid, host_gid);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A sandbox that mounted `vols` is gone (killed: `draining` names it;
+    /// or never made): the file systems of the volumes nobody uses now are
+    /// unmounted, and their loop devices detach.
+    async fn release_volumes(&self, draining: Option<&str>, vols: &[VolumeMount]) {
+        if vols.is_empty() {
+            return;
+        }
+        let _g = self.snap_lock.lock().await;
+        if let Some(id) = draining
+            && let Ok(mut d) = self.draining.lock()
+        {
+            d.remove(id);
+        }
+        let free: Vec<String> = vols
+            .iter()
+            .filter(|v| self.volume_holders(&v.name).is_empty())
+            .map(|v| v.name.clone())
+            .collect();
+        if free.is_empty() {
+            return;
+        }
+        let v = self.volumes.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for id in free {
+                v.release(&id);
+            }
+        })
+        .await;
+    }
+
+    /// `POST /volumes`.
+    pub async fn create_volume(&self, req: CreateVolume) -> Result<wire::Volume, BackendError> {
+        let v = self.volumes.clone();
+        let images = self.disks.clone().map_err(|_| {
+            "volume sizes need the backend to run as root on the host (with mkfs.ext4 and \
+             mount); create the volume without sizeMB"
+                .to_string()
+        });
+        tokio::task::spawn_blocking(move || v.create(&req, &images))
+            .await
+            .map_err(|e| internal("create volume", e))?
+            .map(|m| m.wire())
+    }
+
+    /// `GET /volumes/{id}`.
+    pub fn get_volume(&self, id: &str) -> Result<wire::Volume, BackendError> {
+        self.volumes
+            .get(id)
+            .map(|m| m.wire())
+            .ok_or_else(|| BackendError::VolumeNotFound(id.to_string()))
+    }
+
+    /// `GET /volumes`.
+    pub fn list_volumes(&self) -> Vec<wire::VolumeInfo> {
+        self.volumes
+            .list()
+            .into_iter()
+            .map(|m: VolumeMeta| wire::VolumeInfo {
+                volume_id: m.id,
+                name: m.name,
+            })
+            .collect()
+    }
+
+    /// `DELETE /volumes/{id}`: refused while a sandbox mounts it (stricter
+    /// than CubeSandbox, which leaves running sandboxes their mount).
+    pub async fn delete_volume(&self, id: &str) -> Result<(), BackendError> {
+        let g = self.snap_lock.lock().await;
+        if self.volumes.get(id).is_none() {
+            return Err(BackendError::VolumeNotFound(id.to_string()));
+        }
+        if let Some((sb, _)) = self.volume_holders(id).first() {
+            return Err(BackendError::Conflict(format!(
+                "volume {id} is mounted by sandbox {sb}: kill the sandbox first"
+            )));
+        }
+        let v = self.volumes.clone();
+        let vid = id.to_string();
+        let aside = tokio::task::spawn_blocking(move || v.set_aside(&vid))
+            .await
+            .map_err(|e| internal("delete volume", e))??;
+        self.volumes.forget(id);
+        drop(g);
+        tokio::task::spawn_blocking(move || tree::remove_tree(&aside))
+            .await
+            .map_err(|e| internal("delete volume", e))?
+            .map_err(|e| internal("delete volume", e))?;
+        tracing::info!(volume = %id, "volume deleted");
+        Ok(())
     }
 }
 

@@ -250,6 +250,93 @@ fn copy_into(
     Ok(())
 }
 
+/// Ids of sandboxes' slices, given in place to another slice: each id at or
+/// above `base` (of whichever sandbox's slice of `count` ids) becomes the
+/// id at the same offset in the slice at `to`; ids below `base` (the
+/// host's, the service's own) stay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reslice {
+    pub base: u32,
+    pub count: u32,
+    pub to_uid: u32,
+    pub to_gid: u32,
+}
+
+impl Reslice {
+    fn map(base: u32, count: u32, to: u32, id: u32) -> Option<u32> {
+        let off = id.checked_sub(base)? % count.max(1);
+        Some(to.saturating_add(off))
+    }
+
+    fn uid(&self, u: u32) -> Option<u32> {
+        Self::map(self.base, self.count, self.to_uid, u).filter(|n| *n != u)
+    }
+
+    fn gid(&self, g: u32) -> Option<u32> {
+        Self::map(self.base, self.count, self.to_gid, g).filter(|n| *n != g)
+    }
+}
+
+/// Give the tree in the directory open as `root` (the directory itself
+/// included; it goes to the slice's root when its owner is no sandbox's)
+/// to another slice (`Reslice`), in place: every entry by descriptor and
+/// name, links changed themselves (never followed), directories entered
+/// with `O_NOFOLLOW`. Deeper than `MAX_DEPTH` is refused (`InvalidInput`),
+/// the part done staying done (a second run finishes it: the mapping is
+/// the same whichever slice an id is in). A volume's files (`volumes.rs`)
+/// move so, while no sandbox can write them.
+pub fn reslice(root: &OwnedFd, r: &Reslice) -> io::Result<()> {
+    let st = nix::sys::stat::fstat(root)?;
+    let u = r
+        .uid(st.st_uid)
+        .or((st.st_uid < r.base).then_some(r.to_uid));
+    let g = r
+        .gid(st.st_gid)
+        .or((st.st_gid < r.base).then_some(r.to_gid));
+    if u.is_some() || g.is_some() {
+        nix::unistd::fchown(root, u.map(Uid::from_raw), g.map(Gid::from_raw))?;
+    }
+    reslice_into(root.as_fd(), r, 0)
+}
+
+fn reslice_into(dir: BorrowedFd<'_>, r: &Reslice, depth: usize) -> io::Result<()> {
+    for name in names_of(dir)? {
+        let st = match nix::sys::stat::fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        let (u, g) = (r.uid(st.st_uid), r.gid(st.st_gid));
+        if u.is_some() || g.is_some() {
+            match nix::unistd::fchownat(
+                dir,
+                name.as_c_str(),
+                u.map(Uid::from_raw),
+                g.map(Gid::from_raw),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            ) {
+                Ok(()) | Err(Errno::ENOENT) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if kind_of(&st) == SFlag::S_IFDIR {
+            if depth >= MAX_DEPTH {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("its directories nest deeper than {MAX_DEPTH} levels"),
+                ));
+            }
+            match open_dir_at(dir, &name) {
+                Ok(fd) => reslice_into(fd.as_fd(), r, depth + 1)?,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One directory being emptied: its descriptor, its name in the level
 /// above, and the names still to remove.
 struct Level {
@@ -500,6 +587,59 @@ mod tests {
     }
 
     /// Set-id bits never survive a copy; the sticky bit does.
+    #[test]
+    fn reslice_moves_slice_ids_in_place_and_never_follows_links() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("v");
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("a/b/f"), b"x").unwrap();
+        let outside = t.path().join("outside");
+        std::fs::write(&outside, b"o").unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("a/l")).unwrap();
+        let uid = nix::unistd::geteuid().as_raw();
+        let gid = nix::unistd::getegid().as_raw();
+        // Everything is ours: with our id as the base, slice offset 0 goes
+        // to itself (no change), the root directory included.
+        let r = Reslice {
+            base: uid,
+            count: 65536,
+            to_uid: uid,
+            to_gid: gid,
+        };
+        reslice(&open_dir(&root).unwrap(), &r).unwrap();
+        assert_eq!(Reslice::map(10, 100, 1000, 15), Some(1005));
+        assert_eq!(Reslice::map(10, 100, 1000, 115), Some(1005));
+        assert_eq!(Reslice::map(10, 100, 1000, 9), None);
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let base = 0x4000_0000;
+        let (a, b) = (base + 2 * 65536, base + 5 * 65536);
+        for p in ["a", "a/b", "a/b/f"] {
+            std::os::unix::fs::chown(root.join(p), Some(a + 7), Some(a + 8)).unwrap();
+        }
+        std::os::unix::fs::lchown(root.join("a/l"), Some(a), Some(a)).unwrap();
+        let r = Reslice {
+            base,
+            count: 65536,
+            to_uid: b,
+            to_gid: b,
+        };
+        reslice(&open_dir(&root).unwrap(), &r).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        for p in ["a", "a/b", "a/b/f"] {
+            let m = std::fs::symlink_metadata(root.join(p)).unwrap();
+            assert_eq!((m.uid(), m.gid()), (b + 7, b + 8), "{p}");
+        }
+        let l = std::fs::symlink_metadata(root.join("a/l")).unwrap();
+        assert_eq!((l.uid(), l.gid()), (b, b));
+        // The root directory was the host's: it goes to the slice's root.
+        let m = std::fs::metadata(&root).unwrap();
+        assert_eq!((m.uid(), m.gid()), (b, b));
+        // Never through the link.
+        assert_eq!(std::fs::metadata(&outside).unwrap().uid(), 0);
+    }
+
     #[test]
     fn copies_drop_set_id_bits() {
         let t = tempfile::tempdir().unwrap();

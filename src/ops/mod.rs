@@ -39,11 +39,78 @@ pub struct ConfigSource {
 /// principals file (`tokens_file`) is re-read at every reload; a new path
 /// for it waits for a restart (sandboxes mask the path they started with).
 pub const RELOADABLE: &[&str] = &[
+    "backend",
+    "backends",
     "server_names",
     "profiles",
     "tasks",
     "plan_retention_seconds",
 ];
+
+/// What a reload does to the backends: the definitions that will run, the
+/// clients to add or replace, the names to remove, and changes that wait
+/// for a restart (the embedded backend's).
+struct BackendPlan {
+    defs: BTreeMap<String, crate::config::BackendDef>,
+    add: Vec<Arc<crate::broker::backends::Backend>>,
+    remove: Vec<String>,
+    later: Vec<String>,
+}
+
+/// Compare the running backends with the new configuration's. A backend
+/// removed while leases still run on it is refused with the reason.
+fn plan_backends(
+    broker: &crate::broker::Broker,
+    running: &Config,
+    new: &Config,
+) -> Result<BackendPlan, String> {
+    use crate::config::BackendDef;
+    let run_defs = running.backend_defs();
+    let new_defs = new.backend_defs();
+    let mut plan = BackendPlan {
+        defs: BTreeMap::new(),
+        add: vec![],
+        remove: vec![],
+        later: vec![],
+    };
+    for (n, d) in &new_defs {
+        match (run_defs.get(n), d) {
+            (Some(r), _) if r.same_as(d) => {
+                plan.defs.insert(n.clone(), r.clone());
+            }
+            (None | Some(BackendDef::Cubesandbox(_)), BackendDef::Cubesandbox(sec)) => {
+                let b = crate::broker::backends::Backend::from_section(n, sec)
+                    .map_err(|e| format!("backends.{n}: {e}"))?;
+                plan.add.push(b);
+                plan.defs.insert(n.clone(), d.clone());
+            }
+            (Some(r), _) => {
+                plan.later.push(format!("backends.{n}"));
+                plan.defs.insert(n.clone(), r.clone());
+            }
+            (None, BackendDef::Embedded(_)) => plan.later.push(format!("backends.{n}")),
+        }
+    }
+    let counts = broker
+        .lease_counts()
+        .map_err(|e| format!("backends: {e}"))?;
+    for n in run_defs.keys().filter(|n| !new_defs.contains_key(*n)) {
+        let live = counts.get(n).copied().unwrap_or(0);
+        if live > 0 {
+            return Err(format!(
+                "backend '{n}' has {live} live lease(s): release or kill them (or let GC collect them) before removing it, or keep it in the configuration"
+            ));
+        }
+        if let Some(d) = run_defs.get(n).filter(|d| d.is_embedded()) {
+            // Its server runs until a restart.
+            plan.later.push(format!("backends.{n}"));
+            plan.defs.insert(n.clone(), d.clone());
+        } else {
+            plan.remove.push(n.clone());
+        }
+    }
+    Ok(plan)
+}
 
 /// Reloads the running service's certificate and reloadable settings.
 pub struct Reloader {
@@ -158,7 +225,7 @@ impl Reloader {
             None => running.clone(),
         };
         let changed = changed_keys(&running, &new);
-        let restart_required: Vec<String> = changed
+        let mut restart_required: Vec<String> = changed
             .iter()
             .filter(|k| !RELOADABLE.contains(&k.as_str()))
             .cloned()
@@ -186,6 +253,18 @@ impl Reloader {
         // The broker gets the running configuration with only the
         // reloadable keys taken from the file.
         let mut applied_cfg = running.clone();
+        let backends = match &self.broker {
+            Some(b) => match plan_backends(b, &running, &new) {
+                Ok(x) => Some(x),
+                Err(e) => return self.refused(e),
+            },
+            None => None,
+        };
+        if let Some(plan) = &backends {
+            applied_cfg.backend = None;
+            applied_cfg.backends = plan.defs.clone();
+            restart_required.extend(plan.later.iter().cloned());
+        }
         applied_cfg.server_names = new.server_names.clone();
         applied_cfg.profiles = new.profiles.clone();
         applied_cfg.tasks = new.tasks.clone();
@@ -206,6 +285,16 @@ impl Reloader {
         };
         // Nothing below can fail: swap.
         self.cert.swap(ck);
+        if let (Some(b), Some(plan)) = (&self.broker, &backends) {
+            for n in &plan.remove {
+                b.backends().remove(n);
+                tracing::info!(backend = %n, "backend removed");
+            }
+            for x in &plan.add {
+                tracing::info!(backend = %x.name, description = %x.description, "backend added or replaced");
+                b.backends().insert(x.clone());
+            }
+        }
         if let (Some(b), Some(p)) = (&self.broker, policy) {
             b.apply_reload(p);
         }
@@ -223,6 +312,13 @@ impl Reloader {
             if running.tokens_file.is_some() {
                 applied.push("tokens_file (re-read)".to_string());
             }
+            if let Some(plan) = &backends
+                && (!plan.add.is_empty() || !plan.remove.is_empty())
+            {
+                applied.push("backends".to_string());
+            }
+            r.backend = applied_cfg.backend.clone();
+            r.backends = applied_cfg.backends.clone();
             r.server_names = new.server_names.clone();
             r.profiles = new.profiles.clone();
             r.tasks = new.tasks.clone();
@@ -425,91 +521,44 @@ impl Service {
             Err(crate::audit::AuditError::Blocked) => "reconciliation_required".to_string(),
             Err(e) => format!("unavailable: {e}"),
         };
-        let mut templates: Vec<String> = self
-            .broker
-            .config()
-            .profiles
-            .values()
-            .map(|p| p.template.clone())
-            .collect();
-        templates.sort();
-        templates.dedup();
-        let mut checks = BTreeMap::new();
-        // The first-connection checklist (docs/operations.md, "Connecting
-        // to CubeSandbox"): each check with what it found.
-        let mut checklist: Vec<Value> = vec![];
-        let mut check = |what: String, r: std::result::Result<String, String>| {
-            let ok = r.is_ok();
-            let detail = r.unwrap_or_else(|e| e);
-            checklist.push(json!({"check": what, "ok": ok, "detail": detail}));
-            ok
-        };
-        let cube = self.broker.cube();
-        let timed_out = || "no answer within the check's time".to_string();
-        let (reach, key) = tokio::join!(
-            tokio::time::timeout(BACKEND_CHECK, cube.reachability()),
-            tokio::time::timeout(BACKEND_CHECK, cube.list_templates()),
-        );
-        let reach = reach.ok();
-        let mut backend_ok = check(
-            "CubeAPI answers GET /health".into(),
-            match &reach {
-                Some(r) => r
-                    .cube_api
-                    .clone()
-                    .map(|()| "ok".into())
-                    .map_err(|e| e.message),
-                None => Err(timed_out()),
-            },
-        );
-        backend_ok &= check(
-            format!(
-                "CubeProxy answers for *.{} (address, TLS certificate)",
-                cube.config().domain
-            ),
-            match &reach {
-                Some(r) => r
-                    .cube_proxy
-                    .clone()
-                    .map(|()| "ok".into())
-                    .map_err(|e| e.message),
-                None => Err(timed_out()),
-            },
-        );
-        backend_ok &= check(
-            "CubeAPI accepts the appliance's credentials (GET /templates)".into(),
-            match key {
-                Ok(Ok(_)) => Ok("accepted".into()),
-                Ok(Err(e)) if e.kind == crate::cube::ErrorKind::Denied => Err(format!(
-                    "refused ({}): check [backend] api_key_file",
-                    e.message
-                )),
-                Ok(Err(e)) => Err(e.message),
-                Err(_) => Err(timed_out()),
-            },
-        );
-        let reach = match reach {
-            Some(r) => r.problem(),
-            None => Some("CubeAPI/CubeProxy check timed out".to_string()),
-        };
-        for t in templates {
-            let v = match tokio::time::timeout(BACKEND_CHECK, cube.get_template(&t)).await {
-                Ok(Ok(info)) if info.is_ready() => Ok(info.status.to_ascii_lowercase()),
-                Ok(Ok(info)) => Err(format!("not ready (status {})", info.status)),
-                Ok(Err(e)) if e.kind == crate::cube::ErrorKind::NotFound => {
-                    Err("no such template on the backend".to_string())
-                }
-                Ok(Err(e)) => Err(format!("error: {}", e.message)),
-                Err(_) => Err(timed_out()),
-            };
-            let short = match &v {
-                Ok(s) => s.clone(),
-                Err(d) if d.starts_with("not ready") => "not_ready".to_string(),
-                Err(_) => "error".to_string(),
-            };
-            backend_ok &= check(format!("template {t} exists and is READY"), v);
-            checks.insert(t, short);
+        let cfg = self.broker.config();
+        let live: Vec<crate::store::leases::Lease> = self
+            .store
+            .read(crate::store::leases::all)
+            .await
+            .unwrap_or_default();
+        let backends = self.broker.backends().all();
+        let docs = futures_util::future::join_all(backends.iter().map(|b| {
+            let mut templates: Vec<String> = cfg
+                .profiles
+                .values()
+                .filter(|p| cfg.profile_backend(p) == Some(b.name.as_str()))
+                .map(|p| p.template.clone())
+                .collect();
+            templates.sort();
+            templates.dedup();
+            backend_status(b, templates)
+        }))
+        .await;
+        let mut by_name = serde_json::Map::new();
+        let mut any_ok = false;
+        let mut first = None;
+        for (b, (mut doc, ok)) in backends.iter().zip(docs) {
+            any_ok |= ok;
+            let leases = live.iter().filter(|l| l.backend == b.name).count();
+            if let Some(o) = doc.as_object_mut() {
+                o.insert("leases".into(), json!(leases));
+            }
+            if first.is_none() || b.name == crate::config::DEFAULT_BACKEND {
+                first = Some((doc.clone(), ok));
+            }
+            by_name.insert(b.name.clone(), doc);
         }
+        let (mut backend_doc, _) = first.unwrap_or((json!({}), false));
+        if let Some(o) = backend_doc.as_object_mut() {
+            o.insert("description".into(), json!(self.backend));
+        }
+        let backend_ok = any_ok;
         let store = {
             let s = self.store.clone();
             match s.read(summarize).await {
@@ -534,12 +583,110 @@ impl Service {
                 "mode": j.mode().as_str(),
                 "state": audit,
             },
-            "backend": {"description": self.backend, "ok": backend_ok, "unreachable": reach, "templates": checks, "checklist": checklist},
+            "backend": backend_doc,
+            "backends": by_name,
             "store": store,
             "server_certificate": cert,
             "last_reload": self.reloader.last(),
         })
     }
+}
+
+/// One backend's part of the status document: its checklist (CubeAPI,
+/// CubeProxy, credentials, each of its profiles' templates) and whether
+/// all of it holds.
+async fn backend_status(
+    b: &crate::broker::backends::Backend,
+    templates: Vec<String>,
+) -> (Value, bool) {
+    let mut checks = BTreeMap::new();
+    // The first-connection checklist (docs/operations.md, "Connecting
+    // to CubeSandbox"): each check with what it found.
+    let mut checklist: Vec<Value> = vec![];
+    let mut check = |what: String, r: std::result::Result<String, String>| {
+        let ok = r.is_ok();
+        let detail = r.unwrap_or_else(|e| e);
+        checklist.push(json!({"check": what, "ok": ok, "detail": detail}));
+        ok
+    };
+    let cube = &b.client;
+    let timed_out = || "no answer within the check's time".to_string();
+    let (reach, key) = tokio::join!(
+        tokio::time::timeout(BACKEND_CHECK, cube.reachability()),
+        tokio::time::timeout(BACKEND_CHECK, cube.list_templates()),
+    );
+    let reach = reach.ok();
+    let mut backend_ok = check(
+        "CubeAPI answers GET /health".into(),
+        match &reach {
+            Some(r) => r
+                .cube_api
+                .clone()
+                .map(|()| "ok".into())
+                .map_err(|e| e.message),
+            None => Err(timed_out()),
+        },
+    );
+    backend_ok &= check(
+        format!(
+            "CubeProxy answers for *.{} (address, TLS certificate)",
+            cube.config().domain
+        ),
+        match &reach {
+            Some(r) => r
+                .cube_proxy
+                .clone()
+                .map(|()| "ok".into())
+                .map_err(|e| e.message),
+            None => Err(timed_out()),
+        },
+    );
+    backend_ok &= check(
+        "CubeAPI accepts the appliance's credentials (GET /templates)".into(),
+        match key {
+            Ok(Ok(_)) => Ok("accepted".into()),
+            Ok(Err(e)) if e.kind == crate::cube::ErrorKind::Denied => Err(format!(
+                "refused ({}): check the backend's api_key_file",
+                e.message
+            )),
+            Ok(Err(e)) => Err(e.message),
+            Err(_) => Err(timed_out()),
+        },
+    );
+    let reach = match reach {
+        Some(r) => r.problem(),
+        None => Some("CubeAPI/CubeProxy check timed out".to_string()),
+    };
+    for t in templates {
+        let v = match tokio::time::timeout(BACKEND_CHECK, cube.get_template(&t)).await {
+            Ok(Ok(info)) if info.is_ready() => Ok(info.status.to_ascii_lowercase()),
+            Ok(Ok(info)) => Err(format!("not ready (status {})", info.status)),
+            Ok(Err(e)) if e.kind == crate::cube::ErrorKind::NotFound => {
+                Err("no such template on the backend".to_string())
+            }
+            Ok(Err(e)) => Err(format!("error: {}", e.message)),
+            Err(_) => Err(timed_out()),
+        };
+        let short = match &v {
+            Ok(s) => s.clone(),
+            Err(d) if d.starts_with("not ready") => "not_ready".to_string(),
+            Err(_) => "error".to_string(),
+        };
+        backend_ok &= check(format!("template {t} exists and is READY"), v);
+        checks.insert(t, short);
+    }
+    (
+        json!({
+            "description": b.description,
+            "ok": backend_ok,
+            "up": b.is_up(),
+            "problem": b.problem(),
+            "unreachable": reach,
+            "templates": checks,
+            "checklist": checklist,
+        }),
+        backend_ok,
+    )
 }
 
 /// A consistent copy of the store in a directory of the state dir.
@@ -671,8 +818,11 @@ pub fn loose_files(config_file: &Path, cfg: &Config) -> Vec<String> {
         }
     }
     let mut secrets: Vec<&PathBuf> = cfg.tokens_file.iter().collect();
-    if let Some(b) = &cfg.backend {
-        secrets.extend(b.api_key_file.iter().chain(b.client_key_file.iter()));
+    let defs = cfg.backend_defs();
+    for d in defs.values() {
+        if let crate::config::BackendDef::Cubesandbox(b) = d {
+            secrets.extend(b.api_key_file.iter().chain(b.client_key_file.iter()));
+        }
     }
     for f in secrets {
         check(f, 0o004, "credential");

@@ -100,11 +100,58 @@ pub struct Lease {
     /// this one was acquired in its place.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replaced_lease_ref: Option<String>,
+    /// The backend its sandbox runs on (`[backends.NAME]`); records from
+    /// before there were several read as `default`, which is not written.
+    #[serde(
+        default = "default_backend",
+        skip_serializing_if = "is_default_backend"
+    )]
+    pub backend: String,
+    /// The volume mounted as its workspace, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<LeaseVolume>,
 }
 
-/// The session index key: `tenant \0 runtime \0 session_hash`.
-pub fn session_key(tenant: &str, runtime: &str, hash: &str) -> String {
-    format!("{tenant}\0{runtime}\0{hash}")
+/// A lease's workspace volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseVolume {
+    /// The backend's volume ID.
+    pub volume_id: String,
+    pub mount_path: String,
+    pub read_only: bool,
+    /// Made by the appliance for this workspace (an operator's volume,
+    /// `existing-volume`, never is).
+    pub owned: bool,
+    /// Kept when the lease ends.
+    pub retain: bool,
+}
+
+/// The name of the backend a configuration without `[backends]` has.
+pub const DEFAULT_BACKEND: &str = "default";
+
+pub(crate) fn default_backend() -> String {
+    DEFAULT_BACKEND.to_string()
+}
+
+pub(crate) fn is_default_backend(b: &str) -> bool {
+    b == DEFAULT_BACKEND
+}
+
+/// For `skip_serializing_if` on a `String` field.
+#[allow(clippy::ptr_arg)]
+pub(crate) fn is_default_backend_ref(b: &String) -> bool {
+    is_default_backend(b)
+}
+
+/// The session index key: `tenant \0 runtime \0 session_hash`, and
+/// `\0 backend` for a backend other than `default` (the same session on
+/// two backends is two leases).
+pub fn session_key(tenant: &str, runtime: &str, hash: &str, backend: &str) -> String {
+    if is_default_backend(backend) {
+        format!("{tenant}\0{runtime}\0{hash}")
+    } else {
+        format!("{tenant}\0{runtime}\0{hash}\0{backend}")
+    }
 }
 
 pub fn get(txn: &impl ReadOps, lease_ref: &str) -> Result<Option<Lease>, StoreError> {
@@ -140,7 +187,7 @@ pub fn put_session(txn: &WriteTransaction, key: &str, lease_ref: &str) -> Result
 /// Remove the lease record and its session index entry (not what it owns).
 pub fn remove(txn: &WriteTransaction, l: &Lease) -> Result<(), StoreError> {
     typed::remove(txn, tables::LEASES, &l.lease_ref)?;
-    let sk = session_key(&l.tenant, &l.runtime, &l.session_hash);
+    let sk = session_key(&l.tenant, &l.runtime, &l.session_hash, &l.backend);
     typed::remove_link(txn, tables::SESSIONS, &sk)
 }
 

@@ -61,6 +61,13 @@ pub struct Plan {
     /// profile changes what runs, as a changed template does.
     #[serde(default)]
     pub profile_digest: String,
+    /// The backend its profile ran on when it was made (`default` is
+    /// not written: records from before several backends read as it).
+    #[serde(
+        default = "crate::store::leases::default_backend",
+        skip_serializing_if = "crate::store::leases::is_default_backend_ref"
+    )]
+    pub backend: String,
     /// The parameters, sealed under the store key.
     pub parameters_sealed: String,
     pub parameters_sha256: String,

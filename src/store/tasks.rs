@@ -85,6 +85,13 @@ pub struct Task {
     pub template: String,
     pub template_digest: String,
     pub profile: String,
+    /// The backend its profile ran on when it was made (`default` is
+    /// not written: records from before several backends read as it).
+    #[serde(
+        default = "crate::store::leases::default_backend",
+        skip_serializing_if = "crate::store::leases::is_default_backend_ref"
+    )]
+    pub backend: String,
     pub parameters_sha256: String,
     pub command_sha256: String,
     pub state: TaskState,

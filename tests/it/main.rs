@@ -11,7 +11,9 @@
 )]
 
 mod appliance;
+mod backends;
 mod client_ca;
+mod config_import;
 mod connect;
 mod connections;
 mod console;
@@ -35,3 +37,4 @@ mod service;
 mod spec;
 mod tasks;
 mod upkeep;
+mod volumes;

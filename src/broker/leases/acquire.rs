@@ -82,6 +82,11 @@ impl Broker {
         if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {
             return Err(self.reject(ev, denied()).await);
         }
+        let cfg = self.config();
+        let Some(backend_name) = cfg.profile_backend(&prof).map(str::to_string) else {
+            return Err(self.reject(ev, denied()).await);
+        };
+        ev.backend = Some(backend_name.clone());
         let hash: String = self
             .hmac_hex(&[p.tenant.as_bytes(), session.as_bytes()])
             .chars()
@@ -95,6 +100,7 @@ impl Broker {
             prof,
             snapshot: None,
             task_ref: task_ref.map(str::to_string),
+            backend: backend_name,
         };
         self.lease_for_session(p, ctx, ev, want).await
     }
@@ -116,9 +122,17 @@ impl Broker {
             prof,
             snapshot,
             task_ref,
+            backend: backend_name,
         } = want;
         ev.session_digest = Some(hash.clone());
-        let skey = session_key(&tenant, &runtime, &hash);
+        ev.backend = Some(backend_name.clone());
+        // A backend that is down fails its profiles here: before any
+        // intent, and before the session's lease is looked at.
+        let cube = match self.ready_client(&backend_name) {
+            Ok(c) => c,
+            Err(e) => return Err(self.reject(ev, e).await),
+        };
+        let skey = session_key(&tenant, &runtime, &hash, &backend_name);
         let _session_lock = self.lock(format!("session:{skey}")).await;
 
         // Reuse.
@@ -238,6 +252,17 @@ impl Broker {
             metadata.insert("attempt".into(), attempt.clone());
             // Names this appliance: GC kills what it made and lost track of.
             metadata.insert("appliance".into(), this.appliance_id());
+            // The workspace volume: found or made before the sandbox.
+            let volume = match this
+                .workspace_volume(&cube, &prof, &p_tenant, &hash, &runtime)
+                .await
+            {
+                Ok(v) => v,
+                Err(err) => {
+                    this.fail(intent, &err).await?;
+                    return Err(err);
+                }
+            };
             let req = CreateSandbox {
                 template_id: prof.template.clone(),
                 timeout: Some(i64::try_from(prof.sandbox_timeout_seconds).unwrap_or(i64::MAX)),
@@ -253,11 +278,18 @@ impl Broker {
                 }),
                 disk_size_mb: (prof.disk_mb > 0).then_some(prof.disk_mb),
                 metadata: metadata.into_iter().collect(),
+                volume_mounts: volume.as_ref().map(|v| {
+                    vec![VolumeMount {
+                        name: v.volume_id.clone(),
+                        path: v.mount_path.clone(),
+                        read_only: Some(v.read_only),
+                    }]
+                }),
                 ..Default::default()
             };
             let created = match &snapshot {
-                None => this.inner.cube.create(&req).await,
-                Some((snap, _)) => this.inner.cube.create_from_snapshot(snap, req).await,
+                None => cube.create(&req).await,
+                Some((snap, _)) => cube.create_from_snapshot(snap, req).await,
             };
             let created = match created {
                 Ok(s) => s,
@@ -278,8 +310,21 @@ impl Broker {
                                 prof.template
                             ),
                         ),
+                        ErrorKind::Conflict if volume.is_some() => Error::new(
+                            Code::ProfileConflict,
+                            "the workspace volume is mounted read-write by another sandbox",
+                        ),
                         _ => backend(&e),
                     };
+                    this.suspect(&backend_name, &e);
+                    if let Some(v) = &volume
+                        && v.owned
+                        && !v.retain
+                        && let Err(e) = cube.delete_volume(&v.volume_id).await
+                        && e.kind != ErrorKind::NotFound
+                    {
+                        tracing::warn!(error = %e, "could not destroy the workspace volume of a failed create");
+                    }
                     this.fail(intent, &err).await?;
                     if matches!(
                         e.kind,
@@ -288,15 +333,15 @@ impl Broker {
                             | ErrorKind::Unavailable
                             | ErrorKind::Protocol
                     ) {
-                        this.reap_orphaned_create(attempt, ev_base);
+                        this.reap_orphaned_create(backend_name, cube, attempt, ev_base);
                     }
                     return Err(err);
                 }
             };
             // The stock CubeSandbox image has no /workspace, where commands
             // run by default: make it (one that exists is fine).
-            let addr = this.inner.cube.addr(&created);
-            match this.inner.cube.make_dir(&addr, "/workspace").await {
+            let addr = cube.addr(&created);
+            match cube.make_dir(&addr, "/workspace").await {
                 Ok(_) => {}
                 Err(e) if e.kind == ErrorKind::Conflict => {}
                 Err(e) => tracing::warn!(error = %e, "could not make /workspace in a new sandbox"),
@@ -308,7 +353,7 @@ impl Broker {
                     Err(e) => {
                         // Cannot keep the token: do not keep the sandbox.
                         tracing::error!(error = %e, "sealing a traffic token failed");
-                        let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                        let _ = cube.kill(&created.sandbox_id).await;
                         let err =
                             Error::new(Code::ExecutionFailed, "the sandbox could not be recorded");
                         this.fail(intent, &err).await?;
@@ -336,6 +381,8 @@ impl Broker {
                 envd_version: Some(created.envd_version.clone()).filter(|v| !v.is_empty()),
                 ttl_seconds: None,
                 replaced_lease_ref: replaced,
+                backend: backend_name,
+                volume,
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
@@ -365,7 +412,7 @@ impl Broker {
                 .await;
             if let Err(e) = stored {
                 // Not recorded: do not leave an untracked sandbox behind.
-                let _ = this.inner.cube.kill(&created.sandbox_id).await;
+                let _ = cube.kill(&created.sandbox_id).await;
                 return Err(e.into());
             }
             Ok::<Lease, Error>(lease)
@@ -408,8 +455,11 @@ impl Broker {
     /// Whether the backend says the lease's sandbox no longer exists. Any
     /// other answer (running, paused, or no answer at all) is not "gone".
     pub(crate) async fn sandbox_gone(&self, l: &Lease) -> bool {
+        let Ok(cube) = self.client(&l.backend) else {
+            return false;
+        };
         matches!(
-            self.inner.cube.get(&l.sandbox_id).await,
+            cube.get(&l.sandbox_id).await,
             Err(e) if e.kind == ErrorKind::NotFound
         )
     }
@@ -439,14 +489,20 @@ impl Broker {
     /// a sandbox made by that attempt, now and twice more within a minute,
     /// and kill what turns up, each kill under its own audit intent
     /// (`orphan_kill`, by the appliance, for the requester's tenant).
-    fn reap_orphaned_create(&self, attempt: String, base: Event) {
+    fn reap_orphaned_create(
+        &self,
+        backend_name: String,
+        cube: crate::cube::CubeClient,
+        attempt: String,
+        base: Event,
+    ) {
         let b = self.clone();
         tokio::spawn(async move {
             let filter: std::collections::BTreeMap<String, String> =
                 [("attempt".to_string(), attempt)].into();
             for wait in [0u64, 10, 50] {
                 tokio::time::sleep(std::time::Duration::from_secs(wait)).await;
-                let found = match b.inner.cube.list(&filter, None).await {
+                let found = match cube.list(&filter, None).await {
                     Ok(f) => f,
                     Err(e) => {
                         tracing::warn!(error = %e, "could not look for an orphaned sandbox");
@@ -454,11 +510,90 @@ impl Broker {
                     }
                 };
                 for s in found {
-                    if let Err(e) = b.kill_orphan(&s.sandbox_id, Some(&base)).await {
+                    if let Err(e) = b
+                        .kill_orphan(&backend_name, &s.sandbox_id, Some(&base))
+                        .await
+                    {
                         tracing::warn!(code = e.code.as_str(), error = %e.message, "could not kill a sandbox left by a failed create");
                     }
                 }
             }
         });
     }
+
+    /// The volume a profile's workspace mounts, found or made on the
+    /// backend (none for `ephemeral`). `per-session-volume`: named for the
+    /// tenant, session and runtime (or the profile's `volume_name`), made
+    /// once and found again by the next acquire while it is retained;
+    /// `existing-volume`: the operator's, which must exist.
+    async fn workspace_volume(
+        &self,
+        cube: &crate::cube::CubeClient,
+        prof: &crate::config::Profile,
+        tenant: &str,
+        hash: &str,
+        runtime: &str,
+    ) -> Result<Option<LeaseVolume>> {
+        use crate::config::WorkspaceMode;
+        let w = &prof.workspace;
+        let (id, owned) = match w.mode {
+            WorkspaceMode::Ephemeral => return Ok(None),
+            WorkspaceMode::ExistingVolume => {
+                let id = w.volume_id.clone().unwrap_or_default();
+                match cube.get_volume(&id).await {
+                    Ok(_) => {}
+                    Err(e) if e.kind == ErrorKind::NotFound => {
+                        return Err(Error::new(
+                            Code::ExecutionFailed,
+                            format!(
+                                "the profile's workspace volume {id} does not exist on the backend"
+                            ),
+                        ));
+                    }
+                    Err(e) => return Err(backend(&e)),
+                }
+                (id, false)
+            }
+            WorkspaceMode::PerSessionVolume => {
+                let name = w
+                    .volume_name
+                    .clone()
+                    .unwrap_or_else(|| per_session_volume_name(tenant, hash, runtime));
+                match cube.get_volume(&name).await {
+                    Ok(v) => (v.volume_id, true),
+                    Err(e) if e.kind == ErrorKind::NotFound => {
+                        let req = crate::cube::wire::CreateVolume {
+                            name: name.clone(),
+                            driver: w.driver.clone(),
+                            size_mb: (w.size_mb > 0).then_some(w.size_mb),
+                        };
+                        match cube.create_volume(&req).await {
+                            Ok(v) => (v.volume_id, true),
+                            // Made meanwhile by a create of the same name.
+                            Err(e) if e.kind == ErrorKind::Conflict => (name, true),
+                            Err(e) => return Err(backend(&e)),
+                        }
+                    }
+                    Err(e) => return Err(backend(&e)),
+                }
+            }
+        };
+        Ok(Some(LeaseVolume {
+            volume_id: id,
+            mount_path: w.mount_path.clone(),
+            read_only: w.read_only,
+            owned,
+            retain: w.retain_on_kill,
+        }))
+    }
+}
+
+/// A per-session workspace volume's name: `cwa-<sha256(tenant)[:12]>-
+/// <session_hash[:20]>-<runtime>` (the reference's, with the runtime: our
+/// session index keeps runtimes apart, so their volumes are too).
+pub(crate) fn per_session_volume_name(tenant: &str, hash: &str, runtime: &str) -> String {
+    use sha2::Digest;
+    let t = hex::encode(sha2::Sha256::digest(tenant.as_bytes()));
+    let h: String = hash.chars().take(20).collect();
+    format!("cwa-{}-{h}-{runtime}", t.get(..12).unwrap_or_default())
 }

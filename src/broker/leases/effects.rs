@@ -23,7 +23,7 @@ impl Broker {
     ) -> Result<(Lease, T)>
     where
         T: Send + 'static,
-        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        F: FnOnce(Broker, Lease, Addr) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
     {
         let ev = self.event(p, action, ctx);
@@ -47,7 +47,7 @@ impl Broker {
     ) -> Result<(Lease, T)>
     where
         T: Send + 'static,
-        F: FnOnce(Broker, Lease, SandboxAddr) -> Fut + Send + 'static,
+        F: FnOnce(Broker, Lease, Addr) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
     {
         let mut ev = self.lease_event(p, action, ctx, &l);
@@ -129,8 +129,7 @@ impl Broker {
         let ttl = self
             .profile(&l.profile)
             .map(|p| i64::try_from(p.sandbox_timeout_seconds).unwrap_or(i64::MAX));
-        self.inner
-            .cube
+        self.client(&l.backend)?
             .connect(&l.sandbox_id, ttl)
             .await
             .map(|_| ())

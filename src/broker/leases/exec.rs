@@ -42,7 +42,7 @@ impl Broker {
                         let mut o = StartOptions::shell(&command);
                         o.cwd = Some(cwd.clone());
                         o.timeout = Some(Duration::from_millis(ms));
-                        let out = b.inner.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(
+                        let out = addr.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(
                             |e| match e.kind {
                                 ErrorKind::InvalidArgument => Error::new(
                                     Code::InvalidPath,
@@ -73,7 +73,7 @@ impl Broker {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         Ok(dto::ExecResponse {
             duration_ms: u64::try_from(ms).unwrap_or(u64::MAX),
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             exit_code: out.exit_code,
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref.clone(),

@@ -85,8 +85,8 @@ impl Broker {
                     e.content_sha256 = content_sha;
                 },
                 move |b: Broker, l: Lease, addr| async move {
-                    let c = &b.inner.cube;
-                    let (executor, sandbox_ref) = (b.executor(), l.sandbox_ref);
+                    let c = addr.cube.clone();
+                    let (executor, sandbox_ref) = (b.executor(&l.backend), l.sandbox_ref);
                     let nf = |e: crate::cube::CubeError, code: Code| match e.kind {
                         ErrorKind::NotFound => Error::new(code, "no such file or directory"),
                         ErrorKind::InvalidArgument => Error::new(

@@ -134,7 +134,7 @@ impl Broker {
         let mut l = self.owned_lease(p, lease_ref).await?;
         if refresh {
             self.inner.journal.check()?;
-            match self.inner.cube.get(&l.sandbox_id).await {
+            match self.ready_client(&l.backend)?.get(&l.sandbox_id).await {
                 Ok(d) => l.state = LeaseState::from(d.state),
                 Err(e) if e.kind == ErrorKind::NotFound => l.state = LeaseState::Gone,
                 Err(e) => return Err(backend(&e)),
@@ -160,7 +160,7 @@ impl Broker {
             checkpoints: checkpoint_list.len(),
             checkpoint_list,
             created_at: l.created_at,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             expires_in_seconds: expires,
             jobs: job_list.len(),
             job_list,
@@ -172,7 +172,7 @@ impl Broker {
             runtime: l.runtime,
             sandbox_ref: l.sandbox_ref,
             state: l.state,
-            volume_attached: false,
+            volume_attached: l.volume.is_some(),
         })
     }
 
@@ -200,6 +200,8 @@ impl Broker {
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
         // Looked up again under the lock: a concurrent release may have won.
         let l = self.owned_lease(p, &l.lease_ref).await?;
+        // A backend that is down: nothing is done (and no intent left).
+        self.ready_client(&l.backend)?;
         let mut ev = self.lease_event(p, "release", ctx, &l);
         ev.release_action = Some(action.to_string());
         let intent = self.inner.journal.intent(ev).await?;
@@ -216,7 +218,7 @@ impl Broker {
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
         Ok(dto::ReleaseResponse {
             action: release_action,
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             request_id: ctx.request_id.clone(),
             sandbox_ref: l.sandbox_ref,
         })
@@ -225,23 +227,33 @@ impl Broker {
     /// The effect of a release, after its intent: pause or kill, the
     /// checkpoints' snapshots, and the outcome with the lease's new state.
     pub(super) async fn release_effect(&self, intent: Intent, l: Lease, kill: bool) -> Result<()> {
+        let cube = match self.client(&l.backend) {
+            Ok(c) => c,
+            Err(e) => {
+                self.fail(intent, &e).await?;
+                return Err(e);
+            }
+        };
         let r = if !kill {
-            match self.inner.cube.pause(&l.sandbox_id).await {
+            match cube.pause(&l.sandbox_id).await {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind == ErrorKind::Conflict => Ok(()), // already paused
                 Err(e) => Err(backend(&e)),
             }
         } else {
-            match self.inner.cube.kill(&l.sandbox_id).await {
+            match cube.kill(&l.sandbox_id).await {
                 Ok(()) => Ok(()),
                 Err(e) if e.kind == ErrorKind::NotFound => Ok(()), // already gone
                 Err(e) => Err(backend(&e)),
             }
         };
+        if r.is_ok() && kill {
+            self.release_volume(&l).await;
+        }
         // Killed: its checkpoints go too. If one cannot be deleted, the lease
         // stays (as `released`) so that the release can be retried.
         let r = match r {
-            Ok(()) if kill => match self.delete_lease_snapshots(&l.lease_ref).await {
+            Ok(()) if kill => match self.delete_lease_snapshots(&l.lease_ref, &l.backend).await {
                 Err(e) => {
                     let mut l2 = l.clone();
                     l2.state = LeaseState::Released;
@@ -283,5 +295,45 @@ impl Broker {
             )
             .await?;
         Ok(())
+    }
+
+    /// A killed lease's workspace volume: destroyed if the appliance made
+    /// it, it is not to be retained, and no other lease mounts it; the
+    /// operator's volumes (`existing-volume`) never are. A failure is
+    /// logged: the volume stays.
+    pub(crate) async fn release_volume(&self, l: &Lease) {
+        let Some(v) = l.volume.clone().filter(|v| v.owned && !v.retain) else {
+            return;
+        };
+        let (lref, backend, id) = (l.lease_ref.clone(), l.backend.clone(), v.volume_id.clone());
+        let shared = self
+            .inner
+            .store
+            .read(move |txn| {
+                Ok(store::leases::all(txn)?.iter().any(|o| {
+                    o.lease_ref != lref
+                        && o.backend == backend
+                        && o.volume.as_ref().is_some_and(|w| w.volume_id == id)
+                }))
+            })
+            .await;
+        match shared {
+            Ok(false) => {}
+            Ok(true) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "a workspace volume was kept: its other leases could not be read");
+                return;
+            }
+        }
+        let Ok(cube) = self.client(&l.backend) else {
+            return;
+        };
+        match cube.delete_volume(&v.volume_id).await {
+            Ok(()) => {}
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(lease = %l.lease_ref, error = %e, "could not destroy a workspace volume; it is kept");
+            }
+        }
     }
 }

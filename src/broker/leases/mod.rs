@@ -21,7 +21,7 @@ use crate::audit::Intent;
 use crate::audit::event::Event;
 use crate::auth::Principal;
 use crate::config::RUNTIMES;
-use crate::cube::wire::{CreateSandbox, Lifecycle, NetworkPolicy};
+use crate::cube::wire::{CreateSandbox, Lifecycle, NetworkPolicy, VolumeMount};
 use crate::cube::{ErrorKind, SandboxAddr, Secret, StartOptions};
 use crate::store::{self, StoreError};
 
@@ -41,7 +41,7 @@ pub const MAX_ARTIFACT: usize = 8 * 1024 * 1024;
 pub const MAX_SESSION_KEY: usize = 512;
 pub const MAX_LIST: usize = 1000;
 
-pub use crate::store::leases::{Lease, LeaseState};
+pub use crate::store::leases::{Lease, LeaseState, LeaseVolume};
 
 /// Who may see a lease.
 pub(crate) trait Visible {
@@ -67,6 +67,8 @@ pub(crate) struct Want {
     /// Fork: the snapshot to clone and the checkpoint it belongs to.
     pub snapshot: Option<(String, String)>,
     pub task_ref: Option<String>,
+    /// The backend it runs on.
+    pub backend: String,
 }
 
 /// State written in an effect's outcome transaction.
@@ -158,6 +160,21 @@ impl Drop for Busy {
     }
 }
 
+/// A lease's sandbox as the data plane addresses it, with the client of
+/// the backend it runs on.
+#[derive(Clone)]
+pub(crate) struct Addr {
+    pub sandbox: SandboxAddr,
+    pub cube: crate::cube::CubeClient,
+}
+
+impl std::ops::Deref for Addr {
+    type Target = SandboxAddr;
+    fn deref(&self) -> &SandboxAddr {
+        &self.sandbox
+    }
+}
+
 pub(crate) fn new_ref(prefix: &str) -> String {
     format!("{prefix}_{}", crate::ids::random_hex(10))
 }
@@ -196,7 +213,10 @@ impl Broker {
         }
     }
 
-    pub(crate) fn addr(&self, l: &Lease) -> Result<SandboxAddr> {
+    /// Where the lease's sandbox is, and the client of its backend (503
+    /// `backend_unavailable` while that is down: before any intent).
+    pub(crate) fn addr(&self, l: &Lease) -> Result<Addr> {
+        let cube = self.ready_client(&l.backend)?;
         let traffic_token = match &l.traffic_token {
             Some(s) => Some(Secret::new(
                 String::from_utf8(self.inner.store.sealer.open(s)?)
@@ -204,11 +224,14 @@ impl Broker {
             )),
             None => None,
         };
-        Ok(SandboxAddr {
-            id: l.sandbox_id.clone(),
-            domain: l.domain.clone(),
-            traffic_token,
-            envd_version: l.envd_version.clone(),
+        Ok(Addr {
+            sandbox: SandboxAddr {
+                id: l.sandbox_id.clone(),
+                domain: l.domain.clone(),
+                traffic_token,
+                envd_version: l.envd_version.clone(),
+            },
+            cube,
         })
     }
 
@@ -216,6 +239,7 @@ impl Broker {
         let mut ev = self.event(p, action, ctx);
         ev.runtime = Some(l.runtime.clone());
         ev.profile = Some(l.profile.clone());
+        ev.backend = Some(l.backend.clone());
         ev.lease_ref = Some(l.lease_ref.clone());
         ev.sandbox_ref = Some(l.sandbox_ref.clone());
         ev.session_digest = Some(l.session_hash.clone());
@@ -234,9 +258,9 @@ impl Broker {
 
     pub(crate) fn lease_answer(&self, l: &Lease, reused: bool, ctx: &Ctx) -> dto::LeaseAnswer {
         dto::LeaseAnswer {
-            executor: self.executor(),
+            executor: self.executor(&l.backend),
             lease_ref: l.lease_ref.clone(),
-            persistent_workspace: false,
+            persistent_workspace: l.volume.is_some(),
             profile: l.profile.clone(),
             request_id: ctx.request_id.clone(),
             reused,

@@ -98,11 +98,22 @@ impl Broker {
     }
 
     /// The digest of a profile's settings in one configuration.
+    /// The digest of a profile as it resolves: its settings (its template
+    /// among them), and the backend it runs on when that is not `default`
+    /// (so that digests made before there were several stay the same).
     fn profile_digest(cfg: &crate::config::Config, name: &str) -> String {
         let v = cfg
             .profiles
             .get(name)
-            .and_then(|pr| serde_json::to_value(pr).ok())
+            .and_then(|pr| {
+                let mut v = serde_json::to_value(pr).ok()?;
+                if let (Some(b), Some(m)) = (cfg.profile_backend(pr), v.as_object_mut())
+                    && b != crate::config::DEFAULT_BACKEND
+                {
+                    m.insert("backend".into(), Value::String(b.to_string()));
+                }
+                Some(v)
+            })
             .unwrap_or(Value::Null);
         sha256_hex(canonical(&v).as_bytes())
     }

@@ -213,6 +213,13 @@ impl Broker {
             template_digest: t.digest(template),
             profile: t.profile.clone(),
             profile_digest: Self::profile_digest(&policy.cfg, &t.profile),
+            backend: policy
+                .cfg
+                .profiles
+                .get(&t.profile)
+                .and_then(|pr| policy.cfg.profile_backend(pr))
+                .unwrap_or(crate::config::DEFAULT_BACKEND)
+                .to_string(),
             parameters_sealed: self.inner.store.sealer.seal(canon.as_bytes())?,
             parameters_sha256: sha256_hex(canon.as_bytes()),
             command_sha256: sha256_hex(command.as_bytes()),
@@ -234,6 +241,7 @@ impl Broker {
         let j = &self.inner.journal;
         ev.outcome = "ok".into();
         ev.plan_ref = Some(plan.plan_ref.clone());
+        ev.backend = Some(plan.backend.clone());
         ev.parameters_digest = Some(j.digest("parameters", canon.as_bytes()));
         ev.command_digest = Some(j.digest("command", command.as_bytes()));
         let p2 = plan.clone();

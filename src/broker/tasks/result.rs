@@ -90,6 +90,7 @@ impl Broker {
         ev.plan_ref = Some(task.plan_ref.clone());
         ev.task_template = Some(task.template.clone());
         ev.profile = Some(task.profile.clone());
+        ev.backend = Some(task.backend.clone());
         if task.receipt.is_some() {
             return self.task_answer(&task, ctx, true);
         }
@@ -241,6 +242,7 @@ impl Broker {
             "task_template": task.template,
             "template_sha256": task.template_digest,
             "profile": task.profile,
+            "backend": task.backend,
             "parameters_sha256": task.parameters_sha256,
             "command_sha256": task.command_sha256,
             "sandbox_ref": task.sandbox_ref,

@@ -93,6 +93,7 @@ impl Broker {
             template: plan.template.clone(),
             template_digest: plan.template_digest.clone(),
             profile: plan.profile.clone(),
+            backend: plan.backend.clone(),
             parameters_sha256: plan.parameters_sha256.clone(),
             command_sha256: plan.command_sha256.clone(),
             state: TaskState::Starting,

@@ -1,0 +1,256 @@
+//! The backends sandboxes run on, by name (`[backends.NAME]`): a client for
+//! each, and whether it is up. A health watch asks each one's CubeAPI every
+//! `HEALTH_INTERVAL` (and again at once after a call found it down); a
+//! backend that is down fails its own profiles' calls before any intent,
+//! with 503 `backend_unavailable`, while the others keep serving.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::cube::CubeClient;
+
+use super::{Code, Error, Result};
+
+/// How often each backend is asked whether it is up.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
+/// How long one health call may take before the backend counts as down.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// What kind of backend it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    CubeSandbox,
+    /// The embedded backend, with its isolation.
+    Embedded(crate::embedded::Isolation),
+}
+
+/// One backend: its client and its health.
+pub struct Backend {
+    pub name: String,
+    pub kind: Kind,
+    pub client: CubeClient,
+    /// What it is, for people (`status`, the console).
+    pub description: String,
+    up: AtomicBool,
+    /// Its last health failure, if it is down.
+    problem: std::sync::Mutex<Option<String>>,
+    /// Ask again now (a call found it unreachable).
+    recheck: tokio::sync::Notify,
+}
+
+impl Backend {
+    pub fn new(name: &str, kind: Kind, client: CubeClient, description: String) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_string(),
+            kind,
+            client,
+            description,
+            up: AtomicBool::new(true),
+            problem: std::sync::Mutex::new(None),
+            recheck: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// A CubeSandbox backend's client from its section (its key, CA and
+    /// client certificate read from their files).
+    pub fn from_section(
+        name: &str,
+        b: &crate::config::BackendSection,
+    ) -> std::result::Result<Arc<Self>, String> {
+        use crate::cube::{BackendConfig, Secret};
+        let read = |f: &std::path::Path| {
+            std::fs::read(f).map_err(|e| format!("read {}: {e}", f.display()))
+        };
+        let text = |f: &std::path::Path| {
+            std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))
+        };
+        let mut bc = BackendConfig::new(name, b.api_url.clone());
+        bc.proxy_url = b.proxy_url.clone();
+        bc.domain = b.domain.clone();
+        bc.insecure_plain_http = b.insecure_plain_http;
+        if let Some(f) = &b.api_key_file {
+            bc.api_key = Some(Secret::new(text(f)?.trim()));
+        }
+        if let Some(f) = &b.ca_file {
+            bc.ca_pem = Some(read(f)?);
+        }
+        if let (Some(c), Some(k)) = (&b.client_cert_file, &b.client_key_file) {
+            bc.client_cert_pem = Some(read(c)?);
+            bc.client_key_pem = Some(Secret::new(text(k)?));
+        }
+        let client = CubeClient::new(bc).map_err(|e| e.to_string())?;
+        Ok(Self::new(
+            name,
+            Kind::CubeSandbox,
+            client,
+            format!("CubeSandbox at {}", b.api_url),
+        ))
+    }
+
+    /// Up as far as the last health call knows (up until one says not).
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Why it is down, if it is.
+    pub fn problem(&self) -> Option<String> {
+        self.problem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set(&self, r: std::result::Result<(), String>) {
+        let was = self.up.swap(r.is_ok(), Ordering::AcqRel);
+        match &r {
+            Ok(()) if !was => tracing::info!(backend = %self.name, "backend is up again"),
+            Err(e) if was => tracing::warn!(backend = %self.name, error = %e, "backend is down"),
+            _ => {}
+        }
+        *self.problem.lock().unwrap_or_else(|p| p.into_inner()) = r.err();
+    }
+
+    /// Ask it now.
+    pub async fn check(&self) -> bool {
+        let r = match tokio::time::timeout(HEALTH_TIMEOUT, self.client.health()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "no answer from CubeAPI within {} s",
+                HEALTH_TIMEOUT.as_secs()
+            )),
+        };
+        let ok = r.is_ok();
+        self.set(r);
+        ok
+    }
+
+    /// A call failed to reach it: have the watch ask again at once.
+    pub fn suspect(&self) {
+        self.recheck.notify_one();
+    }
+
+    /// 503 `backend_unavailable` unless it is up.
+    pub fn ready(&self) -> Result<()> {
+        if self.is_up() {
+            return Ok(());
+        }
+        Err(unavailable(&self.name))
+    }
+}
+
+pub(crate) fn unavailable(name: &str) -> Error {
+    Error::new(
+        Code::BackendUnavailable,
+        format!("the backend '{name}' is unavailable; retry shortly"),
+    )
+}
+
+/// The backends by name. Cheap to clone; a reload swaps entries.
+#[derive(Clone, Default)]
+pub struct Backends {
+    map: Arc<RwLock<BTreeMap<String, Arc<Backend>>>>,
+    /// Watches started, by backend (a replaced backend's ends with it).
+    watches: Arc<std::sync::Mutex<BTreeMap<String, tokio::task::AbortHandle>>>,
+}
+
+impl Backends {
+    pub fn new(list: impl IntoIterator<Item = Arc<Backend>>) -> Self {
+        let b = Self::default();
+        {
+            let mut m = b.map.write().unwrap_or_else(|p| p.into_inner());
+            for x in list {
+                m.insert(x.name.clone(), x);
+            }
+        }
+        b
+    }
+
+    /// One backend, as it is now.
+    pub fn get(&self, name: &str) -> Option<Arc<Backend>> {
+        self.map
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Every backend, by name.
+    pub fn all(&self) -> Vec<Arc<Backend>> {
+        self.map
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.map
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    /// Add or replace one (a reload); its watch starts if watching.
+    pub fn insert(&self, b: Arc<Backend>) {
+        let name = b.name.clone();
+        self.map
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.clone(), b.clone());
+        let mut w = self.watches.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(old) = w.remove(&name) {
+            old.abort();
+            w.insert(name, tokio::spawn(watch(b)).abort_handle());
+        }
+    }
+
+    /// Remove one (a reload, after checking it has no leases).
+    pub fn remove(&self, name: &str) {
+        self.map
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+        if let Some(w) = self
+            .watches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name)
+        {
+            w.abort();
+        }
+    }
+
+    /// Watch every backend's health until `stop`.
+    pub fn spawn_watch(&self, stop: tokio_util::sync::CancellationToken) {
+        let mut w = self.watches.lock().unwrap_or_else(|p| p.into_inner());
+        for b in self.all() {
+            w.insert(b.name.clone(), tokio::spawn(watch(b)).abort_handle());
+        }
+        drop(w);
+        let watches = self.watches.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            for (_, h) in std::mem::take(&mut *watches.lock().unwrap_or_else(|p| p.into_inner())) {
+                h.abort();
+            }
+        });
+    }
+}
+
+/// Ask one backend every `HEALTH_INTERVAL`, or at once when a call
+/// suspects it.
+async fn watch(b: Arc<Backend>) {
+    loop {
+        b.check().await;
+        tokio::select! {
+            _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
+            _ = b.recheck.notified() => {}
+        }
+    }
+}
