@@ -197,6 +197,10 @@ pub struct StoreSummary {
     pub active_leases: u64,
     pub tokens_active: u64,
     pub tokens_revoked: u64,
+    /// Outcomes recorded `uncertain` (an effect that may or may not have
+    /// happened: a timeout, an intent a crash left): for review.
+    #[serde(default)]
+    pub uncertain_outcomes: u64,
 }
 
 /// What a backup holds, written as `MANIFEST.json` in it.

@@ -443,6 +443,25 @@ pub async fn serve_with(
         signer,
         clock.clone(),
     );
+    // A crash left intents without an outcome: resolved now (the default),
+    // or sandbox effects wait for `audit reconcile` (`on_crash = "block"`).
+    if cfg.audit.on_crash == crate::config::OnCrash::Resolve
+        && !crate::audit::pending(&store)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .is_empty()
+    {
+        let r = broker
+            .recover_after_crash()
+            .await
+            .map_err(|e| anyhow::anyhow!("crash recovery: {}", e.message))?;
+        tracing::warn!(
+            done = r.done,
+            failed = r.failed,
+            uncertain = r.uncertain,
+            orphans_killed = r.orphans_killed,
+            "intents left by an earlier run are resolved (audit_recover events); the uncertain ones are for review"
+        );
+    }
     // Approval notifications: queued by planning, sent by their own task.
     if let Some((n, task)) =
         crate::console::notify::start(&cfg, addr, stop.clone()).map_err(|e| anyhow::anyhow!(e))?

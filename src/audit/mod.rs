@@ -85,7 +85,7 @@ impl Journal {
         if !pending.is_empty() {
             tracing::error!(
                 count = pending.len(),
-                "pending audit intents from an earlier run: sandbox effects are blocked until `cube-adapter audit reconcile`"
+                "pending audit intents from an earlier run: sandbox effects wait until they are resolved (at start, unless [audit] on_crash = \"block\": then by `cube-adapter audit reconcile`)"
             );
         }
         Ok(Self {
@@ -346,6 +346,53 @@ pub fn last_seq(txn: &redb::ReadTransaction) -> Result<u64, StoreError> {
         Ok(t) => Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0)),
         Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Every pending intent, with its event (oldest first).
+pub fn pending_intents(store: &Store) -> Result<Vec<(String, Event)>, StoreError> {
+    store.read_now(|txn| {
+        let mut v = vec![];
+        for (op, seq) in journal::pending(txn)? {
+            if let Some(ev) = journal::event(txn, seq)? {
+                v.push((op, ev));
+            }
+        }
+        v.sort_by_key(|(_, e)| e.seq);
+        Ok(v)
+    })
+}
+
+impl Journal {
+    /// Resolve one pending intent with `ev` (its outcome, by the system):
+    /// appended, and the intent leaves the pending set, in one transaction
+    /// with `persist`'s state change.
+    pub async fn resolve(
+        &self,
+        operation_id: &str,
+        mut ev: Event,
+        persist: impl FnOnce(&redb::WriteTransaction) -> Result<(), StoreError> + Send + 'static,
+    ) -> Result<(), AuditError> {
+        ev.phase = "outcome".into();
+        ev.operation_id = Some(operation_id.to_string());
+        let op = operation_id.to_string();
+        self.store
+            .write(move |txn, chain| {
+                persist(txn)?;
+                chain.append(txn, ev)?;
+                journal::remove_pending(txn, &op)
+            })
+            .await
+            .map_err(|e| AuditError::Unavailable(e.to_string()))
+    }
+
+    /// Serve sandbox effects again once no intent is pending.
+    pub fn unblock_if_clear(&self) -> bool {
+        let clear = pending(&self.store).map(|p| p.is_empty()).unwrap_or(false);
+        if clear {
+            self.blocked.store(false, Ordering::SeqCst);
+        }
+        clear
     }
 }
 

@@ -13,6 +13,7 @@ pub mod leases;
 pub mod paths;
 pub mod ptys;
 pub mod receipts;
+pub mod recovery;
 pub mod tasks;
 pub mod upkeep;
 

@@ -180,7 +180,7 @@ pub fn init(args: InitArgs) -> Exit {
 
 // -------------------------------------------------------------- status
 
-fn offline_status(state: &Path) -> Result<Value, Exit> {
+fn offline_status(state: &Path, on_crash: crate::config::OnCrash) -> Result<Value, Exit> {
     if !state.join("state.redb").exists() {
         return Err(not_initialised(state));
     }
@@ -202,7 +202,15 @@ fn offline_status(state: &Path) -> Result<Value, Exit> {
         "ready": false,
         "version": env!("CARGO_PKG_VERSION"),
         "state_dir": state,
-        "audit": {"state": if summary.pending_intents > 0 { "reconciliation_required" } else { "ok" }},
+        "audit": {
+            "state": match (summary.pending_intents, on_crash) {
+                (0, _) => "ok",
+                (_, crate::config::OnCrash::Block) => "reconciliation_required",
+                (_, crate::config::OnCrash::Resolve) => "resolved_at_next_start",
+            },
+            "on_crash": on_crash,
+            "uncertain_outcomes": summary.uncertain_outcomes,
+        },
         "store": summary,
         "server_certificate": cert,
     }))
@@ -253,9 +261,15 @@ fn print_status(v: &Value) {
         println!("  audit:        {}", s("/audit/state"));
     }
     println!(
-        "  journal:      {} events, {} pending intents",
+        "  journal:      {} events, {} pending intents, {} uncertain outcomes{}",
         n("/store/audit_last_seq"),
-        n("/store/pending_intents")
+        n("/store/pending_intents"),
+        n("/store/uncertain_outcomes"),
+        if n("/store/uncertain_outcomes") > 0 {
+            " (for review: cube-adapter audit export, outcome \"uncertain\")"
+        } else {
+            ""
+        }
     );
     let by_state: Vec<String> = v
         .pointer("/store/leases")
@@ -329,7 +343,7 @@ pub fn status(args: StatusArgs) -> Exit {
             Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
-        Reach::Stopped => match offline_status(&cfg.state_dir) {
+        Reach::Stopped => match offline_status(&cfg.state_dir, cfg.audit.on_crash) {
             Ok(v) => v,
             Err(c) => return c,
         },

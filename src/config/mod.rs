@@ -496,6 +496,22 @@ pub struct ReceiptsSection {
 #[serde(deny_unknown_fields, default)]
 pub struct AuditConfig {
     pub mode: AuditMode,
+    /// What a start does with intents an earlier run left without an
+    /// outcome (a crash): `resolve` them, or `block` sandbox effects until
+    /// `cube-adapter audit reconcile` (the reference's behaviour).
+    pub on_crash: OnCrash,
+}
+
+/// `[audit] on_crash` (docs/operations.md, "After a crash").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnCrash {
+    /// Ask the backend what is true where it can know, record `uncertain`
+    /// where it cannot, each as an `audit_recover` event; then serve.
+    #[default]
+    Resolve,
+    /// Refuse sandbox effects until an operator reconciles offline.
+    Block,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -415,6 +415,15 @@ pub fn summarize(txn: &ReadTransaction) -> Result<StoreSummary, StoreError> {
         Err(e) if table_missing(&e) => {}
         Err(e) => return Err(e.into()),
     }
+    match txn.open_table(tables::AUDIT_BY) {
+        Ok(_) => {
+            let r = crate::store::audit_index::Reader::open(txn)?;
+            s.uncertain_outcomes =
+                r.count(crate::store::audit_index::Field::Outcome, "uncertain")?;
+        }
+        Err(e) if table_missing(&e) => {}
+        Err(e) => return Err(e.into()),
+    }
     match txn.open_table(tables::PENDING) {
         Ok(t) => s.pending_intents = t.len()?,
         Err(e) if table_missing(&e) => {}
@@ -582,6 +591,7 @@ impl Service {
             "audit": {
                 "mode": j.mode().as_str(),
                 "state": audit,
+                "on_crash": self.broker.config().audit.on_crash,
             },
             "backend": backend_doc,
             "backends": by_name,

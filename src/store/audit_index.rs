@@ -180,6 +180,18 @@ impl Reader {
         }
     }
 
+    /// How many events have this value of a field (a range scan of the
+    /// index: for values that are rare, such as `outcome` `uncertain`).
+    pub fn count(&self, field: Field, value: &str) -> Result<u64, StoreError> {
+        let k = key(field, value);
+        let mut n = 0;
+        for item in self.by.range((k.as_str(), 0)..=(k.as_str(), u64::MAX))? {
+            item?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// The lowest `seq >= at` of an event whose field `key` has this value.
     pub fn at_or_above(&self, key: &str, at: u64) -> Result<Option<u64>, StoreError> {
         let r = self.by.range((key, at)..=(key, u64::MAX))?.next();

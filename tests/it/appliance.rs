@@ -944,7 +944,8 @@ async fn a_crash_between_intent_and_outcome_blocks_until_reconciled() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
+    // The reference's behaviour, kept as a choice.
+    std::fs::write(&config, "[audit]\non_crash = \"block\"\n").unwrap();
     let client = |state: &std::path::Path| {
         let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
         reqwest::Client::builder()
@@ -1062,6 +1063,118 @@ async fn a_crash_between_intent_and_outcome_blocks_until_reconciled() {
         .unwrap();
     assert_eq!(v["stdout"], "ok\n", "{v}");
     p.stop();
+}
+
+/// The default crash policy (`on_crash = "resolve"`): the restart serves
+/// at once; the exec intent the crash left gets exactly one
+/// `audit_recover` event (`uncertain`: nobody can know whether it ran),
+/// the chain verifies, `status` counts it, and nothing ran again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_is_resolved_at_the_next_start_without_a_person() {
+    cube_adapter::tls::install_default_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, "").unwrap();
+    let _cleanup = SandboxReaper(state.join("embedded/sandboxes"));
+    let p = Proc::start(
+        &state,
+        &config,
+        &[("CUBE_ADAPTER_FAILPOINT", "after_intent")],
+    )
+    .unwrap();
+    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+        .build()
+        .unwrap();
+    let admin = std::fs::read_to_string(state.join("admin.token"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let r: Value = http
+        .post(format!("{}/v1/leases/acquire", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"runtime": "mcp", "session_key": "crash"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let lease = r["lease_ref"].as_str().unwrap().to_string();
+    let exec = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"command": "echo never-runs > /workspace/proof"}))
+        .send()
+        .await;
+    assert!(exec.is_err(), "the process should have died mid-request");
+    let mut p = p;
+    p.child.wait().unwrap();
+    let stopped = std::process::Command::new(BIN)
+        .args(["status", "--json", "--state-dir"])
+        .arg(&state)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&stopped.stdout).unwrap();
+    assert_eq!(v["audit"]["state"], "resolved_at_next_start", "{v}");
+    let pending = v["store"]["pending_intents"].as_u64().unwrap();
+    assert_eq!(pending, 1, "{v}");
+
+    // Restarted: ready at once, and the lease serves.
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let r = http.get(format!("{}/readyz", p.url)).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let v: Value = http
+        .post(format!("{}/v1/leases/{lease}/exec", p.url))
+        .bearer_auth(&admin)
+        .json(&json!({"command": "ls /workspace; echo ok"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["stdout"], "ok\n", "nothing ran again: {v}");
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--json", "--state-dir"])
+        .arg(&state)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ready"], true, "{v}");
+    assert_eq!(v["store"]["pending_intents"], 0, "{v}");
+    assert_eq!(v["store"]["uncertain_outcomes"], 1, "{v}");
+    p.stop();
+    let export = String::from_utf8(cli(&["audit", "export"], &state).stdout).unwrap();
+    let events: Vec<Value> = export
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let intent = events
+        .iter()
+        .find(|e| e["action"] == "exec" && e["phase"] == "intent")
+        .unwrap();
+    let op = intent["operation_id"].as_str().unwrap();
+    let resolving: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["operation_id"] == op && e["phase"] == "outcome")
+        .collect();
+    assert_eq!(resolving.len(), 1, "exactly one resolution: {resolving:?}");
+    assert_eq!(resolving[0]["action"], "audit_recover");
+    assert_eq!(resolving[0]["outcome"], "uncertain");
+    assert_eq!(resolving[0]["error_code"], "recovered:exec");
+    let out = cli(&["audit", "verify"], &state);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

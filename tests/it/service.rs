@@ -528,7 +528,7 @@ async fn status_reports_a_blocked_journal() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
+    std::fs::write(&config, "[audit]\non_crash = \"block\"\n").unwrap();
     let _reaper = crate::kit::SandboxReaper(state.join("embedded/sandboxes"));
     let mut p = crate::kit::Proc::start(
         &state,

@@ -1,0 +1,159 @@
+//! Back to work after a crash without a person (`[audit] on_crash =
+//! "resolve"`, the default). At start, every intent an earlier run left
+//! without an outcome gets exactly one `audit_recover` event in the chain,
+//! naming it (`operation_id`), before the service serves:
+//!
+//! - a kill (`release` kill, `gc_release`) is done again (a sandbox already
+//!   gone counts) and its lease removed: `ok`;
+//! - an `orphan_kill` is `ok`: the sweep below kills what no lease holds;
+//! - an `acquire` or `checkpoint_fork` never recorded its lease: `error`
+//!   (`interrupted`); the sandbox it may have made holds no lease, and is
+//!   killed by the sweep that follows, under its own `orphan_kill`;
+//! - anything else (an exec, a write, an upload, a PTY's input, a job's
+//!   start, a pause…) may or may not have happened: `uncertain`, for review
+//!   (`status` counts them; nothing is run again).
+//!
+//! A kill whose backend cannot be reached is left `uncertain` too: the
+//! lease stays, and a later kill or GC ends it.
+
+use super::leases::Lease;
+use super::{Broker, Result};
+use crate::audit::event::Event;
+use crate::cube::ErrorKind;
+
+/// What a recovery did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    pub done: usize,
+    pub failed: usize,
+    pub uncertain: usize,
+    /// Sandboxes no lease held, killed after.
+    pub orphans_killed: usize,
+}
+
+impl Broker {
+    /// Resolve every pending intent (see the module), then unblock the
+    /// journal and sweep the sandboxes no lease holds.
+    pub async fn recover_after_crash(&self) -> Result<Recovered> {
+        let pending = crate::audit::pending_intents(self.inner.journal.store())?;
+        let mut r = Recovered::default();
+        let mut sweep = false;
+        for (op, intent) in pending {
+            let (outcome, persist) = self.resolve_intent(&intent).await;
+            match outcome {
+                "ok" => r.done += 1,
+                "error" => r.failed += 1,
+                _ => r.uncertain += 1,
+            }
+            sweep |= matches!(
+                intent.action.as_str(),
+                "acquire" | "checkpoint_fork" | "orphan_kill"
+            );
+            let j = &self.inner.journal;
+            let mut ev = j.event("audit_recover");
+            ev.outcome = outcome.to_string();
+            ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+            ev.tenant_digest = intent.tenant_digest.clone();
+            ev.runtime = intent.runtime.clone();
+            ev.profile = intent.profile.clone();
+            ev.backend = intent.backend.clone();
+            ev.lease_ref = intent.lease_ref.clone();
+            ev.sandbox_ref = intent.sandbox_ref.clone();
+            ev.job_ref = intent.job_ref.clone();
+            ev.checkpoint_ref = intent.checkpoint_ref.clone();
+            ev.task_ref = intent.task_ref.clone();
+            ev.error_code = Some(format!("recovered:{}", intent.action));
+            match persist {
+                Some(l) => {
+                    j.resolve(&op, ev, move |txn| {
+                        super::upkeep::remove_lease_state(txn, &l)
+                    })
+                    .await?
+                }
+                None => j.resolve(&op, ev, |_| Ok(())).await?,
+            }
+            tracing::warn!(
+                operation = %op,
+                action = %intent.action,
+                outcome,
+                "an intent left by an earlier run is resolved"
+            );
+        }
+        self.inner.journal.unblock_if_clear();
+        if sweep {
+            for b in self.inner.backends.all() {
+                r.orphans_killed += self.kill_unheld(&b.name, &b.client).await;
+            }
+        }
+        Ok(r)
+    }
+
+    /// The outcome of one interrupted intent, and the lease whose records
+    /// go with it (a kill done now).
+    async fn resolve_intent(&self, intent: &Event) -> (&'static str, Option<Lease>) {
+        let kill = match intent.action.as_str() {
+            "release" => intent.release_action.as_deref() != Some("pause"),
+            "gc_release" => true,
+            "orphan_kill" => return ("ok", None),
+            "acquire" | "checkpoint_fork" => return ("error", None),
+            _ => false,
+        };
+        if !kill {
+            return ("uncertain", None);
+        }
+        let lease = match &intent.lease_ref {
+            Some(lr) => self.get_lease(lr).await.ok().flatten(),
+            None => None,
+        };
+        let Some(l) = lease else {
+            // Its lease went with the kill's outcome: the kill was done.
+            return ("ok", None);
+        };
+        let Ok(cube) = self.client(&l.backend) else {
+            return ("uncertain", None);
+        };
+        match cube.kill(&l.sandbox_id).await {
+            Ok(()) => {}
+            Err(e) if e.kind == ErrorKind::NotFound => {}
+            Err(_) => return ("uncertain", None),
+        }
+        if self
+            .delete_lease_snapshots(&l.lease_ref, &l.backend)
+            .await
+            .is_err()
+        {
+            return ("uncertain", None);
+        }
+        self.release_volume(&l).await;
+        ("ok", Some(l))
+    }
+
+    /// Kill every sandbox of this appliance on a backend that no lease
+    /// holds (at start, when no create is in flight), each under its own
+    /// `orphan_kill` intent. How many were killed.
+    async fn kill_unheld(&self, name: &str, cube: &crate::cube::CubeClient) -> usize {
+        let filter: std::collections::BTreeMap<String, String> =
+            [("appliance".to_string(), self.appliance_id())].into();
+        let Ok(found) = cube.list(&filter, None).await else {
+            return 0;
+        };
+        let held: std::collections::HashSet<String> = self
+            .inner
+            .store
+            .read(crate::store::leases::all)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|l| l.sandbox_id)
+            .collect();
+        let mut n = 0;
+        for s in found {
+            if !held.contains(&s.sandbox_id)
+                && self.kill_orphan(name, &s.sandbox_id, None).await.is_ok()
+            {
+                n += 1;
+            }
+        }
+        n
+    }
+}
