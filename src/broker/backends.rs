@@ -152,8 +152,9 @@ pub(crate) fn unavailable(name: &str) -> Error {
 #[derive(Clone, Default)]
 pub struct Backends {
     map: Arc<RwLock<BTreeMap<String, Arc<Backend>>>>,
-    /// Watches started, by backend (a replaced backend's ends with it).
-    watches: Arc<std::sync::Mutex<BTreeMap<String, tokio::task::AbortHandle>>>,
+    /// Watches started, by backend (a replaced backend's ends with it);
+    /// `None` until `spawn_watch`, and again after its stop.
+    watches: Arc<std::sync::Mutex<Option<BTreeMap<String, tokio::task::AbortHandle>>>>,
 }
 
 impl Backends {
@@ -187,15 +188,6 @@ impl Backends {
             .collect()
     }
 
-    pub fn names(&self) -> Vec<String> {
-        self.map
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect()
-    }
-
     /// Add or replace one (a reload); its watch starts if watching.
     pub fn insert(&self, b: Arc<Backend>) {
         let name = b.name.clone();
@@ -203,10 +195,15 @@ impl Backends {
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .insert(name.clone(), b.clone());
-        let mut w = self.watches.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = w.remove(&name) {
+        // Watched like the others (an added backend too), once watching.
+        if let Some(w) = self
+            .watches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            && let Some(old) = w.insert(name, tokio::spawn(watch(b)).abort_handle())
+        {
             old.abort();
-            w.insert(name, tokio::spawn(watch(b)).abort_handle());
         }
     }
 
@@ -220,7 +217,8 @@ impl Backends {
             .watches
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(name)
+            .as_mut()
+            .and_then(|w| w.remove(name))
         {
             w.abort();
         }
@@ -228,15 +226,17 @@ impl Backends {
 
     /// Watch every backend's health until `stop`.
     pub fn spawn_watch(&self, stop: tokio_util::sync::CancellationToken) {
-        let mut w = self.watches.lock().unwrap_or_else(|p| p.into_inner());
-        for b in self.all() {
-            w.insert(b.name.clone(), tokio::spawn(watch(b)).abort_handle());
-        }
-        drop(w);
+        let started: BTreeMap<String, tokio::task::AbortHandle> = self
+            .all()
+            .into_iter()
+            .map(|b| (b.name.clone(), tokio::spawn(watch(b)).abort_handle()))
+            .collect();
+        *self.watches.lock().unwrap_or_else(|p| p.into_inner()) = Some(started);
         let watches = self.watches.clone();
         tokio::spawn(async move {
             stop.cancelled().await;
-            for (_, h) in std::mem::take(&mut *watches.lock().unwrap_or_else(|p| p.into_inner())) {
+            let all = watches.lock().unwrap_or_else(|p| p.into_inner()).take();
+            for (_, h) in all.into_iter().flatten() {
                 h.abort();
             }
         });

@@ -782,10 +782,6 @@ impl Workspace {
         *self == Self::default()
     }
 
-    pub fn mounts(&self) -> bool {
-        self.mode != WorkspaceMode::Ephemeral
-    }
-
     fn validate(&self, profile: &str) -> Result<(), String> {
         let e = |m: String| Err(format!("profile {profile}: workspace.{m}"));
         let volume_name_ok = |n: &str| {

@@ -482,7 +482,7 @@ async fn profiles_run_on_their_backends_with_their_workspaces() {
 async fn a_reload_adds_a_backend_and_keeps_one_with_leases() {
     let root = tempfile::tempdir().unwrap();
     let st = Standalone::start(&root.path().join("staging"), 0);
-    let pr = Standalone::start(&root.path().join("production"), 0);
+    let mut pr = Standalone::start(&root.path().join("production"), 0);
     let state = root.path().join("appliance");
     let config = root.path().join("config.toml");
     let section = |name: &str, b: &Standalone| {
@@ -559,6 +559,12 @@ async fn a_reload_adds_a_backend_and_keeps_one_with_leases() {
         acquire("production-code").await.unwrap().status(),
         StatusCode::OK
     );
+    // The added backend's health is watched like the others'.
+    pr.stop();
+    until(20, "the added backend seen down", || async {
+        acquire("production-code").await.unwrap().status() == StatusCode::SERVICE_UNAVAILABLE
+    })
+    .await;
     p.stop();
     drop(pr);
     drop(st);
