@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use self::event::Event;
 pub use crate::secrets::Sealer;
@@ -137,6 +137,9 @@ struct Inner {
     /// The token key, unsealed once at open (`None` if that failed: then
     /// each `token_key` call tries again and reports why).
     token_key: Option<[u8; 32]>,
+    /// The sequence number of the last committed audit event (0: none):
+    /// the audit sinks wait on it instead of polling.
+    last_seq: watch::Receiver<u64>,
 }
 
 /// Counters kept by the writer.
@@ -220,6 +223,7 @@ impl Store {
         let db = Arc::new(db);
         let (tx, rx) = mpsc::channel::<Job>(4096);
         let stats = Arc::new(Stats::default());
+        let (seq_tx, seq_rx) = watch::channel(chain.next_seq - 1);
         let inner = Arc::new(Inner {
             db: std::sync::RwLock::new(Some(db.clone())),
             jobs: tx,
@@ -229,11 +233,12 @@ impl Store {
             path,
             stats: stats.clone(),
             token_key,
+            last_seq: seq_rx,
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
             .name("store-writer".into())
-            .spawn(move || writer(db, rx, chain, weak, stats, max_batch))
+            .spawn(move || writer(db, rx, chain, weak, stats, max_batch, seq_tx))
             .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
         if let Ok(mut w) = inner.writer.lock() {
             *w = Some(handle);
@@ -298,6 +303,12 @@ impl Store {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         r.iter().copied().collect()
+    }
+
+    /// The sequence number of the last committed audit event, updated after
+    /// each commit (0 while the journal is empty).
+    pub fn last_seq(&self) -> watch::Receiver<u64> {
+        self.inner.last_seq.clone()
     }
 
     /// Whether a commit has failed (the writer is stopped).
@@ -501,6 +512,7 @@ fn writer(
     inner: std::sync::Weak<Inner>,
     stats: Arc<Stats>,
     max_batch: usize,
+    last_seq: watch::Sender<u64>,
 ) {
     let drain = |rx: &mut mpsc::Receiver<Job>, jobs: &mut Vec<Job>| {
         while jobs.len() < max_batch {
@@ -552,6 +564,9 @@ fn writer(
             Ok(()) => {
                 stats.commits.fetch_add(1, Ordering::Relaxed);
                 stats.writes.fetch_add(n, Ordering::Relaxed);
+                if chain.next_seq != before.next_seq {
+                    last_seq.send_replace(chain.next_seq - 1);
+                }
                 for f in finishes {
                     f(Ok(()));
                 }
