@@ -64,6 +64,36 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         v.push(f.clone());
     }
     v.extend(cfg.receipts.hmac_key_file.iter().cloned());
+    // The audit sinks' secrets, and the file sink's files (events are
+    // redacted, but other tenants' activity is no sandbox's business): its
+    // directory when it is one of the appliance's own (named
+    // cube-adapter…), else the file and its rotated copies.
+    for s in &cfg.audit.sinks {
+        match s {
+            crate::config::sinks::SinkDef::File(f) => match f.path.parent() {
+                Some(d)
+                    if d.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("cube-adapter")) =>
+                {
+                    v.push(d.to_path_buf());
+                }
+                _ => {
+                    v.push(f.path.clone());
+                    for n in 1..=f.keep {
+                        let mut p = f.path.clone().into_os_string();
+                        p.push(format!(".{n}"));
+                        v.push(PathBuf::from(p));
+                    }
+                }
+            },
+            crate::config::sinks::SinkDef::Http(h) => {
+                v.extend(h.hmac_key_file.iter().cloned());
+                v.extend(h.token_file.iter().cloned());
+                v.extend(h.client_key_file.iter().cloned());
+            }
+            _ => {}
+        }
+    }
     if let Some(n) = &cfg.console.notify {
         v.extend(n.secret_file.iter().cloned());
     }
@@ -136,6 +166,7 @@ pub fn embedded_settings(cfg: &Config, state: &Path, launcher: PathBuf) -> Setti
         launcher,
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: masks(cfg, state),
+        keep_free: vec![state.to_path_buf()],
         default_timeout: None,
         orphan_grace_secs: i64::try_from(e.orphan_grace_seconds).unwrap_or(i64::MAX),
         min_free_mb: e.min_free_mb,
@@ -469,6 +500,16 @@ pub async fn serve_with(
         broker.set_plan_listener(n);
         background.push(task);
     }
+    // Audit delivery: each sink reads the journal from its own cursor.
+    {
+        let sinks = broker.journal().sinks();
+        let prepared = sinks
+            .prepare(&cfg.audit.sinks)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for c in sinks.start(prepared, stop.clone()) {
+            tracing::info!("{c}");
+        }
+    }
     background.push(tokio::spawn(audit_blocks(
         broker.journal().clone(),
         block_rx,
@@ -570,6 +611,12 @@ pub async fn serve_with(
         }
     }
     let _ = std::fs::remove_file(state.join("admin.sock"));
+    // The sinks write their cursors while the store is still open.
+    broker
+        .journal()
+        .sinks()
+        .stop(std::time::Duration::from_secs(5))
+        .await;
     // Last: the writer commits what is queued and the file is released.
     store.close().await;
     r.context("serve")

@@ -46,6 +46,7 @@ pub fn settings(o: &Options) -> Settings {
         launcher: o.launcher.clone(),
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![o.state_dir.clone()],
+        keep_free: vec![],
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 512,

@@ -13,6 +13,7 @@ pub mod event {
     pub use crate::store::event::*;
 }
 pub mod search;
+pub mod sinks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,6 +67,9 @@ pub struct Journal {
     key: Arc<[u8]>,
     /// Events' timestamps (the system clock unless `with_clock`).
     clock: crate::clock::Clock,
+    /// Where copies of the journal go (`[[audit.sinks]]`; none until
+    /// started).
+    sinks: Arc<sinks::Sinks>,
 }
 
 /// A committed intent, waiting for its outcome.
@@ -75,6 +79,13 @@ pub struct Intent {
     started: Instant,
     /// False when best-effort mode could not write the intent.
     recorded: bool,
+}
+
+impl Intent {
+    /// The action the intent is for.
+    pub fn action(&self) -> &str {
+        &self.base.action
+    }
 }
 
 impl Journal {
@@ -89,18 +100,25 @@ impl Journal {
             );
         }
         Ok(Self {
-            store,
+            store: store.clone(),
             mode,
             blocked: Arc::new(AtomicBool::new(!pending.is_empty())),
             key: key.into(),
             clock: crate::clock::Clock::System,
+            sinks: Arc::new(sinks::Sinks::new(store, crate::clock::Clock::System)),
         })
     }
 
     /// The same journal, its events stamped by `clock`.
     pub fn with_clock(mut self, clock: crate::clock::Clock) -> Self {
+        self.sinks = Arc::new(sinks::Sinks::new(self.store.clone(), clock.clone()));
         self.clock = clock;
         self
+    }
+
+    /// The audit sinks delivering this journal.
+    pub fn sinks(&self) -> &sinks::Sinks {
+        &self.sinks
     }
 
     /// The clock that stamps this journal's events.

@@ -27,6 +27,15 @@ pub struct Rig {
 
 impl Rig {
     pub async fn start(dir: &Path, launcher: &Path) -> anyhow::Result<Self> {
+        Self::start_with(dir, launcher, vec![]).await
+    }
+
+    /// As `start`, with these audit sinks.
+    pub async fn start_with(
+        dir: &Path,
+        launcher: &Path,
+        sinks: Vec<crate::config::sinks::SinkDef>,
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let lb = super::loopback_backend(dir, launcher).await?;
         let (direct, burl, btx) = (lb.client, lb.url, lb.stop);
@@ -54,6 +63,8 @@ impl Rig {
             profiles,
             ..Config::default()
         };
+        let mut cfg = cfg;
+        cfg.audit.sinks = sinks;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let (atx, arx) = tokio::sync::oneshot::channel::<()>();
         let (stx, srx) = tokio::sync::oneshot::channel();
@@ -183,6 +194,130 @@ where
 
 fn tmpdir(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("cube-bench-{name}-{:016x}", rand::random::<u64>()))
+}
+
+/// `bench sinks`: the audited exec on two appliances side by side, one
+/// without sinks and one delivering to three (a JSONL file, an HTTP
+/// collector on loopback, a syslog datagram socket), called alternately so
+/// that both meet the same machine; then every sink is checked to have
+/// delivered the whole journal.
+pub async fn sinks(launcher: &Path, iterations: usize) -> anyhow::Result<Report> {
+    use crate::config::sinks::SinkDef;
+    let dir = tmpdir("sinks");
+    std::fs::create_dir_all(&dir)?;
+    // The collector: takes every batch, counts its lines.
+    let lines = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let l2 = lines.clone();
+    let app = axum::Router::new().route(
+        "/audit",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let l2 = l2.clone();
+            async move {
+                let n = body.iter().filter(|b| **b == b'\n').count() as u64;
+                l2.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let collector = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = collector.local_addr()?.port();
+    let served = tokio::spawn(async move { axum::serve(collector, app).await });
+    // The syslog socket: read on a thread of its own.
+    let sock = dir.join("log.sock");
+    let dgram = std::os::unix::net::UnixDatagram::bind(&sock)?;
+    let syslogged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let s2 = syslogged.clone();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        while dgram.recv(&mut buf).is_ok() {
+            s2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    let text = format!(
+        "[[audit.sinks]]\nkind = \"file\"\nname = \"file\"\npath = \"{file}\"\n\n\
+         [[audit.sinks]]\nkind = \"http\"\nname = \"http\"\nurl = \"http://127.0.0.1:{port}/audit\"\n\n\
+         [[audit.sinks]]\nkind = \"syslog\"\nname = \"syslog\"\naddress = \"unix:{sock}\"\n",
+        file = dir.join("audit.jsonl").display(),
+        sock = sock.display(),
+    );
+    #[derive(serde::Deserialize)]
+    struct Doc {
+        audit: Audit,
+    }
+    #[derive(serde::Deserialize)]
+    struct Audit {
+        sinks: Vec<SinkDef>,
+    }
+    let defs = toml::from_str::<Doc>(&text)?.audit.sinks;
+    let plain = Rig::start(&dir.join("plain"), launcher).await?;
+    let sunk = Rig::start_with(&dir.join("sinks"), launcher, defs).await?;
+    let (lp, ls) = (plain.acquire("sinks").await?, sunk.acquire("sinks").await?);
+    for _ in 0..10 {
+        plain.exec(&lp, "true").await?;
+        sunk.exec(&ls, "true").await?;
+    }
+    let (mut a, mut b) = (vec![], vec![]);
+    for i in 0..iterations {
+        // Alternate which goes first, so neither always follows the other.
+        let order: [bool; 2] = if i % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for with in order {
+            let t = Instant::now();
+            if with {
+                sunk.exec(&ls, "true").await?;
+                b.push(t.elapsed());
+            } else {
+                plain.exec(&lp, "true").await?;
+                a.push(t.elapsed());
+            }
+        }
+    }
+    // Every sink caught up with the journal.
+    let head = *sunk.store.last_seq().borrow();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let file = dir.join("audit.jsonl");
+    loop {
+        let in_file = std::fs::read(&file)
+            .map(|b| b.iter().filter(|c| **c == b'\n').count() as u64)
+            .unwrap_or(0);
+        let got = [
+            in_file,
+            lines.load(std::sync::atomic::Ordering::Relaxed),
+            syslogged.load(std::sync::atomic::Ordering::Relaxed),
+        ];
+        if got.iter().all(|n| *n >= head) {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the sinks did not catch up: {got:?} of {head} events (file, http, syslog)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pa = Summary::of("exec true, no sinks", &a);
+    let pb = Summary::of("exec true, three sinks", &b);
+    let mut report = Report::new("sinks");
+    report.figures.insert(
+        "p50 ratio (three sinks / none)".into(),
+        pb.p50_ms / pa.p50_ms,
+    );
+    report.figures.insert(
+        "p99 ratio (three sinks / none)".into(),
+        pb.p99_ms / pa.p99_ms,
+    );
+    report
+        .figures
+        .insert("events delivered to each sink".into(), head as f64);
+    report.results.push(pa);
+    report.results.push(pb);
+    plain.stop().await;
+    sunk.stop().await;
+    served.abort();
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(report)
 }
 
 /// `bench overhead`: the same exec through the appliance and directly.

@@ -236,6 +236,7 @@ pub async fn all(
     let reports = [
         ("backend", backend(&backend_opts).await?),
         ("overhead", appliance::overhead(launcher, 300).await?),
+        ("sinks", appliance::sinks(launcher, 300).await?),
         ("audit", appliance::audit(&[1, 64], 200).await?),
         ("cycle", appliance::cycle(launcher, &[1, 16, 64], 4).await?),
         ("hot", appliance::hot(launcher, 64, 30).await?),
@@ -311,6 +312,7 @@ pub async fn loopback_backend(
         launcher: launcher.to_path_buf(),
         uid_base: crate::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
+        keep_free: vec![],
         default_timeout: None,
         orphan_grace_secs: crate::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 0,

@@ -51,7 +51,17 @@ c="$CUBE_ADAPTER_JOB_CWD"
 m="$CUBE_ADAPTER_JOB_SECONDS"
 unset CUBE_ADAPTER_JOB_REF CUBE_ADAPTER_JOB_COMMAND CUBE_ADAPTER_JOB_RUNNER CUBE_ADAPTER_JOB_CWD CUBE_ADAPTER_JOB_SECONDS
 setsid /bin/bash "$d/run.sh" "$d" "$c" "$m" </dev/null >/dev/null 2>&1 &
+printf '%s' "$!" > runner
 echo "$!"
+"#;
+
+/// After a crash between a job's start and its outcome (`recovery`): the
+/// runner's pid if the job was started (`pid N`), `none` if nothing of it
+/// is there, `partial` otherwise.
+pub(crate) const ADOPT: &str = r#"d="/tmp/cube-adapter-jobs/$J"
+if [ ! -e "$d" ]; then echo none; exit 0; fi
+r=$(cat "$d/runner" 2>/dev/null)
+case "$r" in ''|*[!0-9]*) echo partial;; *) echo "pid $r";; esac
 "#;
 
 /// The runner: the command in a session (process group) of its own and,

@@ -396,7 +396,8 @@ impl Broker {
 /// Test-only failpoints, set with `CUBE_ADAPTER_FAILPOINT=<name>` (read
 /// once, at the first failpoint reached): the process kills itself
 /// (SIGKILL) at the named point. `after_intent`: right after an intent is
-/// committed, before the backend is called. Used by the crash tests; never
+/// committed, before the backend is called; `before_outcome:ACTION` (see
+/// `failpoint_for`). Used by the crash tests; never
 /// set it in production.
 ///
 /// Compiled in with the `failpoints` feature, and in debug builds (the
@@ -418,6 +419,18 @@ pub(crate) fn failpoint(name: &str) {
 #[cfg(not(any(feature = "failpoints", debug_assertions)))]
 #[inline(always)]
 pub(crate) fn failpoint(_name: &str) {}
+
+/// A failpoint for one action: `CUBE_ADAPTER_FAILPOINT=POINT:ACTION`
+/// (`before_outcome:job_start`: the effect done, its outcome not yet
+/// committed).
+#[cfg(any(feature = "failpoints", debug_assertions))]
+pub(crate) fn failpoint_for(point: &str, action: &str) {
+    failpoint(&format!("{point}:{action}"));
+}
+
+#[cfg(not(any(feature = "failpoints", debug_assertions)))]
+#[inline(always)]
+pub(crate) fn failpoint_for(_point: &str, _action: &str) {}
 
 pub(crate) struct LockGuard {
     broker: Broker,

@@ -9,9 +9,14 @@
 //! - an `acquire` or `checkpoint_fork` never recorded its lease: `error`
 //!   (`interrupted`); the sandbox it may have made holds no lease, and is
 //!   killed by the sweep that follows, under its own `orphan_kill`;
-//! - anything else (an exec, a write, an upload, a PTY's input, a job's
-//!   start, a pause…) may or may not have happened: `uncertain`, for review
-//!   (`status` counts them; nothing is run again).
+//! - a job's start is adopted from its files in the sandbox: a runner
+//!   that was started gets the job's record (`ok`: it is read, cancelled
+//!   and collected as any other); no files at all, the job never started
+//!   (`error`); anything between, or a sandbox that cannot be asked,
+//!   `uncertain`;
+//! - anything else (an exec, a write, an upload, a PTY's input, a pause…)
+//!   may or may not have happened: `uncertain`, for review (`status`
+//!   counts them; nothing is run again).
 //!
 //! A kill whose backend cannot be reached is left `uncertain` too: the
 //! lease stays, and a later kill or GC ends it.
@@ -64,13 +69,17 @@ impl Broker {
             ev.task_ref = intent.task_ref.clone();
             ev.error_code = Some(format!("recovered:{}", intent.action));
             match persist {
-                Some(l) => {
+                Persist::RemoveLease(l) => {
                     j.resolve(&op, ev, move |txn| {
                         super::upkeep::remove_lease_state(txn, &l)
                     })
                     .await?
                 }
-                None => j.resolve(&op, ev, |_| Ok(())).await?,
+                Persist::PutJob(job) => {
+                    j.resolve(&op, ev, move |txn| crate::store::jobs::put(txn, &job))
+                        .await?
+                }
+                Persist::Nothing => j.resolve(&op, ev, |_| Ok(())).await?,
             }
             tracing::warn!(
                 operation = %op,
@@ -88,18 +97,19 @@ impl Broker {
         Ok(r)
     }
 
-    /// The outcome of one interrupted intent, and the lease whose records
-    /// go with it (a kill done now).
-    async fn resolve_intent(&self, intent: &Event) -> (&'static str, Option<Lease>) {
+    /// The outcome of one interrupted intent, and what its resolution
+    /// writes with it.
+    async fn resolve_intent(&self, intent: &Event) -> (&'static str, Persist) {
         let kill = match intent.action.as_str() {
             "release" => intent.release_action.as_deref() != Some("pause"),
             "gc_release" => true,
-            "orphan_kill" => return ("ok", None),
-            "acquire" | "checkpoint_fork" => return ("error", None),
+            "orphan_kill" => return ("ok", Persist::Nothing),
+            "acquire" | "checkpoint_fork" => return ("error", Persist::Nothing),
+            "job_start" => return self.adopt_job(intent).await,
             _ => false,
         };
         if !kill {
-            return ("uncertain", None);
+            return ("uncertain", Persist::Nothing);
         }
         let lease = match &intent.lease_ref {
             Some(lr) => self.get_lease(lr).await.ok().flatten(),
@@ -107,27 +117,105 @@ impl Broker {
         };
         let Some(l) = lease else {
             // Its lease went with the kill's outcome: the kill was done.
-            return ("ok", None);
+            return ("ok", Persist::Nothing);
         };
         let Ok(cube) = self.client(&l.backend) else {
-            return ("uncertain", None);
+            return ("uncertain", Persist::Nothing);
         };
         match cube.kill(&l.sandbox_id).await {
             Ok(()) => {}
             Err(e) if e.kind == ErrorKind::NotFound => {}
-            Err(_) => return ("uncertain", None),
+            Err(_) => return ("uncertain", Persist::Nothing),
         }
         if self
             .delete_lease_snapshots(&l.lease_ref, &l.backend)
             .await
             .is_err()
         {
-            return ("uncertain", None);
+            return ("uncertain", Persist::Nothing);
         }
         self.release_volume(&l).await;
-        ("ok", Some(l))
+        ("ok", Persist::RemoveLease(Box::new(l)))
     }
 
+    /// A job start the crash interrupted, from its files in the sandbox
+    /// (`jobs::ADOPT`).
+    async fn adopt_job(&self, intent: &Event) -> (&'static str, Persist) {
+        const UNKNOWN: (&str, Persist) = ("uncertain", Persist::Nothing);
+        let (Some(jr), Some(lr)) = (&intent.job_ref, &intent.lease_ref) else {
+            return UNKNOWN;
+        };
+        if !super::leases::valid_ref(jr, "job") {
+            return UNKNOWN;
+        }
+        let Ok(Some(l)) = self.get_lease(lr).await else {
+            tracing::warn!(job = %jr, lease = %lr, "an interrupted job start: its lease is gone");
+            return UNKNOWN;
+        };
+        let addr = match self.addr(&l) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(job = %jr, error = %e, "an interrupted job start: its sandbox cannot be reached");
+                return UNKNOWN;
+            }
+        };
+        let mut o = crate::cube::StartOptions::shell(super::jobs::ADOPT);
+        o.envs = [("J".to_string(), jr.clone())].into();
+        o.timeout = Some(std::time::Duration::from_secs(30));
+        let out = match addr.cube.run(&addr, &o, 4096).await {
+            Ok(out) if out.exit_code == 0 => out,
+            Ok(out) => {
+                tracing::warn!(job = %jr, exit = out.exit_code, "an interrupted job start: its sandbox could not be asked");
+                return UNKNOWN;
+            }
+            Err(e) => {
+                tracing::warn!(job = %jr, error = %e, "an interrupted job start: its sandbox could not be asked");
+                return UNKNOWN;
+            }
+        };
+        let said = String::from_utf8_lossy(&out.stdout);
+        let said = said.trim().lines().last().unwrap_or_default();
+        if said == "none" {
+            return ("error", Persist::Nothing);
+        }
+        let Some(pid) = said
+            .strip_prefix("pid ")
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            tracing::warn!(job = %jr, said, "an interrupted job start: half made, or its runner is unknown");
+            return UNKNOWN;
+        };
+        let (now, _) = self.now();
+        let job = crate::store::jobs::Job {
+            job_ref: jr.clone(),
+            lease_ref: l.lease_ref.clone(),
+            tenant: l.tenant.clone(),
+            command_digest: intent.command_digest.clone().unwrap_or_default(),
+            runner_pid: pid,
+            state: crate::store::jobs::JobState::Running,
+            exit_code: None,
+            cancelled: false,
+            created_at: intent.ts.clone(),
+            updated_at: now,
+            max_seconds: self
+                .profile(&l.profile)
+                .unwrap_or_default()
+                .max_command_seconds,
+        };
+        ("ok", Persist::PutJob(job))
+    }
+}
+
+/// What resolving an intent writes with its event.
+enum Persist {
+    Nothing,
+    /// A kill done now: the lease's records go.
+    RemoveLease(Box<Lease>),
+    /// A job adopted from its files.
+    PutJob(crate::store::jobs::Job),
+}
+
+impl Broker {
     /// Kill every sandbox of this appliance on a backend that no lease
     /// holds (at start, when no create is in flight), each under its own
     /// `orphan_kill` intent. How many were killed.

@@ -25,6 +25,14 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The audited exec with three audit sinks (file, HTTP, syslog)
+    /// against none, on two appliances called alternately.
+    Sinks {
+        #[arg(long, default_value_t = 300)]
+        iterations: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// acquire → exec → release(kill) cycles with 1, 16 and 64 agents.
     Cycle {
         #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
@@ -173,6 +181,9 @@ pub fn run(b: BenchCommand) -> Exit {
             rt.block_on(appliance::overhead(&launcher, iterations)),
             json,
         ),
+        BenchCommand::Sinks { iterations, json } => {
+            (rt.block_on(appliance::sinks(&launcher, iterations)), json)
+        }
         BenchCommand::Cycle {
             concurrency,
             cycles_per_agent,

@@ -180,7 +180,11 @@ pub fn init(args: InitArgs) -> Exit {
 
 // -------------------------------------------------------------- status
 
-fn offline_status(state: &Path, on_crash: crate::config::OnCrash) -> Result<Value, Exit> {
+fn offline_status(
+    state: &Path,
+    on_crash: crate::config::OnCrash,
+    sinks: &[crate::config::sinks::SinkDef],
+) -> Result<Value, Exit> {
     if !state.join("state.redb").exists() {
         return Err(not_initialised(state));
     }
@@ -189,6 +193,25 @@ fn offline_status(state: &Path, on_crash: crate::config::OnCrash) -> Result<Valu
         eprintln!("error: {e}");
         Exit::Store
     })?;
+    // Each configured sink's stored cursor (none yet: it starts at its
+    // `from`), and how far behind the journal it is.
+    let cursors = store
+        .read_now(crate::audit::sinks::stored_cursors)
+        .unwrap_or_default();
+    let head = summary.audit_last_seq;
+    let sinks: Vec<Value> = sinks
+        .iter()
+        .map(|d| {
+            let c = cursors.get(d.name()).copied();
+            json!({
+                "name": d.name(),
+                "kind": d.kind(),
+                "cursor": c.unwrap_or(0),
+                "lag": c.map(|c| head.saturating_sub(c)),
+                "state": if c.is_some() { "stopped" } else { "not_started" },
+            })
+        })
+        .collect();
     let now = crate::clock::now().1;
     let cert = std::fs::read(state.join("tls/server.pem"))
         .ok()
@@ -210,6 +233,7 @@ fn offline_status(state: &Path, on_crash: crate::config::OnCrash) -> Result<Valu
             },
             "on_crash": on_crash,
             "uncertain_outcomes": summary.uncertain_outcomes,
+            "sinks": sinks,
         },
         "store": summary,
         "server_certificate": cert,
@@ -259,6 +283,37 @@ fn print_status(v: &Value) {
             s("/state_dir")
         );
         println!("  audit:        {}", s("/audit/state"));
+    }
+    for sink in v
+        .pointer("/audit/sinks")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let t = |k: &str| sink.get(k).and_then(Value::as_str).unwrap_or("");
+        let lag = sink
+            .get("lag")
+            .and_then(Value::as_u64)
+            .map_or("unknown".to_string(), |l| l.to_string());
+        let failing = sink
+            .get("consecutive_failures")
+            .and_then(Value::as_u64)
+            .filter(|n| *n > 0)
+            .map(|n| {
+                format!(
+                    ", FAILING ({n} in a row: {})",
+                    sink.get("last_error").and_then(Value::as_str).unwrap_or("")
+                )
+            })
+            .unwrap_or_default();
+        println!(
+            "  audit sink:   {} ({}): {}, {} events behind{}",
+            t("name"),
+            t("kind"),
+            t("state"),
+            lag,
+            failing
+        );
     }
     println!(
         "  journal:      {} events, {} pending intents, {} uncertain outcomes{}",
@@ -343,10 +398,12 @@ pub fn status(args: StatusArgs) -> Exit {
             Ok(r) => return unexpected(r),
             Err(c) => return c,
         },
-        Reach::Stopped => match offline_status(&cfg.state_dir, cfg.audit.on_crash) {
-            Ok(v) => v,
-            Err(c) => return c,
-        },
+        Reach::Stopped => {
+            match offline_status(&cfg.state_dir, cfg.audit.on_crash, &cfg.audit.sinks) {
+                Ok(v) => v,
+                Err(c) => return c,
+            }
+        }
     };
     if json {
         print_json(&v);

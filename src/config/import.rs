@@ -32,6 +32,9 @@ pub const PRINCIPALS_FILE: &str = "principals.json";
 pub const CUBE_API_KEY_FILE: &str = "cube-api-key";
 pub const RECEIPT_KEY_FILE: &str = "receipt-hmac.key";
 pub const ENV_FILE: &str = "env";
+pub const AUDIT_HTTP_TOKEN_FILE: &str = "audit-http-token";
+/// Where an imported file sink writes (the packaged unit's LogsDirectory).
+const DEFAULT_AUDIT_LOG: &str = "/var/log/cube-adapter/audit.jsonl";
 
 /// Where the reference's files are (each optional; the env file may name
 /// the others).
@@ -319,7 +322,6 @@ fn why_not(k: &str, v: &str) -> String {
         "CUBE_ADAPTER_READINESS_CACHE_SECONDS" => "/readyz answers from the appliance's own watch of its backends; there is no cache to size".into(),
         "CUBE_ADAPTER_TLS_CERT_FILE" | "CUBE_ADAPTER_TLS_KEY_FILE" => "the appliance serves HTTPS with a certificate of its own CA (STATE/tls, made at first start; the names of this certificate are carried as server_names when it can be read): give clients that CA (`cube-adapter cert show`; `cube-adapter connect` sets agent hosts up)".into(),
         "CUBE_ADAPTER_TLS_CLIENT_CA_FILE" | "CUBE_ADAPTER_TRUST_CLIENT_CERT_SUBJECT" => "the reference made any certificate of this CA an unscoped identity; here a client CA's certificates stand for listed identities only: add [auth.client_ca] ca_file = \"…\" with one [[auth.client_ca.identities]] per subject, or issue client certificates from the appliance's CA (`cube-adapter token create --client-cert`)".into(),
-        "CUBE_ADAPTER_AUDIT_SINKS" | "CUBE_ADAPTER_AUDIT_HTTP_URL" | "CUBE_ADAPTER_AUDIT_HTTP_TOKEN" | "CUBE_ADAPTER_AUDIT_LOG" => "audit sinks are not carried yet (they come with a later change); the journal is the appliance's own, hash-chained store (`cube-adapter audit export` prints it as JSON lines)".into(),
         "CUBE_ADAPTER_AUDIT_UI" => "the audit view is part of the console (/console), for auditors and admins".into(),
         "CUBE_ADAPTER_ADMIN_ENABLED" => "there is no switch: admin endpoints answer admin identities only".into(),
         "CUBE_MCP_TEMPLATE_ID" => "the SDK's MCP template; the appliance does not use it".into(),
@@ -745,26 +747,167 @@ impl Build<'_> {
         Ok(())
     }
 
-    /// `[audit] mode`: `CUBE_ADAPTER_AUDIT_MODE`.
+    /// `[audit] mode`: `CUBE_ADAPTER_AUDIT_MODE`; `[[audit.sinks]]`:
+    /// `CUBE_ADAPTER_AUDIT_SINKS` with `CUBE_ADAPTER_AUDIT_LOG` (file) and
+    /// `CUBE_ADAPTER_AUDIT_HTTP_URL`/`_TOKEN` (http).
     fn audit(&mut self) -> Result<(), String> {
-        let Some(m) = self.env.take("CUBE_ADAPTER_AUDIT_MODE") else {
-            return Ok(());
-        };
-        if !["required", "best_effort"].contains(&m.as_str()) {
-            return Err(format!(
-                "CUBE_ADAPTER_AUDIT_MODE={m}: must be required or best_effort"
-            ));
-        }
         let mut t = toml::Table::new();
-        t.insert("mode".into(), tstr(m.clone()));
-        self.sections.push(Piece {
-            comment: vec!["[audit] mode: CUBE_ADAPTER_AUDIT_MODE.".into()],
-            path: vec!["audit".into()],
-            value: toml::Value::Table(t),
-        });
-        self.rep
-            .carried("CUBE_ADAPTER_AUDIT_MODE", format!("[audit] mode = \"{m}\""));
+        let mut comment = vec![];
+        if let Some(m) = self.env.take("CUBE_ADAPTER_AUDIT_MODE") {
+            if !["required", "best_effort"].contains(&m.as_str()) {
+                return Err(format!(
+                    "CUBE_ADAPTER_AUDIT_MODE={m}: must be required or best_effort"
+                ));
+            }
+            t.insert("mode".into(), tstr(m.clone()));
+            comment.push("[audit] mode: CUBE_ADAPTER_AUDIT_MODE.".to_string());
+            self.rep
+                .carried("CUBE_ADAPTER_AUDIT_MODE", format!("[audit] mode = \"{m}\""));
+        }
+        let sinks = self.audit_sinks()?;
+        if !sinks.is_empty() {
+            comment.push(
+                "[[audit.sinks]]: CUBE_ADAPTER_AUDIT_SINKS. Delivered at least once, in order, from a cursor of each sink's own (docs/operations.md, \"Audit delivery\"); the journal itself is the appliance's store.".to_string(),
+            );
+            t.insert("sinks".into(), toml::Value::Array(sinks));
+        }
+        if !t.is_empty() {
+            self.sections.push(Piece {
+                comment,
+                path: vec!["audit".into()],
+                value: toml::Value::Table(t),
+            });
+        }
         Ok(())
+    }
+
+    /// The reference's sinks (`file`, `stdout`, `http`; `file` when
+    /// `CUBE_ADAPTER_AUDIT_SINKS` is unset, as there).
+    fn audit_sinks(&mut self) -> Result<Vec<toml::Value>, String> {
+        let named = self.env.take("CUBE_ADAPTER_AUDIT_SINKS");
+        let log = self.env.take("CUBE_ADAPTER_AUDIT_LOG");
+        let url = self.env.take("CUBE_ADAPTER_AUDIT_HTTP_URL");
+        let token = self.env.take("CUBE_ADAPTER_AUDIT_HTTP_TOKEN");
+        let list: Vec<String> = match &named {
+            Some(v) => v
+                .split(',')
+                .map(|s| s.trim().to_ascii_lowercase())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            // Unset, the reference wrote a file; carried only where the
+            // env file says where (its default is relative to wherever it
+            // ran).
+            None if log.is_some() => vec!["file".into()],
+            None => {
+                self.rep.notes.push("the reference's default audit sink (a file, ./cube-adapter-audit.jsonl) is not carried: add a [[audit.sinks]] kind = \"file\" with a path of your choice (docs/operations.md, \"Audit delivery\")".into());
+                vec![]
+            }
+        };
+        let mut out = vec![];
+        let mut seen = BTreeSet::new();
+        for kind in &list {
+            if !seen.insert(kind.clone()) {
+                continue;
+            }
+            let mut t = toml::Table::new();
+            t.insert("kind".into(), tstr(kind.clone()));
+            t.insert("name".into(), tstr(kind.clone()));
+            match kind.as_str() {
+                "file" => {
+                    let path = match &log {
+                        Some(l) if Path::new(l).is_absolute() => PathBuf::from(l),
+                        Some(l) => {
+                            self.rep.notes.push(format!("CUBE_ADAPTER_AUDIT_LOG={l} is relative to where the reference ran: the file sink writes {DEFAULT_AUDIT_LOG} instead (the directory the packaged service may write)"));
+                            PathBuf::from(DEFAULT_AUDIT_LOG)
+                        }
+                        None => PathBuf::from(DEFAULT_AUDIT_LOG),
+                    };
+                    let path = path.display().to_string();
+                    t.insert("path".into(), tstr(path.clone()));
+                    self.rep.carried(
+                        if log.is_some() {
+                            "CUBE_ADAPTER_AUDIT_LOG"
+                        } else {
+                            "CUBE_ADAPTER_AUDIT_SINKS=file"
+                        },
+                        format!("[[audit.sinks]] kind = \"file\", path = \"{path}\" (JSON lines, sorted keys, as the reference's; rotated at 100 MiB, 5 kept: max_bytes = 0 turns that off)"),
+                    );
+                }
+                "stdout" => {}
+                "http" => {
+                    let Some(u) = &url else {
+                        return Err("CUBE_ADAPTER_AUDIT_SINKS names http but CUBE_ADAPTER_AUDIT_HTTP_URL is unset".into());
+                    };
+                    let parsed = reqwest::Url::parse(u)
+                        .map_err(|e| format!("CUBE_ADAPTER_AUDIT_HTTP_URL: {e}"))?;
+                    let loopback = parsed.host_str().is_some_and(|h| {
+                        h == "localhost"
+                            || h.trim_matches(['[', ']'])
+                                .parse::<IpAddr>()
+                                .is_ok_and(|ip| ip.is_loopback())
+                    });
+                    if parsed.scheme() != "https" && !loopback {
+                        return Err(format!(
+                            "CUBE_ADAPTER_AUDIT_HTTP_URL ({}): audit events leave the host over https only (http is allowed to a loopback collector)",
+                            shown_value("CUBE_ADAPTER_AUDIT_HTTP_URL", u).unwrap_or_default()
+                        ));
+                    }
+                    t.insert("url".into(), tstr(u.clone()));
+                    // The reference POSTed each event on its own.
+                    t.insert("batch".into(), tint(1));
+                    t.insert("timeout_seconds".into(), tint(3));
+                    if let Some(tok) = &token {
+                        self.files.push(OutFile {
+                            name: AUDIT_HTTP_TOKEN_FILE,
+                            data: format!("{}\n", tok.trim()).into_bytes(),
+                            mode: 0o600,
+                            secret: true,
+                        });
+                        let dest = self.out(AUDIT_HTTP_TOKEN_FILE);
+                        t.insert("token_file".into(), tstr(dest.clone()));
+                        self.rep.carried(
+                            "CUBE_ADAPTER_AUDIT_HTTP_TOKEN",
+                            format!("{dest} (0600) = token_file of the http sink"),
+                        );
+                    }
+                    self.rep.carried(
+                        "CUBE_ADAPTER_AUDIT_HTTP_URL",
+                        "[[audit.sinks]] kind = \"http\", url (one event per POST as the reference's, batch = 1, now as a JSON line with X-Cube-Adapter-Seq; retried with backoff until taken; raise batch for throughput)",
+                    );
+                }
+                other => {
+                    return Err(format!(
+                        "CUBE_ADAPTER_AUDIT_SINKS: unknown sink {other:?} (the reference knows file, stdout and http)"
+                    ));
+                }
+            }
+            out.push(toml::Value::Table(t));
+        }
+        if let Some(v) = named {
+            self.rep.carried(
+                "CUBE_ADAPTER_AUDIT_SINKS",
+                format!("{v} = [[audit.sinks]] named {}", list.join(", ")),
+            );
+        }
+        if url.is_some() && !seen.contains("http") {
+            self.rep.not_carried(
+                "CUBE_ADAPTER_AUDIT_HTTP_URL",
+                "CUBE_ADAPTER_AUDIT_SINKS does not name http: the reference did not use it either",
+            );
+        }
+        if token.is_some() && !seen.contains("http") {
+            self.rep.not_carried(
+                "CUBE_ADAPTER_AUDIT_HTTP_TOKEN",
+                "CUBE_ADAPTER_AUDIT_SINKS does not name http: the reference did not use it either",
+            );
+        }
+        if log.is_some() && !seen.contains("file") {
+            self.rep.not_carried(
+                "CUBE_ADAPTER_AUDIT_LOG",
+                "CUBE_ADAPTER_AUDIT_SINKS does not name file; the journal is the appliance's own store (`cube-adapter audit export`)",
+            );
+        }
+        Ok(out)
     }
 
     /// `[receipts] hmac_key_file`: the receipt key, else the key the

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 
 pub mod import;
 pub mod paths;
+/// `[[audit.sinks]]` (defined with the sinks, below this layer).
+pub use crate::audit::sinks::def as sinks;
 pub mod tasks;
 
 pub use self::tasks::TaskTemplate;
@@ -500,6 +502,8 @@ pub struct AuditConfig {
     /// outcome (a crash): `resolve` them, or `block` sandbox effects until
     /// `cube-adapter audit reconcile` (the reference's behaviour).
     pub on_crash: OnCrash,
+    /// `[[audit.sinks]]`: copies of the journal delivered elsewhere.
+    pub sinks: Vec<sinks::SinkDef>,
 }
 
 /// `[audit] on_crash` (docs/operations.md, "After a crash").
@@ -1210,6 +1214,7 @@ impl Config {
                 self.listen
             ));
         }
+        sinks::validate(&self.audit.sinks)?;
         for (name, p) in &self.profiles {
             if !valid_profile_name(name) {
                 return Err(format!(

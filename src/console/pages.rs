@@ -77,6 +77,11 @@ struct OverviewPage {
     pending_plans: usize,
     running_tasks: usize,
     live_leases: usize,
+    /// For auditors and admins: outcomes the crash policy could not know
+    /// (`audit_recover`, outcome `uncertain`), to review.
+    uncertain: Option<u64>,
+    /// For auditors and admins: the audit sinks and how far behind each is.
+    sinks: Vec<crate::audit::sinks::SinkStatus>,
 }
 
 #[derive(Template)]
@@ -219,6 +224,7 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
         Err(_) => (false, "unavailable"),
     };
     let store = j.store().clone();
+    let auditor = who.principal.may_audit();
     // Admins see every tenant's work; everyone else their tenant's.
     let tenant = (!who.principal.is_admin()).then(|| who.principal.tenant.clone());
     let t2 = tenant.clone();
@@ -248,10 +254,19 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
                     ) && mine(&l.tenant)
                 })
                 .count();
-            Ok((pending, running, live))
+            // The journal's outcomes are every tenant's: auditors' only.
+            let uncertain = if auditor {
+                Some(
+                    crate::store::audit_index::Reader::open(txn)?
+                        .count(crate::store::audit_index::Field::Outcome, "uncertain")?,
+                )
+            } else {
+                None
+            };
+            Ok((pending, running, live, uncertain))
         })
         .await;
-    let (pending_plans, running_tasks, live_leases) = match counts {
+    let (pending_plans, running_tasks, live_leases, uncertain) = match counts {
         Ok(c) => c,
         Err(e) => {
             tracing::error!(error = %e, "console overview: store read failed");
@@ -281,6 +296,8 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
         pending_plans,
         running_tasks,
         live_leases,
+        uncertain,
+        sinks: if auditor { j.sinks().status() } else { vec![] },
     };
     html(StatusCode::OK, &page)
 }

@@ -60,6 +60,9 @@ pub struct Settings {
     pub uid_base: u32,
     /// Host paths hidden from every sandbox.
     pub mask: Vec<PathBuf>,
+    /// Besides `state_dir`, directories whose disks `min_free_mb` keeps
+    /// free (the appliance's state: the journal's disk).
+    pub keep_free: Vec<PathBuf>,
     /// Timeout (s) for sandboxes created without one; None = never.
     pub default_timeout: Option<i64>,
     /// How long past its idle timeout, counted from the backend's last
@@ -581,13 +584,14 @@ impl Manager {
     /// `POST /sandboxes`.
     /// Refuse a new sandbox while a file system it could fill (the state
     /// directory's, the appliance's) is nearly full: one agent must not
-    /// take the disk the audit journal lives on.
+    /// take the disk the audit journal lives on. (Not an audit sink's
+    /// disk: a full one is a sink behind, not a reason to refuse work.)
     fn check_free_space(&self) -> Result<(), BackendError> {
         let want = self.settings.min_free_mb;
         if want == 0 {
             return Ok(());
         }
-        for dir in std::iter::once(&self.settings.state_dir).chain(&self.settings.mask) {
+        for dir in std::iter::once(&self.settings.state_dir).chain(&self.settings.keep_free) {
             let Ok(st) = nix::sys::statvfs::statvfs(dir) else {
                 continue;
             };

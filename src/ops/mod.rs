@@ -225,9 +225,17 @@ impl Reloader {
             None => running.clone(),
         };
         let changed = changed_keys(&running, &new);
+        // `[[audit.sinks]]` reloads; the rest of `[audit]` waits for a restart.
+        let sinks_changed = running.audit.sinks != new.audit.sinks;
+        let audit_rest_changed = {
+            let mut a = new.audit.clone();
+            a.sinks = running.audit.sinks.clone();
+            serde_json::to_value(&a).ok() != serde_json::to_value(&running.audit).ok()
+        };
         let mut restart_required: Vec<String> = changed
             .iter()
             .filter(|k| !RELOADABLE.contains(&k.as_str()))
+            .filter(|k| k.as_str() != "audit" || audit_rest_changed)
             .cloned()
             .collect();
         let names = crate::tls::server_names(&new.server_names, self.addr);
@@ -269,6 +277,7 @@ impl Reloader {
         applied_cfg.profiles = new.profiles.clone();
         applied_cfg.tasks = new.tasks.clone();
         applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
+        applied_cfg.audit.sinks = new.audit.sinks.clone();
         if let Err(e) = applied_cfg.validate() {
             return self.refused(format!("configuration: {e}"));
         }
@@ -278,6 +287,13 @@ impl Reloader {
                 Err(e) => return self.refused(format!("configuration: {e}")),
             },
             None => None,
+        };
+        let sinks = match (&self.broker, sinks_changed) {
+            (Some(b), true) => match b.journal().sinks().prepare(&new.audit.sinks) {
+                Ok(p) => Some(p),
+                Err(e) => return self.refused(format!("configuration: {e}")),
+            },
+            _ => None,
         };
         let principals = match tokens_file_principals(&running) {
             Ok(p) => p,
@@ -302,6 +318,12 @@ impl Reloader {
             a.replace_file_principals(principals);
         }
         let mut applied = vec!["certificate".to_string()];
+        if let (Some(b), Some(p)) = (&self.broker, sinks) {
+            for c in b.journal().sinks().apply(p) {
+                tracing::info!("{c}");
+            }
+            applied.push("audit.sinks".to_string());
+        }
         {
             let mut r = self.running.lock().unwrap_or_else(|p| p.into_inner());
             for k in RELOADABLE {
@@ -323,6 +345,9 @@ impl Reloader {
             r.profiles = new.profiles.clone();
             r.tasks = new.tasks.clone();
             r.plan_retention_seconds = new.plan_retention_seconds;
+            if sinks_changed && self.broker.is_some() {
+                r.audit.sinks = new.audit.sinks.clone();
+            }
         }
         if restart_required.is_empty() {
             tracing::info!(reissued, applied = ?applied, "reloaded");
@@ -592,6 +617,7 @@ impl Service {
                 "mode": j.mode().as_str(),
                 "state": audit,
                 "on_crash": self.broker.config().audit.on_crash,
+                "sinks": j.sinks().status(),
             },
             "backend": backend_doc,
             "backends": by_name,

@@ -337,7 +337,7 @@ mod tests {
                 codec::decode(meta.get("schema_version")?.unwrap().value())
             })
             .unwrap();
-        assert_eq!(v, 6);
+        assert_eq!(v, tables::SCHEMA_VERSION);
         // And appends go on indexing after the step.
         fill(&store, 1).await;
         assert_eq!(dump(&store).0.len(), want.0.len() + 4);

@@ -432,7 +432,8 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             // 4, the token key (below); token records are rekeyed one by
             // one as they are used (see `auth`). 5 adds console sessions.
             // 6 adds the audit search indexes, built here for the events
-            // written before them (in this same transaction).
+            // written before them (in this same transaction). 7 adds the audit
+            // sinks' cursors.
             tracing::info!(
                 from = v,
                 to = tables::SCHEMA_VERSION,
@@ -467,9 +468,10 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             meta.insert(TOKEN_KEY, codec::encode(&sealed)?.as_slice())?;
         }
     }
-    // Versions 1 to 3 and 5 only create tables: opening them is the whole
+    // Versions 1 to 3, 5 and 7 only create tables: opening them is the whole
     // step.
     txn.open_table(tables::CONSOLE_SESSIONS)?;
+    txn.open_table(tables::SINK_CURSORS)?;
     txn.open_table(tables::AUDIT_BY)?;
     txn.open_table(tables::AUDIT_MINUTES)?;
     txn.open_table(tables::PLANS)?;

@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 6;
+pub const SCHEMA_VERSION: u64 = 7;
 
 /// `schema_version`, `instance_id`, audit chain head, the sealed token key
 /// (schema 4).
@@ -50,3 +50,6 @@ pub const AUDIT_BY: TableDefinition<(&str, u64), ()> = TableDefinition::new("aud
 /// (schema 6; `audit_index`).
 pub const AUDIT_MINUTES: TableDefinition<u64, (u64, u64)> =
     TableDefinition::new("audit_minutes_v1");
+/// audit sink name → the `seq` of the last event it acknowledged (schema 7;
+/// `audit::sinks`).
+pub const SINK_CURSORS: TableDefinition<&str, u64> = TableDefinition::new("sink_cursors_v1");

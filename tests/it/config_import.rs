@@ -137,6 +137,18 @@ fn production_env_imports_and_config_check_accepts_it() {
     assert_eq!(c.listen.to_string(), "0.0.0.0:18080");
     assert_eq!(c.gc_interval_seconds, 60);
     assert_eq!(c.audit.mode, cube_adapter::audit::AuditMode::Required);
+    // CUBE_ADAPTER_AUDIT_SINKS=file,http: the log file, and the collector
+    // one event per POST with its token in a file.
+    use cube_adapter::config::sinks::SinkDef;
+    match c.audit.sinks.as_slice() {
+        [SinkDef::File(f), SinkDef::Http(h)] => {
+            assert_eq!(f.path, Path::new("/var/log/cube-adapter/audit.jsonl"));
+            assert_eq!(h.url, "https://siem.example.internal/ingest/cube");
+            assert_eq!(h.batch, 1);
+            assert_eq!(h.token_file, Some(out.join("audit-http-token")));
+        }
+        other => panic!("sinks: {other:?}\n{text}"),
+    }
     assert_eq!(c.server_names, ["adapter.example.internal", "10.0.0.7"]);
     assert_eq!(c.tokens_file, Some(out.join("principals.json")));
     assert_eq!(c.receipts.hmac_key_file, Some(out.join("receipt-hmac.key")));
@@ -226,7 +238,17 @@ fn secrets_are_in_0600_files_only() {
         std::fs::read(out.join("principals.json")).unwrap(),
         std::fs::read(dir.path().join("ref/config/token-principals.example.json")).unwrap()
     );
-    for f in ["cube-api-key", "receipt-hmac.key", "env", "principals.json"] {
+    assert_eq!(
+        read("audit-http-token").trim(),
+        "audit-http-token-0123456789"
+    );
+    for f in [
+        "cube-api-key",
+        "receipt-hmac.key",
+        "env",
+        "principals.json",
+        "audit-http-token",
+    ] {
         assert_eq!(mode(&out.join(f)), 0o600, "{f}");
     }
     // The HMAC key is not written anywhere.
@@ -262,10 +284,6 @@ fn the_report_names_every_variable_not_carried() {
         ("CUBE_ADAPTER_TLS_KEY_FILE", "own CA"),
         ("CUBE_ADAPTER_TLS_CLIENT_CA_FILE", "[auth.client_ca]"),
         ("CUBE_ADAPTER_TRUST_CLIENT_CERT_SUBJECT", "[auth.client_ca]"),
-        ("CUBE_ADAPTER_AUDIT_SINKS", "not carried yet"),
-        ("CUBE_ADAPTER_AUDIT_HTTP_URL", "not carried yet"),
-        ("CUBE_ADAPTER_AUDIT_HTTP_TOKEN", "not carried yet"),
-        ("CUBE_ADAPTER_AUDIT_LOG", "not carried yet"),
         ("CUBE_ADAPTER_AUDIT_UI", "console"),
         ("CUBE_ADAPTER_ADMIN_ENABLED", "admin"),
         ("trusted-data-cleaning.distribution_scope", "scheduling"),
@@ -282,6 +300,8 @@ fn the_report_names_every_variable_not_carried() {
         "CUBE_ADAPTER_TOKEN",
         "CUBE_ADAPTER_OIDC_ISSUER",
         "CUBE_ADAPTER_BIND",
+        "CUBE_ADAPTER_AUDIT_SINKS",
+        "CUBE_ADAPTER_AUDIT_HTTP_TOKEN",
     ] {
         assert!(
             !not_carried
@@ -306,6 +326,10 @@ fn the_report_names_every_variable_not_carried() {
         "CUBE_ADAPTER_OIDC_*",
         "CUBE_ADAPTER_GC_INTERVAL",
         "CUBE_ADAPTER_AUDIT_MODE",
+        "CUBE_ADAPTER_AUDIT_SINKS",
+        "CUBE_ADAPTER_AUDIT_LOG",
+        "CUBE_ADAPTER_AUDIT_HTTP_URL",
+        "CUBE_ADAPTER_AUDIT_HTTP_TOKEN",
         "CUBE_TEMPLATE_ID",
     ] {
         assert!(

@@ -79,6 +79,7 @@ impl Broker {
                 r => r,
             };
             let restore = l.ttl_seconds.is_some();
+            crate::broker::failpoint_for("before_outcome", intent.action());
             let r = b.finish(intent, l, r).await;
             drop(hold);
             if restore && let Ok((l, _)) = &r {

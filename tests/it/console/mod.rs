@@ -827,3 +827,56 @@ async fn approvals_queue_review_and_decisions() {
     assert!(!html.contains("<script") && !html.contains("role=\"alert\""));
     s.stop().await;
 }
+
+/// The Overview shows auditors and admins each audit sink's state and lag
+/// (a collector that refuses connections: failing, with the reason) and
+/// the uncertain outcomes to review; an approver sees neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_shows_audit_delivery_to_auditors() {
+    // A port nobody listens on.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let sinks: Vec<cube_adapter::config::sinks::SinkDef> = vec![
+        toml::from_str(&format!(
+            "kind = \"http\"\nname = \"siem\"\nurl = \"http://127.0.0.1:{port}/\"\nmax_backoff_seconds = 1\n"
+        ))
+        .unwrap(),
+    ];
+    let s = Server::start_with(move |c| c.audit.sinks = sinks).await;
+    user(
+        &s,
+        &["add", "olga", "--tenant", "acme", "--role", "auditor"],
+    );
+    user(
+        &s,
+        &["add", "alice", "--tenant", "acme", "--role", "approver"],
+    );
+    let b = Browser::new(&s);
+    let olga = b.sign_in("olga").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let html = loop {
+        let (st, _, html) = b.overview(&olga).await;
+        assert_eq!(st, StatusCode::OK);
+        if html.contains("failing (") {
+            break html;
+        }
+        assert!(std::time::Instant::now() < deadline, "{html}");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    };
+    assert!(
+        html.contains("Audit delivery") && html.contains("<td>siem</td>"),
+        "{html}"
+    );
+    assert!(html.contains("cannot connect"), "{html}");
+    assert!(html.contains("Uncertain outcomes"), "{html}");
+    assert_clean(&html, &s, Some(&olga));
+    let alice = b.sign_in("alice").await;
+    let (_, _, html) = b.overview(&alice).await;
+    assert!(
+        !html.contains("Audit delivery") && !html.contains("Uncertain outcomes"),
+        "{html}"
+    );
+    s.stop().await;
+}

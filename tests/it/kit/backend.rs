@@ -36,6 +36,7 @@ pub fn settings(dir: &std::path::Path) -> Settings {
         launcher: PathBuf::from(BIN),
         uid_base: cube_adapter::embedded::sandbox::DEFAULT_UID_BASE,
         mask: vec![dir.to_path_buf()],
+        keep_free: vec![],
         default_timeout: None,
         orphan_grace_secs: cube_adapter::embedded::launch::ORPHAN_GRACE_SECS,
         min_free_mb: 0,

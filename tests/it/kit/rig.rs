@@ -133,7 +133,18 @@ impl Proc {
         // fail its next print.
         let mut stderr = child.stderr.take().unwrap();
         std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
-        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        let log = std::env::var_os("CUBE_TEST_SERVE_LOG");
+        std::thread::spawn(move || match log {
+            Some(f) => {
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(f)
+                    .unwrap();
+                std::io::copy(&mut stderr, &mut f)
+            }
+            None => std::io::copy(&mut stderr, &mut std::io::sink()),
+        });
         Ok(Self {
             url: line.trim().rsplit(' ').next().unwrap().to_string(),
             child,
