@@ -478,7 +478,10 @@ pub async fn serve_with(
     let st = AppState {
         broker: broker.clone(),
         auth: authn,
-        metrics: Arc::default(),
+        metrics: Arc::new(api::Metrics::new(
+            cfg.metrics.token().map_err(|e| anyhow::anyhow!(e))?,
+            Some(ca.dir.clone()),
+        )),
     };
     // `/mcp` runs its tools through the same `/v1` router, in-process.
     let v1 = api::router(st.clone());
@@ -491,9 +494,16 @@ pub async fn serve_with(
         cert_file: ca.dir.join("server.pem"),
         oidc: console_oidc,
     });
+    let http_metrics = st.metrics.clone();
+    // The request histograms see every route (`/v1`, `/mcp`, the console):
+    // a layer on the whole app, where each route's `MatchedPath` is known.
     let app = crate::mcp::http::router(st, v1.clone(), hosts)
         .merge(v1)
-        .merge(console);
+        .merge(console)
+        .layer(axum::middleware::from_fn_with_state(
+            http_metrics,
+            api::track,
+        ));
     let tls = if cfg.insecure_plain_http {
         anyhow::ensure!(
             addr.ip().is_loopback(),

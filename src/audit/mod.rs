@@ -66,6 +66,8 @@ pub struct Journal {
     key: Arc<[u8]>,
     /// Events' timestamps (the system clock unless `with_clock`).
     clock: crate::clock::Clock,
+    /// Operations and effect latency, for `/metrics`.
+    metrics: Arc<crate::metrics::Audit>,
 }
 
 /// A committed intent, waiting for its outcome.
@@ -94,6 +96,7 @@ impl Journal {
             blocked: Arc::new(AtomicBool::new(!pending.is_empty())),
             key: key.into(),
             clock: crate::clock::Clock::System,
+            metrics: Arc::default(),
         })
     }
 
@@ -106,6 +109,34 @@ impl Journal {
     /// The clock that stamps this journal's events.
     pub fn clock(&self) -> &crate::clock::Clock {
         &self.clock
+    }
+
+    /// The journal's instruments (and the audit sinks' metrics hook,
+    /// `set_sink_source`).
+    pub fn metrics(&self) -> &Arc<crate::metrics::Audit> {
+        &self.metrics
+    }
+
+    /// Count an operation's event (and time an effect's, from its intent).
+    fn observe(&self, ev: &Event, took: Option<std::time::Duration>) {
+        fn opt(v: &Option<String>) -> &str {
+            v.as_deref().unwrap_or("")
+        }
+        self.metrics.operations.inc([
+            ev.action.as_str(),
+            ev.outcome.as_str(),
+            opt(&ev.runtime),
+            opt(&ev.profile),
+        ]);
+        if let Some(took) = took
+            && let Some(h) = self.metrics.effects.get([
+                ev.action.as_str(),
+                ev.outcome.as_str(),
+                opt(&ev.backend),
+            ])
+        {
+            h.observe_duration(took);
+        }
     }
 
     pub fn mode(&self) -> AuditMode {
@@ -205,9 +236,10 @@ impl Journal {
         ev.ts = self.clock.text();
         ev.phase = "outcome".into();
         ev.outcome = outcome.into();
-        ev.duration_ms =
-            Some(u64::try_from(intent.started.elapsed().as_millis()).unwrap_or(u64::MAX));
+        let took = intent.started.elapsed();
+        ev.duration_ms = Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
         fill(&mut ev);
+        self.observe(&ev, Some(took));
         let op = intent.operation_id.clone();
         let recorded = intent.recorded;
         let r = self
@@ -235,6 +267,7 @@ impl Journal {
         if ev.phase.is_empty() {
             ev.phase = "event".into();
         }
+        self.observe(&ev, None);
         let r = self
             .store
             .write(move |txn, chain| chain.append(txn, ev).map(|_| ()))

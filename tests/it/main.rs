@@ -27,6 +27,7 @@ mod jobs;
 mod kit;
 mod layers;
 mod mcp;
+mod metrics;
 mod network;
 mod oidc;
 mod production;
