@@ -64,6 +64,7 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
         v.push(f.clone());
     }
     v.extend(cfg.receipts.hmac_key_file.iter().cloned());
+    v.extend(cfg.metrics.token_file.iter().cloned());
     if let Some(n) = &cfg.console.notify {
         v.extend(n.secret_file.iter().cloned());
     }

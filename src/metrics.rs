@@ -431,6 +431,30 @@ impl Audit {
     }
 }
 
+/// The sinks' series: `cube_adapter_audit_sink_lag_events{sink}`,
+/// `cube_adapter_audit_sink_failures_total{sink}` and
+/// `cube_adapter_audit_pending_deliveries` (their lags added up).
+pub fn sink_metrics(sinks: &[SinkSample]) -> Vec<Metric> {
+    let mut lag = Metric::gauge(
+        "cube_adapter_audit_sink_lag_events",
+        "Committed audit events not yet delivered to the sink",
+    );
+    let mut failures = Metric::counter(
+        "cube_adapter_audit_sink_failures_total",
+        "Failed deliveries to the sink",
+    );
+    for s in sinks {
+        lag.push(&[("sink", &s.name)], Value::Gauge(s.lag as f64));
+        failures.push(&[("sink", &s.name)], Value::Counter(s.failures));
+    }
+    let pending = Metric::gauge(
+        "cube_adapter_audit_pending_deliveries",
+        "Undelivered sink copies of audit events (all sinks)",
+    )
+    .with(&[], Value::Gauge(sinks.iter().map(|s| s.lag as f64).sum()));
+    vec![lag, failures, pending]
+}
+
 /// The store writer's instruments.
 #[derive(Debug)]
 pub struct Store {
@@ -589,6 +613,37 @@ mod tests {
             vec![("a/x".into(), 2), ("a/y".into(), 1), ("b/x".into(), 1)]
         );
         assert_eq!(f.dropped(), 1);
+    }
+
+    #[test]
+    fn a_sink_source_gives_the_sink_series_once_set() {
+        let a = Audit::default();
+        assert_eq!(a.sinks(), None, "no source: no sink series");
+        let source: SinkSource = Box::new(|| {
+            vec![
+                SinkSample {
+                    name: "file".into(),
+                    lag: 3,
+                    failures: 1,
+                },
+                SinkSample {
+                    name: "http".into(),
+                    lag: 4,
+                    failures: 0,
+                },
+            ]
+        });
+        assert!(a.set_sink_source(source));
+        assert!(!a.set_sink_source(Box::new(Vec::new)), "set once");
+        let text = encode(sink_metrics(&a.sinks().unwrap())).unwrap();
+        for line in [
+            "cube_adapter_audit_sink_lag_events{sink=\"file\"} 3.0\n",
+            "cube_adapter_audit_sink_failures_total{sink=\"file\"} 1\n",
+            "cube_adapter_audit_sink_failures_total{sink=\"http\"} 0\n",
+            "cube_adapter_audit_pending_deliveries 7.0\n",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
     }
 
     #[test]

@@ -782,27 +782,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
         .with(&[], flag(matches!(check, Err(crate::audit::AuditError::Blocked)))),
     );
     if let Some(sinks) = am.sinks() {
-        let mut lag = Metric::gauge(
-            "cube_adapter_audit_sink_lag_events",
-            "Committed audit events not yet delivered to the sink",
-        );
-        let mut failures = Metric::counter(
-            "cube_adapter_audit_sink_failures_total",
-            "Failed deliveries to the sink",
-        );
-        for s in &sinks {
-            lag.push(&[("sink", &s.name)], g(s.lag as f64));
-            failures.push(&[("sink", &s.name)], Value::Counter(s.failures));
-        }
-        out.push(lag);
-        out.push(failures);
-        out.push(
-            Metric::gauge(
-                "cube_adapter_audit_pending_deliveries",
-                "Undelivered sink copies of audit events (all sinks)",
-            )
-            .with(&[], g(sinks.iter().map(|s| s.lag as f64).sum())),
-        );
+        out.extend(crate::metrics::sink_metrics(&sinks));
     }
     // Read from the store now.
     match b.gauges().await {

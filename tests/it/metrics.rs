@@ -121,6 +121,13 @@ impl Prometheus {
     }
 }
 
+/// `/metrics` of an appliance at `url` (no token configured).
+pub(crate) async fn exposition(http: &reqwest::Client, url: &str) -> String {
+    let r = http.get(format!("{url}/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    r.text().await.unwrap()
+}
+
 async fn scrape(s: &Server, token: Option<&str>) -> (StatusCode, String) {
     let mut req = s.http.get(format!("{}/metrics", s.url));
     if let Some(t) = token {
@@ -155,7 +162,7 @@ fn promtool_metrics(text: &str) -> (bool, String) {
 }
 
 /// The value of the one sample of `name` whose line carries all `labels`.
-fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
+pub(crate) fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {
