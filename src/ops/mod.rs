@@ -894,6 +894,11 @@ mod tests {
                 "server_names".to_string()
             ]
         );
+        // `[metrics]` is read at start: a change waits for a restart.
+        let mut c = a.clone();
+        c.metrics.token_file = Some("/etc/cube-adapter/metrics.token".into());
+        assert_eq!(changed_keys(&a, &c), vec!["metrics".to_string()]);
+        assert!(!RELOADABLE.contains(&"metrics"));
     }
 
     #[test]
