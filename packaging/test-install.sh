@@ -151,6 +151,8 @@ want /usr/lib/systemd/system/cube-adapter.service 644 root root
 want /usr/lib/sysusers.d/cube-adapter.conf 644 root root
 want /usr/share/cube-adapter/embedded.conf 644 root root
 want /usr/share/doc/cube-adapter/operations.md 644 root root
+want /usr/share/doc/cube-adapter/prometheus/alerts.yml 644 root root
+want /usr/share/doc/cube-adapter/grafana/cube-adapter.json 644 root root
 want /etc/cube-adapter 750 root cube-adapter
 want /etc/cube-adapter/config.toml 640 root cube-adapter
 want "$STATE" 700 cube-adapter cube-adapter

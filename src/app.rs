@@ -94,6 +94,7 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
             _ => {}
         }
     }
+    v.extend(cfg.metrics.token_file.iter().cloned());
     if let Some(n) = &cfg.console.notify {
         v.extend(n.secret_file.iter().cloned());
     }
@@ -509,6 +510,21 @@ pub async fn serve_with(
         for c in sinks.start(prepared, stop.clone()) {
             tracing::info!("{c}");
         }
+        // Their lag and failures at each scrape of /metrics.
+        let s2 = sinks.clone();
+        broker
+            .journal()
+            .metrics()
+            .set_sink_source(Box::new(move || {
+                s2.status()
+                    .into_iter()
+                    .map(|s| crate::metrics::SinkSample {
+                        name: s.name,
+                        lag: s.lag,
+                        failures: s.failures,
+                    })
+                    .collect()
+            }));
     }
     background.push(tokio::spawn(audit_blocks(
         broker.journal().clone(),
@@ -519,7 +535,10 @@ pub async fn serve_with(
     let st = AppState {
         broker: broker.clone(),
         auth: authn,
-        metrics: Arc::default(),
+        metrics: Arc::new(api::Metrics::new(
+            cfg.metrics.token().map_err(|e| anyhow::anyhow!(e))?,
+            Some(ca.dir.clone()),
+        )),
     };
     // `/mcp` runs its tools through the same `/v1` router, in-process.
     let v1 = api::router(st.clone());
@@ -532,9 +551,16 @@ pub async fn serve_with(
         cert_file: ca.dir.join("server.pem"),
         oidc: console_oidc,
     });
+    let http_metrics = st.metrics.clone();
+    // The request histograms see every route (`/v1`, `/mcp`, the console):
+    // a layer on the whole app, where each route's `MatchedPath` is known.
     let app = crate::mcp::http::router(st, v1.clone(), hosts)
         .merge(v1)
-        .merge(console);
+        .merge(console)
+        .layer(axum::middleware::from_fn_with_state(
+            http_metrics,
+            api::track,
+        ));
     let tls = if cfg.insecure_plain_http {
         anyhow::ensure!(
             addr.ip().is_loopback(),

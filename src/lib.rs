@@ -28,6 +28,7 @@ pub mod cube;
 pub mod embedded;
 pub mod ids;
 pub mod mcp;
+pub mod metrics;
 pub mod ops;
 pub mod secrets;
 pub mod server;

@@ -11,7 +11,7 @@ pub mod ptys;
 pub mod tasks;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -37,11 +37,76 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
 }
 
-#[derive(Default)]
+/// What `/metrics` needs beyond the broker: the request histograms, the
+/// scrape token, where the TLS certificates are, the last readiness.
+#[derive(Debug, Default)]
 pub struct Metrics {
-    pub requests: AtomicU64,
-    pub errors_4xx: AtomicU64,
-    pub errors_5xx: AtomicU64,
+    pub http: crate::metrics::Http,
+    /// SHA-256 of the token scrapers must send (`[metrics] token_file`).
+    token: Option<[u8; 32]>,
+    /// The appliance's TLS directory (`server.pem`, `ca.pem`).
+    tls_dir: Option<std::path::PathBuf>,
+    /// The last `/readyz` answer: 0 not ready, 1 ready, 2 none yet.
+    ready: AtomicU8,
+}
+
+impl Metrics {
+    /// `token`: what scrapers must send, if anything; `tls_dir`: the
+    /// certificates whose expiry is exported.
+    pub fn new(token: Option<Vec<u8>>, tls_dir: Option<std::path::PathBuf>) -> Self {
+        use sha2::Digest;
+        Self {
+            http: crate::metrics::Http::default(),
+            token: token.map(|t| sha2::Sha256::digest(&t).into()),
+            tls_dir,
+            ready: AtomicU8::new(2),
+        }
+    }
+
+    /// Does this request carry the scrape token (or is none required)?
+    /// Compared in constant time, as digests of equal length.
+    fn admits(&self, h: &axum::http::HeaderMap) -> bool {
+        use sha2::Digest;
+        use subtle::ConstantTimeEq;
+        let Some(want) = &self.token else {
+            return true;
+        };
+        let got: [u8; 32] = sha2::Sha256::digest(bearer(h).as_bytes()).into();
+        bool::from(got.ct_eq(want))
+    }
+}
+
+/// The request histograms' layer (outermost but tracing, on the whole
+/// app): labelled by the route *template* (`MatchedPath`, never the raw
+/// path: bounded cardinality; `unmatched` when no route matched), the
+/// method and the status class. Time to the response's head: a stream's
+/// body is not included.
+pub async fn track(State(m): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .cloned();
+    let method = match req.method().as_str() {
+        "GET" => "GET",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "DELETE" => "DELETE",
+        "HEAD" => "HEAD",
+        "OPTIONS" => "OPTIONS",
+        "PATCH" => "PATCH",
+        _ => "other",
+    };
+    let t = std::time::Instant::now();
+    let r = next.run(req).await;
+    let route = route.as_ref().map_or("unmatched", |p| p.as_str());
+    if let Some(h) = m.http.requests.get([
+        route,
+        method,
+        crate::metrics::status_class(r.status().as_u16()),
+    ]) {
+        h.observe_duration(t.elapsed());
+    }
+    r
 }
 
 /// The error envelope: `{"error": {"code", "message"}}`; with a
@@ -404,14 +469,8 @@ pub fn ctx(request_id: Option<&str>) -> Result<Ctx, ApiError> {
     }
 }
 
-async fn headers(State(st): State<AppState>, req: Request, next: Next) -> Response {
+async fn headers(req: Request, next: Next) -> Response {
     let mut r = next.run(req).await;
-    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    if r.status().is_client_error() {
-        st.metrics.errors_4xx.fetch_add(1, Ordering::Relaxed);
-    } else if r.status().is_server_error() {
-        st.metrics.errors_5xx.fetch_add(1, Ordering::Relaxed);
-    }
     let h = r.headers_mut();
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(
@@ -516,7 +575,7 @@ pub fn router(st: AppState) -> Router {
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             panic_response,
         ))
-        .layer(middleware::from_fn_with_state(st.clone(), headers))
+        .layer(middleware::from_fn(headers))
         .with_state(st)
 }
 
@@ -574,6 +633,7 @@ async fn backend_checks(
 async fn readyz(State(st): State<AppState>) -> Response {
     let j = st.broker.journal();
     if let Err(e) = j.check() {
+        st.metrics.ready.store(0, Ordering::Relaxed);
         let body = json!({
             "status": "not_ready", "version": VERSION,
             "checks": {"audit": match e { crate::audit::AuditError::Blocked => "reconciliation_required", _ => "unavailable" }},
@@ -619,6 +679,7 @@ async fn readyz(State(st): State<AppState>) -> Response {
             checks.insert(k, json!(v));
         }
     }
+    st.metrics.ready.store(u8::from(ready), Ordering::Relaxed);
     let status = if ready {
         StatusCode::OK
     } else {
@@ -627,32 +688,253 @@ async fn readyz(State(st): State<AppState>) -> Response {
     (status, axum::Json(json!({"status": if ready {"ready"} else {"not_ready"}, "version": VERSION, "checks": checks}))).into_response()
 }
 
-async fn metrics(State(st): State<AppState>) -> Response {
-    let j = st.broker.journal();
-    let m = &st.metrics;
-    let required = u8::from(j.mode() == crate::audit::AuditMode::Required);
-    let blocked = u8::from(!j.is_ready());
-    let body = format!(
-        "# HELP cube_adapter_http_requests_total HTTP requests answered.\n# TYPE cube_adapter_http_requests_total counter\n\
-         cube_adapter_http_requests_total {}\n\
-         # HELP cube_adapter_http_errors_total HTTP error answers by class.\n# TYPE cube_adapter_http_errors_total counter\n\
-         cube_adapter_http_errors_total{{class=\"4xx\"}} {}\ncube_adapter_http_errors_total{{class=\"5xx\"}} {}\n\
-         # HELP cube_adapter_audit_required 1 in required audit mode.\n# TYPE cube_adapter_audit_required gauge\n\
-         cube_adapter_audit_required {required}\n\
-         # HELP cube_adapter_audit_blocked 1 while sandbox effects are refused for audit reasons.\n# TYPE cube_adapter_audit_blocked gauge\n\
-         cube_adapter_audit_blocked {blocked}\n",
-        m.requests.load(Ordering::Relaxed),
-        m.errors_4xx.load(Ordering::Relaxed),
-        m.errors_5xx.load(Ordering::Relaxed),
+/// `GET /metrics`: the Prometheus text (docs/operations.md, "Metrics").
+/// With `[metrics] token_file`, only for a request that sends the token.
+async fn metrics(State(st): State<AppState>, h: axum::http::HeaderMap) -> Response {
+    if !st.metrics.admits(&h) {
+        return err(
+            Code::Unauthorized,
+            "/metrics requires the metrics token (Authorization: Bearer …)",
+        )
+        .into_response();
+    }
+    match crate::metrics::encode(scrape(&st).await) {
+        Ok(text) => ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response(),
+        Err(_) => err(Code::InternalError, "the metrics could not be encoded").into_response(),
+    }
+}
+
+/// Every metric, read now: the instruments the components feed, and what
+/// is read at scrape time (the store, the certificates, `/proc`).
+async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
+    use crate::metrics::{Metric, Value};
+    let b = &st.broker;
+    let j = b.journal();
+    let g = |v: f64| Value::Gauge(v);
+    let flag = |on: bool| Value::Gauge(if on { 1.0 } else { 0.0 });
+    let hist = |h: &crate::metrics::Histogram| Value::Histogram(h.snapshot());
+    let count = |c: &crate::metrics::Counter| Value::Counter(c.get());
+    let mut out = vec![
+        Metric::gauge("cube_adapter_build_info", "The running version (always 1)")
+            .with(&[("version", VERSION)], g(1.0)),
+        Metric::histogram(
+            "cube_adapter_http_request_duration_seconds",
+            "HTTP requests by route template, method and status class: time to the response head",
+        )
+        .from_family(
+            &st.metrics.http.requests,
+            ["route", "method", "status_class"],
+            hist,
+        ),
+    ];
+    // The audit journal.
+    let am = j.metrics();
+    out.push(
+        Metric::counter(
+            "cube_adapter_operations_total",
+            "Audited operations (outcome and single-step events) by action, outcome, runtime and profile",
+        )
+        .from_family(
+            &am.operations,
+            ["action", "outcome", "runtime", "profile"],
+            count,
+        ),
     );
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        body,
-    )
-        .into_response()
+    out.push(
+        Metric::histogram(
+            "cube_adapter_operation_duration_seconds",
+            "Sandbox effects from intent to outcome, by action, outcome and backend",
+        )
+        .from_family(&am.effects, ["action", "outcome", "backend"], hist),
+    );
+    let sm = j.store().metrics();
+    out.push(
+        Metric::histogram(
+            "cube_adapter_audit_commit_duration_seconds",
+            "Durable store commits (group commits carrying audit events), including the fsync",
+        )
+        .with(&[], hist(&sm.commit)),
+    );
+    out.push(
+        Metric::histogram(
+            "cube_adapter_audit_events_per_commit",
+            "Audit events written by each durable commit",
+        )
+        .with(&[], hist(&sm.events_per_commit)),
+    );
+    let check = j.check();
+    out.push(
+        Metric::gauge("cube_adapter_audit_required", "1 in required audit mode")
+            .with(&[], flag(j.mode() == crate::audit::AuditMode::Required)),
+    );
+    out.push(
+        Metric::gauge(
+            "cube_adapter_audit_blocked",
+            "1 while sandbox effects are refused for audit reasons",
+        )
+        .with(&[], flag(check.is_err())),
+    );
+    out.push(
+        Metric::gauge(
+            "cube_adapter_audit_reconcile_needed",
+            "1 while intents without an outcome block sandbox effects until `cube-adapter audit reconcile`",
+        )
+        .with(&[], flag(matches!(check, Err(crate::audit::AuditError::Blocked)))),
+    );
+    if let Some(sinks) = am.sinks() {
+        out.extend(crate::metrics::sink_metrics(&sinks));
+    }
+    // Read from the store now.
+    match b.gauges().await {
+        Ok(s) => out.extend(store_gauges(&s)),
+        Err(e) => {
+            tracing::warn!(code = e.code.as_str(), error = %e.message, "metrics: the store could not be read");
+        }
+    }
+    // The backends.
+    let mut up = Metric::gauge(
+        "cube_adapter_backend_up",
+        "1 while the backend's health check passes",
+    );
+    let mut errors = Metric::counter(
+        "cube_adapter_backend_errors_total",
+        "Failed backend calls by kind (not_found is an ordinary answer and not counted)",
+    );
+    for be in b.backends().all() {
+        up.push(&[("backend", &be.name)], flag(be.is_up()));
+        for (kind, n) in be.client.errors() {
+            errors.push(&[("backend", &be.name), ("kind", &kind)], Value::Counter(n));
+        }
+    }
+    out.push(up);
+    out.push(errors);
+    // Garbage collection.
+    let gc = b.gc_metrics();
+    out.push(
+        Metric::counter("cube_adapter_gc_runs_total", "GC passes by result").from_family(
+            &gc.runs,
+            ["result"],
+            count,
+        ),
+    );
+    out.push(
+        Metric::counter(
+            "cube_adapter_gc_actions_total",
+            "What GC did: idle leases collected or failed, orphaned sandboxes killed or failed, plans pruned",
+        )
+        .from_family(&gc.actions, ["outcome"], count),
+    );
+    // Readiness, certificates, the process.
+    let ready = st.metrics.ready.load(Ordering::Relaxed);
+    if ready < 2 {
+        out.push(
+            Metric::gauge(
+                "cube_adapter_state_backend_ready",
+                "The last /readyz result (1 ready)",
+            )
+            .with(&[], g(f64::from(ready))),
+        );
+    }
+    if let Some(dir) = &st.metrics.tls_dir {
+        let mut m = Metric::gauge(
+            "cube_adapter_tls_certificate_expiry_timestamp_seconds",
+            "When the certificate stops being valid (Unix seconds)",
+        );
+        for (name, file) in [("server", "server.pem"), ("ca", "ca.pem")] {
+            if let Some(info) = std::fs::read(dir.join(file))
+                .ok()
+                .and_then(|pem| crate::tls::cert_info(&pem).ok())
+            {
+                m.push(&[("certificate", name)], g(info.not_after_unix as f64));
+            }
+        }
+        out.push(m);
+    }
+    out.extend(crate::metrics::Process::read().metrics());
+    let dropped = st.metrics.http.requests.dropped()
+        + am.operations.dropped()
+        + am.effects.dropped()
+        + gc.runs.dropped()
+        + gc.actions.dropped();
+    out.push(
+        Metric::counter(
+            "cube_adapter_metrics_series_dropped_total",
+            "Observations not recorded because their metric family was full",
+        )
+        .with(&[], Value::Counter(dropped)),
+    );
+    out
+}
+
+/// The store's gauges as metrics.
+fn store_gauges(s: &crate::broker::gauges::Gauges) -> Vec<crate::metrics::Metric> {
+    use crate::metrics::{Metric, Value};
+    let g = |v: u64| Value::Gauge(v as f64);
+    let mut leases = Metric::gauge(
+        "cube_adapter_leases",
+        "Lease records by state, tenant and profile",
+    );
+    let mut active = 0;
+    for ((state, tenant, profile), n) in &s.leases {
+        leases.push(
+            &[("state", state), ("tenant", tenant), ("profile", profile)],
+            g(*n),
+        );
+        if crate::broker::gauges::holds_sandbox(state) {
+            active += n;
+        }
+    }
+    let by = |name, help, m: &crate::broker::gauges::ByTenant| {
+        let mut x = Metric::gauge(name, help);
+        for ((tenant, profile), n) in m {
+            x.push(&[("tenant", tenant), ("profile", profile)], g(*n));
+        }
+        x
+    };
+    let running: u64 = s.jobs.values().sum::<u64>() + s.ptys.values().sum::<u64>();
+    vec![
+        Metric::gauge(
+            "cube_adapter_active_leases",
+            "Leases that hold a sandbox (running or paused)",
+        )
+        .with(&[], g(active)),
+        leases,
+        Metric::gauge(
+            "cube_adapter_active_jobs",
+            "Jobs and PTYs running",
+        )
+        .with(&[], g(running)),
+        by(
+            "cube_adapter_jobs_running",
+            "Running jobs by tenant and profile",
+            &s.jobs,
+        ),
+        by(
+            "cube_adapter_ptys_running",
+            "Running PTYs by tenant and profile",
+            &s.ptys,
+        ),
+        Metric::gauge(
+            "cube_adapter_plans_pending_approval",
+            "Task plans waiting for an approver",
+        )
+        .with(&[], g(s.plans_pending)),
+        Metric::gauge(
+            "cube_adapter_plans_oldest_pending_age_seconds",
+            "Age of the oldest task plan waiting for an approver (0: none)",
+        )
+        .with(&[], Value::Gauge(s.oldest_pending_age as f64)),
+        Metric::gauge(
+            "cube_adapter_audit_incomplete_operations",
+            "Audit intents without an outcome (effects in flight, or left by a crash)",
+        )
+        .with(&[], g(s.open_intents)),
+        Metric::gauge(
+            "cube_adapter_audit_uncertain_outcomes",
+            "Outcomes recorded uncertain (crash recovery could not tell whether the effect happened)",
+        )
+        .with(&[], g(s.uncertain_outcomes)),
+    ]
 }
 
 pub const OPENAPI: &str = include_str!("../../docs/openapi.yaml");

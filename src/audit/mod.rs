@@ -70,6 +70,8 @@ pub struct Journal {
     /// Where copies of the journal go (`[[audit.sinks]]`; none until
     /// started).
     sinks: Arc<sinks::Sinks>,
+    /// Operations and effect latency, for `/metrics`.
+    metrics: Arc<crate::metrics::Audit>,
 }
 
 /// A committed intent, waiting for its outcome.
@@ -106,6 +108,7 @@ impl Journal {
             key: key.into(),
             clock: crate::clock::Clock::System,
             sinks: Arc::new(sinks::Sinks::new(store, crate::clock::Clock::System)),
+            metrics: Arc::default(),
         })
     }
 
@@ -117,13 +120,41 @@ impl Journal {
     }
 
     /// The audit sinks delivering this journal.
-    pub fn sinks(&self) -> &sinks::Sinks {
+    pub fn sinks(&self) -> &Arc<sinks::Sinks> {
         &self.sinks
     }
 
     /// The clock that stamps this journal's events.
     pub fn clock(&self) -> &crate::clock::Clock {
         &self.clock
+    }
+
+    /// The journal's instruments (and the audit sinks' metrics hook,
+    /// `set_sink_source`).
+    pub fn metrics(&self) -> &Arc<crate::metrics::Audit> {
+        &self.metrics
+    }
+
+    /// Count an operation's event (and time an effect's, from its intent).
+    fn observe(&self, ev: &Event, took: Option<std::time::Duration>) {
+        fn opt(v: &Option<String>) -> &str {
+            v.as_deref().unwrap_or("")
+        }
+        self.metrics.operations.inc([
+            ev.action.as_str(),
+            ev.outcome.as_str(),
+            opt(&ev.runtime),
+            opt(&ev.profile),
+        ]);
+        if let Some(took) = took
+            && let Some(h) = self.metrics.effects.get([
+                ev.action.as_str(),
+                ev.outcome.as_str(),
+                opt(&ev.backend),
+            ])
+        {
+            h.observe_duration(took);
+        }
     }
 
     pub fn mode(&self) -> AuditMode {
@@ -223,9 +254,10 @@ impl Journal {
         ev.ts = self.clock.text();
         ev.phase = "outcome".into();
         ev.outcome = outcome.into();
-        ev.duration_ms =
-            Some(u64::try_from(intent.started.elapsed().as_millis()).unwrap_or(u64::MAX));
+        let took = intent.started.elapsed();
+        ev.duration_ms = Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
         fill(&mut ev);
+        self.observe(&ev, Some(took));
         let op = intent.operation_id.clone();
         let recorded = intent.recorded;
         let r = self
@@ -253,6 +285,7 @@ impl Journal {
         if ev.phase.is_empty() {
             ev.phase = "event".into();
         }
+        self.observe(&ev, None);
         let r = self
             .store
             .write(move |txn, chain| chain.append(txn, ev).map(|_| ()))

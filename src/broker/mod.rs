@@ -8,6 +8,7 @@ pub mod checkpoints;
 pub mod code;
 pub mod dto;
 pub mod error;
+pub mod gauges;
 pub mod jobs;
 pub mod leases;
 pub mod paths;
@@ -80,6 +81,8 @@ pub(crate) struct Inner {
     /// Told when a plan needs approval (`console::notify`); set once at
     /// start, if `[console.notify]` is configured.
     pub plan_listener: std::sync::OnceLock<Arc<dyn PlanListener>>,
+    /// GC passes and what they collected, for `/metrics`.
+    pub gc: crate::metrics::Gc,
 }
 
 /// A plan that needs approval, as a listener is told of it: names and
@@ -168,8 +171,14 @@ impl Broker {
                 receipts,
                 clock,
                 plan_listener: std::sync::OnceLock::new(),
+                gc: crate::metrics::Gc::default(),
             }),
         }
+    }
+
+    /// GC's instruments (passes, and what they collected).
+    pub fn gc_metrics(&self) -> &crate::metrics::Gc {
+        &self.inner.gc
     }
 
     /// The broker's clock.

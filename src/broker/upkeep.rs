@@ -270,11 +270,28 @@ impl Broker {
 
     /// Kill every lease idle past its profile's `lease_idle_ttl_seconds`.
     pub async fn gc(&self) -> Result<(u64, u64)> {
-        self.inner.journal.check()?;
-        if let Err(e) = self.prune_plans().await {
-            tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not prune task plans");
+        let m = &self.inner.gc;
+        if let Err(e) = self.inner.journal.check() {
+            m.runs.inc(["failed"]);
+            return Err(e.into());
         }
-        let leases = self.inner.store.read(all_leases).await?;
+        match self.prune_plans().await {
+            Ok(n) => {
+                if let Some(c) = m.actions.get(["plan_pruned"]) {
+                    c.add(n);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not prune task plans");
+            }
+        }
+        let leases = match self.inner.store.read(all_leases).await {
+            Ok(l) => l,
+            Err(e) => {
+                m.runs.inc(["failed"]);
+                return Err(e.into());
+            }
+        };
         let t = self.now().1;
         let (mut collected, mut failed) = (0, 0);
         for l in leases {
@@ -282,11 +299,15 @@ impl Broker {
                 continue;
             }
             match self.collect(&l.lease_ref).await {
-                Ok(true) => collected += 1,
+                Ok(true) => {
+                    collected += 1;
+                    m.actions.inc(["collected"]);
+                }
                 Ok(false) => {}
                 Err(e) => {
                     tracing::warn!(lease = %l.lease_ref, code = e.code.as_str(), error = %e.message, "gc: could not collect an idle lease");
                     failed += 1;
+                    m.actions.inc(["failed"]);
                 }
             }
         }
@@ -301,6 +322,7 @@ impl Broker {
                 tracing::warn!(backend = %b.name, code = e.code.as_str(), error = %e.message, "gc: could not look for orphaned sandboxes");
             }
         }
+        m.runs.inc(["ok"]);
         Ok((collected, failed))
     }
 
@@ -335,8 +357,12 @@ impl Broker {
             if held.contains(&s.sandbox_id) || now - started < ORPHAN_AGE {
                 continue;
             }
-            if let Err(e) = self.kill_orphan(backend_name, &s.sandbox_id, None).await {
-                tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not kill a sandbox no lease holds");
+            match self.kill_orphan(backend_name, &s.sandbox_id, None).await {
+                Ok(()) => self.inner.gc.actions.inc(["orphan_killed"]),
+                Err(e) => {
+                    self.inner.gc.actions.inc(["orphan_failed"]);
+                    tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: could not kill a sandbox no lease holds");
+                }
             }
         }
         Ok(())

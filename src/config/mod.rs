@@ -69,6 +69,9 @@ pub struct Config {
     pub auth: AuthSection,
     /// MCP on the appliance (`/mcp`).
     pub mcp: McpSection,
+    /// `/metrics` (`[metrics]`): who may scrape it. A change needs a
+    /// restart.
+    pub metrics: MetricsSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
     /// in-process tests put a manual one here (`crate::clock::ManualClock`).
     /// Not configurable: never read from a file, and kept across reloads
@@ -479,6 +482,42 @@ impl ConsoleSection {
             );
         }
         Ok(())
+    }
+}
+
+/// `/metrics` (`[metrics]`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// A file holding the token scrapers must send (`Authorization:
+    /// Bearer …`; at least 16 bytes, surrounding whitespace ignored).
+    /// Unset: `/metrics` is open, as the reference's is.
+    pub token_file: Option<PathBuf>,
+}
+
+impl MetricsSection {
+    /// The token, read from `token_file` (never logged: errors name the
+    /// file, not its content).
+    pub fn token(&self) -> Result<Option<Vec<u8>>, String> {
+        let Some(f) = &self.token_file else {
+            return Ok(None);
+        };
+        let raw =
+            std::fs::read(f).map_err(|e| format!("metrics: token_file {}: {e}", f.display()))?;
+        let t = raw.trim_ascii().to_vec();
+        if t.len() < 16 {
+            return Err(format!(
+                "metrics: token_file {} must hold at least 16 bytes",
+                f.display()
+            ));
+        }
+        if t.iter().any(|b| !b.is_ascii_graphic()) {
+            return Err(format!(
+                "metrics: token_file {} must hold one token of printable characters, no spaces",
+                f.display()
+            ));
+        }
+        Ok(Some(t))
     }
 }
 
@@ -962,6 +1001,7 @@ impl Default for Config {
             console: ConsoleSection::default(),
             auth: AuthSection::default(),
             mcp: McpSection::default(),
+            metrics: MetricsSection::default(),
             clock: crate::clock::Clock::System,
         }
     }
@@ -1260,6 +1300,7 @@ impl Config {
         self.console.validate()?;
         self.auth.validate()?;
         self.mcp.validate()?;
+        self.metrics.token()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;

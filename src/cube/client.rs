@@ -323,6 +323,9 @@ pub(crate) struct Inner {
     /// `X-API-Key` for CubeAPI only: CubeProxy forwards every header to envd
     /// inside the sandbox, where root could read it.
     api_key: Option<reqwest::header::HeaderValue>,
+    /// Failed calls by `ErrorKind` (not `not_found`: an ordinary answer),
+    /// for `cube_adapter_backend_errors_total`.
+    pub(crate) errors: crate::metrics::Family<1, crate::metrics::Counter>,
 }
 
 fn parse_base(what: &str, s: &str, insecure: bool) -> Result<reqwest::Url> {
@@ -449,8 +452,32 @@ impl CubeClient {
                 http,
                 stream_http,
                 api_key,
+                errors: crate::metrics::Family::with_capacity(crate::metrics::Counter::default, 16),
             }),
         })
+    }
+
+    /// Count a failed call (`cube_adapter_backend_errors_total{kind}`);
+    /// `not_found` is an ordinary answer and not counted.
+    pub(crate) fn count<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r
+            && e.kind != ErrorKind::NotFound
+        {
+            self.inner.errors.inc([e.kind.as_str()]);
+        }
+        r
+    }
+
+    /// Failed calls so far, by kind.
+    pub fn errors(&self) -> Vec<(String, u64)> {
+        let mut v: Vec<(String, u64)> = self
+            .inner
+            .errors
+            .iter()
+            .map(|(k, c)| (k.join(""), c.get()))
+            .collect();
+        v.sort();
+        v
     }
 
     /// The URL checks [`CubeClient::new`] makes, for `config check`.
@@ -489,6 +516,21 @@ impl CubeClient {
     /// `Retry-After: <seconds>` is sent again, at most `retries` times and
     /// `retry_total` of waiting in all.
     async fn exchange(
+        &self,
+        method: Method,
+        url: reqwest::Url,
+        body: Option<Vec<u8>>,
+        timeout: Duration,
+        what: &str,
+        idem: Idempotent,
+    ) -> Result<(StatusCode, bytes::Bytes)> {
+        let r = self
+            .exchange_once(method, url, body, timeout, what, idem)
+            .await;
+        self.count(r)
+    }
+
+    async fn exchange_once(
         &self,
         method: Method,
         url: reqwest::Url,

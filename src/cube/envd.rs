@@ -304,9 +304,24 @@ impl CubeClient {
         self.send_data_within(sb, what, replay, None, build).await
     }
 
+    /// As `send_data_within`, its failure counted (`CubeClient::count`).
+    async fn send_data_within(
+        &self,
+        sb: &SandboxAddr,
+        what: &str,
+        replay: Replay,
+        headers_within: Option<Duration>,
+        build: impl Fn() -> Result<reqwest::RequestBuilder>,
+    ) -> Result<reqwest::Response> {
+        let r = self
+            .send_data_once(sb, what, replay, headers_within, build)
+            .await;
+        self.count(r)
+    }
+
     /// As `send_data`, each send given at most `headers_within` for its
     /// answer to begin (the resume between them has its own budget).
-    async fn send_data_within(
+    async fn send_data_once(
         &self,
         sb: &SandboxAddr,
         what: &str,
@@ -409,7 +424,7 @@ impl CubeClient {
             .await
             .map_err(|e| CubeError::from_reqwest(what, e))?;
         if !status.is_success() {
-            return Err(api_error(what, status, &bytes));
+            return self.count(Err(api_error(what, status, &bytes)));
         }
         let bytes = if bytes.is_empty() {
             Bytes::from_static(b"{}")

@@ -34,6 +34,23 @@ pub enum ErrorKind {
     Protocol,
 }
 
+impl ErrorKind {
+    /// The kind's name in metrics (`cube_adapter_backend_errors_total{kind}`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Denied => "denied",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::InvalidArgument => "invalid_argument",
+            ErrorKind::Conflict => "conflict",
+            ErrorKind::TooLarge => "too_large",
+            ErrorKind::Internal => "internal",
+            ErrorKind::Protocol => "protocol",
+        }
+    }
+}
+
 /// A typed backend error. Messages never carry secrets (no API keys, traffic
 /// tokens or request headers).
 #[derive(Debug, Clone, thiserror::Error)]

@@ -853,7 +853,11 @@ pub fn loose_files(config_file: &Path, cfg: &Config) -> Vec<String> {
             }
         }
     }
-    let mut secrets: Vec<&PathBuf> = cfg.tokens_file.iter().collect();
+    let mut secrets: Vec<&PathBuf> = cfg
+        .tokens_file
+        .iter()
+        .chain(cfg.metrics.token_file.iter())
+        .collect();
     let defs = cfg.backend_defs();
     for d in defs.values() {
         if let crate::config::BackendDef::Cubesandbox(b) = d {
@@ -916,6 +920,11 @@ mod tests {
                 "server_names".to_string()
             ]
         );
+        // `[metrics]` is read at start: a change waits for a restart.
+        let mut c = a.clone();
+        c.metrics.token_file = Some("/etc/cube-adapter/metrics.token".into());
+        assert_eq!(changed_keys(&a, &c), vec!["metrics".to_string()]);
+        assert!(!RELOADABLE.contains(&"metrics"));
     }
 
     #[test]
@@ -943,6 +952,18 @@ mod tests {
         assert!(
             w.iter()
                 .any(|x| x.contains("secret.key") && x.contains("640"))
+        );
+        // The metrics token is a credential too.
+        let token = dir.path().join("metrics.token");
+        std::fs::write(&token, "t").unwrap();
+        mode(&token, 0o644);
+        let mut cfg = cfg;
+        cfg.metrics.token_file = Some(token);
+        let w = loose_files(&conf, &cfg);
+        assert!(
+            w.iter()
+                .any(|x| x.contains("metrics.token") && x.contains("credential")),
+            "{w:?}"
         );
     }
 }

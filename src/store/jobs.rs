@@ -97,6 +97,11 @@ pub fn remove_lease(txn: &WriteTransaction, lease_ref: &str) -> Result<(), Store
     delete_owned(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)
 }
 
+/// Every job, by job_ref.
+pub fn all(txn: &impl ReadOps) -> Result<Vec<Job>, StoreError> {
+    txn.records(tables::JOBS)
+}
+
 /// A lease's jobs, in job_ref order.
 pub fn of_lease(txn: &ReadTransaction, lease_ref: &str) -> Result<Vec<Job>, StoreError> {
     owned_items(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)

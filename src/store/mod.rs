@@ -149,6 +149,8 @@ struct Stats {
     writes: AtomicU64,
     /// The last `RECENT` commit durations (oldest first).
     recent: std::sync::Mutex<std::collections::VecDeque<Duration>>,
+    /// Commit latency and audit events per commit, for `/metrics`.
+    metrics: crate::metrics::Store,
 }
 
 /// How long the writer waits for writers woken by the previous commit.
@@ -282,6 +284,11 @@ impl Store {
 
     pub fn path(&self) -> &Path {
         &self.inner.path
+    }
+
+    /// The writer's instruments (commit latency, audit events per commit).
+    pub fn metrics(&self) -> &crate::metrics::Store {
+        &self.inner.stats.metrics
     }
 
     /// Commits and writes since the store opened (the durations of recent
@@ -566,6 +573,11 @@ fn writer(
             Ok(()) => {
                 stats.commits.fetch_add(1, Ordering::Relaxed);
                 stats.writes.fetch_add(n, Ordering::Relaxed);
+                stats.metrics.commit.observe_duration(took);
+                stats
+                    .metrics
+                    .events_per_commit
+                    .observe_count(chain.next_seq.saturating_sub(before.next_seq));
                 if chain.next_seq != before.next_seq {
                     last_seq.send_replace(chain.next_seq - 1);
                 }

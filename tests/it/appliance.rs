@@ -999,6 +999,19 @@ async fn a_crash_between_intent_and_outcome_blocks_until_reconciled() {
     assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["checks"]["audit"], "reconciliation_required");
+    // The metrics say so too (#21 item 3).
+    let m = crate::metrics::exposition(&http, &p.url).await;
+    for (name, want) in [
+        ("cube_adapter_audit_reconcile_needed", 1.0),
+        ("cube_adapter_audit_blocked", 1.0),
+        ("cube_adapter_audit_incomplete_operations", 1.0),
+    ] {
+        assert_eq!(
+            crate::metrics::sample(&m, name, &[]),
+            Some(want),
+            "{name}: {m}"
+        );
+    }
     let r = http
         .post(format!("{}/v1/leases/{lease}/exec", p.url))
         .bearer_auth(&admin)
@@ -1150,6 +1163,20 @@ async fn a_crash_is_resolved_at_the_next_start_without_a_person() {
     assert_eq!(v["ready"], true, "{v}");
     assert_eq!(v["store"]["pending_intents"], 0, "{v}");
     assert_eq!(v["store"]["uncertain_outcomes"], 1, "{v}");
+    // Visible as a metric (#21 item 3), and nothing blocks.
+    let m = crate::metrics::exposition(&http, &p.url).await;
+    for (name, want) in [
+        ("cube_adapter_audit_uncertain_outcomes", 1.0),
+        ("cube_adapter_audit_reconcile_needed", 0.0),
+        ("cube_adapter_audit_blocked", 0.0),
+        ("cube_adapter_audit_incomplete_operations", 0.0),
+    ] {
+        assert_eq!(
+            crate::metrics::sample(&m, name, &[]),
+            Some(want),
+            "{name}: {m}"
+        );
+    }
     p.stop();
     let export = String::from_utf8(cli(&["audit", "export"], &state).stdout).unwrap();
     let events: Vec<Value> = export

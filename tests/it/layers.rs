@@ -20,6 +20,7 @@ const RANKS: &[(&str, u32)] = &[
     ("clock", 0),
     ("ids", 0),
     ("telemetry", 0),
+    ("metrics", 0),
     ("systemd", 0),
     ("secrets", 1),
     ("store", 2),

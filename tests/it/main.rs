@@ -28,6 +28,7 @@ mod jobs;
 mod kit;
 mod layers;
 mod mcp;
+mod metrics;
 mod network;
 mod oidc;
 mod production;

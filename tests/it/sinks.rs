@@ -354,6 +354,20 @@ async fn http_delivery_survives_a_flaky_then_absent_collector() {
         v["last_error"].as_str().unwrap().contains("cannot connect"),
         "{v}"
     );
+    // And in the metrics.
+    let text = crate::metrics::exposition(&s.http, &s.url).await;
+    let lag = crate::metrics::sample(
+        &text,
+        "cube_adapter_audit_sink_lag_events",
+        &["sink=\"collector\""],
+    );
+    assert!(lag.is_some_and(|l| l > 0.0), "{text}");
+    let failed = crate::metrics::sample(
+        &text,
+        "cube_adapter_audit_sink_failures_total",
+        &["sink=\"collector\""],
+    );
+    assert!(failed.is_some_and(|f| f >= 2.0), "{text}");
     // Back, on the same port.
     c.mode.store(OK, Ordering::SeqCst);
     c.back().await;
