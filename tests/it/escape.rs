@@ -184,6 +184,12 @@ async fn sandboxes_end_themselves_when_orphaned() {
         ends_within(n, 20).await,
         "the sandbox whose directory is gone ended itself"
     );
+    // (The kernel kills the rest of a pid namespace when its init ends;
+    // they leave /proc as they are reaped, not all at that instant.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !crate::kit::pids_in_ns(&ns).is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     assert!(
         crate::kit::pids_in_ns(&ns).is_empty(),
         "nothing of it is left"
