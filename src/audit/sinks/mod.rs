@@ -35,6 +35,9 @@ use crate::store::{Store, StoreError, codec, tables};
 /// How often a sink's cursor is written at most.
 const PERSIST_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a sink waits for a partial batch to fill before delivering it.
+const LINGER: Duration = Duration::from_millis(50);
+
 /// The first wait after a failure; it doubles up to the sink's maximum.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 
@@ -345,6 +348,7 @@ impl Run {
         let mut persisted = cursor;
         let mut last_persist = Instant::now();
         let mut backoff = FIRST_BACKOFF;
+        let mut lingered = false;
         let max_backoff = match &self.def {
             SinkDef::Http(h) => Duration::from_secs(h.max_backoff_seconds),
             SinkDef::Syslog(s) => Duration::from_secs(s.max_backoff_seconds),
@@ -374,6 +378,18 @@ impl Run {
                 }
                 continue;
             }
+            // Less than a batch waiting: give the journal a moment to add
+            // to it, so that a busy journal costs a sink one delivery (one
+            // fsync, one POST) per batch rather than one per event.
+            if !lingered && head - cursor < self.def.batch() as u64 {
+                lingered = true;
+                tokio::select! {
+                    () = self.stop.cancelled() => break,
+                    () = tokio::time::sleep(LINGER) => {}
+                }
+                continue;
+            }
+            lingered = false;
             let batch = {
                 let n = self.def.batch();
                 match self.store.read(move |txn| read_batch(txn, cursor, n)).await {
