@@ -233,22 +233,20 @@ pub async fn sinks(launcher: &Path, iterations: usize) -> anyhow::Result<Report>
             s2.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     });
-    let text = format!(
-        "[[audit.sinks]]\nkind = \"file\"\nname = \"file\"\npath = \"{file}\"\n\n\
-         [[audit.sinks]]\nkind = \"http\"\nname = \"http\"\nurl = \"http://127.0.0.1:{port}/audit\"\n\n\
-         [[audit.sinks]]\nkind = \"syslog\"\nname = \"syslog\"\naddress = \"unix:{sock}\"\n",
-        file = dir.join("audit.jsonl").display(),
-        sock = sock.display(),
-    );
-    #[derive(serde::Deserialize)]
-    struct Doc {
-        audit: Audit,
-    }
-    #[derive(serde::Deserialize)]
-    struct Audit {
-        sinks: Vec<SinkDef>,
-    }
-    let defs = toml::from_str::<Doc>(&text)?.audit.sinks;
+    let defs = [
+        format!(
+            "kind = \"file\"\nname = \"file\"\npath = \"{}\"",
+            dir.join("audit.jsonl").display()
+        ),
+        format!("kind = \"http\"\nname = \"http\"\nurl = \"http://127.0.0.1:{port}/audit\""),
+        format!(
+            "kind = \"syslog\"\nname = \"syslog\"\naddress = \"unix:{}\"",
+            sock.display()
+        ),
+    ]
+    .iter()
+    .map(|t| toml::from_str::<SinkDef>(t))
+    .collect::<Result<Vec<_>, _>>()?;
     let plain = Rig::start(&dir.join("plain"), launcher).await?;
     let sunk = Rig::start_with(&dir.join("sinks"), launcher, defs).await?;
     let (lp, ls) = (plain.acquire("sinks").await?, sunk.acquire("sinks").await?);

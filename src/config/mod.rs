@@ -533,7 +533,7 @@ pub struct ReceiptsSection {
     pub hmac_key_file: Option<PathBuf>,
 }
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuditConfig {
     pub mode: AuditMode,

@@ -230,7 +230,7 @@ impl Reloader {
         let audit_rest_changed = {
             let mut a = new.audit.clone();
             a.sinks = running.audit.sinks.clone();
-            serde_json::to_value(&a).ok() != serde_json::to_value(&running.audit).ok()
+            a != running.audit
         };
         let mut restart_required: Vec<String> = changed
             .iter()

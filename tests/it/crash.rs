@@ -5,8 +5,6 @@
 //! resolved by exactly one event, and the chain verifying.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -14,44 +12,11 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::kit::{BIN, Proc, SandboxReaper};
-
-fn client(state: &Path) -> reqwest::Client {
-    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
-    reqwest::Client::builder()
-        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
-        .build()
-        .unwrap()
-}
-
-fn cli(args: &[&str], state: &Path, config: &Path) -> std::process::Output {
-    Command::new(BIN)
-        .args(args)
-        .arg("--state-dir")
-        .arg(state)
-        .arg("--config")
-        .arg(config)
-        .output()
-        .unwrap()
-}
-
-fn journal(state: &Path, config: &Path) -> Vec<Value> {
-    let out = cli(&["audit", "export"], state, config);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
+use crate::kit::{Proc, ProcRig};
 
 /// Every intent has exactly one outcome, and the chain verifies.
-fn assert_settled(state: &Path, config: &Path) -> Vec<Value> {
-    let events = journal(state, config);
+fn assert_settled(rig: &ProcRig) -> Vec<Value> {
+    let events = rig.journal();
     let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
     for e in events.iter().filter(|e| e["phase"] == "outcome") {
         if let Some(op) = e["operation_id"].as_str() {
@@ -68,7 +33,7 @@ fn assert_settled(state: &Path, config: &Path) -> Vec<Value> {
             outcomes.get(op).copied().unwrap_or(0)
         );
     }
-    let out = cli(&["audit", "verify"], state, config);
+    let out = rig.cli(&["audit", "verify"]);
     assert!(
         out.status.success(),
         "{}",
@@ -83,28 +48,11 @@ fn assert_settled(state: &Path, config: &Path) -> Vec<Value> {
 /// resolves as `error` and leaves no job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_job_start_is_adopted_from_its_files() {
-    cube_adapter::tls::install_default_provider();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
-    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
-    let start = |fp: &str| Proc::start(&state, &config, &[("CUBE_ADAPTER_FAILPOINT", fp)]).unwrap();
-    let mut p = start("before_outcome:job_start");
-    let http = client(&state);
-    let admin = std::fs::read_to_string(state.join("admin.token")).unwrap();
-    let admin = admin.trim().to_string();
-    let v: Value = http
-        .post(format!("{}/v1/leases/acquire", p.url))
-        .bearer_auth(&admin)
-        .json(&json!({"runtime": "mcp", "session_key": "adopt"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let lease = v["lease_ref"].as_str().unwrap().to_string();
+    let failpoint = |fp| [("CUBE_ADAPTER_FAILPOINT", fp)];
+    let (rig, mut p) = ProcRig::start_with("", &failpoint("before_outcome:job_start"));
+    let start = |fp| Proc::start(&rig.state, &rig.config, &failpoint(fp)).unwrap();
+    let (http, admin) = (rig.http.clone(), rig.admin.clone());
+    let lease = rig.acquire(&p.url, "adopt").await;
     let r = http
         .post(format!("{}/v1/leases/{lease}/jobs", p.url))
         .bearer_auth(&admin)
@@ -116,7 +64,7 @@ async fn an_interrupted_job_start_is_adopted_from_its_files() {
 
     // The next start (no failpoint) adopts it.
     let p = start("none");
-    let events = assert_settled(&state, &config);
+    let events = assert_settled(&rig);
     let intent = events
         .iter()
         .find(|e| e["action"] == "job_start" && e["phase"] == "intent")
@@ -168,7 +116,7 @@ async fn an_interrupted_job_start_is_adopted_from_its_files() {
     assert!(r.is_err());
     p.child.wait().unwrap();
     let p = start("none");
-    let events = assert_settled(&state, &config);
+    let events = assert_settled(&rig);
     let last = events
         .iter()
         .rev()
@@ -194,29 +142,11 @@ async fn an_interrupted_job_start_is_adopted_from_its_files() {
 /// resolving event, and the chain verifies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn five_sigkills_under_concurrent_execs_resolve_without_a_person() {
-    cube_adapter::tls::install_default_provider();
-    let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let config = dir.path().join("config.toml");
-    std::fs::write(&config, "").unwrap();
-    let _reaper = SandboxReaper(state.join("embedded/sandboxes"));
-    let mut p = Proc::start(&state, &config, &[]).unwrap();
-    let http = client(&state);
-    let admin = std::fs::read_to_string(state.join("admin.token")).unwrap();
-    let admin = admin.trim().to_string();
+    let (rig, mut p) = ProcRig::start();
+    let (http, admin) = (rig.http.clone(), rig.admin.clone());
     let mut leases = vec![];
     for i in 0..6 {
-        let v: Value = http
-            .post(format!("{}/v1/leases/acquire", p.url))
-            .bearer_auth(&admin)
-            .json(&json!({"runtime": "mcp", "session_key": format!("load-{i}")}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        leases.push(v["lease_ref"].as_str().unwrap().to_string());
+        leases.push(rig.acquire(&p.url, &format!("load-{i}")).await);
     }
     let next = Arc::new(AtomicU64::new(0));
     let answered = Arc::new(std::sync::Mutex::new(BTreeSet::<String>::new()));
@@ -264,15 +194,14 @@ async fn five_sigkills_under_concurrent_execs_resolve_without_a_person() {
             let _ = c.await;
         }
         // Restarted: ready at once, no reconcile.
-        p = Proc::start(&state, &config, &[]).unwrap();
+        p = Proc::start(&rig.state, &rig.config, &[]).unwrap();
         let r = http.get(format!("{}/readyz", p.url)).send().await.unwrap();
         assert_eq!(
             r.status(),
             StatusCode::OK,
             "round {round}: ready without a person"
         );
-        let v: Value =
-            serde_json::from_slice(&cli(&["status", "--json"], &state, &config).stdout).unwrap();
+        let v = rig.status();
         assert_eq!(v["store"]["pending_intents"], 0, "round {round}: {v}");
     }
     // What ran, from each sandbox's own file.
@@ -291,7 +220,7 @@ async fn five_sigkills_under_concurrent_execs_resolve_without_a_person() {
         ran.extend(v["stdout"].as_str().unwrap().lines().map(str::to_string));
     }
     p.stop();
-    let events = assert_settled(&state, &config);
+    let events = assert_settled(&rig);
     let unique: BTreeSet<&String> = ran.iter().collect();
     assert_eq!(unique.len(), ran.len(), "an exec ran twice");
     let intents: BTreeSet<&str> = events

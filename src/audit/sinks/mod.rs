@@ -108,13 +108,6 @@ pub struct Prepared {
     keep: Vec<String>,
 }
 
-impl Prepared {
-    /// What applying this changes: sinks added, replaced or removed.
-    pub fn changes(&self) -> &[(SinkDef, Output)] {
-        &self.start
-    }
-}
-
 impl Sinks {
     pub fn new(store: Store, clock: crate::clock::Clock) -> Self {
         Self {

@@ -53,11 +53,7 @@ impl Output {
     pub async fn deliver(&mut self, events: &[Event]) -> Result<(), String> {
         match self {
             Self::File(f) => {
-                let mut body = Vec::with_capacity(events.len() * 512);
-                for ev in events {
-                    body.extend_from_slice(crate::audit::export_line(ev).as_bytes());
-                    body.push(b'\n');
-                }
+                let body = json_lines(events);
                 let f = f.clone();
                 tokio::task::spawn_blocking(move || {
                     f.lock().unwrap_or_else(|p| p.into_inner()).append(&body)
@@ -87,6 +83,16 @@ impl Output {
             Self::Syslog(s) => s.send(events).await,
         }
     }
+}
+
+/// `events` as `audit export` prints them, a line each.
+fn json_lines(events: &[Event]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(events.len() * 512);
+    for ev in events {
+        body.extend_from_slice(crate::audit::export_line(ev).as_bytes());
+        body.push(b'\n');
+    }
+    body
 }
 
 /// The file sink's open file.
@@ -297,11 +303,7 @@ impl HttpOut {
     }
 
     async fn post(&self, events: &[Event]) -> Result<(), String> {
-        let mut body = Vec::with_capacity(events.len() * 512);
-        for ev in events {
-            body.extend_from_slice(crate::audit::export_line(ev).as_bytes());
-            body.push(b'\n');
-        }
+        let body = json_lines(events);
         let (first, last) = match (events.first(), events.last()) {
             (Some(a), Some(b)) => (a.seq, b.seq),
             _ => return Ok(()),

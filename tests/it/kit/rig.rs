@@ -24,13 +24,20 @@ pub struct ProcRig {
 impl ProcRig {
     /// A fresh state directory and a first `serve` process on it.
     pub fn start() -> (Self, Proc) {
+        Self::start_with("", &[])
+    }
+
+    /// As `start`, the configuration file holding `config` and the first
+    /// process started with `env`.
+    pub fn start_with(config: &str, env: &[(&str, &str)]) -> (Self, Proc) {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().join("state");
-        let config = dir.path().join("config.toml");
-        std::fs::write(&config, "").unwrap();
+        let config_file = dir.path().join("config.toml");
+        std::fs::write(&config_file, config).unwrap();
+        let config = config_file;
         let reaper = SandboxReaper(state.join("embedded/sandboxes"));
-        let p = Proc::start(&state, &config, &[]).unwrap();
+        let p = Proc::start(&state, &config, env).unwrap();
         let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
         let http = reqwest::Client::builder()
             .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
@@ -60,6 +67,52 @@ impl ProcRig {
         .unwrap();
         p.child.wait().unwrap();
         Proc::start(&self.state, &self.config, &[]).unwrap()
+    }
+
+    /// Acquire a lease for `session` as the admin: its ref.
+    pub async fn acquire(&self, url: &str, session: &str) -> String {
+        let (st, v) = self
+            .call(
+                format!("{url}/v1/leases/acquire"),
+                Some(serde_json::json!({"runtime": "mcp", "session_key": session})),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        v["lease_ref"].as_str().unwrap().to_string()
+    }
+
+    /// `cube-adapter ARGS… --state-dir STATE --config CONFIG`.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(BIN)
+            .args(args)
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("--config")
+            .arg(&self.config)
+            .output()
+            .unwrap()
+    }
+
+    /// `status --json`.
+    pub fn status(&self) -> Value {
+        let out = self.cli(&["status", "--json"]);
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+    }
+
+    /// `audit export`: the journal, an event a line.
+    pub fn journal(&self) -> Vec<Value> {
+        let out = self.cli(&["audit", "export"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
     }
 
     /// POST (with a body) or GET (without) as the admin.
