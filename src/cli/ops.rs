@@ -295,24 +295,21 @@ fn print_status(v: &Value) {
             .get("lag")
             .and_then(Value::as_u64)
             .map_or("unknown".to_string(), |l| l.to_string());
-        let failing = sink
+        let state = match sink
             .get("consecutive_failures")
             .and_then(Value::as_u64)
             .filter(|n| *n > 0)
-            .map(|n| {
-                format!(
-                    ", FAILING ({n} in a row: {})",
-                    sink.get("last_error").and_then(Value::as_str).unwrap_or("")
-                )
-            })
-            .unwrap_or_default();
+        {
+            Some(n) => format!(
+                "FAILING ({n} in a row: {})",
+                sink.get("last_error").and_then(Value::as_str).unwrap_or("")
+            ),
+            None => t("state").to_string(),
+        };
         println!(
-            "  audit sink:   {} ({}): {}, {} events behind{}",
+            "  audit sink:   {} ({}): {state}, {lag} events behind",
             t("name"),
             t("kind"),
-            t("state"),
-            lag,
-            failing
         );
     }
     println!(
