@@ -266,7 +266,11 @@ pub async fn serve_with(
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700));
     }
-    let store = Store::open(&state).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let store = match cfg.store.postgres() {
+        Some(pg) => Store::open_postgres(&state, &pg),
+        None => Store::open(&state),
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let key = random_key(&state.join("hmac.key"))?;
     let journal = Journal::open(store.clone(), cfg.audit.mode, key.clone())
         .map_err(|e| anyhow::anyhow!("{e}"))?

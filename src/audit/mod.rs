@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use hmac::{Hmac, Mac};
-use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
 use self::event::{Event, GENESIS};
@@ -247,7 +246,7 @@ impl Journal {
         intent: Intent,
         outcome: &str,
         fill: impl FnOnce(&mut Event),
-        state: impl FnOnce(&WriteTransaction) -> Result<T, StoreError> + Send + 'static,
+        state: impl FnOnce(&crate::store::Wx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, AuditError> {
         let mut ev = intent.base.clone();
         ev.event_id = new_id();
@@ -301,9 +300,11 @@ impl Journal {
     }
 }
 
-/// Operation ids with an intent and no outcome.
+/// Operation ids with an intent and no outcome that this process answers
+/// for: every one, with redb; with replicas on a shared database, its own
+/// and those of replicas that are not running (`Store::pending_to_resolve`).
 pub fn pending(store: &Store) -> Result<Vec<(String, u64)>, StoreError> {
-    store.read_now(journal::pending)
+    store.pending_to_resolve()
 }
 
 /// Result of `audit verify`.
@@ -330,7 +331,7 @@ pub fn verify(store: &Store) -> Result<Verified, String> {
 /// The chain check of `verify` in one read transaction (a backup's copy is
 /// checked with it too): the number of events, the last sequence number
 /// and the head hash.
-pub fn verify_chain(txn: &redb::ReadTransaction) -> Result<(u64, u64, String), StoreError> {
+pub fn verify_chain(txn: &impl crate::store::ReadOps) -> Result<(u64, u64, String), StoreError> {
     let mut prev = GENESIS.to_string();
     let mut expect = 1u64;
     let mut n = 0u64;
@@ -391,20 +392,16 @@ pub fn export_line(ev: &Event) -> String {
 }
 
 /// The sequence number of the last event (0: none yet).
-pub fn last_seq(txn: &redb::ReadTransaction) -> Result<u64, StoreError> {
-    use redb::ReadableTable;
-    match txn.open_table(crate::store::tables::AUDIT) {
-        Ok(t) => Ok(t.last()?.map(|(k, _)| k.value()).unwrap_or(0)),
-        Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
-        Err(e) => Err(e.into()),
-    }
+pub fn last_seq(txn: &impl crate::store::ReadOps) -> Result<u64, StoreError> {
+    txn.last_seq()
 }
 
 /// Every pending intent, with its event (oldest first).
 pub fn pending_intents(store: &Store) -> Result<Vec<(String, Event)>, StoreError> {
+    let mine = store.pending_to_resolve()?;
     store.read_now(|txn| {
         let mut v = vec![];
-        for (op, seq) in journal::pending(txn)? {
+        for (op, seq) in mine {
             if let Some(ev) = journal::event(txn, seq)? {
                 v.push((op, ev));
             }
@@ -422,7 +419,7 @@ impl Journal {
         &self,
         operation_id: &str,
         mut ev: Event,
-        persist: impl FnOnce(&redb::WriteTransaction) -> Result<(), StoreError> + Send + 'static,
+        persist: impl FnOnce(&crate::store::Wx) -> Result<(), StoreError> + Send + 'static,
     ) -> Result<(), AuditError> {
         ev.phase = "outcome".into();
         ev.operation_id = Some(operation_id.to_string());

@@ -6,13 +6,12 @@
 //! first, in batches (each in its own read transaction, up to a `seq`
 //! fixed first: events never change once written).
 
-use redb::ReadTransaction;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use super::event::Event;
+use crate::store::StoreError;
 use crate::store::audit_index::{Field, Reader, key};
-use crate::store::{StoreError, codec, tables};
 
 /// What to look for: index keys that must all match, and a time range
 /// (`from` inclusive, `to` exclusive, Unix seconds).
@@ -115,13 +114,12 @@ fn next_candidate(
 /// At most `limit` events matching `q`, newest first, with `seq < before`
 /// (`None`: from the newest).
 pub fn page(
-    txn: &ReadTransaction,
+    txn: &crate::store::Rx,
     q: &Query,
     before: Option<u64>,
     limit: usize,
 ) -> Result<Found, StoreError> {
     let r = Reader::open(txn)?;
-    let audit = txn.open_table(tables::AUDIT)?;
     let last = super::last_seq(txn)?;
     let Some((lo, hi)) = q.span(&r, last)? else {
         return Ok(Found::default());
@@ -137,8 +135,7 @@ pub fn page(
             out.next = Some(c + 1);
             break;
         }
-        if let Some(v) = audit.get(c)? {
-            let mut ev: Event = codec::decode(v.value())?;
+        if let Some(mut ev) = r.event(c)? {
             ev.seq = c;
             if q.in_time(&ev) {
                 out.events.push(ev);
@@ -154,7 +151,7 @@ pub fn page(
 /// to `out`, until `limit` have been handed: the `seq` to go on from
 /// (`None`: the range is done).
 pub fn forward(
-    txn: &ReadTransaction,
+    txn: &crate::store::Rx,
     q: &Query,
     from: u64,
     to: u64,
@@ -162,7 +159,6 @@ pub fn forward(
     mut out: impl FnMut(Event) -> Result<(), StoreError>,
 ) -> Result<Option<u64>, StoreError> {
     let r = Reader::open(txn)?;
-    let audit = txn.open_table(tables::AUDIT)?;
     let last = super::last_seq(txn)?;
     let Some((lo, hi)) = q.span(&r, last.min(to))? else {
         return Ok(None);
@@ -178,8 +174,7 @@ pub fn forward(
             return Ok(Some(c));
         }
         budget -= 1;
-        if let Some(v) = audit.get(c)? {
-            let mut ev: Event = codec::decode(v.value())?;
+        if let Some(mut ev) = r.event(c)? {
             ev.seq = c;
             if q.in_time(&ev) {
                 out(ev)?;

@@ -414,7 +414,7 @@ pub type AuditEvent = Option<crate::store::event::Event>;
 
 /// Append `ev` (if any) with its outcome, in the change's transaction.
 pub(crate) fn append_audit(
-    txn: &redb::WriteTransaction,
+    txn: &crate::store::Wx,
     chain: &mut crate::store::Chain,
     ev: AuditEvent,
     refused: Option<&str>,

@@ -2,8 +2,6 @@
 //! sandbox, rolled back to, deleted, and cleaned up with the lease (by
 //! release-kill and by GC, where the reference leaked them).
 
-use redb::WriteTransaction;
-
 use super::dto;
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
@@ -20,7 +18,7 @@ use crate::store::checkpoints::{put, remove};
 
 /// A lease's checkpoints, oldest first.
 pub(crate) fn lease_checkpoints(
-    txn: &redb::ReadTransaction,
+    txn: &crate::store::Rx,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Checkpoint>, StoreError> {
     let mut out = store::checkpoints::of_lease(txn, lease_ref)?;
@@ -30,7 +28,7 @@ pub(crate) fn lease_checkpoints(
 
 /// Remove a lease's checkpoint records (their snapshots are deleted first).
 pub(crate) fn delete_lease_checkpoints(
-    txn: &WriteTransaction,
+    txn: &crate::store::Wx,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
     store::checkpoints::remove_lease(txn, lease_ref)

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use redb::WriteTransaction;
 use serde_json::Value;
 
 use super::dto::{self, JobAnswer, OutputEncoding};
@@ -155,7 +154,7 @@ use crate::store::jobs::put as put_job;
 /// Save what a look at a job found, against the record as it is now: an
 /// ended job never goes back to `running`, a cancel is never forgotten, and
 /// a job whose lease is gone is not re-created.
-fn save_job(txn: &WriteTransaction, seen: &Job) -> std::result::Result<(), StoreError> {
+fn save_job(txn: &crate::store::Wx, seen: &Job) -> std::result::Result<(), StoreError> {
     let Some(current) = store::jobs::get(txn, &seen.job_ref)? else {
         return Ok(());
     };
@@ -172,7 +171,7 @@ use crate::store::jobs::remove as delete_job;
 
 /// Remove a lease's jobs (when the lease is killed).
 pub(crate) fn delete_lease_jobs(
-    txn: &WriteTransaction,
+    txn: &crate::store::Wx,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
     store::jobs::remove_lease(txn, lease_ref)
@@ -180,7 +179,7 @@ pub(crate) fn delete_lease_jobs(
 
 /// A lease's jobs, oldest first.
 pub(crate) fn lease_jobs(
-    txn: &redb::ReadTransaction,
+    txn: &crate::store::Rx,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Job>, StoreError> {
     let mut out = store::jobs::of_lease(txn, lease_ref)?;

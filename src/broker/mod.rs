@@ -343,19 +343,30 @@ impl Broker {
     }
 
     /// A named async lock (sessions, tenants, leases). Entries are dropped
-    /// when nobody holds them.
-    pub(crate) async fn lock(&self, name: String) -> LockGuard {
+    /// when nobody holds them. With a PostgreSQL store the lock holds
+    /// across replicas too: a session advisory lock of the database, taken
+    /// once this process's own lock is held (so a replica waits on the
+    /// database with one task per name at most). It fails
+    /// (`audit_unavailable`) when the database cannot be reached: nothing
+    /// may go on unlocked.
+    pub(crate) async fn lock(&self, name: String) -> Result<LockGuard> {
         let m = {
             let mut map = self.inner.locks.lock().unwrap_or_else(|p| p.into_inner());
             map.entry(name.clone()).or_default().clone()
         };
         let guard = m.clone().lock_owned().await;
-        LockGuard {
+        let mut held = LockGuard {
             broker: self.clone(),
             name,
             guard: Some(guard),
             mutex: m,
+            shared: None,
+        };
+        if let Some(pg) = self.inner.store.postgres() {
+            let key = crate::store::pg::lock_key(&held.name);
+            held.shared = Some(pg.lock(key).await?);
         }
+        Ok(held)
     }
 
     pub(crate) fn profile(&self, name: &str) -> Option<Profile> {
@@ -446,10 +457,14 @@ pub(crate) struct LockGuard {
     name: String,
     guard: Option<tokio::sync::OwnedMutexGuard<()>>,
     mutex: Arc<tokio::sync::Mutex<()>>,
+    /// The database's lock of the same name (a PostgreSQL store).
+    shared: Option<crate::store::pg::AdvisoryLock>,
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
+        // The other replicas' turn first, then this process's.
+        self.shared.take();
         // Release first: the guard holds a reference of its own.
         self.guard.take();
         let mut map = self

@@ -10,8 +10,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use redb::WriteTransaction;
-
 use super::dto::{self, PtyAnswer};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
@@ -32,7 +30,7 @@ pub(crate) use crate::store::ptys::put as put_pty;
 
 /// Save a change to a PTY against the record as it is now: an ended PTY
 /// never goes back to `running` (a resize racing the end keeps the end).
-fn save_pty(txn: &WriteTransaction, seen: &Pty) -> std::result::Result<(), StoreError> {
+fn save_pty(txn: &crate::store::Wx, seen: &Pty) -> std::result::Result<(), StoreError> {
     let Some(current) = store::ptys::get(txn, &seen.pty_ref)? else {
         return Ok(());
     };
@@ -50,7 +48,7 @@ fn save_pty(txn: &WriteTransaction, seen: &Pty) -> std::result::Result<(), Store
 
 /// A lease's PTYs.
 pub(crate) fn lease_ptys(
-    txn: &redb::ReadTransaction,
+    txn: &crate::store::Rx,
     lease_ref: &str,
 ) -> std::result::Result<Vec<Pty>, StoreError> {
     store::ptys::of_lease(txn, lease_ref)
@@ -58,23 +56,36 @@ pub(crate) fn lease_ptys(
 
 /// Remove a lease's PTY records.
 pub(crate) fn delete_lease_ptys(
-    txn: &WriteTransaction,
+    txn: &crate::store::Wx,
     lease_ref: &str,
 ) -> std::result::Result<(), StoreError> {
     store::ptys::remove_lease(txn, lease_ref)
 }
 
 /// Mark every PTY recorded as running `lost` (at start: their terminals
-/// belonged to the previous process). Returns how many.
+/// belonged to the previous process). With replicas on a shared database,
+/// only this replica's and those of replicas that are not running. Returns
+/// how many.
 pub async fn mark_lost(
     store: &crate::store::Store,
     clock: &crate::clock::Clock,
 ) -> std::result::Result<usize, StoreError> {
-    let running: Vec<Pty> = store.read_now(|txn| {
+    let mut running: Vec<Pty> = store.read_now(|txn| {
         let mut all = crate::store::ptys::all(txn)?;
         all.retain(Pty::is_running);
         Ok(all)
     })?;
+    let mut keep = Vec::with_capacity(running.len());
+    for p in running.drain(..) {
+        let ours = match &p.replica {
+            Some(r) => !store.replica_running(r)? || store.replica() == Some(r.as_str()),
+            None => true,
+        };
+        if ours {
+            keep.push(p);
+        }
+    }
+    let running = keep;
     let n = running.len();
     if n > 0 {
         let ts = clock.text();
@@ -321,6 +332,7 @@ impl Broker {
                         cols,
                         created_at: ts.clone(),
                         updated_at: ts,
+                        replica: b.inner.store.replica().map(str::to_string),
                     };
                     let hub = Hub::new();
                     b.inner.ptys.insert(&pty.pty_ref, hub.clone());

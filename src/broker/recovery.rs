@@ -217,7 +217,8 @@ enum Persist {
 
 impl Broker {
     /// Kill every sandbox of this appliance on a backend that no lease
-    /// holds (at start, when no create is in flight), each under its own
+    /// holds (at start, when no create of this process is in flight; with
+    /// replicas, only those older than `ORPHAN_AGE`), each under its own
     /// `orphan_kill` intent. How many were killed.
     async fn kill_unheld(&self, name: &str, cube: &crate::cube::CubeClient) -> usize {
         let filter: std::collections::BTreeMap<String, String> =
@@ -234,8 +235,16 @@ impl Broker {
             .into_iter()
             .map(|l| l.sandbox_id)
             .collect();
+        // Other replicas of a shared database may be creating sandboxes
+        // now: only those old enough that no create can be in flight.
+        let shared = self.inner.store.replica().is_some();
+        let now = self.now().1;
         let mut n = 0;
         for s in found {
+            let started = crate::clock::parse_unix(&s.started_at).unwrap_or(now);
+            if shared && now - started < super::upkeep::ORPHAN_AGE {
+                continue;
+            }
             if !held.contains(&s.sandbox_id)
                 && self.kill_orphan(name, &s.sandbox_id, None).await.is_ok()
             {

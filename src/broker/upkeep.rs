@@ -5,8 +5,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use redb::WriteTransaction;
-
 use super::dto;
 use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
@@ -17,7 +15,7 @@ use crate::store::{self, StoreError};
 
 /// Remove a killed lease and everything recorded under it.
 pub(crate) fn remove_lease_state(
-    txn: &WriteTransaction,
+    txn: &crate::store::Wx,
     l: &Lease,
 ) -> std::result::Result<(), StoreError> {
     store::leases::remove(txn, l)?;
@@ -26,14 +24,14 @@ pub(crate) fn remove_lease_state(
     super::ptys::delete_lease_ptys(txn, &l.lease_ref)
 }
 
-fn all_leases(txn: &redb::ReadTransaction) -> std::result::Result<Vec<Lease>, StoreError> {
+fn all_leases(txn: &crate::store::Rx) -> std::result::Result<Vec<Lease>, StoreError> {
     store::leases::all(txn)
 }
 
 /// Record the idle timeout last set on a lease's sandbox (`None`: the
 /// profile's), if the lease still exists.
 fn set_ttl(
-    txn: &WriteTransaction,
+    txn: &crate::store::Wx,
     lease_ref: &str,
     ttl: Option<u64>,
 ) -> std::result::Result<(), StoreError> {
@@ -50,6 +48,10 @@ fn keepalive_until(l: &Lease, max_keepalive: u64) -> i64 {
     l.last_used_unix
         .saturating_add(i64::try_from(max_keepalive).unwrap_or(i64::MAX))
 }
+
+/// How old a sandbox no lease holds must be before GC kills it: a create
+/// in flight (here, or on another replica) is far younger.
+pub(crate) const ORPHAN_AGE: i64 = 300;
 
 impl Broker {
     /// `GET /v1/profiles`: the profiles this caller may acquire with.
@@ -228,7 +230,7 @@ impl Broker {
     /// Kill one idle lease under an audit intent, with its jobs' records.
     /// `Ok(false)`: it was used meanwhile (or is gone), nothing done.
     async fn collect(&self, lease_ref: &str) -> Result<bool> {
-        let _lock = self.lock(format!("lease:{lease_ref}")).await;
+        let _lock = self.lock(format!("lease:{lease_ref}")).await?;
         let Some(l) = self.get_lease(lease_ref).await? else {
             return Ok(false);
         };
@@ -336,7 +338,6 @@ impl Broker {
         backend_name: &str,
         cube: &crate::cube::CubeClient,
     ) -> Result<()> {
-        const ORPHAN_AGE: i64 = 300;
         let filter: std::collections::BTreeMap<String, String> =
             [("appliance".to_string(), self.appliance_id())].into();
         let found = cube.list(&filter, None).await.map_err(|e| backend(&e))?;
@@ -555,6 +556,9 @@ impl Broker {
     pub fn spawn_upkeep(&self, stop: tokio_util::sync::CancellationToken) {
         let b = self.clone();
         let gc_every = Duration::from_secs(self.config().gc_interval_seconds);
+        // With replicas on a shared database, one of them (the one holding
+        // the store's background turn) does this.
+        let turn = self.inner.store.turn();
         tokio::spawn(async move {
             let mut last = HashMap::new();
             let mut last_gc = Instant::now();
@@ -562,6 +566,9 @@ impl Broker {
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                if !*turn.borrow() {
+                    continue;
                 }
                 if let Err(e) = b.keepalive(&mut last).await {
                     tracing::warn!(code = e.code.as_str(), error = %e.message, "keepalive pass failed");

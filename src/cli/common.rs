@@ -95,6 +95,11 @@ pub enum Access {
 
 /// Opens the store; while the service holds it, its admin socket instead.
 pub fn access(state: &Path) -> Result<Access, Exit> {
+    // A running service first: a replica of a PostgreSQL store has no
+    // file to lock, and the service is how the CLI reaches its database.
+    if let Reach::Running(sock) = reach(state) {
+        return Ok(Access::Socket(sock));
+    }
     if !state.join("state.redb").exists() {
         eprintln!(
             "error: no store at {} (has the service ever started? check --state-dir)",

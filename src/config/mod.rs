@@ -72,6 +72,10 @@ pub struct Config {
     /// `/metrics` (`[metrics]`): who may scrape it. A change needs a
     /// restart.
     pub metrics: MetricsSection,
+    /// Where leases, jobs, tokens and the audit journal are kept
+    /// (`[store]`): the redb file in the state directory, or a PostgreSQL
+    /// database several replicas share. A change needs a restart.
+    pub store: StoreSection,
     /// Where the appliance's wall-clock time comes from: the system clock;
     /// in-process tests put a manual one here (`crate::clock::ManualClock`).
     /// Not configurable: never read from a file, and kept across reloads
@@ -482,6 +486,92 @@ impl ConsoleSection {
             );
         }
         Ok(())
+    }
+}
+
+/// Which engine holds the store.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// `STATE/state.redb`: one process, no server (the default).
+    #[default]
+    Redb,
+    /// A PostgreSQL database (`url`), shared by every replica.
+    Postgres,
+}
+
+/// `[store]`. A change needs a restart.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSection {
+    pub kind: StoreKind,
+    /// `postgres://USER@HOST:PORT/DB?sslmode=verify-full` (or libpq's
+    /// `key=value` form), without a password: that is in `password_file`.
+    pub url: Option<String>,
+    /// The database password (one line; re-read for each new connection).
+    pub password_file: Option<PathBuf>,
+    /// The CA that issued the server's certificate (PEM). Without it, a
+    /// TLS `sslmode` trusts the system's CA bundle.
+    pub ca_file: Option<PathBuf>,
+    /// Query connections at most (a replica; advisory locks have their own).
+    pub pool_size: usize,
+    /// How long opening a connection, or waiting for a free one, may take.
+    pub connect_timeout_seconds: u64,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self {
+            kind: StoreKind::Redb,
+            url: None,
+            password_file: None,
+            ca_file: None,
+            pool_size: 16,
+            connect_timeout_seconds: 5,
+        }
+    }
+}
+
+impl StoreSection {
+    fn validate(&self) -> Result<(), String> {
+        match self.kind {
+            StoreKind::Redb => {
+                if self.url.is_some() || self.password_file.is_some() || self.ca_file.is_some() {
+                    return Err(
+                        "store: url, password_file and ca_file are for kind = \"postgres\"".into(),
+                    );
+                }
+            }
+            StoreKind::Postgres => {
+                let Some(url) = &self.url else {
+                    return Err("store: kind = \"postgres\" needs url".into());
+                };
+                if url.trim().is_empty() {
+                    return Err("store: url is empty".into());
+                }
+                if self.pool_size == 0 || self.connect_timeout_seconds == 0 {
+                    return Err(
+                        "store: pool_size and connect_timeout_seconds must be at least 1".into(),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The connection settings of a PostgreSQL store.
+    pub fn postgres(&self) -> Option<crate::store::pg::Settings> {
+        if self.kind != StoreKind::Postgres {
+            return None;
+        }
+        Some(crate::store::pg::Settings {
+            url: self.url.clone().unwrap_or_default(),
+            password_file: self.password_file.clone(),
+            ca_file: self.ca_file.clone(),
+            pool_size: self.pool_size,
+            connect_timeout: std::time::Duration::from_secs(self.connect_timeout_seconds),
+            application_name: "cube-adapter".into(),
+        })
     }
 }
 
@@ -1002,6 +1092,7 @@ impl Default for Config {
             auth: AuthSection::default(),
             mcp: McpSection::default(),
             metrics: MetricsSection::default(),
+            store: StoreSection::default(),
             clock: crate::clock::Clock::System,
         }
     }
@@ -1301,6 +1392,7 @@ impl Config {
         self.auth.validate()?;
         self.mcp.validate()?;
         self.metrics.token()?;
+        self.store.validate()?;
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;

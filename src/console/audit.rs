@@ -365,9 +365,7 @@ struct AuditPage {
 
 /// The chain's head as read in `txn`: its last sequence number, the last
 /// event's hash and how many outcomes are pending.
-fn chain_head(
-    txn: &redb::ReadTransaction,
-) -> Result<(u64, String, usize), crate::store::StoreError> {
+fn chain_head(txn: &crate::store::Rx) -> Result<(u64, String, usize), crate::store::StoreError> {
     let last = crate::audit::last_seq(txn)?;
     let head = crate::store::journal::event(txn, last)?
         .map(|e| e.hash)

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
+use crate::store::ReadOps;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -412,12 +412,9 @@ pub fn spawn_sighup(reloader: Arc<Reloader>) -> std::io::Result<tokio::task::Joi
     }))
 }
 
-fn table_missing(e: &redb::TableError) -> bool {
-    matches!(e, redb::TableError::TableDoesNotExist(_))
-}
-
 /// Summarise the store (cheap: no chain walk; `audit verify` does that).
-pub fn summarize(txn: &ReadTransaction) -> Result<StoreSummary, StoreError> {
+/// Tables a copy does not have yet read as empty.
+pub fn summarize(txn: &impl ReadOps) -> Result<StoreSummary, StoreError> {
     #[derive(Deserialize)]
     struct LeaseState {
         state: String,
@@ -428,61 +425,31 @@ pub fn summarize(txn: &ReadTransaction) -> Result<StoreSummary, StoreError> {
         revoked_at: Option<String>,
     }
     let mut s = StoreSummary::default();
-    let meta = txn.open_table(tables::META)?;
-    if let Some(v) = meta.get("schema_version")? {
-        s.schema_version = codec::decode(v.value())?;
+    if let Some(v) = txn.meta("schema_version")? {
+        s.schema_version = codec::decode(&v)?;
     }
-    if let Some(v) = meta.get("instance_id")? {
-        s.instance_id = codec::decode(v.value())?;
+    if let Some(v) = txn.meta("instance_id")? {
+        s.instance_id = codec::decode(&v)?;
     }
-    match txn.open_table(tables::AUDIT) {
-        Ok(t) => s.audit_last_seq = t.last()?.map(|(k, _)| k.value()).unwrap_or(0),
-        Err(e) if table_missing(&e) => {}
-        Err(e) => return Err(e.into()),
-    }
-    match txn.open_table(tables::AUDIT_BY) {
-        Ok(_) => {
-            let r = crate::store::audit_index::Reader::open(txn)?;
-            s.uncertain_outcomes =
-                r.count(crate::store::audit_index::Field::Outcome, "uncertain")?;
-        }
-        Err(e) if table_missing(&e) => {}
-        Err(e) => return Err(e.into()),
-    }
-    match txn.open_table(tables::PENDING) {
-        Ok(t) => s.pending_intents = t.len()?,
-        Err(e) if table_missing(&e) => {}
-        Err(e) => return Err(e.into()),
-    }
-    match txn.open_table(tables::LEASES) {
-        Ok(t) => {
-            for item in t.iter()? {
-                let (_, v) = item?;
-                let l: LeaseState = codec::decode(v.value())?;
-                *s.leases.entry(l.state).or_default() += 1;
-            }
-        }
-        Err(e) if table_missing(&e) => {}
-        Err(e) => return Err(e.into()),
+    s.audit_last_seq = txn.last_seq()?;
+    s.uncertain_outcomes = txn.by_count(&crate::store::audit_index::key(
+        crate::store::audit_index::Field::Outcome,
+        "uncertain",
+    ))?;
+    s.pending_intents = txn.pending()?.len() as u64;
+    for l in txn.records::<LeaseState>(tables::LEASES)? {
+        *s.leases.entry(l.state).or_default() += 1;
     }
     s.active_leases = ["running", "paused"]
         .iter()
         .filter_map(|k| s.leases.get(*k))
         .sum();
-    match txn.open_table(tables::TOKENS) {
-        Ok(t) => {
-            for item in t.iter()? {
-                let (_, v) = item?;
-                let r: TokenState = codec::decode(v.value())?;
-                if r.revoked_at.is_some() {
-                    s.tokens_revoked += 1;
-                } else {
-                    s.tokens_active += 1;
-                }
-            }
+    for r in txn.records::<TokenState>(tables::TOKENS)? {
+        if r.revoked_at.is_some() {
+            s.tokens_revoked += 1;
+        } else {
+            s.tokens_active += 1;
         }
-        Err(e) if table_missing(&e) => {}
-        Err(e) => return Err(e.into()),
     }
     Ok(s)
 }
@@ -761,6 +728,14 @@ pub(crate) fn sha256_file(p: &Path) -> std::io::Result<String> {
 /// few hundred MB/s). The copy is then opened on its own, which replays
 /// redb's crash recovery, closed cleanly, and its audit chain is verified.
 pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
+    if store.postgres().is_some() {
+        return Err(
+            "the store is in PostgreSQL: back the database up with its own tools \
+                    (pg_dump, or continuous archiving), and each replica's state directory \
+                    with them (docs/operations.md, \"Several replicas\")"
+                .into(),
+        );
+    }
     let id = crate::ids::random_hex(6);
     let dir = state.join(format!("backup-{id}"));
     {

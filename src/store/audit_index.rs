@@ -11,12 +11,12 @@
 //!   (every event of the range lies in it; each candidate's own `ts` is
 //!   checked, so a late-stamped event is neither lost nor misplaced).
 
-use redb::{ReadTransaction, ReadableTable, WriteTransaction};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+use super::StoreError;
 use super::event::Event;
-use super::{StoreError, tables};
+use super::typed::{ReadOps, Rx, WriteOps};
 
 /// An indexed field of an event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,25 +90,18 @@ pub fn minute_of(ts: &str) -> Option<u64> {
 
 /// Index one event (called by `Chain::append`, and by the schema 6 step
 /// for the events written before it).
-pub fn add(txn: &WriteTransaction, ev: &Event) -> Result<(), StoreError> {
-    {
-        let mut by = txn.open_table(tables::AUDIT_BY)?;
-        for f in Field::ALL {
-            if let Some(v) = f.of(ev) {
-                by.insert((key(f, v).as_str(), ev.seq), ())?;
-            }
+pub fn add(txn: &impl WriteOps, ev: &Event) -> Result<(), StoreError> {
+    for f in Field::ALL {
+        if let Some(v) = f.of(ev) {
+            txn.put_by(&key(f, v), ev.seq)?;
         }
     }
     if let Some(m) = minute_of(&ev.ts) {
-        let mut mins = txn.open_table(tables::AUDIT_MINUTES)?;
-        let span = match mins.get(m)? {
-            Some(v) => {
-                let (lo, hi) = v.value();
-                (lo.min(ev.seq), hi.max(ev.seq))
-            }
+        let span = match txn.minute(m)? {
+            Some((lo, hi)) => (lo.min(ev.seq), hi.max(ev.seq)),
             None => (ev.seq, ev.seq),
         };
-        mins.insert(m, span)?;
+        txn.put_minute(m, span)?;
     }
     Ok(())
 }
@@ -122,7 +115,7 @@ const UPGRADE_EXTEND_USEC: u64 = 60_000_000;
 /// start-up timeout (`EXTEND_TIMEOUT_USEC`), so that a large journal's
 /// upgrade is not killed by `TimeoutStartSec`; so does the end, for the
 /// commit that follows.
-pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
+pub fn rebuild(txn: &impl WriteOps) -> Result<u64, StoreError> {
     let extend = |n: u64| {
         crate::systemd::notify(&format!(
             "EXTEND_TIMEOUT_USEC={UPGRADE_EXTEND_USEC}\nSTATUS=upgrading the store: {n} audit events indexed"
@@ -133,14 +126,7 @@ pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
     let mut from = 0u64;
     loop {
         batch.clear();
-        {
-            let audit = txn.open_table(tables::AUDIT)?;
-            for item in audit.range(from..)?.take(1024) {
-                let (k, v) = item?;
-                let ev: Event = super::codec::decode(v.value())?;
-                batch.push((k.value(), ev));
-            }
-        }
+        batch.extend(txn.events(from, 1024)?);
         extend(n);
         let Some(&(last, _)) = batch.last() else {
             break;
@@ -156,27 +142,41 @@ pub fn rebuild(txn: &WriteTransaction) -> Result<u64, StoreError> {
     Ok(n)
 }
 
-/// Reads of the indexes in one read transaction.
-pub struct Reader {
-    by: redb::ReadOnlyTable<(&'static str, u64), ()>,
-    minutes: redb::ReadOnlyTable<u64, (u64, u64)>,
+/// Reads of the indexes in one read transaction (a search asks many
+/// times: a redb transaction's tables are opened once, here). One per
+/// search, on the stack: its size does not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Reader<'a> {
+    Redb {
+        by: redb::ReadOnlyTable<(&'static str, u64), ()>,
+        minutes: redb::ReadOnlyTable<u64, (u64, u64)>,
+        audit: redb::ReadOnlyTable<u64, &'static [u8]>,
+    },
+    /// Another engine: each read is the transaction's own.
+    Other(&'a Rx),
 }
 
-impl Reader {
-    pub fn open(txn: &ReadTransaction) -> Result<Self, StoreError> {
-        Ok(Self {
-            by: txn.open_table(tables::AUDIT_BY)?,
-            minutes: txn.open_table(tables::AUDIT_MINUTES)?,
+impl<'a> Reader<'a> {
+    pub fn open(txn: &'a Rx) -> Result<Self, StoreError> {
+        Ok(match txn.redb() {
+            Some(t) => Self::Redb {
+                by: t.open_table(super::tables::AUDIT_BY)?,
+                minutes: t.open_table(super::tables::AUDIT_MINUTES)?,
+                audit: t.open_table(super::tables::AUDIT)?,
+            },
+            None => Self::Other(txn),
         })
     }
 
     /// The highest `seq <= at` of an event whose field `key` (see [`key`])
     /// has this value.
     pub fn at_or_below(&self, key: &str, at: u64) -> Result<Option<u64>, StoreError> {
-        let r = self.by.range((key, 0)..=(key, at))?.next_back();
-        match r {
-            Some(item) => Ok(Some(item?.0.value().1)),
-            None => Ok(None),
+        match self {
+            Self::Redb { by, .. } => match by.range((key, 0)..=(key, at))?.next_back() {
+                Some(item) => Ok(Some(item?.0.value().1)),
+                None => Ok(None),
+            },
+            Self::Other(t) => t.by_at_or_below(key, at),
         }
     }
 
@@ -184,47 +184,56 @@ impl Reader {
     /// index: for values that are rare, such as `outcome` `uncertain`).
     pub fn count(&self, field: Field, value: &str) -> Result<u64, StoreError> {
         let k = key(field, value);
-        let mut n = 0;
-        for item in self.by.range((k.as_str(), 0)..=(k.as_str(), u64::MAX))? {
-            item?;
-            n += 1;
+        match self {
+            Self::Redb { by, .. } => {
+                let mut n = 0;
+                for item in by.range((k.as_str(), 0)..=(k.as_str(), u64::MAX))? {
+                    item?;
+                    n += 1;
+                }
+                Ok(n)
+            }
+            Self::Other(t) => t.by_count(&k),
         }
-        Ok(n)
     }
 
     /// The lowest `seq >= at` of an event whose field `key` has this value.
     pub fn at_or_above(&self, key: &str, at: u64) -> Result<Option<u64>, StoreError> {
-        let r = self.by.range((key, at)..=(key, u64::MAX))?.next();
-        match r {
-            Some(item) => Ok(Some(item?.0.value().1)),
-            None => Ok(None),
+        match self {
+            Self::Redb { by, .. } => match by.range((key, at)..=(key, u64::MAX))?.next() {
+                Some(item) => Ok(Some(item?.0.value().1)),
+                None => Ok(None),
+            },
+            Self::Other(t) => t.by_at_or_above(key, at),
         }
     }
 
     /// The `seq` range holding every event stamped in the minutes
     /// `from..=to` (`None`: no event then).
     pub fn seq_span(&self, from: u64, to: u64) -> Result<Option<(u64, u64)>, StoreError> {
-        if from > to {
-            return Ok(None);
+        match self {
+            Self::Redb { minutes, .. } => super::typed::minutes_span(minutes, from, to),
+            Self::Other(t) => t.minutes_span(from, to),
         }
-        let mut span: Option<(u64, u64)> = None;
-        for item in self.minutes.range(from..=to)? {
-            let (_, v) = item?;
-            let (lo, hi) = v.value();
-            span = Some(match span {
-                Some((a, b)) => (a.min(lo), b.max(hi)),
-                None => (lo, hi),
-            });
+    }
+
+    /// The event stored under `seq`.
+    pub fn event(&self, seq: u64) -> Result<Option<Event>, StoreError> {
+        match self {
+            Self::Redb { audit, .. } => match redb::ReadableTable::get(audit, seq)? {
+                Some(v) => Ok(Some(super::codec::decode(v.value())?)),
+                None => Ok(None),
+            },
+            Self::Other(t) => t.event(seq),
         }
-        Ok(span)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Store, codec};
-    use redb::ReadableDatabase;
+    use crate::store::{Store, codec, tables};
+    use redb::{ReadableDatabase, ReadableTable};
 
     /// The index keys, and the minute spans.
     type Dump = (Vec<(String, u64)>, Vec<(u64, (u64, u64))>);
@@ -254,6 +263,7 @@ mod tests {
     fn dump(store: &Store) -> Dump {
         store
             .read_now(|txn| {
+                let txn = txn.redb().unwrap();
                 let by = txn.open_table(tables::AUDIT_BY)?;
                 let mut a = vec![];
                 for r in by.iter()? {
@@ -332,10 +342,7 @@ mod tests {
         let store = Store::open(dir.path()).unwrap();
         assert_eq!(dump(&store), want);
         let v: u64 = store
-            .read_now(|txn| {
-                let meta = txn.open_table(tables::META)?;
-                codec::decode(meta.get("schema_version")?.unwrap().value())
-            })
+            .read_now(|txn| codec::decode(&txn.meta("schema_version")?.unwrap()))
             .unwrap();
         assert_eq!(v, tables::SCHEMA_VERSION);
         // And appends go on indexing after the step.

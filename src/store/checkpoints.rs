@@ -1,10 +1,9 @@
 //! Checkpoints (`checkpoints_v1`) and a lease's checkpoints
 //! (`lease_checkpoints_v1`).
 
-use redb::{ReadTransaction, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, delete_owned, index_key, owned_items, tables};
 
 /// A checkpoint as stored. The backend's snapshot id never leaves.
@@ -23,7 +22,7 @@ pub fn get(txn: &impl ReadOps, checkpoint_ref: &str) -> Result<Option<Checkpoint
 }
 
 /// Insert or replace a checkpoint, indexed under its lease.
-pub fn put(txn: &WriteTransaction, c: &Checkpoint) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, c: &Checkpoint) -> Result<(), StoreError> {
     typed::put(txn, tables::CHECKPOINTS, &c.checkpoint_ref, c)?;
     typed::put_index(
         txn,
@@ -32,7 +31,7 @@ pub fn put(txn: &WriteTransaction, c: &Checkpoint) -> Result<(), StoreError> {
     )
 }
 
-pub fn remove(txn: &WriteTransaction, c: &Checkpoint) -> Result<(), StoreError> {
+pub fn remove(txn: &impl WriteOps, c: &Checkpoint) -> Result<(), StoreError> {
     typed::remove(txn, tables::CHECKPOINTS, &c.checkpoint_ref)?;
     typed::remove_index(
         txn,
@@ -42,7 +41,7 @@ pub fn remove(txn: &WriteTransaction, c: &Checkpoint) -> Result<(), StoreError> 
 }
 
 /// Remove a lease's checkpoints.
-pub fn remove_lease(txn: &WriteTransaction, lease_ref: &str) -> Result<(), StoreError> {
+pub fn remove_lease(txn: &impl WriteOps, lease_ref: &str) -> Result<(), StoreError> {
     delete_owned(
         txn,
         tables::LEASE_CHECKPOINTS,
@@ -52,7 +51,7 @@ pub fn remove_lease(txn: &WriteTransaction, lease_ref: &str) -> Result<(), Store
 }
 
 /// A lease's checkpoints, in checkpoint_ref order.
-pub fn of_lease(txn: &ReadTransaction, lease_ref: &str) -> Result<Vec<Checkpoint>, StoreError> {
+pub fn of_lease(txn: &impl ReadOps, lease_ref: &str) -> Result<Vec<Checkpoint>, StoreError> {
     owned_items(
         txn,
         tables::LEASE_CHECKPOINTS,

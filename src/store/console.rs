@@ -3,10 +3,9 @@
 //! Keyed by a digest of the session id: the id itself (the cookie's value)
 //! is never stored, so a copy of the store signs no one in.
 
-use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, tables};
 
 /// A signed-in person's session as stored.
@@ -44,32 +43,28 @@ pub fn get(txn: &impl ReadOps, key: &str) -> Result<Option<ConsoleSession>, Stor
     txn.record(tables::CONSOLE_SESSIONS, key)
 }
 
-pub fn put(txn: &WriteTransaction, key: &str, s: &ConsoleSession) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, key: &str, s: &ConsoleSession) -> Result<(), StoreError> {
     typed::put(txn, tables::CONSOLE_SESSIONS, key, s)
 }
 
 /// Remove a session (absent is fine): whether it was there.
-pub fn remove(txn: &WriteTransaction, key: &str) -> Result<bool, StoreError> {
+pub fn remove(txn: &impl WriteOps, key: &str) -> Result<bool, StoreError> {
     typed::remove(txn, tables::CONSOLE_SESSIONS, key)
 }
 
 /// Remove every session expired at `now`: how many.
 pub fn remove_expired(
-    txn: &WriteTransaction,
+    txn: &impl WriteOps,
     now: i64,
     idle_seconds: u64,
     absolute_seconds: u64,
 ) -> Result<usize, StoreError> {
     let mut gone = vec![];
-    {
-        let t = txn.open_table(tables::CONSOLE_SESSIONS)?;
-        for r in redb::ReadableTable::iter(&t)? {
-            let (k, v) = r?;
-            // An undecodable session signs no one in: it goes too.
-            match super::codec::decode::<ConsoleSession>(v.value()) {
-                Ok(s) if !s.expired(now, idle_seconds, absolute_seconds) => {}
-                _ => gone.push(k.value().to_string()),
-            }
+    for (k, v) in txn.raw_records(tables::CONSOLE_SESSIONS)? {
+        // An undecodable session signs no one in: it goes too.
+        match super::codec::decode::<ConsoleSession>(&v) {
+            Ok(s) if !s.expired(now, idle_seconds, absolute_seconds) => {}
+            _ => gone.push(k),
         }
     }
     for k in &gone {

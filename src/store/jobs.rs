@@ -1,9 +1,8 @@
 //! Jobs (`jobs_v1`) and a lease's jobs (`lease_jobs_v1`).
 
-use redb::{ReadTransaction, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, delete_owned, index_key, owned_items, tables};
 
 /// A job's state, stored and answered as its snake_case name.
@@ -74,7 +73,7 @@ pub fn get(txn: &impl ReadOps, job_ref: &str) -> Result<Option<Job>, StoreError>
 }
 
 /// Insert or replace a job, indexed under its lease.
-pub fn put(txn: &WriteTransaction, j: &Job) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, j: &Job) -> Result<(), StoreError> {
     typed::put(txn, tables::JOBS, &j.job_ref, j)?;
     typed::put_index(
         txn,
@@ -83,7 +82,7 @@ pub fn put(txn: &WriteTransaction, j: &Job) -> Result<(), StoreError> {
     )
 }
 
-pub fn remove(txn: &WriteTransaction, j: &Job) -> Result<(), StoreError> {
+pub fn remove(txn: &impl WriteOps, j: &Job) -> Result<(), StoreError> {
     typed::remove(txn, tables::JOBS, &j.job_ref)?;
     typed::remove_index(
         txn,
@@ -93,7 +92,7 @@ pub fn remove(txn: &WriteTransaction, j: &Job) -> Result<(), StoreError> {
 }
 
 /// Remove a lease's jobs.
-pub fn remove_lease(txn: &WriteTransaction, lease_ref: &str) -> Result<(), StoreError> {
+pub fn remove_lease(txn: &impl WriteOps, lease_ref: &str) -> Result<(), StoreError> {
     delete_owned(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)
 }
 
@@ -103,7 +102,7 @@ pub fn all(txn: &impl ReadOps) -> Result<Vec<Job>, StoreError> {
 }
 
 /// A lease's jobs, in job_ref order.
-pub fn of_lease(txn: &ReadTransaction, lease_ref: &str) -> Result<Vec<Job>, StoreError> {
+pub fn of_lease(txn: &impl ReadOps, lease_ref: &str) -> Result<Vec<Job>, StoreError> {
     owned_items(txn, tables::LEASE_JOBS, tables::JOBS, lease_ref)
 }
 

@@ -1,11 +1,10 @@
 //! Leases (`leases_v1`) and the session index (`sessions_v1`).
 
-use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
 use super::StoreError;
 use super::tables;
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 
 /// A lease's state. Stored and answered as its string; the backend's own
 /// sandbox states (a refreshed status) pass through as `Other`.
@@ -175,17 +174,17 @@ pub fn by_session(txn: &impl ReadOps, key: &str) -> Result<Option<Lease>, StoreE
     }
 }
 
-pub fn put(txn: &WriteTransaction, l: &Lease) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, l: &Lease) -> Result<(), StoreError> {
     typed::put(txn, tables::LEASES, &l.lease_ref, l)
 }
 
 /// Point a session key at a lease.
-pub fn put_session(txn: &WriteTransaction, key: &str, lease_ref: &str) -> Result<(), StoreError> {
+pub fn put_session(txn: &impl WriteOps, key: &str, lease_ref: &str) -> Result<(), StoreError> {
     typed::put_link(txn, tables::SESSIONS, key, lease_ref)
 }
 
 /// Remove the lease record and its session index entry (not what it owns).
-pub fn remove(txn: &WriteTransaction, l: &Lease) -> Result<(), StoreError> {
+pub fn remove(txn: &impl WriteOps, l: &Lease) -> Result<(), StoreError> {
     typed::remove(txn, tables::LEASES, &l.lease_ref)?;
     let sk = session_key(&l.tenant, &l.runtime, &l.session_hash, &l.backend);
     typed::remove_link(txn, tables::SESSIONS, &sk)

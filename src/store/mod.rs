@@ -16,6 +16,7 @@ pub mod event;
 pub mod jobs;
 pub mod journal;
 pub mod leases;
+pub mod pg;
 pub mod plans;
 pub mod ptys;
 pub mod tables;
@@ -27,10 +28,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, WriteTransaction};
+use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use self::event::Event;
+pub use self::typed::{ReadOps, Rx, WriteOps, Wx};
 pub use crate::secrets::Sealer;
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -107,13 +109,12 @@ pub struct Chain {
 
 impl Chain {
     /// Append an event: assign its sequence number and chain hash, insert it.
-    pub fn append(&mut self, txn: &WriteTransaction, mut ev: Event) -> Result<Event, StoreError> {
+    pub fn append(&mut self, txn: &Wx, mut ev: Event) -> Result<Event, StoreError> {
         ev.seq = self.next_seq;
         ev.prev_hash = self.last_hash.clone();
         ev.hash = ev.compute_hash();
         let bytes = codec::encode(&ev)?;
-        txn.open_table(tables::AUDIT)?
-            .insert(ev.seq, bytes.as_slice())?;
+        txn.insert_event(ev.seq, &bytes)?;
         audit_index::add(txn, &ev)?;
         self.next_seq += 1;
         self.last_hash = ev.hash.clone();
@@ -122,12 +123,19 @@ impl Chain {
 }
 
 type Finish = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
-type Job = Box<dyn FnOnce(&WriteTransaction, &mut Chain) -> Finish + Send>;
+type Job = Box<dyn FnOnce(&Wx, &mut Chain) -> Finish + Send>;
+
+/// Where the data is.
+enum Engine {
+    /// `STATE/state.redb`. `None` once closed: reads and writes then fail
+    /// `Unavailable`, and the file (and its lock) is released.
+    Redb(std::sync::RwLock<Option<Arc<Database>>>),
+    /// A PostgreSQL database that several replicas may share.
+    Pg(pg::Pg),
+}
 
 struct Inner {
-    /// `None` once closed: reads and writes then fail `Unavailable`, and the
-    /// file (and its lock) is released.
-    db: std::sync::RwLock<Option<Arc<Database>>>,
+    engine: Engine,
     jobs: mpsc::Sender<Job>,
     writer: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
     failed: AtomicBool,
@@ -140,6 +148,17 @@ struct Inner {
     /// The sequence number of the last committed audit event (0: none):
     /// the audit sinks wait on it instead of polling.
     last_seq: watch::Receiver<u64>,
+    /// Why the last group commit failed (for the writes whose replies it
+    /// dropped).
+    last_error: std::sync::Mutex<Option<String>>,
+    /// This process's id among the replicas of a shared database (`None`:
+    /// a redb store, which one process holds).
+    replica: Option<Arc<str>>,
+    /// Whether this process runs the background work (GC, keepalive,
+    /// audit delivery): always, with redb; with a shared database, the
+    /// replica holding its `background` lock does.
+    turn: watch::Receiver<bool>,
+    _turn_tx: watch::Sender<bool>,
 }
 
 /// Counters kept by the writer.
@@ -221,13 +240,18 @@ impl Store {
         set_mode(&path, 0o600);
         let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
         let chain = migrate(&db, &sealer)?;
-        let token_key = read_token_key(&db, &sealer).ok();
+        let token_key = db
+            .begin_read()
+            .map_err(StoreError::from)
+            .and_then(|t| read_token_key(&t, &sealer))
+            .ok();
         let db = Arc::new(db);
         let (tx, rx) = mpsc::channel::<Job>(4096);
         let stats = Arc::new(Stats::default());
         let (seq_tx, seq_rx) = watch::channel(chain.next_seq - 1);
+        let (turn_tx, turn_rx) = watch::channel(true);
         let inner = Arc::new(Inner {
-            db: std::sync::RwLock::new(Some(db.clone())),
+            engine: Engine::Redb(std::sync::RwLock::new(Some(db.clone()))),
             jobs: tx,
             writer: std::sync::Mutex::new(None),
             failed: AtomicBool::new(false),
@@ -236,11 +260,15 @@ impl Store {
             stats: stats.clone(),
             token_key,
             last_seq: seq_rx,
+            last_error: std::sync::Mutex::new(None),
+            replica: None,
+            turn: turn_rx,
+            _turn_tx: turn_tx,
         });
         let weak = Arc::downgrade(&inner);
         let handle = std::thread::Builder::new()
             .name("store-writer".into())
-            .spawn(move || writer(db, rx, chain, weak, stats, max_batch, seq_tx))
+            .spawn(move || writer(Writing::Redb(db), rx, chain, weak, stats, max_batch, seq_tx))
             .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
         if let Ok(mut w) = inner.writer.lock() {
             *w = Some(handle);
@@ -248,13 +276,187 @@ impl Store {
         Ok(Self { inner, sealer })
     }
 
+    /// Open the store in a PostgreSQL database (`[store] kind =
+    /// "postgres"`): apply its schema steps (under an advisory lock: the
+    /// replicas take turns), make `meta` once, and start the writer. The
+    /// key secrets are sealed under is `STATE/secret.key`, as for a redb
+    /// store; every replica must have the same one (docs/operations.md,
+    /// "Several replicas").
+    pub fn open_postgres(state_dir: &Path, settings: &pg::Settings) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(state_dir)
+            .map_err(|e| StoreError::Io(format!("create {}: {e}", state_dir.display())))?;
+        let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
+        let db = pg::Pg::connect(settings)?;
+        pg::migrate(&db)?;
+        let chain = init_postgres_meta(&db, &sealer)?;
+        // This replica's id, and its lock for as long as it runs: the
+        // other replicas see from the lock whether its intents are in
+        // flight or left by a crash.
+        let replica: Arc<str> = replica_id(state_dir)?.into();
+        let lock = db
+            .try_lock_blocking(pg::replica_lock(&replica).0)?
+            .ok_or_else(|| {
+                StoreError::Locked(format!(
+                    "replica {replica} is already running on this database: is {} a copy of \
+                     another replica's? each replica needs its own replica.id",
+                    state_dir.join("replica.id").display()
+                ))
+            })?;
+        let host = nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        pg::register(&mut db.conn()?, &replica, &host)?;
+        let token_key = {
+            let tx = pg::PgTx::read(db.conn()?);
+            let k = read_token_key(&tx, &sealer);
+            let _ = tx.finish(false);
+            match k {
+                Ok(k) => k,
+                Err(StoreError::Corrupt(m)) => {
+                    return Err(StoreError::Corrupt(format!(
+                        "{m}: the database's secrets were sealed under another key than \
+                         {}; every replica needs the first one's secret.key",
+                        state_dir.join("secret.key").display()
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let (tx, rx) = mpsc::channel::<Job>(4096);
+        let stats = Arc::new(Stats::default());
+        let (seq_tx, seq_rx) = watch::channel(chain.next_seq - 1);
+        let (turn_tx, turn_rx) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            engine: Engine::Pg(db.clone()),
+            jobs: tx,
+            writer: std::sync::Mutex::new(None),
+            failed: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            path: state_dir.join("postgres"),
+            stats: stats.clone(),
+            token_key: Some(token_key),
+            last_seq: seq_rx,
+            last_error: std::sync::Mutex::new(None),
+            replica: Some(replica.clone()),
+            turn: turn_rx,
+            _turn_tx: turn_tx.clone(),
+        });
+        let weak = Arc::downgrade(&inner);
+        let engine = Writing::Pg {
+            pg: db.clone(),
+            conn: None,
+            replica: replica.clone(),
+        };
+        let seq_watch = seq_tx.clone();
+        let handle = std::thread::Builder::new()
+            .name("store-writer".into())
+            .spawn(move || writer(engine, rx, chain, weak, stats, MAX_BATCH, seq_tx))
+            .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
+        if let Ok(mut w) = inner.writer.lock() {
+            *w = Some(handle);
+        }
+        // Other replicas append too: follow the head (the sinks wait on
+        // it); keep this replica's lock, and take the background turn when
+        // it is free.
+        let weak = Arc::downgrade(&inner);
+        let tending = Tending {
+            db,
+            inner: weak,
+            last_seq: seq_watch,
+            turn: turn_tx,
+            replica,
+            lock: Some(lock),
+            background: None,
+        };
+        std::thread::Builder::new()
+            .name("store-tend".into())
+            .spawn(move || tending.run())
+            .map_err(|e| StoreError::Io(format!("start the store's tending: {e}")))?;
+        Ok(Self { inner, sealer })
+    }
+
     fn db(&self) -> Result<Arc<Database>, StoreError> {
-        self.inner
-            .db
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| StoreError::Unavailable("the store is closed".into()))
+        match &self.inner.engine {
+            Engine::Redb(db) => db
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .ok_or_else(|| StoreError::Unavailable("the store is closed".into())),
+            Engine::Pg(_) => Err(StoreError::Unavailable(
+                "the store is in PostgreSQL, not a redb file".into(),
+            )),
+        }
+    }
+
+    /// This process's id among the replicas of a shared database.
+    pub fn replica(&self) -> Option<&str> {
+        self.inner.replica.as_deref()
+    }
+
+    /// Whether this process runs the background work now (changes as
+    /// replicas come and go; always true with redb).
+    pub fn turn(&self) -> watch::Receiver<bool> {
+        self.inner.turn.clone()
+    }
+
+    /// The pending intents this process answers for (after a crash, at
+    /// start; `audit reconcile`): every one in a redb store; in a shared
+    /// database its own, and those of replicas that are not running.
+    pub fn pending_to_resolve(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        match &self.inner.replica {
+            Some(me) => {
+                let me = me.clone();
+                self.read_here(move |txn| match txn {
+                    Rx::Pg(t) => t.pending_for(&me),
+                    Rx::Redb(t) => t.pending(),
+                })
+            }
+            None => self.read_here(|txn| txn.pending()),
+        }
+    }
+
+    /// Whether replica `id` is running (true for this one, and for every
+    /// id with redb: one process).
+    pub fn replica_running(&self, id: &str) -> Result<bool, StoreError> {
+        match &self.inner.replica {
+            Some(me) if &**me != id => self.read_here(|txn| match txn {
+                Rx::Pg(t) => t.replica_running(id),
+                Rx::Redb(_) => Ok(true),
+            }),
+            _ => Ok(true),
+        }
+    }
+
+    /// The PostgreSQL database, when the store is in one.
+    pub fn postgres(&self) -> Option<&pg::Pg> {
+        match &self.inner.engine {
+            Engine::Pg(p) => Some(p),
+            Engine::Redb(_) => None,
+        }
+    }
+
+    /// Run `f` in a read transaction of whichever engine, on this thread.
+    fn read_here<T>(&self, f: impl FnOnce(&Rx) -> Result<T, StoreError>) -> Result<T, StoreError> {
+        match &self.inner.engine {
+            Engine::Redb(_) => {
+                let txn = Rx::Redb(self.db()?.begin_read()?);
+                f(&txn)
+            }
+            Engine::Pg(p) => {
+                if self.inner.closed.load(Ordering::SeqCst) {
+                    return Err(StoreError::Unavailable("the store is closed".into()));
+                }
+                let txn = Rx::Pg(pg::PgTx::read(p.conn()?));
+                let r = f(&txn);
+                let Rx::Pg(t) = txn else {
+                    return r;
+                };
+                // A read's end cannot change what it read; a failure to end
+                // it only costs the connection.
+                let _ = t.finish(false);
+                r
+            }
+        }
     }
 
     /// Commit what is queued, stop the writer and wait for it, and release
@@ -275,11 +477,12 @@ impl Store {
         if let Some(h) = handle {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
-        self.inner
-            .db
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        match &self.inner.engine {
+            Engine::Redb(db) => {
+                db.write().unwrap_or_else(|p| p.into_inner()).take();
+            }
+            Engine::Pg(p) => p.close(),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -327,7 +530,7 @@ impl Store {
     /// returns an error (validate first, then write).
     pub async fn write<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&WriteTransaction, &mut Chain) -> Result<T, StoreError> + Send + 'static,
+        f: impl FnOnce(&Wx, &mut Chain) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         if self.failed() {
             return Err(StoreError::Unavailable(
@@ -349,32 +552,35 @@ impl Store {
             .send(job)
             .await
             .map_err(|_| StoreError::Unavailable("the writer has stopped".into()))?;
-        rx.await
-            .map_err(|_| StoreError::Unavailable("the writer has stopped".into()))?
+        rx.await.map_err(|_| {
+            let why = self
+                .inner
+                .last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            StoreError::Unavailable(why.unwrap_or_else(|| "the writer has stopped".into()))
+        })?
     }
 
     /// Run a read on the blocking pool.
     pub async fn read<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError> + Send + 'static,
+        f: impl FnOnce(&Rx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let db = self.db()?;
-        tokio::task::spawn_blocking(move || {
-            let txn = db.begin_read()?;
-            f(&txn)
-        })
-        .await
-        .map_err(|e| StoreError::Io(e.to_string()))?
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.read_here(f))
+            .await
+            .map_err(|e| StoreError::Io(e.to_string()))?
     }
 
     /// Synchronous read: point lookups from async code (microseconds from
     /// the page cache), the CLI and startup. Scans use `read`.
     pub fn read_now<T>(
         &self,
-        f: impl FnOnce(&ReadTransaction) -> Result<T, StoreError>,
+        f: impl FnOnce(&Rx) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let txn = self.db()?.begin_read()?;
-        f(&txn)
+        self.read_here(f)
     }
 
     /// The key bearer tokens are verified under (HMAC-SHA-256): made with
@@ -383,21 +589,17 @@ impl Store {
     pub fn token_key(&self) -> Result<[u8; 32], StoreError> {
         match self.inner.token_key {
             Some(k) => Ok(k),
-            None => read_token_key(&*self.db()?, &self.sealer),
+            None => self.read_here(|txn| read_token_key(txn, &self.sealer)),
         }
     }
 }
 
 /// Read and unseal the token key from `meta`.
-fn read_token_key(db: &Database, sealer: &Sealer) -> Result<[u8; 32], StoreError> {
-    let txn = db.begin_read()?;
-    let sealed: String = {
-        let meta = txn.open_table(tables::META)?;
-        let v = meta
-            .get(TOKEN_KEY)?
-            .ok_or_else(|| StoreError::Corrupt("meta has no token key".into()))?;
-        codec::decode(v.value())?
-    };
+fn read_token_key(txn: &impl ReadOps, sealer: &Sealer) -> Result<[u8; 32], StoreError> {
+    let sealed: String = codec::decode(
+        &txn.meta(TOKEN_KEY)?
+            .ok_or_else(|| StoreError::Corrupt("meta has no token key".into()))?,
+    )?;
     let raw = sealer.open(&sealed)?;
     raw.as_slice()
         .try_into()
@@ -514,8 +716,214 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
     Ok(chain)
 }
 
+/// How often a replica looks at the chain head other replicas move.
+const FOLLOW: Duration = Duration::from_millis(200);
+
+/// How many `FOLLOW`s between looks at the locks (and the heartbeat).
+const LOCKS_EVERY: u32 = 5;
+
+/// The name of the lock the replica running the background work holds.
+const BACKGROUND_LOCK: &str = "background";
+
+/// A replica's own upkeep of a shared database, on a thread of its own.
+struct Tending {
+    db: pg::Pg,
+    inner: std::sync::Weak<Inner>,
+    last_seq: watch::Sender<u64>,
+    turn: watch::Sender<bool>,
+    replica: Arc<str>,
+    /// This replica's lock (taken again if the database restarted).
+    lock: Option<pg::AdvisoryLock>,
+    /// The background work's lock, while this replica has the turn.
+    background: Option<pg::AdvisoryLock>,
+}
+
+impl Tending {
+    fn run(mut self) {
+        let mut n: u32 = 0;
+        loop {
+            std::thread::sleep(FOLLOW);
+            match self.inner.upgrade() {
+                Some(i) if !i.closed.load(Ordering::SeqCst) => {}
+                _ => return,
+            }
+            self.follow();
+            n = n.wrapping_add(1);
+            if n.is_multiple_of(LOCKS_EVERY) {
+                self.locks();
+            }
+        }
+    }
+
+    /// Move `last_seq` to the database's head.
+    fn follow(&self) {
+        let head = self.db.conn().and_then(|mut c| {
+            let rows = c.query("SELECT next_seq FROM cube_chain WHERE id = 1", &[])?;
+            let n: i64 = match rows.first() {
+                Some(r) => r.try_get(0).unwrap_or(1),
+                None => 1,
+            };
+            Ok(u64::try_from(n).unwrap_or(1).saturating_sub(1))
+        });
+        if let Ok(h) = head {
+            self.last_seq.send_if_modified(|v| {
+                let grew = h > *v;
+                if grew {
+                    *v = h;
+                }
+                grew
+            });
+        }
+    }
+
+    /// Keep this replica's lock, say it is alive, and take or give up the
+    /// background turn.
+    fn locks(&mut self) {
+        if self.lock.as_ref().is_none_or(|l| l.is_lost()) {
+            self.lock = None;
+            match self.db.try_lock_blocking(pg::replica_lock(&self.replica).0) {
+                Ok(Some(l)) => self.lock = Some(l),
+                Ok(None) => {
+                    tracing::error!(replica = %self.replica, "another process holds this replica's lock")
+                }
+                Err(_) => {}
+            }
+        }
+        if let Ok(mut c) = self.db.conn() {
+            let _ = c.execute(
+                "UPDATE cube_replicas SET seen_at = now() WHERE id = $1",
+                &[&&*self.replica],
+            );
+        }
+        if self.background.as_ref().is_some_and(|l| l.is_lost()) {
+            self.background = None;
+            tracing::warn!("the background turn is lost (the database connection ended)");
+        }
+        if self.background.is_none()
+            && let Ok(Some(l)) = self.db.try_lock_blocking(pg::lock_key(BACKGROUND_LOCK))
+        {
+            tracing::info!(replica = %self.replica, "this replica runs the background work (GC, keepalive, audit delivery)");
+            self.background = Some(l);
+        }
+        let mine = self.background.is_some();
+        self.turn.send_if_modified(|t| {
+            let changed = *t != mine;
+            *t = mine;
+            changed
+        });
+    }
+}
+
+/// This replica's id: `STATE/replica.id`, made at its first start.
+fn replica_id(state_dir: &Path) -> Result<String, StoreError> {
+    let p = state_dir.join("replica.id");
+    match std::fs::read_to_string(&p) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(StoreError::Io(format!("read {}: {e}", p.display()))),
+    }
+    let id = crate::ids::random_hex(8);
+    std::fs::write(&p, format!("{id}\n"))
+        .map_err(|e| StoreError::Io(format!("write {}: {e}", p.display())))?;
+    Ok(id)
+}
+
+/// Make a new database's `meta` (once: the first replica to get the chain
+/// head's lock does it) and read the chain head.
+fn init_postgres_meta(db: &pg::Pg, sealer: &Sealer) -> Result<Chain, StoreError> {
+    let tx = pg::PgTx::write(db.conn()?);
+    let r = (|| {
+        let chain = tx.lock_chain()?;
+        if tx.meta("schema_version")?.is_none() {
+            tx.put_meta("schema_version", &codec::encode(&tables::SCHEMA_VERSION)?)?;
+            let instance = crate::ids::random_hex(16);
+            tx.put_meta("instance_id", &codec::encode(&instance)?)?;
+        }
+        if tx.meta(TOKEN_KEY)?.is_none() {
+            let sealed = sealer.seal(&crate::ids::random_bytes(32))?;
+            tx.put_meta(TOKEN_KEY, &codec::encode(&sealed)?)?;
+        }
+        Ok(chain)
+    })();
+    match r {
+        Ok(chain) => {
+            tx.finish(true)?;
+            Ok(chain)
+        }
+        Err(e) => {
+            let _ = tx.finish(false);
+            Err(e)
+        }
+    }
+}
+
+/// How the writer reaches its engine (one, for the writer's life).
+#[allow(clippy::large_enum_variant)]
+enum Writing {
+    Redb(Arc<Database>),
+    /// The connection is kept from one group commit to the next (its
+    /// prepared statements with it), and replaced when it breaks.
+    Pg {
+        pg: pg::Pg,
+        conn: Option<pg::Conn>,
+        /// Whose intents this writer records.
+        replica: Arc<str>,
+    },
+}
+
+impl Writing {
+    /// Begin one group commit: its transaction, and the chain head when
+    /// the database holds it (locked for the transaction: other replicas
+    /// append too).
+    fn begin(&mut self) -> Result<(Wx, Option<Chain>), StoreError> {
+        match self {
+            Writing::Redb(db) => Ok((Wx::Redb(begin(db)?), None)),
+            Writing::Pg { pg, conn, replica } => {
+                let c = match conn.take() {
+                    Some(c) if !c.is_closed() => c,
+                    _ => pg.conn()?,
+                };
+                let tx = pg::PgTx::write(c).for_replica(replica.clone());
+                match tx.lock_chain() {
+                    Ok(chain) => Ok((Wx::Pg(tx), Some(chain))),
+                    Err(e) => {
+                        let _ = tx.finish(false);
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Commit it (with the chain head it moved, in a database).
+    fn commit(&mut self, txn: Wx, chain: &Chain, moved: bool) -> Result<(), StoreError> {
+        match (self, txn) {
+            (Writing::Redb(_), Wx::Redb(t)) => Ok(t.commit()?),
+            (Writing::Pg { conn, .. }, Wx::Pg(t)) => {
+                if moved {
+                    t.store_chain(chain)?;
+                }
+                *conn = Some(t.finish(true)?);
+                Ok(())
+            }
+            _ => Err(StoreError::Io(
+                "a transaction of another engine reached the writer".into(),
+            )),
+        }
+    }
+
+    /// Whether a failed commit stops the writer for good: redb refuses
+    /// writes after one, and the in-memory chain head may be wrong; a
+    /// database rolls the transaction back, and the next one reads the
+    /// head again.
+    fn stops_on_failure(&self) -> bool {
+        matches!(self, Writing::Redb(_))
+    }
+}
+
 fn writer(
-    db: Arc<Database>,
+    mut engine: Writing,
     mut rx: mpsc::Receiver<Job>,
     mut chain: Chain,
     inner: std::sync::Weak<Inner>,
@@ -545,22 +953,30 @@ fn writer(
             drain(&mut rx, &mut jobs);
         }
         expect = jobs.len();
-        let before = chain.clone();
-        let txn = match begin(&db) {
-            Ok(t) => t,
-            Err(e) => {
-                fail(&inner, &e);
-                for j in jobs {
-                    // Nothing may run without a transaction: tell each job.
-                    drop(j);
+        let txn = match engine.begin() {
+            Ok((t, head)) => {
+                if let Some(h) = head {
+                    chain = h;
                 }
-                break;
+                t
+            }
+            Err(e) => {
+                // Nothing may run without a transaction: each job's caller
+                // sees its reply dropped, and the reason (`last_error`).
+                note_failure(&inner, &e, engine.stops_on_failure());
+                drop(jobs);
+                if engine.stops_on_failure() {
+                    break;
+                }
+                continue;
             }
         };
+        let before = chain.clone();
         let n = jobs.len() as u64;
         let finishes: Vec<Finish> = jobs.into_iter().map(|j| j(&txn, &mut chain)).collect();
         let t = Instant::now();
-        let committed = txn.commit();
+        let moved = chain.next_seq != before.next_seq;
+        let committed = engine.commit(txn, &chain, moved);
         let took = t.elapsed();
         {
             let mut r = stats.recent.lock().unwrap_or_else(|p| p.into_inner());
@@ -578,8 +994,15 @@ fn writer(
                     .metrics
                     .events_per_commit
                     .observe_count(chain.next_seq.saturating_sub(before.next_seq));
-                if chain.next_seq != before.next_seq {
-                    last_seq.send_replace(chain.next_seq - 1);
+                if moved {
+                    last_seq.send_if_modified(|v| {
+                        let new = chain.next_seq - 1;
+                        let grew = new > *v;
+                        if grew {
+                            *v = new;
+                        }
+                        grew
+                    });
                 }
                 for f in finishes {
                     f(Ok(()));
@@ -592,14 +1015,14 @@ fn writer(
                 }
             }
             Err(e) => {
-                let e = StoreError::from(e);
-                fail(&inner, &e);
+                note_failure(&inner, &e, engine.stops_on_failure());
                 chain = before;
                 for f in finishes {
                     f(Err(StoreError::Unavailable(format!("commit failed: {e}"))));
                 }
-                let _ = chain;
-                break;
+                if engine.stops_on_failure() {
+                    break;
+                }
             }
         }
     }
@@ -607,10 +1030,19 @@ fn writer(
     rx.close();
 }
 
-fn fail(inner: &std::sync::Weak<Inner>, e: &StoreError) {
-    tracing::error!(error = %e, "store commit failed; the store is now read-only until restart");
+/// A group commit failed: logged, and kept for the callers whose replies
+/// were dropped; `stop`: the store takes no more writes until restart.
+fn note_failure(inner: &std::sync::Weak<Inner>, e: &StoreError, stop: bool) {
+    if stop {
+        tracing::error!(error = %e, "store commit failed; the store is now read-only until restart");
+    } else {
+        tracing::warn!(error = %e, "store commit failed; the next one tries again");
+    }
     if let Some(i) = inner.upgrade() {
-        i.failed.store(true, Ordering::SeqCst);
+        if stop {
+            i.failed.store(true, Ordering::SeqCst);
+        }
+        *i.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
     }
 }
 
@@ -626,19 +1058,16 @@ fn owner_range(owner: &str) -> (String, String) {
 /// The records an owner has, through an index table (`owner \0 item` →
 /// ()) into their own table (item → JSON).
 pub fn owned_items<T: serde::de::DeserializeOwned>(
-    txn: &ReadTransaction,
-    index: redb::TableDefinition<&str, ()>,
-    items: redb::TableDefinition<&str, &[u8]>,
+    txn: &impl ReadOps,
+    index: typed::Index,
+    items: typed::Records,
     owner: &str,
 ) -> Result<Vec<T>, StoreError> {
     let (from, to) = owner_range(owner);
-    let idx = txn.open_table(index)?;
-    let all = txn.open_table(items)?;
     let mut out = vec![];
-    for r in idx.range(from.as_str()..to.as_str())? {
-        let k = r?.0.value().to_string();
+    for k in txn.index_keys(index, &from, &to)? {
         if let Some((_, item)) = k.split_once('\0')
-            && let Some(v) = get_json::<T>(&all, item)?
+            && let Some(v) = txn.record::<T>(items, item)?
         {
             out.push(v);
         }
@@ -648,40 +1077,19 @@ pub fn owned_items<T: serde::de::DeserializeOwned>(
 
 /// Remove everything an owner has from an index table and its items.
 pub fn delete_owned(
-    txn: &WriteTransaction,
-    index: redb::TableDefinition<&str, ()>,
-    items: redb::TableDefinition<&str, &[u8]>,
+    txn: &impl WriteOps,
+    index: typed::Index,
+    items: typed::Records,
     owner: &str,
 ) -> Result<(), StoreError> {
     let (from, to) = owner_range(owner);
-    let keys: Vec<String> = {
-        let t = txn.open_table(index)?;
-        let mut keys = vec![];
-        for r in t.range(from.as_str()..to.as_str())? {
-            keys.push(r?.0.value().to_string());
-        }
-        keys
-    };
-    let mut idx = txn.open_table(index)?;
-    let mut all = txn.open_table(items)?;
-    for k in keys {
-        idx.remove(k.as_str())?;
+    for k in txn.index_keys(index, &from, &to)? {
+        txn.remove_index(index, &k)?;
         if let Some((_, item)) = k.split_once('\0') {
-            all.remove(item)?;
+            txn.remove(items, item)?;
         }
     }
     Ok(())
-}
-
-/// Read a JSON value from a `&str → &[u8]` table.
-pub fn get_json<T: serde::de::DeserializeOwned>(
-    table: &impl ReadableTable<&'static str, &'static [u8]>,
-    key: &str,
-) -> Result<Option<T>, StoreError> {
-    match table.get(key)? {
-        Some(v) => Ok(Some(codec::decode(v.value())?)),
-        None => Ok(None),
-    }
 }
 
 #[cfg(test)]
@@ -716,12 +1124,7 @@ mod tests {
         assert_eq!(st.writes, 256);
         assert!(st.commits >= 1 && st.commits <= 256, "{st:?}");
         assert_eq!(store.recent_commits().len() as u64, st.commits);
-        let n = store
-            .read_now(|txn| {
-                use redb::ReadableTableMetadata;
-                Ok(txn.open_table(tables::AUDIT)?.len()?)
-            })
-            .unwrap();
+        let n = store.read_now(|txn| txn.last_seq()).unwrap();
         assert_eq!(n, 256);
         drop(store);
         let _ = std::fs::remove_dir_all(&dir);
@@ -754,9 +1157,7 @@ mod tests {
         ));
         assert!(clone.read_now(|_| Ok(())).is_err());
         let again = Store::open(dir.path()).expect("the file is still locked after close");
-        let n = again
-            .read_now(|txn| Ok(txn.open_table(tables::AUDIT)?.iter()?.count()))
-            .unwrap();
+        let n = again.read_now(|txn| txn.last_seq()).unwrap();
         assert_eq!(n, 1, "the write queued before close was lost");
         drop(clone);
     }

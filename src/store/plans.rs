@@ -1,9 +1,8 @@
 //! Task plans (`plans_v1`).
 
-use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, tables};
 
 /// A plan's state, stored and answered as its snake_case name.
@@ -99,11 +98,11 @@ pub fn all(txn: &impl ReadOps) -> Result<Vec<Plan>, StoreError> {
     txn.records(tables::PLANS)
 }
 
-pub fn put(txn: &WriteTransaction, p: &Plan) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, p: &Plan) -> Result<(), StoreError> {
     typed::put(txn, tables::PLANS, &p.plan_ref, p)
 }
 
-pub fn remove(txn: &WriteTransaction, plan_ref: &str) -> Result<(), StoreError> {
+pub fn remove(txn: &impl WriteOps, plan_ref: &str) -> Result<(), StoreError> {
     typed::remove(txn, tables::PLANS, plan_ref).map(|_| ())
 }
 

@@ -1,9 +1,8 @@
 //! PTYs (`ptys_v1`) and a lease's PTYs (`lease_ptys_v1`).
 
-use redb::{ReadTransaction, WriteTransaction};
 use serde::{Deserialize, Serialize};
 
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, delete_owned, index_key, owned_items, tables};
 
 /// A PTY's state, stored and answered as its snake_case name.
@@ -48,6 +47,10 @@ pub struct Pty {
     pub cols: u32,
     pub created_at: String,
     pub updated_at: String,
+    /// The replica whose process holds the terminal (a shared database;
+    /// absent with redb, where there is one process).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<String>,
 }
 
 impl Pty {
@@ -66,7 +69,7 @@ pub fn all(txn: &impl ReadOps) -> Result<Vec<Pty>, StoreError> {
 }
 
 /// Insert or replace a PTY, indexed under its lease.
-pub fn put(txn: &WriteTransaction, p: &Pty) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, p: &Pty) -> Result<(), StoreError> {
     typed::put(txn, tables::PTYS, &p.pty_ref, p)?;
     typed::put_index(
         txn,
@@ -76,12 +79,12 @@ pub fn put(txn: &WriteTransaction, p: &Pty) -> Result<(), StoreError> {
 }
 
 /// Remove a lease's PTYs.
-pub fn remove_lease(txn: &WriteTransaction, lease_ref: &str) -> Result<(), StoreError> {
+pub fn remove_lease(txn: &impl WriteOps, lease_ref: &str) -> Result<(), StoreError> {
     delete_owned(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
 }
 
 /// A lease's PTYs, in pty_ref order.
-pub fn of_lease(txn: &ReadTransaction, lease_ref: &str) -> Result<Vec<Pty>, StoreError> {
+pub fn of_lease(txn: &impl ReadOps, lease_ref: &str) -> Result<Vec<Pty>, StoreError> {
     owned_items(txn, tables::LEASE_PTYS, tables::PTYS, lease_ref)
 }
 

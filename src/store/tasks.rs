@@ -1,11 +1,10 @@
 //! Trusted tasks (`tasks_v1`), with their results and receipts.
 
-use redb::WriteTransaction;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::jobs::JobState;
-use super::typed::{self, ReadOps};
+use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, tables};
 
 /// A task's state, stored and answered as its snake_case name.
@@ -128,7 +127,7 @@ pub fn get(txn: &impl ReadOps, task_ref: &str) -> Result<Option<Task>, StoreErro
     txn.record(tables::TASKS, task_ref)
 }
 
-pub fn put(txn: &WriteTransaction, t: &Task) -> Result<(), StoreError> {
+pub fn put(txn: &impl WriteOps, t: &Task) -> Result<(), StoreError> {
     typed::put(txn, tables::TASKS, &t.task_ref, t)
 }
 

@@ -23,14 +23,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use redb::ReadableTable;
+use crate::store::{ReadOps, WriteOps};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use self::outputs::Output;
 use crate::audit::event::Event;
 use crate::audit::sinks::def::{From, SinkDef};
-use crate::store::{Store, StoreError, codec, tables};
+use crate::store::{Store, StoreError};
 
 /// How often a sink's cursor is written at most.
 const PERSIST_EVERY: Duration = Duration::from_secs(1);
@@ -272,47 +272,27 @@ impl Worker {
 }
 
 /// The cursors kept in the store (the stopped service's `status`).
-pub fn stored_cursors(txn: &redb::ReadTransaction) -> Result<BTreeMap<String, u64>, StoreError> {
-    let t = match txn.open_table(tables::SINK_CURSORS) {
-        Ok(t) => t,
-        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(BTreeMap::new()),
-        Err(e) => return Err(e.into()),
-    };
-    let mut m = BTreeMap::new();
-    for item in t.iter()? {
-        let (k, v) = item?;
-        m.insert(k.value().to_string(), v.value());
-    }
-    Ok(m)
+pub fn stored_cursors(txn: &impl ReadOps) -> Result<BTreeMap<String, u64>, StoreError> {
+    txn.cursors()
 }
 
 /// Move a cursor forward (never back: a replaced sink's last write may
 /// come after its successor's).
-fn put_cursor(txn: &redb::WriteTransaction, name: &str, seq: u64) -> Result<(), StoreError> {
-    let mut t = txn.open_table(tables::SINK_CURSORS)?;
-    let cur = t.get(name)?.map(|v| v.value()).unwrap_or(0);
+fn put_cursor(txn: &impl WriteOps, name: &str, seq: u64) -> Result<(), StoreError> {
+    let cur = txn.cursors()?.get(name).copied().unwrap_or(0);
     if seq > cur {
-        t.insert(name, seq)?;
+        txn.put_cursor(name, seq)?;
     }
     Ok(())
 }
 
 /// Up to `n` events after `cursor`, in order.
-fn read_batch(
-    txn: &redb::ReadTransaction,
-    cursor: u64,
-    n: usize,
-) -> Result<Vec<Event>, StoreError> {
-    let t = txn.open_table(tables::AUDIT)?;
-    let mut v = Vec::with_capacity(n.min(1024));
-    for item in t.range(cursor.saturating_add(1)..)? {
-        let (_, bytes) = item?;
-        v.push(codec::decode::<Event>(bytes.value())?);
-        if v.len() >= n {
-            break;
-        }
-    }
-    Ok(v)
+fn read_batch(txn: &impl ReadOps, cursor: u64, n: usize) -> Result<Vec<Event>, StoreError> {
+    Ok(txn
+        .events(cursor.saturating_add(1), n)?
+        .into_iter()
+        .map(|(_, ev)| ev)
+        .collect())
 }
 
 /// One sink's task.
@@ -348,7 +328,37 @@ impl Run {
             _ => LOCAL_MAX_BACKOFF,
         };
         tracing::info!(sink = %name, kind = self.def.kind(), cursor, "audit sink delivering");
+        // With replicas on a shared database, the one holding the
+        // background turn delivers; the others wait for it, and start again
+        // from the stored cursor (the one that delivered moved it).
+        let mut turn = self.store.turn();
         loop {
+            if !*turn.borrow_and_update() {
+                let c = self.progress.cursor.load(Ordering::Relaxed);
+                if c > persisted && self.persist(&name, c).await {
+                    persisted = c;
+                }
+                let got = tokio::select! {
+                    () = self.stop.cancelled() => break,
+                    r = turn.wait_for(|t| *t) => r.is_ok(),
+                };
+                if !got {
+                    break;
+                }
+                match self.first_cursor(&name).await {
+                    Ok(c) => {
+                        self.progress.cursor.store(c, Ordering::Relaxed);
+                        persisted = c;
+                    }
+                    Err(e) => {
+                        self.failed(&format!("cursor: {e}"));
+                        if self.pause(&mut backoff, max_backoff).await {
+                            break;
+                        }
+                    }
+                }
+                continue;
+            }
             let cursor = self.progress.cursor.load(Ordering::Relaxed);
             if cursor > persisted && last_persist.elapsed() >= PERSIST_EVERY {
                 if self.persist(&name, cursor).await {
@@ -367,6 +377,7 @@ impl Run {
                 tokio::select! {
                     () = self.stop.cancelled() => break,
                     r = head_rx.changed() => if r.is_err() { break },
+                    r = turn.changed() => if r.is_err() { break },
                     () = tokio::time::sleep(wait) => {}
                 }
                 continue;

@@ -133,7 +133,7 @@ impl Broker {
             Err(e) => return Err(self.reject(ev, e).await),
         };
         let skey = session_key(&tenant, &runtime, &hash, &backend_name);
-        let _session_lock = self.lock(format!("session:{skey}")).await;
+        let _session_lock = self.lock(format!("session:{skey}")).await?;
 
         // Reuse.
         let mut replaced: Option<String> = None;
@@ -191,7 +191,7 @@ impl Broker {
         }
 
         // Quota, across the tenant's leases.
-        let _tenant_lock = self.lock(format!("tenant:{tenant}")).await;
+        let _tenant_lock = self.lock(format!("tenant:{tenant}")).await?;
         let t2 = tenant.clone();
         let active = self
             .inner

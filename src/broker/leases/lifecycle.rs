@@ -7,7 +7,7 @@ use super::*;
 /// tenant's that are not a trusted task's (a trusted task's lease is the
 /// task's, not the agent's); newest first.
 fn visible_leases(
-    txn: &redb::ReadTransaction,
+    txn: &crate::store::Rx,
     tenant: &str,
     admin: bool,
 ) -> std::result::Result<Vec<Lease>, StoreError> {
@@ -197,7 +197,7 @@ impl Broker {
         let ev = self.event(p, "release", ctx);
         self.authorize(p, "lease:release", &ev).await?;
         let l = self.owned_lease(p, lease_ref).await?;
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await?;
         // Looked up again under the lock: a concurrent release may have won.
         let l = self.owned_lease(p, &l.lease_ref).await?;
         // A backend that is down: nothing is done (and no intent left).

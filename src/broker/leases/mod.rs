@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
-use redb::WriteTransaction;
 use sha2::Digest;
 
 use super::dto;
@@ -73,7 +72,7 @@ pub(crate) struct Want {
 
 /// State written in an effect's outcome transaction.
 pub(crate) type Persist =
-    Box<dyn FnOnce(&WriteTransaction) -> std::result::Result<(), StoreError> + Send>;
+    Box<dyn FnOnce(&crate::store::Wx) -> std::result::Result<(), StoreError> + Send>;
 
 /// What an effect gives back: its value, what its outcome event records,
 /// and state to write in the outcome's transaction.
@@ -116,7 +115,7 @@ impl<T> Done<T> {
 
     pub fn persist(
         mut self,
-        f: impl FnOnce(&WriteTransaction) -> std::result::Result<(), StoreError> + Send + 'static,
+        f: impl FnOnce(&crate::store::Wx) -> std::result::Result<(), StoreError> + Send + 'static,
     ) -> Self {
         self.persist = Some(Box::new(f));
         self
@@ -295,7 +294,7 @@ impl Broker {
         p: &Principal,
         l: Lease,
     ) -> Result<(Lease, super::LockGuard)> {
-        let lock = self.lock(format!("lease:{}", l.lease_ref)).await;
+        let lock = self.lock(format!("lease:{}", l.lease_ref)).await?;
         let l = self.owned_lease(p, &l.lease_ref).await?;
         Ok((l, lock))
     }

@@ -176,7 +176,7 @@ impl Broker {
         self.inner.journal.check()?;
         // One requester's open plans are bounded (each holds up to 256 KiB).
         let me = self.identity(p);
-        let _quota = self.lock(format!("plans:{me}")).await;
+        let _quota = self.lock(format!("plans:{me}")).await?;
         let (m2, t_now) = (me.clone(), self.now().1);
         let open = self
             .inner
@@ -365,7 +365,7 @@ impl Broker {
             "task:status"
         };
         self.authorize(p, scope, &ev).await?;
-        let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
+        let _lock = self.lock(format!("task-plan:{plan_ref}")).await?;
         let mut plan = self.tenant_plan(p, plan_ref)?;
         if !self.is_requester(p, &plan.tenant, &plan.requester) && !Self::may_see_plans(p) {
             return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
@@ -448,7 +448,7 @@ impl Broker {
                 )
                 .await);
         }
-        let _lock = self.lock(format!("task-plan:{plan_ref}")).await;
+        let _lock = self.lock(format!("task-plan:{plan_ref}")).await?;
         let mut plan = self.tenant_plan(p, plan_ref)?;
         ev.task_template = Some(plan.template.clone());
         ev.profile = Some(plan.profile.clone());

@@ -29,7 +29,7 @@ impl Broker {
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:status", &ev).await?;
         self.visible_task(p, task_ref, false)?;
-        let lock = self.lock(format!("task:{task_ref}")).await;
+        let lock = self.lock(format!("task:{task_ref}")).await?;
         let task = self.visible_task(p, task_ref, false)?;
         let b = self.clone();
         let c2 = ctx.clone();
@@ -85,7 +85,7 @@ impl Broker {
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, scope, &ev).await?;
         self.visible_task(p, task_ref, true)?;
-        let lock = self.lock(format!("task:{task_ref}")).await;
+        let lock = self.lock(format!("task:{task_ref}")).await?;
         let task = self.visible_task(p, task_ref, true)?;
         ev.plan_ref = Some(task.plan_ref.clone());
         ev.task_template = Some(task.template.clone());

@@ -15,7 +15,7 @@ impl Broker {
         let mut ev = self.task_event(p, "task_submit", ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         self.authorize(p, "task:submit", &ev).await?;
-        let plan_lock = self.lock(format!("task-plan:{plan_ref}")).await;
+        let plan_lock = self.lock(format!("task-plan:{plan_ref}")).await?;
         let mut plan = self.tenant_plan(p, plan_ref)?;
         if !self.is_requester(p, &plan.tenant, &plan.requester) {
             return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
@@ -117,7 +117,7 @@ impl Broker {
         ev.command_digest = Some(self.inner.journal.digest("command", command.as_bytes()));
         // The task's lock is taken before the plan's is let go: status and
         // result wait for the setup.
-        let task_lock = self.lock(format!("task:{}", task.task_ref)).await;
+        let task_lock = self.lock(format!("task:{}", task.task_ref)).await?;
         let t2 = task.clone();
         let p2 = plan.clone();
         let saved = self

@@ -8,12 +8,15 @@
 //! - `spec`: `docs/openapi.yaml` as an oracle for answers;
 //! - `sandboxes`: `end_sandboxes` (what every `Drop` here uses to end the
 //!   sandboxes a test left) and `SandboxReaper`;
-//! - `tmpfs`: `Tmpfs` (a size-limited tmpfs, root only).
+//! - `tmpfs`: `Tmpfs` (a size-limited tmpfs, root only);
+//! - `pg`: `Postgres` (a PostgreSQL cluster of its own on 127.0.0.1) and
+//!   `Haproxy` (TCP, in front of replicas).
 //!
 //! What a test needs from the host (root, python3, systemd-analyze, tar…)
 //! fails loudly when missing: nothing here skips.
 
 pub mod backend;
+pub mod pg;
 pub mod python;
 pub mod rig;
 pub mod sandboxes;
@@ -23,6 +26,7 @@ pub mod tmpfs;
 pub mod world;
 
 pub use backend::{TestBackend, pids_in_ns, settings};
+pub use pg::{Haproxy, Postgres};
 pub use python::{sdk_python, spec_tools};
 pub use rig::{Proc, ProcRig, revoke};
 pub use sandboxes::{SandboxReaper, end_sandboxes};

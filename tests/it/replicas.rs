@@ -1,0 +1,476 @@
+//! Several replicas on one PostgreSQL store (issue #22): Debian's real
+//! PostgreSQL on 127.0.0.1, two `serve` processes on it with one shared
+//! CubeSandbox backend (the embedded backend, faithful, in this process),
+//! and a real haproxy in front of them.
+
+use std::path::{Path, PathBuf};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::kit::{BIN, Haproxy, Postgres, Proc};
+
+/// Two replicas of one appliance: their state directories (each with the
+/// first one's keys and CA), their processes, and haproxy in front.
+struct Replicas {
+    dir: tempfile::TempDir,
+    states: Vec<PathBuf>,
+    config: PathBuf,
+    procs: Vec<Option<Proc>>,
+    http: reqwest::Client,
+    admin: String,
+    backend: cube_adapter::embedded::Backend,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+/// What a second replica needs from the first: the key secrets are sealed
+/// under, the digest and receipt keys, and the CA (docs/operations.md,
+/// "Several replicas").
+const SHARED: &[&str] = &[
+    "secret.key",
+    "hmac.key",
+    "receipt-ed25519.key",
+    "receipt-ed25519.pub",
+    "tls",
+];
+
+fn copy_tree(from: &Path, to: &Path) {
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            copy_tree(&e.path(), &to.join(e.file_name()));
+        }
+    } else if from.exists() {
+        std::fs::copy(from, to).unwrap();
+    }
+}
+
+impl Replicas {
+    async fn start(pg: &Postgres, extra: &str) -> Self {
+        cube_adapter::tls::install_default_provider();
+        let dir = tempfile::tempdir().unwrap();
+        // One backend both replicas create their sandboxes on.
+        let mut s = crate::kit::backend::settings(dir.path());
+        s.faithful = Some(cube_adapter::embedded::sandbox::Faithful::default());
+        let backend = cube_adapter::embedded::Backend::open(s, None).unwrap();
+        let stop = tokio_util::sync::CancellationToken::new();
+        backend.spawn_reaper(stop.clone());
+        let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = bl.local_addr().unwrap().port();
+        // The embedded backend serves CubeAPI and CubeProxy on one port:
+        // two names for it (the appliance refuses one URL for both).
+        let (burl, purl) = (
+            format!("http://127.0.0.1:{port}"),
+            format!("http://localhost:{port}"),
+        );
+        let app = backend.router();
+        tokio::spawn(async move { axum::serve(bl, app).await });
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[backend]\napi_url = \"{burl}\"\nproxy_url = \"{purl}\"\ndomain = \"cube.test\"\n\
+                 insecure_plain_http = true\n\n[store]\nkind = \"postgres\"\n\
+                 url = \"{}?sslmode=disable\"\npassword_file = \"{}\"\n{extra}",
+                pg.url(),
+                pg.password_file().display()
+            ),
+        )
+        .unwrap();
+        let states = vec![dir.path().join("a"), dir.path().join("b")];
+        let first = Proc::start(&states[0], &config, &[]).unwrap();
+        std::fs::create_dir_all(&states[1]).unwrap();
+        for f in SHARED {
+            copy_tree(&states[0].join(f), &states[1].join(f));
+        }
+        let second = Proc::start(&states[1], &config, &[]).unwrap();
+        let ca = std::fs::read(states[0].join("tls/ca.pem")).unwrap();
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+            .build()
+            .unwrap();
+        let admin = std::fs::read_to_string(states[0].join("admin.token"))
+            .unwrap()
+            .trim()
+            .to_string();
+        Self {
+            dir,
+            states,
+            config,
+            procs: vec![Some(first), Some(second)],
+            http,
+            admin,
+            backend,
+            stop,
+        }
+    }
+
+    fn url(&self, i: usize) -> String {
+        self.procs[i].as_ref().unwrap().url.clone()
+    }
+
+    fn addrs(&self) -> Vec<std::net::SocketAddr> {
+        (0..2)
+            .map(|i| self.url(i).trim_start_matches("https://").parse().unwrap())
+            .collect()
+    }
+
+    /// The sandboxes the backend has.
+    fn sandboxes(&self) -> usize {
+        self.backend.manager.list(&[], None, 10_000).len()
+    }
+
+    async fn post(&self, url: String, body: Value) -> (StatusCode, Value) {
+        let r = self
+            .http
+            .post(url)
+            .bearer_auth(&self.admin)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let st = r.status();
+        (st, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `cube-adapter ARGS --state-dir` of replica `i` (through its admin
+    /// socket).
+    fn cli(&self, i: usize, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(BIN)
+            .args(args)
+            .arg("--state-dir")
+            .arg(&self.states[i])
+            .arg("--config")
+            .arg(&self.config)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Replicas {
+    fn drop(&mut self) {
+        for p in self.procs.iter_mut().filter_map(Option::take) {
+            p.stop();
+        }
+        self.stop.cancel();
+        crate::kit::end_sandboxes(&self.dir.path().join("embedded/sandboxes"));
+    }
+}
+
+/// Concurrent acquires of one session, half through each replica (haproxy
+/// alternates), give one lease and one sandbox; the tenant's quota holds
+/// with the requests spread over both; the journal both wrote is one chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_sessions_quotas_and_one_chain() {
+    let pg = Postgres::start();
+    let r = Replicas::start(&pg, "").await;
+    let lb = Haproxy::start_tcp(&r.addrs());
+    let front = format!("https://127.0.0.1:{}", lb.port);
+
+    let mut tasks = vec![];
+    for _ in 0..12 {
+        let (http, admin, url) = (r.http.clone(), r.admin.clone(), front.clone());
+        tasks.push(tokio::spawn(async move {
+            let resp = http
+                .post(format!("{url}/v1/leases/acquire"))
+                .bearer_auth(admin)
+                .json(&json!({"runtime": "mcp", "session_key": "one-session"}))
+                .send()
+                .await
+                .unwrap();
+            let st = resp.status();
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(st, StatusCode::OK, "{v}");
+            v["lease_ref"].as_str().unwrap().to_string()
+        }));
+    }
+    let mut refs = vec![];
+    for t in tasks {
+        refs.push(t.await.unwrap());
+    }
+    refs.sort();
+    refs.dedup();
+    assert_eq!(
+        refs.len(),
+        1,
+        "one session, several leases: {refs:?}\nhaproxy: {}",
+        lb.log()
+    );
+    assert_eq!(r.sandboxes(), 1, "one session, several sandboxes");
+
+    // The lease is the same through either replica.
+    for i in 0..2 {
+        let (st, v) = r
+            .post(
+                format!("{}/v1/leases/acquire", r.url(i)),
+                json!({"runtime": "mcp", "session_key": "one-session"}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["lease_ref"], refs[0].as_str(), "replica {i}");
+    }
+
+    // The quota (8 active leases a tenant, the shipped profiles') holds
+    // with the sessions spread over both replicas: 16 sessions at once,
+    // 7 more leases at most.
+    let mut tasks = vec![];
+    for n in 0..16 {
+        let (http, admin, url) = (r.http.clone(), r.admin.clone(), r.url(n % 2));
+        tasks.push(tokio::spawn(async move {
+            let resp = http
+                .post(format!("{url}/v1/leases/acquire"))
+                .bearer_auth(admin)
+                .json(&json!({"runtime": "mcp", "session_key": format!("quota-{n}")}))
+                .send()
+                .await
+                .unwrap();
+            let st = resp.status();
+            let v: Value = resp.json().await.unwrap();
+            (st, v)
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        let (st, v) = t.await.unwrap();
+        match st {
+            StatusCode::OK => ok += 1,
+            _ => assert_eq!(crate::kit::code(&v), "lease_quota_exceeded", "{st} {v}"),
+        }
+    }
+    assert_eq!(ok, 7, "the quota let {ok} more leases through");
+    assert_eq!(r.sandboxes(), 8);
+
+    // One chain, whichever replica wrote each event; either replica
+    // verifies it.
+    for i in 0..2 {
+        let out = r.cli(i, &["audit", "verify"]);
+        assert!(
+            out.status.success(),
+            "replica {i}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Replicas {
+    /// Acquire a lease for `session` through replica `i`: its ref.
+    async fn acquire(&self, i: usize, session: &str) -> String {
+        let (st, v) = self
+            .post(
+                format!("{}/v1/leases/acquire", self.url(i)),
+                json!({"runtime": "mcp", "session_key": session}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        v["lease_ref"].as_str().unwrap().to_string()
+    }
+
+    /// The journal, through replica `i`'s admin socket.
+    fn journal(&self, i: usize) -> Vec<Value> {
+        let out = self.cli(i, &["audit", "export"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// SIGKILL replica `i`.
+    fn kill(&mut self, i: usize) {
+        let mut p = self.procs[i].take().unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p.child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        p.child.wait().unwrap();
+    }
+
+    /// Start replica `i` again on its state directory.
+    fn restart(&mut self, i: usize) {
+        assert!(self.procs[i].is_none());
+        self.procs[i] = Some(Proc::start(&self.states[i], &self.config, &[]).unwrap());
+    }
+
+    /// Every intent has exactly one outcome, and the chain verifies
+    /// (through replica `i`): the journal.
+    fn assert_settled(&self, i: usize) -> Vec<Value> {
+        let events = self.journal(i);
+        let mut outcomes: std::collections::BTreeMap<&str, usize> = Default::default();
+        for e in events.iter().filter(|e| e["phase"] == "outcome") {
+            if let Some(op) = e["operation_id"].as_str() {
+                *outcomes.entry(op).or_default() += 1;
+            }
+        }
+        for e in events.iter().filter(|e| e["phase"] == "intent") {
+            let op = e["operation_id"].as_str().unwrap();
+            let n = outcomes.get(op).copied().unwrap_or(0);
+            assert_eq!(n, 1, "intent {op} ({}) has {n} outcomes", e["action"]);
+        }
+        let out = self.cli(i, &["audit", "verify"]);
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        events
+    }
+
+    /// `exec` on a lease through replica `i`.
+    async fn exec(&self, i: usize, lease: &str, command: &str) -> (StatusCode, Value) {
+        self.post(
+            format!("{}/v1/leases/{lease}/exec", self.url(i)),
+            json!({ "command": command }),
+        )
+        .await
+    }
+}
+
+/// SIGKILL of one replica under load: the other keeps serving; when the
+/// killed one starts again it resolves its own intents; no audit event is
+/// lost, nothing ran twice or without its intent, and the chain verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_under_load_loses_nothing_and_the_other_serves() {
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let pg = Postgres::start();
+    let mut r = Replicas::start(&pg, "").await;
+    let mut leases = vec![];
+    for i in 0..4 {
+        leases.push(r.acquire(i % 2, &format!("load-{i}")).await);
+    }
+    let next = Arc::new(AtomicU64::new(0));
+    // (replica, request id) of every exec answered 200.
+    let answered = Arc::new(std::sync::Mutex::new(Vec::<(usize, String)>::new()));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut clients = vec![];
+    for c in 0..12 {
+        let replica = c % 2;
+        let (http, admin, url) = (r.http.clone(), r.admin.clone(), r.url(replica));
+        let (next, answered, stop) = (next.clone(), answered.clone(), stop.clone());
+        let lease = leases[c % leases.len()].clone();
+        clients.push(tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let id = format!("x{}", next.fetch_add(1, Ordering::SeqCst));
+                let resp = http
+                    .post(format!("{url}/v1/leases/{lease}/exec"))
+                    .bearer_auth(&admin)
+                    .json(&json!({
+                        "command": format!("echo {id} >> /workspace/ran"),
+                        "request_id": id,
+                    }))
+                    .send()
+                    .await;
+                match resp {
+                    Ok(resp) if resp.status() == StatusCode::OK => {
+                        answered.lock().unwrap().push((replica, id));
+                    }
+                    Ok(_) => {}
+                    // The replica died under this request.
+                    Err(_) => break,
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    r.kill(0);
+    let at_kill = answered.lock().unwrap().iter().filter(|a| a.0 == 1).count();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let after = answered.lock().unwrap().iter().filter(|a| a.0 == 1).count();
+    assert!(
+        after > at_kill,
+        "the other replica stopped serving when one was killed ({at_kill} then {after})"
+    );
+    stop.cancel();
+    for c in clients {
+        let _ = c.await;
+    }
+    // The killed replica starts again and resolves what it left.
+    r.restart(0);
+    let mut ran: Vec<String> = vec![];
+    for lease in &leases {
+        let (st, v) = r.exec(1, lease, "cat /workspace/ran").await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        ran.extend(v["stdout"].as_str().unwrap().lines().map(str::to_string));
+    }
+    let events = r.assert_settled(1);
+    let unique: BTreeSet<&String> = ran.iter().collect();
+    assert_eq!(unique.len(), ran.len(), "an exec ran twice");
+    let intents: BTreeSet<&str> = events
+        .iter()
+        .filter(|e| e["action"] == "exec" && e["phase"] == "intent")
+        .filter_map(|e| e["request_id"].as_str())
+        .collect();
+    for id in &ran {
+        assert!(intents.contains(id.as_str()), "{id} ran without an intent");
+    }
+    let answered = answered.lock().unwrap();
+    for (_, id) in answered.iter() {
+        assert!(unique.contains(id), "{id} was answered 200 but did not run");
+    }
+    let status = r.cli(0, &["status", "--json"]);
+    let v: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(v["store"]["pending_intents"], 0, "{v}");
+    eprintln!(
+        "a replica SIGKILLed under load: {} execs answered, {} ran, {} intents resolved at its restart",
+        answered.len(),
+        ran.len(),
+        events
+            .iter()
+            .filter(|e| e["action"] == "audit_recover")
+            .count()
+    );
+}
+
+/// PostgreSQL going away makes the replicas answer 503 (`audit_unavailable`,
+/// nothing done); once it is back they serve again by themselves, with
+/// nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restart_gives_503_then_recovers() {
+    let pg = Postgres::start();
+    let r = Replicas::start(&pg, "").await;
+    let lease = r.acquire(0, "db-restart").await;
+    let (st, v) = r.exec(1, &lease, "echo before >> /workspace/ran").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    pg.stop();
+    for i in 0..2 {
+        let (st, v) = r.exec(i, &lease, "echo during >> /workspace/ran").await;
+        assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE, "replica {i}: {v}");
+        assert_eq!(crate::kit::code(&v), "audit_unavailable", "{v}");
+    }
+    pg.restart();
+    for i in 0..2 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let (st, v) = r
+                .exec(i, &lease, &format!("echo after{i} >> /workspace/ran"))
+                .await;
+            if st == StatusCode::OK {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "replica {i} still answers {st} {v} 20 s after the database came back"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+    let (st, v) = r.exec(0, &lease, "cat /workspace/ran").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["stdout"].as_str().unwrap(),
+        "before\nafter0\nafter1\n",
+        "what ran while the database was away"
+    );
+    r.assert_settled(0);
+}
