@@ -57,6 +57,7 @@ mod mcp;
 mod ops;
 mod sandboxes;
 mod serve;
+mod store;
 mod tokens;
 mod users;
 
@@ -246,6 +247,10 @@ pub enum Command {
     /// is given to what is restored.
     #[command(after_help = EXIT_CODES)]
     Restore(RestoreArgs),
+    /// The store: move it from the redb file to PostgreSQL, for several
+    /// replicas.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
 }
 
 /// The whole program: internal entry points, then the command line.
@@ -308,6 +313,7 @@ fn dispatch(command: Command) -> Exit {
         Command::Cert(CertCommand::Renew(a)) => ops::cert_renew(a),
         Command::Backup(a) => backup::backup(a),
         Command::Restore(a) => backup::restore(a),
+        Command::Store(store::StoreCommand::Migrate(a)) => store::migrate(a),
     }
 }
 

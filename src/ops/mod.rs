@@ -942,3 +942,74 @@ mod tests {
         );
     }
 }
+
+/// What `store migrate --to postgres` did.
+#[derive(Debug, Clone)]
+pub struct Migrated {
+    /// Events in the chain, its last `seq` and head, verified on both sides.
+    pub events: u64,
+    pub last_seq: u64,
+    pub head: String,
+    pub copied: crate::store::pg::copy::Copied,
+}
+
+/// Copy a stopped redb store into an empty PostgreSQL database: the chain
+/// is verified before, the copy is one transaction (nothing of it is left
+/// when it fails), and the chain is verified again in the database against
+/// the same events and head. The redb store is not changed.
+pub fn migrate_to_postgres(
+    store: &Store,
+    settings: &crate::store::pg::Settings,
+) -> Result<Migrated, String> {
+    use crate::store::pg::{self, PgTx, copy};
+    let (events, last_seq, head) = store
+        .read_now(crate::audit::verify_chain)
+        .map_err(|e| format!("the redb store's audit chain does not verify: {e}"))?;
+    let db = pg::Pg::connect(settings).map_err(|e| e.to_string())?;
+    pg::migrate(&db).map_err(|e| e.to_string())?;
+    let tx = PgTx::write(db.conn().map_err(|e| e.to_string())?);
+    let copied = (|| {
+        tx.lock_chain()?;
+        if !copy::is_empty(&tx)? {
+            return Err(crate::store::StoreError::Conflict(
+                "the database already holds a store: migrate into an empty database".into(),
+            ));
+        }
+        let chain = crate::store::Chain {
+            next_seq: last_seq + 1,
+            last_hash: head.clone(),
+        };
+        store.read_now(|rx| {
+            let t = rx.redb().ok_or_else(|| {
+                crate::store::StoreError::Unavailable("the source is not a redb store".into())
+            })?;
+            copy::copy(t, &tx, &chain)
+        })
+    })();
+    let copied = match copied {
+        Ok(c) => {
+            tx.finish(true)
+                .map_err(|e| format!("commit the copy: {e}"))?;
+            c
+        }
+        Err(e) => {
+            let _ = tx.finish(false);
+            return Err(e.to_string());
+        }
+    };
+    let rx = crate::store::Rx::Pg(PgTx::read(db.conn().map_err(|e| e.to_string())?));
+    let (e2, l2, h2) = crate::audit::verify_chain(&rx)
+        .map_err(|e| format!("the copy's audit chain does not verify in the database: {e}"))?;
+    if (e2, l2, &h2) != (events, last_seq, &head) {
+        return Err(format!(
+            "the copy's chain differs: {e2} events up to {l2} (head {h2}) in the database, \
+             {events} up to {last_seq} (head {head}) in the redb store"
+        ));
+    }
+    Ok(Migrated {
+        events,
+        last_seq,
+        head,
+        copied,
+    })
+}

@@ -46,38 +46,49 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
+/// The embedded backend (faithful) on plain HTTP in this process, for both
+/// replicas, and the `[backend]` section that names it.
+async fn shared_backend(
+    dir: &Path,
+) -> (
+    cube_adapter::embedded::Backend,
+    tokio_util::sync::CancellationToken,
+    String,
+) {
+    let mut s = crate::kit::backend::settings(dir);
+    s.faithful = Some(cube_adapter::embedded::sandbox::Faithful::default());
+    let backend = cube_adapter::embedded::Backend::open(s, None).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    backend.spawn_reaper(stop.clone());
+    let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = bl.local_addr().unwrap().port();
+    let app = backend.router();
+    tokio::spawn(async move { axum::serve(bl, app).await });
+    // CubeAPI and CubeProxy on one port: two names for it (the appliance
+    // refuses one URL for both).
+    let section = format!(
+        "[backend]\napi_url = \"http://127.0.0.1:{port}\"\nproxy_url = \"http://localhost:{port}\"\n\
+         domain = \"cube.test\"\ninsecure_plain_http = true\n\n"
+    );
+    (backend, stop, section)
+}
+
+/// `[store]` on `pg`.
+fn store_section(pg: &Postgres) -> String {
+    format!(
+        "[store]\nkind = \"postgres\"\nurl = \"{}?sslmode=disable\"\npassword_file = \"{}\"\n",
+        pg.url(),
+        pg.password_file().display()
+    )
+}
+
 impl Replicas {
     async fn start(pg: &Postgres, extra: &str) -> Self {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
-        // One backend both replicas create their sandboxes on.
-        let mut s = crate::kit::backend::settings(dir.path());
-        s.faithful = Some(cube_adapter::embedded::sandbox::Faithful::default());
-        let backend = cube_adapter::embedded::Backend::open(s, None).unwrap();
-        let stop = tokio_util::sync::CancellationToken::new();
-        backend.spawn_reaper(stop.clone());
-        let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = bl.local_addr().unwrap().port();
-        // The embedded backend serves CubeAPI and CubeProxy on one port:
-        // two names for it (the appliance refuses one URL for both).
-        let (burl, purl) = (
-            format!("http://127.0.0.1:{port}"),
-            format!("http://localhost:{port}"),
-        );
-        let app = backend.router();
-        tokio::spawn(async move { axum::serve(bl, app).await });
+        let (backend, stop, section) = shared_backend(dir.path()).await;
         let config = dir.path().join("config.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[backend]\napi_url = \"{burl}\"\nproxy_url = \"{purl}\"\ndomain = \"cube.test\"\n\
-                 insecure_plain_http = true\n\n[store]\nkind = \"postgres\"\n\
-                 url = \"{}?sslmode=disable\"\npassword_file = \"{}\"\n{extra}",
-                pg.url(),
-                pg.password_file().display()
-            ),
-        )
-        .unwrap();
+        std::fs::write(&config, format!("{section}{}{extra}", store_section(pg))).unwrap();
         let states = vec![dir.path().join("a"), dir.path().join("b")];
         let first = Proc::start(&states[0], &config, &[]).unwrap();
         std::fs::create_dir_all(&states[1]).unwrap();
@@ -473,4 +484,119 @@ async fn a_database_restart_gives_503_then_recovers() {
         "what ran while the database was away"
     );
     r.assert_settled(0);
+}
+
+/// `store migrate --to postgres`: a stopped appliance's redb store is
+/// copied into an empty database (the chain verified on both sides), the
+/// appliance then serves from the database with the same leases, tokens
+/// and journal; a second migration into the same database is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redb_store_moves_to_postgres_and_serves_from_it() {
+    cube_adapter::tls::install_default_provider();
+    let pg = Postgres::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (_backend, stop, section) = shared_backend(dir.path()).await;
+    let state = dir.path().join("state");
+    let config = dir.path().join("config.toml");
+    std::fs::write(&config, &section).unwrap();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(BIN)
+            .args(args)
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--config")
+            .arg(&config)
+            .output()
+            .unwrap()
+    };
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
+        .build()
+        .unwrap();
+    let admin = std::fs::read_to_string(state.join("admin.token"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let post = |url: String, body: Value| {
+        let (http, admin) = (http.clone(), admin.clone());
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(admin)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let st = r.status();
+            (st, r.json::<Value>().await.unwrap())
+        }
+    };
+    let acquire = json!({"runtime": "mcp", "session_key": "moved"});
+    let (st, v) = post(format!("{}/v1/leases/acquire", p.url), acquire.clone()).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let lease = v["lease_ref"].as_str().unwrap().to_string();
+    let (st, v) = post(
+        format!("{}/v1/leases/{lease}/exec", p.url),
+        json!({"command": "echo one >> /workspace/ran"}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    p.stop();
+
+    // [store] is still the redb file: refused.
+    let out = cli(&["store", "migrate", "--to", "postgres"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let before = cli(&["audit", "export"]);
+    assert!(before.status.success(), "{before:?}");
+    let before = String::from_utf8(before.stdout).unwrap();
+
+    std::fs::write(&config, format!("{section}{}", store_section(&pg))).unwrap();
+    let out = cli(&["store", "migrate", "--to", "postgres"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let events = before.lines().count();
+    assert!(
+        said.contains(&format!("copied {events} audit events")),
+        "{said}"
+    );
+    // The database holds a store now: a second copy is refused, and
+    // changes nothing.
+    let out = cli(&["store", "migrate", "--to", "postgres"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("already holds a store"),
+        "{out:?}"
+    );
+
+    // Served from the database: the same lease, its sandbox, the journal.
+    let p = Proc::start(&state, &config, &[]).unwrap();
+    let (st, v) = post(format!("{}/v1/leases/acquire", p.url), acquire).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["lease_ref"], lease.as_str(), "{v}");
+    let (st, v) = post(
+        format!("{}/v1/leases/{lease}/exec", p.url),
+        json!({"command": "cat /workspace/ran"}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["stdout"], "one\n");
+    let after = cli(&["audit", "export"]);
+    assert!(after.status.success(), "{after:?}");
+    let after = String::from_utf8(after.stdout).unwrap();
+    assert!(
+        after.starts_with(&before),
+        "the journal in the database does not begin with the redb store's"
+    );
+    assert!(after.lines().count() > events);
+    let out = cli(&["audit", "verify"]);
+    assert!(out.status.success(), "{out:?}");
+    p.stop();
+    stop.cancel();
+    crate::kit::end_sandboxes(&dir.path().join("embedded/sandboxes"));
 }

@@ -18,6 +18,7 @@
 //! are the same JSON bytes redb holds.
 
 pub mod conn;
+pub mod copy;
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -135,7 +136,11 @@ impl PgTx {
     }
 
     /// Run a statement in the transaction (beginning it with the first).
-    fn query(&self, sql: &str, params: &[P<'_>]) -> Result<Vec<tokio_postgres::Row>, StoreError> {
+    pub(crate) fn query(
+        &self,
+        sql: &str,
+        params: &[P<'_>],
+    ) -> Result<Vec<tokio_postgres::Row>, StoreError> {
         if self.failed.get() {
             return Err(StoreError::Unavailable(
                 "an earlier statement of this transaction failed".into(),
@@ -261,7 +266,7 @@ impl PgTx {
     }
 }
 
-fn corrupt(e: tokio_postgres::Error) -> StoreError {
+pub(crate) fn corrupt(e: tokio_postgres::Error) -> StoreError {
     StoreError::Corrupt(format!("postgres: a column has an unexpected type: {e}"))
 }
 
