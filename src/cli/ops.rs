@@ -312,6 +312,17 @@ fn print_status(v: &Value) {
             t("kind"),
         );
     }
+    if let Some(id) = v.pointer("/replica/id").and_then(Value::as_str) {
+        let bg = v.pointer("/replica/background").and_then(Value::as_bool) == Some(true);
+        println!(
+            "  replica:      {id} of a PostgreSQL store; {}",
+            if bg {
+                "runs the background work (GC, keepalive, audit delivery)"
+            } else {
+                "another replica runs the background work"
+            }
+        );
+    }
     println!(
         "  journal:      {} events, {} pending intents, {} uncertain outcomes{}",
         n("/store/audit_last_seq"),

@@ -589,6 +589,12 @@ impl Service {
             "backend": backend_doc,
             "backends": by_name,
             "store": store,
+            // A replica of a shared PostgreSQL store: its id, and whether
+            // it runs the background work now.
+            "replica": self.store.replica().map(|id| json!({
+                "id": id,
+                "background": *self.store.turn().borrow(),
+            })),
             "server_certificate": cert,
             "last_reload": self.reloader.last(),
         })
