@@ -88,8 +88,17 @@ pub fn minute_of(ts: &str) -> Option<u64> {
     u64::try_from(t.unix_timestamp().div_euclid(60)).ok()
 }
 
-/// Index one event (called by `Chain::append`, and by the schema 6 step
-/// for the events written before it).
+/// The index keys of an event (`Chain::append` hands them to the engine
+/// with the event).
+pub fn keys_of(ev: &Event) -> Vec<String> {
+    Field::ALL
+        .iter()
+        .filter_map(|f| f.of(ev).map(|v| key(*f, v)))
+        .collect()
+}
+
+/// Index one event (the schema 6 step, for the events written before it;
+/// `Chain::append` indexes through `WriteOps::append_event`).
 pub fn add(txn: &impl WriteOps, ev: &Event) -> Result<(), StoreError> {
     for f in Field::ALL {
         if let Some(v) = f.of(ev) {

@@ -114,8 +114,12 @@ impl Chain {
         ev.prev_hash = self.last_hash.clone();
         ev.hash = ev.compute_hash();
         let bytes = codec::encode(&ev)?;
-        txn.insert_event(ev.seq, &bytes)?;
-        audit_index::add(txn, &ev)?;
+        txn.append_event(
+            ev.seq,
+            &bytes,
+            &audit_index::keys_of(&ev),
+            audit_index::minute_of(&ev.ts),
+        )?;
         self.next_seq += 1;
         self.last_hash = ev.hash.clone();
         Ok(ev)
@@ -283,6 +287,17 @@ impl Store {
     /// store; every replica must have the same one (docs/operations.md,
     /// "Several replicas").
     pub fn open_postgres(state_dir: &Path, settings: &pg::Settings) -> Result<Self, StoreError> {
+        Self::open_postgres_with(state_dir, settings, MAX_BATCH)
+    }
+
+    /// As `open_postgres`, committing at most `max_batch` queued writes
+    /// together (benchmarks compare 1 with the default).
+    pub fn open_postgres_with(
+        state_dir: &Path,
+        settings: &pg::Settings,
+        max_batch: usize,
+    ) -> Result<Self, StoreError> {
+        let max_batch = max_batch.max(1);
         std::fs::create_dir_all(state_dir)
             .map_err(|e| StoreError::Io(format!("create {}: {e}", state_dir.display())))?;
         let sealer = Sealer::load_or_create(&state_dir.join("secret.key"))?;
@@ -350,7 +365,7 @@ impl Store {
         let seq_watch = seq_tx.clone();
         let handle = std::thread::Builder::new()
             .name("store-writer".into())
-            .spawn(move || writer(engine, rx, chain, weak, stats, MAX_BATCH, seq_tx))
+            .spawn(move || writer(engine, rx, chain, weak, stats, max_batch, seq_tx))
             .map_err(|e| StoreError::Io(format!("start writer: {e}")))?;
         if let Ok(mut w) = inner.writer.lock() {
             *w = Some(handle);

@@ -80,8 +80,32 @@ pub trait WriteOps: ReadOps {
     fn put_index(&self, table: Index, key: &str) -> Result<(), StoreError>;
     fn remove_index(&self, table: Index, key: &str) -> Result<(), StoreError>;
     fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
-    /// Store an encoded audit event (only `Chain::append` calls this).
+    /// Store an encoded audit event (only `Chain::append` and copies call
+    /// this).
     fn insert_event(&self, seq: u64, value: &[u8]) -> Result<(), StoreError>;
+    /// Append an event with its index entries (`audit_index`): its keys,
+    /// and the minute it is stamped in. `Chain::append` calls this; an
+    /// engine may do it in one statement.
+    fn append_event(
+        &self,
+        seq: u64,
+        value: &[u8],
+        keys: &[String],
+        minute: Option<u64>,
+    ) -> Result<(), StoreError> {
+        self.insert_event(seq, value)?;
+        for k in keys {
+            self.put_by(k, seq)?;
+        }
+        if let Some(m) = minute {
+            let span = match self.minute(m)? {
+                Some((lo, hi)) => (lo.min(seq), hi.max(seq)),
+                None => (seq, seq),
+            };
+            self.put_minute(m, span)?;
+        }
+        Ok(())
+    }
     fn put_pending(&self, op: &str, seq: u64) -> Result<(), StoreError>;
     fn remove_pending(&self, op: &str) -> Result<(), StoreError>;
     /// Index event `seq` under `key` (`audit_index`).
@@ -581,6 +605,18 @@ impl WriteOps for Wx {
         match self {
             Wx::Redb(t) => t.put_cursor(name, seq),
             Wx::Pg(t) => t.put_cursor(name, seq),
+        }
+    }
+    fn append_event(
+        &self,
+        seq: u64,
+        value: &[u8],
+        keys: &[String],
+        minute: Option<u64>,
+    ) -> Result<(), StoreError> {
+        match self {
+            Wx::Redb(t) => t.append_event(seq, value, keys, minute),
+            Wx::Pg(t) => t.append_event(seq, value, keys, minute),
         }
     }
 }

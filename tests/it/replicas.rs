@@ -84,18 +84,26 @@ fn store_section(pg: &Postgres) -> String {
 
 impl Replicas {
     async fn start(pg: &Postgres, extra: &str) -> Self {
+        Self::start_n(Some(pg), 2, extra).await
+    }
+
+    /// `n` replicas on `pg`, or (`None`) one process on a redb store.
+    async fn start_n(pg: Option<&Postgres>, n: usize, extra: &str) -> Self {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
         let (backend, stop, section) = shared_backend(dir.path()).await;
         let config = dir.path().join("config.toml");
-        std::fs::write(&config, format!("{section}{}{extra}", store_section(pg))).unwrap();
-        let states = vec![dir.path().join("a"), dir.path().join("b")];
-        let first = Proc::start(&states[0], &config, &[]).unwrap();
-        std::fs::create_dir_all(&states[1]).unwrap();
-        for f in SHARED {
-            copy_tree(&states[0].join(f), &states[1].join(f));
+        let store = pg.map(store_section).unwrap_or_default();
+        std::fs::write(&config, format!("{section}{store}{extra}")).unwrap();
+        let states: Vec<PathBuf> = (0..n).map(|i| dir.path().join(format!("r{i}"))).collect();
+        let mut procs = vec![Some(Proc::start(&states[0], &config, &[]).unwrap())];
+        for s in states.iter().skip(1) {
+            std::fs::create_dir_all(s).unwrap();
+            for f in SHARED {
+                copy_tree(&states[0].join(f), &s.join(f));
+            }
+            procs.push(Some(Proc::start(s, &config, &[]).unwrap()));
         }
-        let second = Proc::start(&states[1], &config, &[]).unwrap();
         let ca = std::fs::read(states[0].join("tls/ca.pem")).unwrap();
         let http = reqwest::Client::builder()
             .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
@@ -109,7 +117,7 @@ impl Replicas {
             dir,
             states,
             config,
-            procs: vec![Some(first), Some(second)],
+            procs,
             http,
             admin,
             backend,
@@ -122,7 +130,7 @@ impl Replicas {
     }
 
     fn addrs(&self) -> Vec<std::net::SocketAddr> {
-        (0..2)
+        (0..self.procs.len())
             .map(|i| self.url(i).trim_start_matches("https://").parse().unwrap())
             .collect()
     }
@@ -710,5 +718,151 @@ async fn background_work_runs_on_one_replica_and_moves_when_it_dies() {
             w[1] == w[0] + 1 || w[1] <= w[0],
             "a gap or a jump in the delivery: {w:?} in {got:?}"
         );
+    }
+}
+
+/// An empty database again (the service makes its tables at start).
+const FRESH: &str =
+    "DROP SCHEMA public CASCADE; CREATE SCHEMA public; GRANT ALL ON SCHEMA public TO cube";
+
+/// p50 and p99 of some durations, in ms.
+fn p50_p99(mut v: Vec<std::time::Duration>) -> (f64, f64) {
+    v.sort();
+    let at = |q: f64| {
+        let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+        v.get(i).map(|d| d.as_secs_f64() * 1e3).unwrap_or(0.0)
+    };
+    (at(0.5), at(0.99))
+}
+
+/// Benchmark, not a test (ignored: a minute or two, numbers rather than
+/// assertions): the PostgreSQL store next to redb. Group commit in this
+/// process; the audited exec's latency through one process; exec
+/// throughput of 16 agents through haproxy with redb, one replica and two.
+/// `cargo test --release --test it replicas::bench -- --ignored --nocapture`
+/// (docs/benchmarks.md, "PostgreSQL and replicas").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: minutes, and numbers rather than assertions"]
+async fn bench_postgres_next_to_redb() {
+    use std::time::{Duration, Instant};
+    let pg = Postgres::start();
+    // Group commit: 64 writers, 50 events each, as `bench audit`.
+    let settings = cube_adapter::store::pg::Settings {
+        url: format!("{}?sslmode=disable", pg.url()),
+        password_file: Some(pg.password_file()),
+        ..Default::default()
+    };
+    for (engine, batch) in [
+        ("redb", 512),
+        ("redb", 1),
+        ("postgres", 512),
+        ("postgres", 1),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = match engine {
+            "redb" => cube_adapter::store::Store::open_with(dir.path(), batch).unwrap(),
+            _ => {
+                pg.psql_in("cube", FRESH);
+                cube_adapter::store::Store::open_postgres_with(dir.path(), &settings, batch)
+                    .unwrap()
+            }
+        };
+        let t = Instant::now();
+        let mut tasks = vec![];
+        for w in 0..64 {
+            let s = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut took = vec![];
+                for e in 0..50 {
+                    let ev = cube_adapter::audit::event::Event {
+                        action: format!("w{w}e{e}"),
+                        ..Default::default()
+                    };
+                    let t = Instant::now();
+                    s.write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
+                        .await
+                        .unwrap();
+                    took.push(t.elapsed());
+                }
+                took
+            }));
+        }
+        let mut all = vec![];
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let cs = store.commit_stats();
+        let (p50, p99) = p50_p99(all.clone());
+        eprintln!(
+            "BENCH group commit {engine} batch {batch}: {:.0} events/s, {:.1} events/commit, \
+             write p50 {p50:.2} ms p99 {p99:.2} ms",
+            all.len() as f64 / secs,
+            cs.writes as f64 / cs.commits.max(1) as f64
+        );
+        store.close().await;
+    }
+
+    // Through serve processes: redb; one replica; two replicas.
+    for (name, with_pg, n) in [
+        ("redb, one process", false, 1),
+        ("postgres, one replica", true, 1),
+        ("postgres, two replicas", true, 2),
+    ] {
+        if with_pg {
+            pg.psql_in("cube", FRESH);
+        }
+        let r = Replicas::start_n(with_pg.then_some(&pg), n, "").await;
+        let lb = Haproxy::start_tcp(&r.addrs());
+        let front = format!("https://127.0.0.1:{}", lb.port);
+        let mut leases = vec![];
+        for i in 0..8 {
+            leases.push(r.acquire(i % n, &format!("bench-{i}")).await);
+        }
+        // The audited exec, one agent, one process.
+        for _ in 0..20 {
+            r.exec(0, &leases[0], "true").await;
+        }
+        let mut took = vec![];
+        for _ in 0..300 {
+            let t = Instant::now();
+            let (st, _) = r.exec(0, &leases[0], "true").await;
+            assert_eq!(st, StatusCode::OK);
+            took.push(t.elapsed());
+        }
+        let (p50, p99) = p50_p99(took);
+        // Throughput: 16 agents on 8 leases for 8 s, through haproxy.
+        let stop_at = Instant::now() + Duration::from_secs(8);
+        let mut tasks = vec![];
+        for c in 0..16 {
+            let (http, admin, url) = (r.http.clone(), r.admin.clone(), front.clone());
+            let lease = leases[c % leases.len()].clone();
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < stop_at {
+                    let ok = http
+                        .post(format!("{url}/v1/leases/{lease}/exec"))
+                        .bearer_auth(&admin)
+                        .json(&json!({"command": "true"}))
+                        .send()
+                        .await
+                        .map(|r| r.status() == StatusCode::OK)
+                        .unwrap_or(false);
+                    n += u64::from(ok);
+                }
+                n
+            }));
+        }
+        let mut done = 0;
+        for t in tasks {
+            done += t.await.unwrap();
+        }
+        eprintln!(
+            "BENCH {name}: exec p50 {p50:.2} ms p99 {p99:.2} ms (one agent); \
+             {:.0} execs/s (16 agents through haproxy)",
+            done as f64 / 8.0
+        );
+        drop(lb);
+        drop(r);
     }
 }

@@ -496,6 +496,30 @@ impl WriteOps for PgTx {
         )
     }
 
+    /// One statement, one round trip: the event, its index keys, its
+    /// minute's span.
+    fn append_event(
+        &self,
+        seq: u64,
+        value: &[u8],
+        keys: &[String],
+        minute: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let minute = minute.map(int).transpose()?;
+        self.exec(
+            "WITH e AS (INSERT INTO cube_audit (seq, event) VALUES ($1, $2)),
+                  b AS (INSERT INTO cube_audit_by (k, seq)
+                        SELECT k, $1 FROM unnest($3::bytea[]) AS k ON CONFLICT DO NOTHING)
+             INSERT INTO cube_audit_minutes (minute, lo, hi)
+             SELECT $4, $1, $1 WHERE $4::bigint IS NOT NULL
+             ON CONFLICT (minute) DO UPDATE
+               SET lo = least(cube_audit_minutes.lo, EXCLUDED.lo),
+                   hi = greatest(cube_audit_minutes.hi, EXCLUDED.hi)",
+            &[&int(seq)?, &value, &keys, &minute],
+        )
+    }
+
     fn put_pending(&self, op: &str, seq: u64) -> Result<(), StoreError> {
         let replica = self.replica.as_deref();
         self.exec(
