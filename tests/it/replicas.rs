@@ -63,7 +63,14 @@ async fn shared_backend(
     let bl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = bl.local_addr().unwrap().port();
     let app = backend.router();
-    tokio::spawn(async move { axum::serve(bl, app).await });
+    // The appliance's own server (TCP_NODELAY: no delayed-ACK stalls
+    // between the replicas and the backend).
+    tokio::spawn(cube_adapter::server::serve(
+        bl,
+        app,
+        None,
+        std::future::pending(),
+    ));
     // CubeAPI and CubeProxy on one port: two names for it (the appliance
     // refuses one URL for both).
     let section = format!(
