@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 
-use super::common::{Access, Common, access, runtime, socket_each};
+use super::common::{Access, Common, access, access_config, runtime, socket_each};
 use super::{EXIT_CODES, Exit};
 use crate::admin::{self, Request, Response};
 
@@ -90,11 +90,11 @@ pub struct ReceiptVerifyArgs {
 }
 
 pub fn verify(args: AuditVerifyArgs) -> Exit {
-    let state = match args.common.state_dir() {
-        Ok(s) => s,
+    let cfg = match args.common.load() {
+        Ok(c) => c,
         Err(c) => return c,
     };
-    let r = match access(&state) {
+    let r = match access_config(&cfg) {
         Err(c) => return c,
         Ok(Access::Socket(p)) => match admin::call(&p, &Request::AuditVerify) {
             Ok(out) => match out.into_iter().next() {
@@ -198,7 +198,7 @@ pub fn reconcile(args: AuditReconcileArgs) -> Exit {
         Ok(c) => c,
         Err(c) => return c,
     };
-    let store = match access(&cfg.state_dir) {
+    let store = match access_config(&cfg) {
         Err(c) => return c,
         Ok(Access::Socket(_)) => {
             eprintln!(

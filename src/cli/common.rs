@@ -93,6 +93,30 @@ pub enum Access {
     Socket(PathBuf),
 }
 
+/// As `access`, for the store the configuration names: a PostgreSQL one
+/// (`[store] kind = "postgres"`) is opened in its database when the
+/// service is stopped (as this state directory's replica).
+pub fn access_config(cfg: &crate::config::Config) -> Result<Access, Exit> {
+    let state = &cfg.state_dir;
+    let Some(settings) = cfg.store.postgres() else {
+        return access(state);
+    };
+    if let Reach::Running(sock) = reach(state) {
+        return Ok(Access::Socket(sock));
+    }
+    match Store::open_postgres(state, &settings) {
+        Ok(s) => Ok(Access::Store(s)),
+        Err(StoreError::Locked(m)) => {
+            eprintln!("error: {m}");
+            Err(Exit::State)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(Exit::Store)
+        }
+    }
+}
+
 /// Opens the store; while the service holds it, its admin socket instead.
 pub fn access(state: &Path) -> Result<Access, Exit> {
     // A running service first: a replica of a PostgreSQL store has no
@@ -102,7 +126,8 @@ pub fn access(state: &Path) -> Result<Access, Exit> {
     }
     if !state.join("state.redb").exists() {
         eprintln!(
-            "error: no store at {} (has the service ever started? check --state-dir)",
+            "error: no store at {} (has the service ever started? check --state-dir; \
+             a PostgreSQL store is reached through its running service)",
             state.display()
         );
         return Err(Exit::State);

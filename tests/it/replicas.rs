@@ -350,6 +350,18 @@ impl Replicas {
         events
     }
 
+    /// `GET /readyz` of replica `i`.
+    async fn ready(&self, i: usize) -> (StatusCode, Value) {
+        let resp = self
+            .http
+            .get(format!("{}/readyz", self.url(i)))
+            .send()
+            .await
+            .unwrap();
+        let st = resp.status();
+        (st, resp.json().await.unwrap())
+    }
+
     /// `exec` on a lease through replica `i`.
     async fn exec(&self, i: usize, lease: &str, command: &str) -> (StatusCode, Value) {
         self.post(
@@ -872,4 +884,77 @@ async fn bench_postgres_next_to_redb() {
         drop(lb);
         drop(r);
     }
+}
+
+/// With `on_crash = "block"`, a replica that crashed between an intent and
+/// its outcome blocks when it starts again (readiness 503, no sandbox
+/// effect) while the other serves on; `audit reconcile` (offline, as on
+/// one host: that replica stopped, the other still serving) settles the
+/// intent in the shared journal, and it serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_replica_blocks_until_reconciled_while_the_other_serves() {
+    let pg = Postgres::start();
+    let mut r = Replicas::start(&pg, "\n[audit]\non_crash = \"block\"\n").await;
+    let lease = r.acquire(1, "blocked").await;
+    // Replica 0 again, dying right after it commits an exec intent.
+    r.procs[0].take().unwrap().stop();
+    r.procs[0] = Some(
+        Proc::start(
+            &r.states[0],
+            &r.config,
+            &[("CUBE_ADAPTER_FAILPOINT", "after_intent")],
+        )
+        .unwrap(),
+    );
+    let died = r
+        .http
+        .post(format!("{}/v1/leases/{lease}/exec", r.url(0)))
+        .bearer_auth(&r.admin)
+        .json(&json!({"command": "echo never-runs > /workspace/proof"}))
+        .send()
+        .await;
+    assert!(died.is_err(), "replica 0 should have died mid-request");
+    r.procs[0].take().unwrap().child.wait().unwrap();
+    let (st, v) = r.exec(1, &lease, "true").await;
+    assert_eq!(st, StatusCode::OK, "the other replica: {v}");
+
+    r.restart(0);
+    let (st, v) = r.ready(0).await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    assert_eq!(v["checks"]["audit"], "reconciliation_required", "{v}");
+    let (st, v) = r.exec(0, &lease, "true").await;
+    assert_eq!(st, StatusCode::SERVICE_UNAVAILABLE, "{v}");
+    let (st, v) = r.ready(1).await;
+    assert_eq!(st, StatusCode::OK, "the other replica is not blocked: {v}");
+    let (st, v) = r.exec(1, &lease, "true").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    // Reconcile works offline, as on one host: replica 0 stopped (the
+    // other serving), its intents settled in the shared journal.
+    let note = ["audit", "reconcile", "--note", "checked: it never ran"];
+    let out = r.cli(0, &note);
+    assert_eq!(out.status.code(), Some(3), "refused while it runs: {out:?}");
+    r.procs[0].take().unwrap().stop();
+    let out = r.cli(0, &note);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    r.restart(0);
+    let (st, v) = r.ready(0).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (st, v) = r
+        .exec(0, &lease, "cat /workspace/proof 2>/dev/null || echo absent")
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["stdout"], "absent\n");
+    let events = r.assert_settled(1);
+    assert!(
+        events
+            .iter()
+            .any(|e| e["phase"] == "outcome" && e["outcome"] == "reconciled"),
+        "no reconciled outcome in the shared journal"
+    );
 }
