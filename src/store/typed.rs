@@ -369,6 +369,35 @@ impl WriteOps for WriteTransaction {
         self.open_table(tables::SINK_CURSORS)?.insert(name, seq)?;
         Ok(())
     }
+
+    /// Each table opened once for the event (the hot path of every write).
+    fn append_event(
+        &self,
+        seq: u64,
+        value: &[u8],
+        keys: &[String],
+        minute: Option<u64>,
+    ) -> Result<(), StoreError> {
+        self.open_table(tables::AUDIT)?.insert(seq, value)?;
+        {
+            let mut by = self.open_table(tables::AUDIT_BY)?;
+            for k in keys {
+                by.insert((k.as_str(), seq), ())?;
+            }
+        }
+        if let Some(m) = minute {
+            let mut mins = self.open_table(tables::AUDIT_MINUTES)?;
+            let span = match mins.get(m)? {
+                Some(v) => {
+                    let (lo, hi) = v.value();
+                    (lo.min(seq), hi.max(seq))
+                }
+                None => (seq, seq),
+            };
+            mins.insert(m, span)?;
+        }
+        Ok(())
+    }
 }
 
 /// A read transaction.
