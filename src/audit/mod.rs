@@ -136,8 +136,14 @@ impl Journal {
 
     /// Count an operation's event (and time an effect's, from its intent).
     fn observe(&self, ev: &Event, took: Option<std::time::Duration>) {
+        /// A label's value: a value recorded as its digest (a caller's
+        /// name that was not valid) is one label, not one per value.
         fn opt(v: &Option<String>) -> &str {
-            v.as_deref().unwrap_or("")
+            match v.as_deref() {
+                None => "",
+                Some(s) if s.starts_with(event::UNSHAPED_PREFIX) || !event::fits(s) => "(invalid)",
+                Some(s) => s,
+            }
         }
         self.metrics.operations.inc([
             ev.action.as_str(),

@@ -96,7 +96,7 @@ impl Broker {
     ) -> Result<dto::CheckpointList> {
         let ev = self.event(p, "checkpoint_list", ctx);
         self.authorize(p, "checkpoint:list", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         Ok(dto::CheckpointList {
             checkpoints: self.checkpoints_summary(&l)?,
             executor: self.executor(&l.backend),
@@ -136,7 +136,7 @@ impl Broker {
         }
         let ev = self.event(p, "checkpoint_create", ctx);
         self.authorize(p, "checkpoint:create", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
             .await?;
         let (l, lock) = self.relock(p, l).await?;
@@ -191,7 +191,7 @@ impl Broker {
     ) -> Result<dto::RollbackResponse> {
         let ev = self.event(p, "checkpoint_rollback", ctx);
         self.authorize(p, "checkpoint:rollback", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_rollback")
             .await?;
         let (l, lock) = self.relock(p, l).await?;
@@ -238,7 +238,7 @@ impl Broker {
     ) -> Result<dto::CheckpointDeleted> {
         let ev = self.event(p, "checkpoint_delete", ctx);
         self.authorize(p, "checkpoint:delete", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         let (l, lock) = self.relock(p, l).await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let (l, ()) = self
@@ -290,7 +290,7 @@ impl Broker {
         }
         let ev = self.event(p, "checkpoint_fork", ctx);
         self.authorize(p, "checkpoint:fork", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         self.checkpoint_gate(p, ctx, &l, "checkpoint_fork").await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
         let mut ev = self.lease_event(p, "checkpoint_fork", ctx, &l);

@@ -397,7 +397,14 @@ impl Broker {
 
     /// The job and its lease, if the principal may see them; otherwise
     /// exactly what a missing job answers.
-    async fn owned_job(&self, p: &Principal, job_ref: &str) -> Result<(Job, Lease)> {
+    /// Its lease's profile and runtime must be the identity's too
+    /// ([`Broker::usable`]; a refusal is recorded with `ev`).
+    async fn owned_job(
+        &self,
+        p: &Principal,
+        job_ref: &str,
+        ev: &crate::audit::event::Event,
+    ) -> Result<(Job, Lease)> {
         let missing = || Error::new(Code::JobNotFound, "no such job");
         if !valid_ref(job_ref, "job") {
             return Err(missing());
@@ -409,6 +416,7 @@ impl Broker {
             .await?
             .filter(|l| l.visible_to(p))
             .ok_or_else(missing)?;
+        self.usable(p, &lease, ev).await?;
         Ok((job, lease))
     }
 
@@ -461,7 +469,7 @@ impl Broker {
             .await?;
         let ev = self.event(p, "job_start", ctx);
         self.authorize(p, "job:start", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         // One start at a time per lease: the quota check and the record are
         // under the lease's lock until the outcome is committed.
         let (l, lock) = self.relock(p, l).await?;
@@ -602,7 +610,7 @@ impl Broker {
         };
         let ev = self.event(p, action, ctx);
         self.authorize(p, scope, &ev).await?;
-        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
         let (lease, (job, pr)) = self
             .effect_on(
@@ -650,7 +658,7 @@ impl Broker {
         let max = max.min(MAX_CHUNK);
         let ev = self.event(p, "job_output", ctx);
         self.authorize(p, "job:output", &ev).await?;
-        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
         let (lease, (job, pr, from)) = self
             .effect_on(
@@ -822,7 +830,7 @@ impl Broker {
     pub async fn cancel_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<JobAnswer> {
         let ev = self.event(p, "job_cancel", ctx);
         self.authorize(p, "job:cancel", &ev).await?;
-        let (job, lease) = self.owned_job(p, job_ref).await?;
+        let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
         let (lease, job) = self
             .effect_on(

@@ -234,7 +234,14 @@ impl Broker {
 
     /// The PTY and its lease, if the principal may see them; otherwise
     /// exactly what a missing PTY answers.
-    async fn owned_pty(&self, p: &Principal, pty_ref: &str) -> Result<(Pty, Lease)> {
+    /// Its lease's profile and runtime must be the identity's too
+    /// ([`Broker::usable`]; a refusal is recorded with `ev`).
+    async fn owned_pty(
+        &self,
+        p: &Principal,
+        pty_ref: &str,
+        ev: &crate::audit::event::Event,
+    ) -> Result<(Pty, Lease)> {
         let missing = || Error::new(Code::PtyNotFound, "no such PTY");
         if !valid_ref(pty_ref, "pty") {
             return Err(missing());
@@ -246,6 +253,7 @@ impl Broker {
             .await?
             .filter(|l| l.visible_to(p))
             .ok_or_else(missing)?;
+        self.usable(p, &lease, ev).await?;
         Ok((pty, lease))
     }
 
@@ -275,7 +283,7 @@ impl Broker {
         };
         let ev = self.event(p, "pty_create", ctx);
         self.authorize(p, "pty:create", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         if !self.profile(&l.profile).is_some_and(|pr| pr.ptys_enabled) {
             return Err(self
                 .reject(
@@ -417,7 +425,7 @@ impl Broker {
     pub async fn pty_status(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<PtyAnswer> {
         let ev = self.event(p, "pty_status", ctx);
         self.authorize(p, "pty:status", &ev).await?;
-        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
         Ok(PtyAnswer::new(
             &pty,
             self.executor(&l.backend),
@@ -442,7 +450,7 @@ impl Broker {
     {
         let ev = self.event(p, action, ctx);
         self.authorize(p, scope, &ev).await?;
-        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
         let (l, pty) = self
             .effect_on(
                 p,
@@ -594,7 +602,7 @@ impl Broker {
     ) -> Result<(Pty, String, Option<Arc<Hub>>)> {
         let ev = self.event(p, "pty_events", ctx);
         self.authorize(p, "pty:events", &ev).await?;
-        let (pty, l) = self.owned_pty(p, pty_ref).await?;
+        let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
         let mut ev = self.lease_event(p, "pty_events", ctx, &l);
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
@@ -619,7 +627,7 @@ impl Broker {
     ) -> Result<dto::PtyOutput> {
         let ev = self.event(p, "pty_output", ctx);
         self.authorize(p, "pty:events", &ev).await?;
-        let (_, l) = self.owned_pty(p, pty_ref).await?;
+        let (_, l) = self.owned_pty(p, pty_ref, &ev).await?;
         let mut ev = self.lease_event(p, "pty_output", ctx, &l);
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;

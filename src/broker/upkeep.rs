@@ -107,7 +107,7 @@ impl Broker {
         }
         let ev = self.event(p, "renew", ctx);
         self.authorize(p, "lease:renew", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         let Some(prof) = self.profile(&l.profile) else {
             return Err(Broker::profile_gone(&l));
         };
@@ -174,7 +174,7 @@ impl Broker {
     ) -> Result<dto::LeaseRecovery> {
         let ev = self.event(p, "lease_recover", ctx);
         self.authorize(p, "lease:status", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         let state = match self.ready_client(&l.backend)?.get(&l.sandbox_id).await {
             Ok(d) => LeaseState::from(d.state),
             Err(e) if e.kind == ErrorKind::NotFound => LeaseState::Gone,

@@ -306,8 +306,15 @@ fn print_status(v: &Value) {
             ),
             None => t("state").to_string(),
         };
+        let quarantined = match sink.get("quarantined").and_then(Value::as_u64) {
+            Some(n) if n > 0 => format!(
+                "; {n} quarantined (refused by the receiver even alone, skipped; last {})",
+                t("last_quarantined")
+            ),
+            _ => String::new(),
+        };
         println!(
-            "  audit sink:   {} ({}): {state}, {lag} events behind",
+            "  audit sink:   {} ({}): {state}, {lag} events behind{quarantined}",
             t("name"),
             t("kind"),
         );

@@ -111,3 +111,237 @@ impl Event {
         hex::encode(h.finalize())
     }
 }
+
+/// The most bytes any text field of an event holds (`docs/security.md`,
+/// "What one caller can do to the appliance"). Every field the appliance
+/// writes itself (ids, refs, names, digests, codes, timestamps) fits well
+/// within it; only a caller's value that was never validated could not.
+pub const FIELD_MAX: usize = 128;
+
+/// How a value that is too long or not printable ASCII is kept instead:
+/// `~sha256:<first 32 hex of its SHA-256>:<its length in bytes>`.
+pub const UNSHAPED_PREFIX: &str = "~sha256:";
+
+/// A value that does not fit an event, as it is recorded: its digest and
+/// length, never itself.
+pub fn unshaped(value: &str) -> String {
+    let d = hex::encode(sha2::Sha256::digest(value.as_bytes()));
+    let head = d.get(..32).unwrap_or(&d);
+    format!("{UNSHAPED_PREFIX}{head}:{}", value.len())
+}
+
+/// Whether a value may be recorded as it is: at most [`FIELD_MAX`] bytes of
+/// printable ASCII without spaces (nothing to hide, reorder or wrap).
+pub fn fits(value: &str) -> bool {
+    value.len() <= FIELD_MAX && value.bytes().all(|b| b.is_ascii_graphic())
+}
+
+impl Event {
+    /// Every text field within its bound: a value that does not [`fits`] is
+    /// replaced by its [`unshaped`] form. `Chain::append` applies this to
+    /// every event before it is hashed, stored or indexed, so no caller can
+    /// make the journal, its indexes or its sinks' messages large.
+    pub fn bound(&mut self) {
+        let Event {
+            seq: _,
+            event_id,
+            ts,
+            operation_id,
+            phase,
+            action,
+            outcome,
+            runtime,
+            tenant_digest,
+            identity_digest,
+            issuer_digest,
+            session_digest,
+            profile,
+            backend,
+            request_id,
+            lease_ref,
+            sandbox_ref,
+            duration_ms: _,
+            command_digest,
+            path_digest,
+            destination_digest,
+            content_sha256,
+            bytes: _,
+            exit_code: _,
+            reused: _,
+            release_action,
+            job_ref,
+            checkpoint_ref,
+            error_code,
+            note_digest,
+            fork_lease_ref,
+            plan_ref,
+            task_ref,
+            task_template,
+            parameters_digest,
+            decision,
+            reason_digest,
+            approver_digest,
+            task_state,
+            cleanup,
+            prev_hash,
+            hash,
+        } = self;
+        for v in [event_id, ts, phase, action, outcome, prev_hash, hash] {
+            if !fits(v) {
+                *v = unshaped(v);
+            }
+        }
+        for v in [
+            operation_id,
+            runtime,
+            tenant_digest,
+            identity_digest,
+            issuer_digest,
+            session_digest,
+            profile,
+            backend,
+            request_id,
+            lease_ref,
+            sandbox_ref,
+            command_digest,
+            path_digest,
+            destination_digest,
+            content_sha256,
+            release_action,
+            job_ref,
+            checkpoint_ref,
+            error_code,
+            note_digest,
+            fork_lease_ref,
+            plan_ref,
+            task_ref,
+            task_template,
+            parameters_digest,
+            decision,
+            reason_digest,
+            approver_digest,
+            task_state,
+            cleanup,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !fits(v) {
+                *v = unshaped(v);
+            }
+        }
+    }
+
+    /// The largest an event can be once [`Event::bound`]: every text field
+    /// at [`FIELD_MAX`], as JSON (with its names and the numbers at their
+    /// widest). A unit test checks a full event against it.
+    pub const MAX_JSON: usize = 48 * (FIELD_MAX + 32);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_that_does_not_fit_is_kept_as_its_digest_and_length() {
+        let huge = "x".repeat(4 << 20);
+        let mut ev = Event {
+            runtime: Some(huge.clone()),
+            profile: Some("net\u{202e}code".into()),
+            backend: Some("with space".into()),
+            lease_ref: Some("lease_0123456789abcdef".into()),
+            error_code: Some("reconciled:exec".into()),
+            ..Default::default()
+        };
+        ev.bound();
+        let runtime = ev.runtime.clone().unwrap_or_default();
+        assert!(runtime.starts_with(UNSHAPED_PREFIX), "{runtime}");
+        assert!(runtime.ends_with(&format!(":{}", huge.len())), "{runtime}");
+        assert!(fits(&runtime));
+        assert_eq!(runtime, unshaped(&huge));
+        assert!(
+            ev.profile
+                .as_deref()
+                .is_some_and(|p| p.starts_with(UNSHAPED_PREFIX))
+        );
+        assert!(
+            ev.backend
+                .as_deref()
+                .is_some_and(|p| p.starts_with(UNSHAPED_PREFIX))
+        );
+        // What the appliance writes itself is kept as it is.
+        assert_eq!(ev.lease_ref.as_deref(), Some("lease_0123456789abcdef"));
+        assert_eq!(ev.error_code.as_deref(), Some("reconciled:exec"));
+        // Bounding twice changes nothing.
+        let once = ev.clone();
+        ev.bound();
+        assert_eq!(ev, once);
+    }
+
+    #[test]
+    fn a_bound_event_at_its_widest_stays_under_max_json() {
+        let wide = "y".repeat(FIELD_MAX + 1);
+        let mut ev = Event {
+            seq: u64::MAX,
+            duration_ms: Some(u64::MAX),
+            bytes: Some(u64::MAX),
+            exit_code: Some(i32::MIN),
+            reused: Some(false),
+            ..Default::default()
+        };
+        let mut v = serde_json::to_value(&ev).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            for (_, f) in o.iter_mut() {
+                if !f.is_number() && !f.is_boolean() {
+                    *f = serde_json::Value::String(wide.clone());
+                }
+            }
+            for k in [
+                "operation_id",
+                "runtime",
+                "tenant_digest",
+                "identity_digest",
+                "issuer_digest",
+                "session_digest",
+                "profile",
+                "backend",
+                "request_id",
+                "lease_ref",
+                "sandbox_ref",
+                "command_digest",
+                "path_digest",
+                "destination_digest",
+                "content_sha256",
+                "release_action",
+                "job_ref",
+                "checkpoint_ref",
+                "error_code",
+                "note_digest",
+                "fork_lease_ref",
+                "plan_ref",
+                "task_ref",
+                "task_template",
+                "parameters_digest",
+                "decision",
+                "reason_digest",
+                "approver_digest",
+                "task_state",
+                "cleanup",
+            ] {
+                o.insert(k.into(), serde_json::Value::String(wide.clone()));
+            }
+        }
+        ev = serde_json::from_value(v).unwrap_or_default();
+        assert!(
+            ev.runtime.is_some() && ev.cleanup.is_some(),
+            "every field set"
+        );
+        ev.bound();
+        ev.prev_hash = "0".repeat(64);
+        ev.hash = "0".repeat(64);
+        let len = serde_json::to_vec(&ev)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        assert!(len < Event::MAX_JSON, "{len} >= {}", Event::MAX_JSON);
+    }
+}

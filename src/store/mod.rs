@@ -109,7 +109,10 @@ pub struct Chain {
 
 impl Chain {
     /// Append an event: assign its sequence number and chain hash, insert it.
+    /// Every field is bounded first (`Event::bound`): the event, its index
+    /// keys and what the sinks send stay small whatever a caller sent.
     pub fn append(&mut self, txn: &Wx, mut ev: Event) -> Result<Event, StoreError> {
+        ev.bound();
         ev.seq = self.next_seq;
         ev.prev_hash = self.last_hash.clone();
         ev.hash = ev.compute_hash();

@@ -10,6 +10,7 @@
     clippy::indexing_slicing
 )]
 
+mod abuse;
 mod appliance;
 mod backends;
 mod client_ca;

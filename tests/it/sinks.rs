@@ -84,6 +84,9 @@ const OK: u8 = 0;
 const FLAKY: u8 = 1;
 /// Requests are read and never answered.
 const HANG: u8 = 2;
+/// A body carrying a value recorded as its digest (`~sha256:`) is refused
+/// with 413, as a collector with a size limit refuses what it cannot take.
+const REFUSE_DIGESTS: u8 = 3;
 
 /// An HTTP collector on 127.0.0.1: it checks each batch's headers (the
 /// token, the HMAC of the body, the sequence range) and records the events
@@ -121,6 +124,9 @@ async fn collect(
             return axum::http::StatusCode::OK;
         }
         FLAKY if n % 2 == 0 => return axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        REFUSE_DIGESTS if String::from_utf8_lossy(&body).contains("~sha256:") => {
+            return axum::http::StatusCode::PAYLOAD_TOO_LARGE;
+        }
         _ => {}
     }
     let h = |k: &str| {
@@ -316,6 +322,69 @@ fn sink_status(v: &Value, name: &str) -> Value {
 }
 
 // ------------------------------------------------------------------- tests
+
+/// A collector that refuses (413) every batch holding one kind of event:
+/// the sink splits the batch, delivers the others one at a time, skips the
+/// one the collector refuses even alone (quarantined: `status` counts it
+/// and names it), and goes on with what comes after; nothing is
+/// delivered twice out of order and nothing else is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_the_receiver_refuses_is_quarantined_and_delivery_goes_on() {
+    let c = Collector::start(0).await;
+    c.mode.store(REFUSE_DIGESTS, Ordering::SeqCst);
+    let secrets = tempfile::tempdir().unwrap();
+    let sinks = sinks_of(&http_sink_toml(secrets.path(), &c.url()));
+    let s = Server::start_with(move |cfg| cfg.audit.sinks = sinks).await;
+    traffic(&s, "before", 3).await;
+    // Two refused acquires: their `runtime` is recorded as a digest.
+    for _ in 0..2 {
+        let (st, _) = s
+            .post(
+                &s.admin,
+                "/v1/leases/acquire",
+                json!({"runtime": "r".repeat(4 << 20), "session_key": "s"}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST);
+    }
+    traffic(&s, "after", 3).await;
+    let journal = ids(&s.journal());
+    let refused: Vec<(u64, String)> = s
+        .journal()
+        .lines()
+        .filter(|l| l.contains("~sha256:"))
+        .map(|l| ids(l).remove(0))
+        .collect();
+    assert_eq!(refused.len(), 2);
+    let head = journal.last().unwrap().0;
+    let cfg = s.empty_config();
+    until(30, "the sink is past the refused events", || async {
+        sink_status(&status(&s.state, &cfg), "collector")["lag"] == 0
+    })
+    .await;
+    let got = deduped(&c.events());
+    let want: Vec<(u64, String)> = journal
+        .iter()
+        .filter(|e| !refused.contains(e))
+        .cloned()
+        .collect();
+    assert_prefix(&got, &want);
+    assert!(got.last().unwrap().0 >= head);
+    let v = sink_status(&status(&s.state, &cfg), "collector");
+    assert_eq!(v["quarantined"], 2, "{v}");
+    assert_eq!(v["state"], "ok", "{v}");
+    let last = v["last_quarantined"].as_str().unwrap();
+    assert!(
+        last.starts_with(&format!("event {}:", refused[1].0)) && last.contains("413"),
+        "{v}"
+    );
+    // The operator's `status` says so in words.
+    let out = s.cli(&["status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 quarantined"), "{text}");
+    c.assert_clean();
+    s.stop().await;
+}
 
 /// A collector that fails half its requests and then goes away for a
 /// while: once it is back, every event of the journal reached it at least

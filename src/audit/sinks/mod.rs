@@ -27,7 +27,7 @@ use crate::store::{ReadOps, WriteOps};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use self::outputs::Output;
+use self::outputs::{Failure, Output};
 use crate::audit::event::Event;
 use crate::audit::sinks::def::{From, SinkDef};
 use crate::store::{Store, StoreError};
@@ -55,6 +55,9 @@ struct Progress {
     consecutive: AtomicU64,
     last_error: std::sync::Mutex<Option<String>>,
     last_delivery: std::sync::Mutex<Option<String>>,
+    /// Events the receiver refused even alone, skipped.
+    quarantined: AtomicU64,
+    last_quarantined: std::sync::Mutex<Option<String>>,
 }
 
 /// One sink's state, as reported.
@@ -74,6 +77,12 @@ pub struct SinkStatus {
     pub consecutive_failures: u64,
     pub last_error: Option<String>,
     pub last_delivery_at: Option<String>,
+    /// Events the receiver refused even when sent alone (a datagram too
+    /// long for the socket, HTTP 413), skipped so that the sink goes on;
+    /// since the service started. `audit export --since` gives them.
+    pub quarantined: u64,
+    /// The last one: its `seq` and why.
+    pub last_quarantined: Option<String>,
     /// `ok`, `behind` (lagging, no failure), or `failing`.
     pub state: &'static str,
 }
@@ -260,6 +269,12 @@ impl Worker {
                 .lock()
                 .unwrap_or_else(|x| x.into_inner())
                 .clone(),
+            quarantined: p.quarantined.load(Ordering::Relaxed),
+            last_quarantined: p
+                .last_quarantined
+                .lock()
+                .unwrap_or_else(|x| x.into_inner())
+                .clone(),
             state: if consecutive > 0 {
                 "failing"
             } else if lag > 0 {
@@ -322,6 +337,10 @@ impl Run {
         let mut last_persist = Instant::now();
         let mut backoff = FIRST_BACKOFF;
         let mut lingered = false;
+        // After a batch the receiver refused as a whole, its events go one
+        // at a time up to this `seq`, so that one it cannot take is found
+        // and quarantined and the others are delivered.
+        let mut alone_until = 0u64;
         let max_backoff = match &self.def {
             SinkDef::Http(h) => Duration::from_secs(h.max_backoff_seconds),
             SinkDef::Syslog(s) => Duration::from_secs(s.max_backoff_seconds),
@@ -385,7 +404,7 @@ impl Run {
             // Less than a batch waiting: give the journal a moment to add
             // to it, so that a busy journal costs a sink one delivery (one
             // fsync, one POST) per batch rather than one per event.
-            if !lingered && head - cursor < self.def.batch() as u64 {
+            if !lingered && cursor >= alone_until && head - cursor < self.def.batch() as u64 {
                 lingered = true;
                 tokio::select! {
                     () = self.stop.cancelled() => break,
@@ -395,7 +414,11 @@ impl Run {
             }
             lingered = false;
             let batch = {
-                let n = self.def.batch();
+                let n = if cursor < alone_until {
+                    1
+                } else {
+                    self.def.batch()
+                };
                 match self.store.read(move |txn| read_batch(txn, cursor, n)).await {
                     Ok(b) => b,
                     Err(e) => {
@@ -424,7 +447,23 @@ impl Run {
                         Some(self.clock.text());
                     backoff = FIRST_BACKOFF;
                 }
-                Err(e) => {
+                Err(Failure::Refused(e)) if batch.len() > 1 => {
+                    tracing::warn!(sink = %name, error = %e, first = cursor + 1, last, "audit sink: the receiver refused a batch; sending its events one at a time");
+                    alone_until = last;
+                }
+                Err(Failure::Refused(e)) => {
+                    // Alone and still refused: no retry can deliver it.
+                    // Skip it, say so, and go on with the rest.
+                    tracing::error!(sink = %name, seq = last, error = %e, "audit sink: the receiver refuses this event; it is quarantined (skipped; `cube-adapter audit export --since` has it)");
+                    let p = &self.progress;
+                    p.cursor.store(last, Ordering::Relaxed);
+                    p.quarantined.fetch_add(1, Ordering::Relaxed);
+                    p.consecutive.store(0, Ordering::Relaxed);
+                    *p.last_quarantined.lock().unwrap_or_else(|x| x.into_inner()) =
+                        Some(format!("event {last}: {e}"));
+                    backoff = FIRST_BACKOFF;
+                }
+                Err(Failure::Retry(e)) => {
                     if self.progress.consecutive.load(Ordering::Relaxed) == 0 {
                         tracing::warn!(sink = %name, error = %e, "audit sink delivery failed; retrying with backoff");
                     }

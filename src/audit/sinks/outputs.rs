@@ -50,7 +50,17 @@ impl Output {
     }
 
     /// Deliver `events` (in `seq` order) whole, or fail.
-    pub async fn deliver(&mut self, events: &[Event]) -> Result<(), String> {
+    pub async fn deliver(&mut self, events: &[Event]) -> Result<(), Failure> {
+        self.deliver_all(events).await.map_err(|e| {
+            if e.starts_with(REFUSED) {
+                Failure::Refused(e)
+            } else {
+                Failure::Retry(e)
+            }
+        })
+    }
+
+    async fn deliver_all(&mut self, events: &[Event]) -> Result<(), String> {
         match self {
             Self::File(f) => {
                 let body = json_lines(events);
@@ -84,6 +94,21 @@ impl Output {
         }
     }
 }
+
+/// Why a delivery failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// Try again later: the receiver is down, slow, or the disk full.
+    Retry(String),
+    /// The receiver will never take this content as it is (a datagram too
+    /// long for the socket, HTTP 413): retrying the same batch cannot
+    /// help, so the sink splits it, and quarantines an event that fails
+    /// alone.
+    Refused(String),
+}
+
+/// How a failure message starts when the receiver refused the content.
+const REFUSED: &str = "refused: ";
 
 /// `events` as `audit export` prints them, a line each.
 fn json_lines(events: &[Event]) -> Vec<u8> {
@@ -336,6 +361,8 @@ impl HttpOut {
         let status = r.status();
         if status.is_success() {
             Ok(())
+        } else if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
+            Err(format!("{REFUSED}POST to {host}: HTTP 413 (too large)"))
         } else {
             Err(format!("POST to {host}: HTTP {}", status.as_u16()))
         }
@@ -429,9 +456,13 @@ impl SyslogOut {
             let msg = rfc5424(self.facility, &self.hostname, &self.app_name, pid, ev);
             match self.conn.as_mut() {
                 Some(SyslogConn::Datagram(d)) => {
-                    d.send(msg.as_bytes())
-                        .await
-                        .map_err(|e| format!("send: {e}"))?;
+                    d.send(msg.as_bytes()).await.map_err(|e| {
+                        if e.raw_os_error() == Some(libc::EMSGSIZE) {
+                            format!("{REFUSED}send event {}: {e}", ev.seq)
+                        } else {
+                            format!("send: {e}")
+                        }
+                    })?;
                 }
                 Some(SyslogConn::UnixStream(_)) => {
                     frames.extend_from_slice(msg.as_bytes());

@@ -31,12 +31,25 @@ impl Broker {
         task_ref: Option<&str>,
     ) -> Result<(Lease, bool)> {
         let profile_name = profile.unwrap_or("offline-code").to_string();
+        // The request's names reach the journal only once their shape is
+        // known: a runtime we have, a profile that is configured; anything
+        // else is recorded as its digest and length (`event::unshaped`).
+        let known_runtime = RUNTIMES.contains(&runtime);
+        let prof = self.profile(&profile_name);
         let mut ev = self.event(p, "acquire", ctx);
-        ev.runtime = Some(runtime.to_string());
-        ev.profile = Some(profile_name.clone());
+        ev.runtime = Some(if known_runtime {
+            runtime.to_string()
+        } else {
+            crate::audit::event::unshaped(runtime)
+        });
+        ev.profile = Some(if prof.is_some() {
+            profile_name.clone()
+        } else {
+            crate::audit::event::unshaped(&profile_name)
+        });
         ev.task_ref = task_ref.map(str::to_string);
         self.authorize(p, "lease:acquire", &ev).await?;
-        if !RUNTIMES.contains(&runtime) {
+        if !known_runtime {
             return Err(self
                 .reject(
                     ev,
@@ -71,12 +84,17 @@ impl Broker {
             ));
         }
         let denied = || {
+            let shown = if crate::config::valid_profile_name(&profile_name) {
+                profile_name.as_str()
+            } else {
+                "(not a profile name)"
+            };
             Error::new(
                 Code::ProfileDenied,
-                format!("profile {profile_name} is not available to this identity"),
+                format!("profile {shown} is not available to this identity"),
             )
         };
-        let Some(prof) = self.profile(&profile_name) else {
+        let Some(prof) = prof else {
             return Err(self.reject(ev, denied()).await);
         };
         if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {

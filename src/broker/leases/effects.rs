@@ -28,7 +28,7 @@ impl Broker {
     {
         let ev = self.event(p, action, ctx);
         self.authorize(p, scope, &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         self.effect_on(p, ctx, l, action, fill, None, run).await
     }
 

@@ -5,14 +5,19 @@ use super::*;
 
 /// The leases `GET /v1/leases` shows: every lease to an admin, else the
 /// tenant's that are not a trusted task's (a trusted task's lease is the
-/// task's, not the agent's); newest first.
+/// task's, not the agent's); to anyone, only those of the profiles and
+/// runtimes their identity may use (`Broker::usable`); newest first.
 fn visible_leases(
     txn: &crate::store::Rx,
-    tenant: &str,
-    admin: bool,
+    p: &Principal,
 ) -> std::result::Result<Vec<Lease>, StoreError> {
+    let admin = p.is_admin();
     let mut v = store::leases::all(txn)?;
-    v.retain(|l| admin || (l.tenant == tenant && l.task_ref.is_none()));
+    v.retain(|l| {
+        (admin || (l.tenant == p.tenant && l.task_ref.is_none()))
+            && p.allows_profile(&l.profile)
+            && p.allows_runtime(&l.runtime)
+    });
     v.sort_by(|a, b| {
         b.created_at
             .cmp(&a.created_at)
@@ -26,12 +31,12 @@ impl Broker {
     pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<dto::LeaseList> {
         let ev = self.event(p, "lease_list", ctx);
         self.authorize(p, "lease:list", &ev).await?;
-        let tenant = p.tenant.clone();
         let admin = p.is_admin();
+        let who = p.clone();
         let leases: Vec<Lease> = self
             .inner
             .store
-            .read(move |txn| visible_leases(txn, &tenant, admin))
+            .read(move |txn| visible_leases(txn, &who))
             .await?;
         let leases = leases
             .into_iter()
@@ -64,14 +69,13 @@ impl Broker {
     ) -> Result<(Vec<crate::broker::LiveLease>, bool)> {
         let ev = self.event(p, "lease_list", ctx);
         self.authorize(p, "lease:list", &ev).await?;
-        let tenant = p.tenant.clone();
-        let admin = p.is_admin();
+        let who = p.clone();
         let with_jobs = p.allows_action("job:status");
         let with_ptys = p.allows_action("pty:status");
         self.inner
             .store
             .read(move |txn| {
-                let mut v = visible_leases(txn, &tenant, admin)?;
+                let mut v = visible_leases(txn, &who)?;
                 let more = v.len() > limit;
                 v.truncate(limit);
                 let mut out = Vec::with_capacity(v.len());
@@ -131,7 +135,7 @@ impl Broker {
     ) -> Result<dto::LeaseStatus> {
         let ev = self.event(p, "status", ctx);
         self.authorize(p, "lease:status", &ev).await?;
-        let mut l = self.owned_lease(p, lease_ref).await?;
+        let mut l = self.owned_lease(p, lease_ref, &ev).await?;
         if refresh {
             self.inner.journal.check()?;
             match self.ready_client(&l.backend)?.get(&l.sandbox_id).await {
@@ -196,10 +200,10 @@ impl Broker {
         };
         let ev = self.event(p, "release", ctx);
         self.authorize(p, "lease:release", &ev).await?;
-        let l = self.owned_lease(p, lease_ref).await?;
+        let l = self.owned_lease(p, lease_ref, &ev).await?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await?;
         // Looked up again under the lock: a concurrent release may have won.
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let l = self.visible_lease(p, &l.lease_ref).await?;
         // A backend that is down: nothing is done (and no intent left).
         self.ready_client(&l.backend)?;
         let mut ev = self.lease_event(p, "release", ctx, &l);

@@ -200,8 +200,9 @@ impl Broker {
     }
 
     /// The lease, if the principal may see it; otherwise exactly the answer
-    /// a missing lease gets.
-    pub(crate) async fn owned_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
+    /// a missing lease gets. Its profile and runtime are not checked: this is
+    /// for a second look (under a lock) after [`Broker::owned_lease`].
+    pub(crate) async fn visible_lease(&self, p: &Principal, lease_ref: &str) -> Result<Lease> {
         let missing = || Error::new(Code::LeaseNotFound, "no such lease");
         if !valid_ref(lease_ref, "lease") {
             return Err(missing());
@@ -210,6 +211,53 @@ impl Broker {
             Some(l) if l.visible_to(p) => Ok(l),
             _ => Err(missing()),
         }
+    }
+
+    /// The lease, if the principal may see it (else exactly the answer a
+    /// missing lease gets) and use it: its profile and runtime must be ones
+    /// the identity's own scopes allow, whoever acquired it (403
+    /// `profile_denied` / `runtime_denied`, recorded with `ev`).
+    pub(crate) async fn owned_lease(
+        &self,
+        p: &Principal,
+        lease_ref: &str,
+        ev: &Event,
+    ) -> Result<Lease> {
+        let l = self.visible_lease(p, lease_ref).await?;
+        self.usable(p, &l, ev).await?;
+        Ok(l)
+    }
+
+    /// Whether `p` may use a lease it can see: a lease is shared within its
+    /// tenant (as the reference has it), but never beyond the profiles and
+    /// runtimes of the identity that uses it. A refusal is recorded.
+    pub(crate) async fn usable(&self, p: &Principal, l: &Lease, ev: &Event) -> Result<()> {
+        let refused = if !p.allows_profile(&l.profile) {
+            Error::new(
+                Code::ProfileDenied,
+                format!(
+                    "this lease is of profile {}, which is not available to this identity",
+                    l.profile
+                ),
+            )
+        } else if !p.allows_runtime(&l.runtime) {
+            Error::new(
+                Code::RuntimeDenied,
+                format!(
+                    "this lease is of runtime {}, which is not allowed for this identity",
+                    l.runtime
+                ),
+            )
+        } else {
+            return Ok(());
+        };
+        let mut ev = ev.clone();
+        ev.runtime = Some(l.runtime.clone());
+        ev.profile = Some(l.profile.clone());
+        ev.backend = Some(l.backend.clone());
+        ev.lease_ref = Some(l.lease_ref.clone());
+        ev.sandbox_ref = Some(l.sandbox_ref.clone());
+        Err(self.reject(ev, refused).await)
     }
 
     /// Where the lease's sandbox is, and the client of its backend (503
@@ -295,7 +343,7 @@ impl Broker {
         l: Lease,
     ) -> Result<(Lease, super::LockGuard)> {
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await?;
-        let l = self.owned_lease(p, &l.lease_ref).await?;
+        let l = self.visible_lease(p, &l.lease_ref).await?;
         Ok((l, lock))
     }
 
