@@ -535,6 +535,9 @@ pub async fn serve_with(
         block_rx,
         stop.clone(),
     )));
+    // Revocations made by other replicas (a shared store) reach this one's
+    // cache within `auth::STAMP_POLL`.
+    background.push(tokio::spawn(authn.clone().watch_revocations(stop.clone())));
     let admin_authn = authn.clone();
     let st = AppState {
         broker: broker.clone(),

@@ -412,6 +412,26 @@ pub fn new_token(
 /// token or user, a name taken).
 pub type AuditEvent = Option<crate::store::event::Event>;
 
+/// The `meta` key of the identity stamp: a random value rewritten, in the
+/// same transaction, by every change that takes rights away (a revoked
+/// token or certificate identity, a user's new password, a disabled or
+/// removed user). Replicas sharing a store look at it every
+/// [`STAMP_POLL`] and forget the identities they verified when it moved
+/// (docs/security.md, "Revocation across replicas").
+const IDENTITY_STAMP: &str = "identity_stamp";
+
+/// How often [`Authenticator::watch_revocations`] looks at the stamp.
+pub const STAMP_POLL: Duration = Duration::from_secs(2);
+
+/// Move the identity stamp, in a change's transaction. Random, not a
+/// counter: two replicas changing it at once never write the same value
+/// over a value a third has seen.
+pub(crate) fn bump_identity_stamp(txn: &crate::store::Wx) -> Result<(), StoreError> {
+    use crate::store::typed::WriteOps;
+    let v: [u8; 16] = rand::random();
+    txn.put_meta(IDENTITY_STAMP, &v)
+}
+
 /// Append `ev` (if any) with its outcome, in the change's transaction.
 pub(crate) fn append_audit(
     txn: &crate::store::Wx,
@@ -526,6 +546,7 @@ pub async fn revoke_token_audited(
                 rec.revoked_at = Some(now);
             }
             typed::put(txn, tables::TOKENS, &id, &rec)?;
+            bump_identity_stamp(txn)?;
             append_audit(txn, chain, ev, None)?;
             Ok(true)
         })
@@ -847,6 +868,8 @@ pub struct Authenticator {
     /// Bumped by every `clear_cache` (under the cache's lock): a check that
     /// began before a revocation never caches what it found.
     generation: Arc<std::sync::atomic::AtomicU64>,
+    /// The store's identity stamp as last seen (`sync_revocations`).
+    stamp: Arc<Mutex<Option<Vec<u8>>>>,
     inflight: Arc<Mutex<HashMap<[u8; 32], Flight>>>,
     /// Tokens from before schema 4 waiting for their (argon2) check.
     hashing: Arc<tokio::sync::Semaphore>,
@@ -925,6 +948,7 @@ impl Authenticator {
             file: Arc::new(std::sync::RwLock::new(Arc::new(bytes(file)))),
             cache: Arc::default(),
             generation: Arc::default(),
+            stamp: Arc::default(),
             inflight: Arc::default(),
             hashing: Arc::new(tokio::sync::Semaphore::new(hashing_slots.max(1))),
             basic: Arc::new(tokio::sync::Semaphore::new(1)),
@@ -1016,6 +1040,48 @@ impl Authenticator {
 
     fn generation(&self) -> u64 {
         self.generation.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Forget verified identities if the store's identity stamp moved since
+    /// the last look (another replica, or this one, took rights away).
+    /// Returns whether it had moved. The first look only notes it.
+    pub async fn sync_revocations(&self) -> Result<bool, StoreError> {
+        let now = self
+            .store
+            .read(|txn| txn.meta(IDENTITY_STAMP))
+            .await?
+            .unwrap_or_default();
+        let mut seen = self.stamp.lock().unwrap_or_else(|p| p.into_inner());
+        let moved = seen.as_ref().is_some_and(|s| *s != now);
+        *seen = Some(now);
+        drop(seen);
+        if moved {
+            self.clear_cache();
+        }
+        Ok(moved)
+    }
+
+    /// Look at the identity stamp every [`STAMP_POLL`] until `stop`: a
+    /// revocation made on another replica takes effect here within that
+    /// (plus a request in flight), not the cache's minute.
+    pub async fn watch_revocations(self, stop: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(STAMP_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match self.sync_revocations().await {
+                Ok(true) => tracing::debug!("identities changed in the store: cache dropped"),
+                Ok(false) => {}
+                // Unknown: forget, so nothing revoked outlives an outage.
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the identity stamp");
+                    self.clear_cache();
+                }
+            }
+        }
     }
 
     /// Cache a verified principal, unless the cache was cleared since the
@@ -1570,6 +1636,48 @@ mod tests {
             "$argon2id$v=19$m=19456,t=2,p=1$x$y"
         ));
         assert!(!keyed_matches(&key, &t, &h[..h.len() - 2]), "truncated");
+    }
+
+    /// Two replicas on one store (issue #34, L7): a token revoked through
+    /// one stays cached by the other only until the other looks at the
+    /// identity stamp; a user's change moves the stamp too.
+    #[tokio::test]
+    async fn revocations_reach_other_replicas_through_the_stamp() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let clock = crate::clock::Clock::System;
+        let a = Authenticator::new(store.clone(), vec![], vec![], 2);
+        let b = Authenticator::new(store.clone(), vec![], vec![], 2);
+        assert!(!b.sync_revocations().await.unwrap(), "the first look notes");
+        let (t, new) = new_token(p(&["*"]), None, &clock).unwrap();
+        let id = new.id().to_string();
+        store_token(&store, new).await.unwrap();
+        assert!(a.authenticate(&t, None).await.is_ok());
+        assert!(b.authenticate(&t, None).await.is_ok());
+        assert!(
+            !b.sync_revocations().await.unwrap(),
+            "a new token takes no rights away"
+        );
+        assert!(revoke_token(&store, &id, &clock).await.unwrap());
+        a.clear_cache();
+        assert_eq!(a.authenticate(&t, None).await, Err(AuthError::Unauthorized));
+        assert!(b.authenticate(&t, None).await.is_ok(), "b's cache");
+        assert!(b.sync_revocations().await.unwrap());
+        assert_eq!(b.authenticate(&t, None).await, Err(AuthError::Unauthorized));
+        assert!(!b.sync_revocations().await.unwrap());
+        let op = users::UserOp::SetDisabled {
+            name: "nobody".into(),
+            disabled: true,
+        };
+        assert!(
+            users::user_op_audited(&store, op, &clock, None)
+                .await
+                .is_err()
+        );
+        assert!(
+            !b.sync_revocations().await.unwrap(),
+            "nothing changed, nothing moved"
+        );
     }
 
     #[tokio::test]

@@ -256,6 +256,9 @@ pub async fn user_op_audited(
             let removed = store
                 .write(move |txn, chain| {
                     let removed = typed::remove(txn, tables::USERS, &n2)?;
+                    if removed {
+                        super::bump_identity_stamp(txn)?;
+                    }
                     let refused = (!removed).then_some("user_not_found");
                     super::append_audit(txn, chain, ev, refused)?;
                     Ok(removed)
@@ -289,6 +292,7 @@ async fn change(
             };
             f(&mut u);
             typed::put(txn, tables::USERS, &n2, &u)?;
+            super::bump_identity_stamp(txn)?;
             super::append_audit(txn, chain, ev, None)?;
             Ok(true)
         })

@@ -434,14 +434,15 @@ impl Broker {
         ))
     }
 
-    /// One audited action on a running PTY's process.
+    /// One audited action on a running PTY's process; `input`: the size
+    /// and keyed digest of what it sends (input only).
     async fn pty_action<F, Fut>(
         &self,
         p: &Principal,
         ctx: &Ctx,
         pty_ref: &str,
         (action, scope): (&str, &str),
-        bytes: Option<u64>,
+        input: Option<(u64, String)>,
         run: F,
     ) -> Result<(Pty, Lease)>
     where
@@ -457,7 +458,12 @@ impl Broker {
                 ctx,
                 l,
                 action,
-                |e| e.bytes = bytes,
+                |e| {
+                    if let Some((n, d)) = input {
+                        e.bytes = Some(n);
+                        e.command_digest = Some(d);
+                    }
+                },
                 None,
                 move |b: Broker, _l: Lease, addr| async move {
                     let before = pty.clone();
@@ -490,14 +496,18 @@ impl Broker {
                 format!("input is limited to {MAX_INPUT} bytes"),
             ));
         }
+        // What was typed, as a keyed digest (`command_digest`, kind
+        // `pty_input`): comparable with a known input by whoever holds the
+        // journal's key, never readable (it may hold a password).
         let n = data.len() as u64;
+        let digest = self.inner.journal.digest("pty_input", &data);
         let (pty, l) = self
             .pty_action(
                 p,
                 ctx,
                 pty_ref,
                 ("pty_input", "pty:input"),
-                Some(n),
+                Some((n, digest)),
                 move |_b, pty, addr| async move {
                     if !pty.is_running() {
                         return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));

@@ -915,6 +915,29 @@ impl Workspace {
         *self == Self::default()
     }
 
+    /// Whether sandboxes of different leases mount the same volume: the
+    /// operator's (`existing-volume`), or one of a fixed name
+    /// (`per-session-volume` with `volume_name`). A trusted task may not use
+    /// such a workspace (docs/tasks.md, "Workspaces").
+    pub fn is_shared(&self) -> bool {
+        match self.mode {
+            WorkspaceMode::Ephemeral => false,
+            WorkspaceMode::ExistingVolume => true,
+            WorkspaceMode::PerSessionVolume => self.volume_name.is_some(),
+        }
+    }
+
+    /// What makes the workspace shared, for messages.
+    pub fn sharing(&self) -> String {
+        match (&self.volume_id, &self.volume_name) {
+            (Some(v), _) if self.mode == WorkspaceMode::ExistingVolume => {
+                format!("mode existing-volume (volume_id {v:?})")
+            }
+            (_, Some(v)) => format!("mode per-session-volume with volume_name {v:?}"),
+            _ => "a volume of its own per lease".into(),
+        }
+    }
+
     fn validate(&self, profile: &str) -> Result<(), String> {
         let e = |m: String| Err(format!("profile {profile}: workspace.{m}"));
         let volume_name_ok = |n: &str| {
@@ -1396,6 +1419,19 @@ impl Config {
         let profiles: Vec<&str> = self.profiles.keys().map(String::as_str).collect();
         for (name, t) in &self.tasks {
             t.validate(name, &profiles)?;
+            // A volume other leases mount would let an agent plant the
+            // inputs the approved command reads, or swap its outputs.
+            if let Some(p) = self.profiles.get(&t.profile)
+                && p.workspace.is_shared()
+            {
+                return Err(format!(
+                    "task {name}: profile {}: its workspace ({}) is shared with other sandboxes; \
+                     trusted tasks need a workspace of their own: use mode ephemeral, or \
+                     per-session-volume without volume_name (docs/tasks.md, \"Workspaces\")",
+                    t.profile,
+                    p.workspace.sharing()
+                ));
+            }
         }
         if let Some(b) = &self.backend {
             b.validate()?;
@@ -1852,6 +1888,52 @@ size_mb = 64
         // (digests of plans made before workspaces stay the same).
         let v = serde_json::to_value(Profile::default()).unwrap();
         assert!(v.get("workspace").is_none() && v.get("backend").is_none());
+    }
+
+    /// A trusted task's profile never shares its workspace volume with
+    /// other leases (issue #34, M2): refused at load, naming task and
+    /// profile; a volume of its own per lease is fine.
+    #[test]
+    fn task_profiles_have_workspaces_of_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        let load = |workspace: &str| {
+            let body = format!(
+                "[profiles.tp]\nallowed_runtimes = [\"mcp\"]\n{workspace}\n\
+                 [tasks.job]\ndescription = \"d\"\nprofile = \"tp\"\n\
+                 [tasks.job.command]\nargv = [\"true\"]\n\
+                 [tasks.job.parameters]\ntype = \"object\"\nadditionalProperties = false\n"
+            );
+            std::fs::write(&f, body).unwrap();
+            Config::load(Some(&f), &[], &Flags::default())
+        };
+        for ok in [
+            "",
+            "[profiles.tp.workspace]\nmode = \"per-session-volume\"\n",
+        ] {
+            let r = load(ok);
+            assert!(r.is_ok(), "{ok}: {:?}", r.err());
+        }
+        for (bad, why) in [
+            (
+                "[profiles.tp.workspace]\nmode = \"existing-volume\"\nvolume_id = \"team\"\n",
+                "existing-volume",
+            ),
+            (
+                "[profiles.tp.workspace]\nmode = \"existing-volume\"\nvolume_id = \"team\"\nread_only = true\n",
+                "existing-volume",
+            ),
+            (
+                "[profiles.tp.workspace]\nmode = \"per-session-volume\"\nvolume_name = \"shared\"\n",
+                "volume_name \"shared\"",
+            ),
+        ] {
+            let e = load(bad).unwrap_err();
+            assert!(
+                e.contains("task job: profile tp") && e.contains(why) && e.contains("shared"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Task templates: operator-owned commands that agents may ask to run with
 //! parameters, behind independent human approval (reference §3.10).
 //!
-//! A template fixes the command (`argv`, with `${name}` placeholders that
-//! stand for whole arguments), the profile it runs under, the JSON Schema its
+//! A template fixes the command (`argv`, with `${name}` placeholders: a
+//! whole argument, or attached to literal text as in `--opt=${name}`), the
+//! profile it runs under, the JSON Schema its
 //! parameters must satisfy (a closed object, Draft 2020-12, no external
 //! references) and the outputs it must leave behind. Everything is checked
 //! when the configuration loads: a template that cannot be used safely stops
@@ -24,8 +25,9 @@ pub const MAX_PLAN_TTL: u64 = 30 * 24 * 3600;
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TaskCommand {
-    /// The program and its arguments; `${name}` (a whole element) is
-    /// replaced by the parameter `name`.
+    /// The program and its arguments; `${name}` (at most one per element,
+    /// alone or with literal text around it) is replaced by the parameter
+    /// `name`.
     pub argv: Vec<String>,
     #[serde(default = "default_cwd")]
     pub cwd: String,
@@ -102,11 +104,43 @@ pub struct TaskTemplate {
     pub plan_ttl_seconds: u64,
     #[serde(default)]
     pub outputs: Vec<TaskOutput>,
+    /// Parameters whose value may start with `-` where it starts an
+    /// argument (`"${name}"`, `"${name}.txt"`). Any other parameter in
+    /// such a place is refused a leading `-` (it would be read as an
+    /// option); after literal text (`"--opt=${name}"`) any value is fine.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_leading_dash: Vec<String>,
 }
 
-/// A placeholder element: `${name}` gives `name`.
-fn placeholder(arg: &str) -> Option<&str> {
-    arg.strip_prefix("${").and_then(|r| r.strip_suffix('}'))
+/// An `argv` element with a placeholder: the literal text before it, the
+/// parameter's name, the literal text after it.
+#[derive(Debug, PartialEq, Eq)]
+struct Placeholder<'a> {
+    prefix: &'a str,
+    name: &'a str,
+    suffix: &'a str,
+}
+
+/// The placeholder of an element (`None`: a literal), or why the element
+/// is malformed (an unclosed `${`, an empty name, two placeholders).
+fn placeholder(arg: &str) -> Result<Option<Placeholder<'_>>, String> {
+    let Some((prefix, rest)) = arg.split_once("${") else {
+        return Ok(None);
+    };
+    let Some((name, suffix)) = rest.split_once('}') else {
+        return Err("an unclosed \"${\"".into());
+    };
+    if name.is_empty() || name.contains('{') {
+        return Err("a placeholder is \"${name}\"".into());
+    }
+    if suffix.contains("${") {
+        return Err("at most one placeholder per element".into());
+    }
+    Ok(Some(Placeholder {
+        prefix,
+        name,
+        suffix,
+    }))
 }
 
 /// Reject references that leave the schema document.
@@ -209,18 +243,24 @@ impl TaskTemplate {
                 return Err(format!("{at}: command.argv has an empty element"));
             }
             match placeholder(a) {
-                Some(p) if declared.contains(&p) => {}
-                Some(p) => {
+                Ok(Some(p)) if declared.contains(&p.name) => {}
+                Ok(Some(p)) => {
                     return Err(format!(
-                        "{at}: command.argv uses ${{{p}}}, which parameters do not declare"
+                        "{at}: command.argv uses ${{{}}}, which parameters do not declare",
+                        p.name
                     ));
                 }
-                None if a.contains("${") => {
-                    return Err(format!(
-                        "{at}: command.argv element '{a}': a placeholder must be a whole element (\"${{name}}\")"
-                    ));
+                Err(why) => {
+                    return Err(format!("{at}: command.argv element '{a}': {why}"));
                 }
-                None => {}
+                Ok(None) => {}
+            }
+        }
+        for n in &self.allow_leading_dash {
+            if !declared.contains(&n.as_str()) {
+                return Err(format!(
+                    "{at}: allow_leading_dash names '{n}', which parameters do not declare"
+                ));
             }
         }
         super::paths::check(&self.command.cwd).map_err(|e| format!("{at}: command.cwd: {e}"))?;
@@ -258,7 +298,7 @@ impl TaskTemplate {
     /// plan made under one digest is never approved, submitted or finalized
     /// under another.
     pub fn digest(&self, name: &str) -> String {
-        let v = json!({
+        let mut v = json!({
             "name": name,
             "profile": self.profile,
             "parameters": self.parameters,
@@ -268,6 +308,13 @@ impl TaskTemplate {
             "plan_ttl_seconds": self.plan_ttl_seconds,
             "outputs": self.outputs,
         });
+        // Only when set: the digests of other templates stay the
+        // reference's.
+        if !self.allow_leading_dash.is_empty()
+            && let Some(m) = v.as_object_mut()
+        {
+            m.insert("allow_leading_dash".into(), json!(self.allow_leading_dash));
+        }
         hex::encode(sha2::Sha256::digest(canonical(&v).as_bytes()))
     }
 
@@ -290,26 +337,47 @@ impl TaskTemplate {
     /// The shell command for `params` (already validated against the
     /// schema): each placeholder becomes the parameter's value, and every
     /// element is shell-quoted. Null, arrays and objects cannot stand for an
-    /// argument.
+    /// argument; a value that would start an argument with `-` is refused
+    /// unless `allow_leading_dash` names its parameter.
     pub fn render(&self, params: &Value) -> Result<String, String> {
         let mut out = Vec::with_capacity(self.command.argv.len());
         for a in &self.command.argv {
-            let s = match placeholder(a) {
-                Some(p) => match params.get(p) {
-                    Some(Value::String(s)) if s.contains('\0') => {
-                        return Err(format!("{p}: must not contain NUL"));
+            let s = match placeholder(a)? {
+                Some(Placeholder {
+                    prefix,
+                    name: p,
+                    suffix,
+                }) => {
+                    let v = Self::value(params, p)?;
+                    if prefix.is_empty()
+                        && v.starts_with('-')
+                        && !self.allow_leading_dash.iter().any(|n| n == p)
+                    {
+                        return Err(format!(
+                            "{p}: must not start with '-' here (it would be read as an option)"
+                        ));
                     }
-                    Some(Value::String(s)) => s.clone(),
-                    Some(Value::Bool(b)) => b.to_string(),
-                    Some(Value::Number(n)) => n.to_string(),
-                    Some(_) => return Err(format!("{p}: must be a string, number or boolean")),
-                    None => return Err(format!("{p}: is required by the command")),
-                },
+                    format!("{prefix}{v}{suffix}")
+                }
                 None => a.clone(),
             };
             out.push(shell_quote(&s));
         }
         Ok(out.join(" "))
+    }
+
+    /// A parameter's value as an argument.
+    fn value(params: &Value, p: &str) -> Result<String, String> {
+        Ok(match params.get(p) {
+            Some(Value::String(s)) if s.contains('\0') => {
+                return Err(format!("{p}: must not contain NUL"));
+            }
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Bool(b)) => b.to_string(),
+            Some(Value::Number(n)) => n.to_string(),
+            Some(_) => return Err(format!("{p}: must be a string, number or boolean")),
+            None => return Err(format!("{p}: is required by the command")),
+        })
     }
 }
 
@@ -391,6 +459,7 @@ mod tests {
             approval_required: true,
             plan_ttl_seconds: 900,
             outputs: vec![],
+            allow_leading_dash: vec![],
         }
     }
 
@@ -398,12 +467,26 @@ mod tests {
     fn validation() {
         let p = ["offline-code"];
         assert_eq!(template().validate("train", &p), Ok(()));
+        // Attached to literal text is fine; one placeholder per element.
         let mut t = template();
         t.command.argv[2] = "--e=${epochs}".into();
+        assert_eq!(t.validate("train", &p), Ok(()));
+        for (bad, why) in [
+            ("--e=${epochs}${name}", "at most one placeholder"),
+            ("--e=${epochs", "unclosed"),
+            ("--e=${}", "a placeholder is"),
+        ] {
+            let mut t = template();
+            t.command.argv[2] = bad.into();
+            let e = t.validate("train", &p).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        let mut t = template();
+        t.allow_leading_dash = vec!["nope".into()];
         assert!(
             t.validate("train", &p)
                 .unwrap_err()
-                .contains("whole element")
+                .contains("allow_leading_dash")
         );
         let mut t = template();
         t.command.argv[2] = "${nope}".into();
@@ -447,6 +530,39 @@ mod tests {
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("a/b.c:d=e"), "a/b.c:d=e");
         assert_eq!(shell_quote("$(id)"), "'$(id)'");
+    }
+
+    /// A value that would start an argument with `-` is refused (option
+    /// injection, issue #34 L2) unless the template allows it for that
+    /// parameter; after literal text it is only a value.
+    #[test]
+    fn leading_dashes_start_no_option() {
+        let t = template();
+        let e = t.render(&json!({"epochs": 3, "name": "-rf"})).unwrap_err();
+        assert!(e.contains("name: must not start with '-'"), "{e}");
+        assert!(t.render(&json!({"epochs": -3, "name": "x"})).is_err());
+        let mut t = template();
+        t.command.argv[3] = "--name=${name}".into();
+        assert_eq!(
+            t.render(&json!({"epochs": 3, "name": "-rf x"})).unwrap(),
+            "train --epochs 3 '--name=-rf x'"
+        );
+        t.command.argv[3] = "${name}.txt".into();
+        assert!(t.render(&json!({"epochs": 3, "name": "-o"})).is_err());
+        assert_eq!(
+            t.render(&json!({"epochs": 3, "name": "o"})).unwrap(),
+            "train --epochs 3 o.txt"
+        );
+        t.allow_leading_dash = vec!["name".into()];
+        assert_eq!(
+            t.render(&json!({"epochs": 3, "name": "-o"})).unwrap(),
+            "train --epochs 3 -o.txt"
+        );
+        assert!(t.render(&json!({"epochs": -3, "name": "o"})).is_err());
+        // Only a template that sets it digests it.
+        let base = template();
+        assert!(!canonical(&serde_json::to_value(&base).unwrap()).contains("allow_leading_dash"));
+        assert_ne!(base.digest("train"), t.digest("train"));
     }
 
     #[test]

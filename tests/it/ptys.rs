@@ -228,6 +228,43 @@ async fn pty_viewers_resize_reconnect_and_kill() {
         assert_eq!(st, StatusCode::NOT_FOUND, "{v}");
         assert_eq!(v["error"]["code"], "pty_not_found");
     }
+
+    // The journal keeps each input's size and keyed digest (issue #34,
+    // L7), never the input: the two `stty size; …` lines are as long as
+    // each other and digest apart.
+    let journal = s.journal();
+    assert!(!journal.contains("MARK-$"), "input reached the journal");
+    let inputs: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["action"] == "pty_input")
+        .collect();
+    // By intent (size and digest); its outcome carries the same digest.
+    let line = |n: u64| {
+        inputs
+            .iter()
+            .filter(|e| e["phase"] == "intent" && e["bytes"] == n)
+            .map(|e| {
+                let d = e["command_digest"].as_str().unwrap_or("").to_string();
+                assert!(
+                    inputs.iter().any(|o| o["phase"] == "outcome"
+                        && o["operation_id"] == e["operation_id"]
+                        && o["command_digest"] == d.as_str()),
+                    "{inputs:?}"
+                );
+                d
+            })
+            .collect::<Vec<_>>()
+    };
+    let stty = line("stty size; echo MARK-$((6*7))\n".len() as u64);
+    assert_eq!(stty.len(), 2, "{inputs:?}");
+    assert!(
+        stty.iter()
+            .all(|d| d.len() == 32 && d.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{stty:?}"
+    );
+    assert_ne!(stty[0], stty[1]);
+    assert_eq!(line("exit 3\n".len() as u64).len(), 1, "{inputs:?}");
     s.stop().await;
 }
 

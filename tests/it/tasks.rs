@@ -923,7 +923,7 @@ async fn a_changed_template_invalidates_its_plans() {
         "{v}"
     );
     // A template that cannot be used safely stops the start, with the reason.
-    write_config(r#"["echo", "--name=${name}"]"#);
+    write_config(r#"["echo", "--name=${name}:${name}"]"#);
     let mut p = p;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(p.child.id() as i32),
@@ -934,7 +934,7 @@ async fn a_changed_template_invalidates_its_plans() {
     let e = crate::kit::Proc::start(&rig.state, &rig.config, &[])
         .err()
         .unwrap();
-    assert!(e.contains("whole element"), "{e}");
+    assert!(e.contains("at most one placeholder"), "{e}");
 }
 
 fn token(rig: &crate::kit::ProcRig, args: &[&str]) -> String {
@@ -1138,11 +1138,36 @@ fn the_documented_template_checks() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("train-model"));
-    let bad = example.replace(r#""--epochs", "${epochs}""#, r#""--epochs=${epochs}""#);
+    // The attached form is fine; two placeholders in one element are not.
+    let attached = example.replace(r#""--epochs", "${epochs}""#, r#""--epochs=${epochs}""#);
+    assert_ne!(attached, example);
+    let out = check(&attached);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = example.replace(
+        r#""--dataset", "${dataset}""#,
+        r#""--run=${dataset}-${epochs}""#,
+    );
     assert_ne!(bad, example);
     let out = check(&bad);
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("whole element"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at most one placeholder"));
+    // A workspace other leases share is refused for a task's profile
+    // (issue #34, M2), naming both.
+    let shared = format!(
+        "{example}\n[profiles.trusted-training.workspace]\nmode = \"existing-volume\"\nvolume_id = \"datasets\"\nread_only = true\n"
+    );
+    let out = check(&shared);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("task train-model: profile trusted-training")
+            && err.contains("existing-volume"),
+        "{err}"
+    );
 }
 
 /// GC leaves a trusted task's sandbox alone while its command may still
@@ -1201,6 +1226,70 @@ async fn gc_waits_for_a_trusted_task() {
         .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["result"]["cleanup"], "verified");
+    s.stop().await;
+}
+
+/// A trusted task never runs on a workspace volume other leases mount
+/// (issue #34, M2): a configuration that gives its profile one is refused
+/// at load (`config check` names task and profile); should one be served
+/// anyway, the task's lease is refused (403 `profile_denied`) and nothing
+/// runs, while an agent's own lease of the profile still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trusted_tasks_refuse_shared_workspaces() {
+    use cube_adapter::config::{Workspace, WorkspaceMode};
+    let shared = Workspace {
+        mode: WorkspaceMode::PerSessionVolume,
+        volume_name: Some("team-shared".into()),
+        ..Workspace::default()
+    };
+    let mut c = Config::default();
+    configure(&mut c);
+    c.profiles.get_mut("trusted").unwrap().workspace = shared.clone();
+    let e = c.validate().unwrap_err();
+    assert!(
+        e.contains("profile trusted") && e.contains("team-shared") && e.contains("shared"),
+        "{e}"
+    );
+    // Served without the load's check: the second guard holds.
+    let s = Server::start_with(|c| {
+        configure(c);
+        c.profiles.get_mut("trusted").unwrap().workspace = shared;
+    })
+    .await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--action",
+        "task:*",
+    ]);
+    let plain = s.token(&["--tenant", "acme", "--subject", "plain"]);
+    let (st, v) = s
+        .post(
+            &plain,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "planter", "profile": "trusted"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "an agent's lease is not a task's: {v}");
+    let (st, plan) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "sleeper", "parameters": {"secs": 1}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "profile_denied"),
+        "{v}"
+    );
     s.stop().await;
 }
 
@@ -1389,7 +1478,7 @@ async fn sighup_swaps_profiles_templates_and_principals() {
     // A template that cannot be used: refused whole (beta stays, hello runs).
     config(
         "[profiles.alpha]\nallowed_runtimes = [\"mcp\"]\n",
-        r#"["echo", "--name=${name}"]"#,
+        r#"["echo", "--name=${name}:${name}"]"#,
     );
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
     let cli = rig.state.with_file_name("cli.toml");
@@ -1409,7 +1498,7 @@ async fn sighup_swaps_profiles_templates_and_principals() {
                 v["last_reload"]["error"]
                     .as_str()
                     .unwrap_or("")
-                    .contains("whole element"),
+                    .contains("at most one placeholder"),
                 "{v}"
             );
             refused = true;

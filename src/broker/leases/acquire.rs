@@ -100,6 +100,21 @@ impl Broker {
         if !p.allows_profile(&profile_name) || !prof.allowed_runtimes.iter().any(|r| r == runtime) {
             return Err(self.reject(ev, denied()).await);
         }
+        // A trusted task's sandbox never mounts a volume other leases
+        // mount (refused at load too: `Config::validate`).
+        if task_ref.is_some() && prof.workspace.is_shared() {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ProfileDenied,
+                        format!(
+                            "profile {profile_name} shares its workspace volume with other sandboxes; trusted tasks need a workspace of their own"
+                        ),
+                    ),
+                )
+                .await);
+        }
         let cfg = self.config();
         let Some(backend_name) = cfg.profile_backend(&prof).map(str::to_string) else {
             return Err(self.reject(ev, denied()).await);
