@@ -620,6 +620,13 @@ pub async fn serve_with(
     broker.spawn_upkeep(upkeep.clone());
     let limits = crate::server::Limits::from_config(&cfg.connections);
     let judge = tls.is_some().then_some(judge);
+    // HTTPS answers (API, MCP, console alike) carry HSTS; plain HTTP on
+    // loopback does not (a browser ignores it there anyway).
+    let app = if tls.is_some() {
+        app.layer(axum::middleware::map_response(crate::server::hsts))
+    } else {
+        app
+    };
     let r = crate::server::serve_with_limits(listener, app, tls, limits, judge, shutdown).await;
     upkeep.cancel();
     // Let effects in flight record their outcome before the store closes.

@@ -329,6 +329,54 @@ impl Metric {
     }
 }
 
+/// The labels `/metrics` drops when it is open (no `[metrics]
+/// token_file`): they name tenants and profiles (#34 L9).
+pub const PRIVATE_LABELS: &[&str] = &["tenant", "profile"];
+
+/// `metrics` without the labels in `drop`: the series that differed only
+/// by them are summed into one (counters, gauges, histograms alike; the
+/// families that carry them are counts).
+pub fn without_labels(metrics: Vec<Metric>, drop: &[&str]) -> Vec<Metric> {
+    metrics
+        .into_iter()
+        .map(|mut m| {
+            if !m
+                .samples
+                .iter()
+                .any(|s| s.labels.iter().any(|(k, _)| drop.contains(&k.as_str())))
+            {
+                return m;
+            }
+            let mut out: Vec<Sample> = vec![];
+            for mut s in std::mem::take(&mut m.samples) {
+                s.labels.retain(|(k, _)| !drop.contains(&k.as_str()));
+                match out.iter_mut().find(|o| o.labels == s.labels) {
+                    Some(o) => merge(&mut o.value, s.value),
+                    None => out.push(s),
+                }
+            }
+            m.samples = out;
+            m
+        })
+        .collect()
+}
+
+/// Add `v` into `into` (values of one family: the same kind).
+fn merge(into: &mut Value, v: Value) {
+    match (into, v) {
+        (Value::Counter(a), Value::Counter(b)) => *a += b,
+        (Value::Gauge(a), Value::Gauge(b)) => *a += b,
+        (Value::Histogram(a), Value::Histogram(b)) => {
+            a.sum += b.sum;
+            a.count += b.count;
+            for (x, y) in a.buckets.iter_mut().zip(b.buckets) {
+                x.1 += y.1;
+            }
+        }
+        _ => {}
+    }
+}
+
 /// The metrics of one scrape, as a prometheus-client collector.
 #[derive(Debug)]
 struct Scrape(Vec<Metric>);
@@ -585,6 +633,46 @@ impl Process {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// #34 L9: open metrics lose the tenant and profile labels; the
+    /// series they told apart are summed.
+    #[test]
+    fn private_labels_are_dropped_and_their_series_summed() {
+        let mut leases = Metric::gauge("cube_adapter_leases", "x");
+        leases.push(
+            &[("state", "active"), ("tenant", "acme"), ("profile", "p1")],
+            Value::Gauge(2.0),
+        );
+        leases.push(
+            &[("state", "active"), ("tenant", "globex"), ("profile", "p2")],
+            Value::Gauge(3.0),
+        );
+        leases.push(
+            &[("state", "ended"), ("tenant", "acme"), ("profile", "p1")],
+            Value::Gauge(1.0),
+        );
+        let ops = Metric::counter("cube_adapter_operations_total", "x")
+            .with(&[("action", "exec"), ("profile", "a")], Value::Counter(4))
+            .with(&[("action", "exec"), ("profile", "b")], Value::Counter(5));
+        let other =
+            Metric::gauge("cube_adapter_x", "x").with(&[("backend", "b")], Value::Gauge(1.0));
+        let out = without_labels(vec![leases, ops, other.clone()], PRIVATE_LABELS);
+        assert_eq!(out[0].samples.len(), 2);
+        assert_eq!(
+            out[0].samples[0].labels,
+            [("state".to_string(), "active".to_string())]
+        );
+        assert_eq!(out[0].samples[0].value, Value::Gauge(5.0));
+        assert_eq!(out[0].samples[1].value, Value::Gauge(1.0));
+        assert_eq!(out[1].samples.len(), 1);
+        assert_eq!(out[1].samples[0].value, Value::Counter(9));
+        assert_eq!(out[2], other);
+        let text = encode(out).unwrap();
+        assert!(
+            !text.contains("acme") && !text.contains("tenant="),
+            "{text}"
+        );
+    }
 
     #[test]
     fn histogram_buckets_are_le_and_count_is_their_total() {

@@ -720,6 +720,20 @@ enum Slot {
     },
 }
 
+/// `Strict-Transport-Security` of every HTTPS answer (#34 L9): a year,
+/// this host only (no `includeSubDomains`: the appliance's name may share
+/// a domain with hosts it does not speak for; no `preload`).
+pub const HSTS: &str = "max-age=31536000";
+
+/// Adds [`HSTS`] to an answer served over TLS (layered only there).
+pub async fn hsts(mut r: axum::response::Response) -> axum::response::Response {
+    r.headers_mut().insert(
+        axum::http::header::STRICT_TRANSPORT_SECURITY,
+        axum::http::HeaderValue::from_static(HSTS),
+    );
+    r
+}
+
 /// How often "connection limit reached" is logged at most.
 const CAP_WARNING_EVERY: Duration = Duration::from_secs(60);
 

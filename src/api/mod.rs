@@ -598,38 +598,54 @@ async fn healthz(State(st): State<AppState>) -> Response {
     .into_response()
 }
 
+/// One backend's readiness: CubeAPI and CubeProxy reachable, and whether
+/// every template its profiles use is ready.
+struct BackendReady {
+    cube_api: bool,
+    cube_proxy: bool,
+    templates: bool,
+}
+
+impl BackendReady {
+    fn ok(&self) -> bool {
+        self.cube_api && self.cube_proxy && self.templates
+    }
+}
+
 /// One backend's readiness checks: CubeAPI, CubeProxy and its templates,
-/// asked at once; and whether all of them hold.
-async fn backend_checks(
-    cube: &crate::cube::CubeClient,
-    templates: Vec<String>,
-) -> (bool, Vec<(String, String)>) {
+/// asked at once.
+async fn backend_checks(cube: &crate::cube::CubeClient, templates: Vec<String>) -> BackendReady {
     let (reach, template_checks) = tokio::join!(
         cube.reachability(),
         futures_util::future::join_all(templates.iter().map(|t| cube.template_ready(t))),
     );
-    let mut out = vec![];
-    let word = |ok: bool| if ok { "ok" } else { "unreachable" }.to_string();
-    out.push(("cube_api".to_string(), word(reach.cube_api.is_ok())));
-    out.push(("cube_proxy".to_string(), word(reach.cube_proxy.is_ok())));
-    let mut ready = reach.ok();
-    for (t, check) in templates.into_iter().zip(template_checks) {
-        let v = match check {
-            Ok(true) => "ready".to_string(),
-            Ok(false) => {
-                ready = false;
-                "not_ready".to_string()
-            }
-            Err(e) => {
-                ready = false;
-                format!("error:{:?}", e.kind)
-            }
-        };
-        out.push((format!("template:{t}"), v));
+    BackendReady {
+        cube_api: reach.cube_api.is_ok(),
+        cube_proxy: reach.cube_proxy.is_ok(),
+        templates: template_checks.iter().all(|c| matches!(c, Ok(true))),
     }
-    (ready, out)
 }
 
+/// `ok` when every backend passes, `unreachable` (or `not_ready`) when
+/// none does, `degraded` between.
+fn across(
+    results: &[BackendReady],
+    pass: fn(&BackendReady) -> bool,
+    none: &'static str,
+) -> &'static str {
+    let n = results.iter().filter(|r| pass(r)).count();
+    if n == results.len() {
+        "ok"
+    } else if n == 0 {
+        none
+    } else {
+        "degraded"
+    }
+}
+
+/// `GET /readyz`, unauthenticated: ready or not, and generic checks that
+/// name no tenant, profile, template or backend (#34 L9; `cube-adapter
+/// status` has the detail).
 async fn readyz(State(st): State<AppState>) -> Response {
     let j = st.broker.journal();
     if let Err(e) = j.check() {
@@ -647,14 +663,8 @@ async fn readyz(State(st): State<AppState>) -> Response {
         }
         return r;
     }
-    let mut checks = serde_json::Map::new();
-    checks.insert("state".into(), json!("ok"));
-    checks.insert("audit".into(), json!("ok"));
     let cfg = st.broker.config();
     let backends = st.broker.backends().all();
-    // One backend: its checks as the reference names them; several: each
-    // named `backend:NAME:…`, and ready while one of them is.
-    let several = backends.len() > 1;
     let results = futures_util::future::join_all(backends.iter().map(|b| {
         let mut templates: Vec<String> = cfg
             .profiles
@@ -667,29 +677,43 @@ async fn readyz(State(st): State<AppState>) -> Response {
         backend_checks(&b.client, templates)
     }))
     .await;
-    let mut ready = false;
-    for (b, (ok, list)) in backends.iter().zip(results) {
-        ready |= ok;
-        for (k, v) in list {
-            let k = if several {
-                format!("backend:{}:{k}", b.name)
-            } else {
-                k
-            };
-            checks.insert(k, json!(v));
-        }
-    }
+    // Ready while one backend is.
+    let ready = results.iter().any(BackendReady::ok);
+    let checks = json!({
+        "state": "ok",
+        "audit": "ok",
+        "cube_api": across(&results, |r| r.cube_api, "unreachable"),
+        "cube_proxy": across(&results, |r| r.cube_proxy, "unreachable"),
+        "templates": across(&results, |r| r.templates, "not_ready"),
+    });
     st.metrics.ready.store(u8::from(ready), Ordering::Relaxed);
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, axum::Json(json!({"status": if ready {"ready"} else {"not_ready"}, "version": VERSION, "checks": checks}))).into_response()
+    if ready {
+        return (
+            StatusCode::OK,
+            axum::Json(json!({"status": "ready", "version": VERSION, "checks": checks})),
+        )
+            .into_response();
+    }
+    let code = Code::BackendUnavailable;
+    let mut r = (
+        code.status(),
+        axum::Json(json!({
+            "status": "not_ready", "version": VERSION, "checks": checks,
+            "error": {"code": code, "message": "no backend is ready"},
+        })),
+    )
+        .into_response();
+    if let Some(secs) = code.retry_after() {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    r
 }
 
 /// `GET /metrics`: the Prometheus text (docs/operations.md, "Metrics").
-/// With `[metrics] token_file`, only for a request that sends the token.
+/// With `[metrics] token_file`, only for a request that sends the token,
+/// and then with every label; without, open but with no tenant or profile
+/// label.
 async fn metrics(State(st): State<AppState>, h: axum::http::HeaderMap) -> Response {
     if !st.metrics.admits(&h) {
         return err(
@@ -698,7 +722,12 @@ async fn metrics(State(st): State<AppState>, h: axum::http::HeaderMap) -> Respon
         )
         .into_response();
     }
-    match crate::metrics::encode(scrape(&st).await) {
+    let mut series = scrape(&st).await;
+    // Open (no token configured): no tenant or profile names (#34 L9).
+    if st.metrics.token.is_none() {
+        series = crate::metrics::without_labels(series, crate::metrics::PRIVATE_LABELS);
+    }
+    match crate::metrics::encode(series) {
         Ok(text) => ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response(),
         Err(_) => err(Code::InternalError, "the metrics could not be encoded").into_response(),
     }

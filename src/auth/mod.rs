@@ -1464,6 +1464,41 @@ mod tests {
         assert_eq!(a.throttle.len(), 1);
     }
 
+    /// #34 L6: password guesses from loopback (an SSH port-forward) are
+    /// throttled as any address's: after `MAX_SOURCE_FAILURES` failed
+    /// checks, loopback's next guesses are 429 without an argon2 check, so
+    /// they no longer hold the one password turn; people elsewhere still
+    /// get theirs, and loopback's bearer tokens are not blocked.
+    #[tokio::test]
+    async fn password_guesses_from_loopback_stop_holding_the_argon2_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let a = Authenticator::new(store, vec![], vec![], 1);
+        let lo = Some(Source::new("127.0.0.1".parse().unwrap()));
+        for i in 0..throttle::MAX_SOURCE_FAILURES {
+            let r = a.authenticate_basic(&format!("guess{i}"), "pw", lo).await;
+            assert_eq!(r.unwrap_err(), AuthError::Unauthorized);
+        }
+        // Held the turn for the whole of the next minute before: now refused
+        // at once, even while the turn is taken (no wait for it).
+        let held = a.basic.clone().acquire_owned().await.unwrap();
+        let t = std::time::Instant::now();
+        let r = a.authenticate_basic("guess-next", "pw", lo).await;
+        assert!(
+            matches!(r, Err(AuthError::Throttled(s)) if s >= 59),
+            "{r:?}"
+        );
+        assert!(t.elapsed() < BASIC_WAIT / 4, "{:?}", t.elapsed());
+        drop(held);
+        // Someone elsewhere gets a check (a wrong password: 401, not 429).
+        let elsewhere = Some(Source::new("192.0.2.10".parse().unwrap()));
+        let r = a.authenticate_basic("alice", "pw", elsewhere).await;
+        assert_eq!(r.unwrap_err(), AuthError::Unauthorized);
+        // A (malformed) bearer token from loopback is not blocked.
+        let r = a.authenticate("cat_x", lo).await;
+        assert_eq!(r.unwrap_err(), AuthError::Unauthorized);
+    }
+
     /// A new password's hash takes a password check's turn: while the
     /// turn is held, it answers `password_hashing_busy` (it never queues
     /// past the checks the argon2 queue is sized for).

@@ -392,15 +392,27 @@ impl Issuer {
             .and_then(Value::as_str)
             .filter(|s| valid_word(s))
             .ok_or_else(|| refused("the token's sub is not 1-256 bytes of text"))?;
+        // The tenant: the claim, else the issuer's fixed `tenant`; never
+        // `sub`, and only one the issuer may name (`tenant`, `tenants`).
         let tenant = match c.get(&names.tenant) {
             Some(Value::String(t)) => t.as_str(),
             Some(_) => return Err(refused(format!("claim {} is not a string", names.tenant))),
-            None => sub,
+            None => self.cfg.tenant.as_deref().ok_or_else(|| {
+                refused(format!(
+                    "the token has no {} claim and this issuer names no fixed tenant",
+                    names.tenant
+                ))
+            })?,
         };
         if !valid_tenant(tenant) {
             return Err(refused(format!(
-                "the tenant ({} claim, else sub) must be 1-128 characters of [A-Za-z0-9_.:-]",
+                "the tenant ({} claim) must be 1-128 characters of [A-Za-z0-9_.:-]",
                 names.tenant
+            )));
+        }
+        if !self.cfg.allows_tenant(tenant) {
+            return Err(self.beyond_ceiling(format!(
+                "tenant {tenant:?} is not one this issuer may name (auth.oidc tenants)"
             )));
         }
         let list = |name: &str| -> Result<Option<Vec<String>>, Refused> {
@@ -417,62 +429,78 @@ impl Issuer {
                 }
             }
         };
-        let roles = match list(&names.roles)? {
-            None => vec![Role::Agent],
-            Some(named) => {
-                // Providers put roles of their own in the same claim
-                // (Keycloak's offline_access): those are not ours.
-                let mut r: Vec<Role> = named.iter().filter_map(|n| n.parse().ok()).collect();
-                r.sort();
-                r.dedup();
-                if r.is_empty() {
-                    return Err(refused(format!(
-                        "claim {} names no role of this appliance (agent or runtime, approver, auditor, admin)",
-                        names.roles
-                    )));
-                }
-                r
-            }
-        };
-        // As the reference: an empty profile or runtime list means all;
-        // actions and task templates absent mean `*`.
+        // Absent claims grant nothing: no roles claim refuses the token.
+        let named = list(&names.roles)?.ok_or_else(|| {
+            refused(format!(
+                "the token has no {} claim (absent roles grant nothing)",
+                names.roles
+            ))
+        })?;
+        // Providers put roles of their own in the same claim (Keycloak's
+        // offline_access): those are not ours.
+        let mut roles: Vec<Role> = named.iter().filter_map(|n| n.parse().ok()).collect();
+        roles.sort();
+        roles.dedup();
+        if roles.is_empty() {
+            return Err(refused(format!(
+                "claim {} names no role of this appliance (agent or runtime, approver, auditor, admin)",
+                names.roles
+            )));
+        }
+        if let Some(r) = roles.iter().find(|r| !self.cfg.allows_role(**r)) {
+            return Err(self.beyond_ceiling(format!(
+                "role {} is above what this issuer may grant (auth.oidc allowed_roles)",
+                r.as_str()
+            )));
+        }
+        // An empty profile or runtime list means all (as the reference):
+        // they narrow what the actions grant. Actions and task templates
+        // absent grant nothing (the reference took `*`).
         let nonempty = |v: Option<Vec<String>>| v.filter(|v| !v.is_empty());
         Ok(Principal {
             tenant: tenant.to_string(),
             subject: sub.to_string(),
             runtimes: nonempty(list(&names.runtimes)?),
             profiles: nonempty(list(&names.profiles)?),
-            actions: list(&names.actions)?.unwrap_or_else(all),
-            task_templates: list(&names.task_templates)?.unwrap_or_else(all),
+            actions: list(&names.actions)?.unwrap_or_default(),
+            task_templates: list(&names.task_templates)?.unwrap_or_default(),
             roles,
             task: None,
             issuer: Some(self.cfg.issuer.clone()),
         })
     }
+
+    /// A genuine token that claims more than its issuer may grant: refused
+    /// as any bad token is, and logged at WARN (a provider minting such
+    /// tokens is misconfigured or compromised); never with the token.
+    fn beyond_ceiling(&self, why: String) -> Refused {
+        tracing::warn!(issuer = %self.cfg.issuer, reason = %why, "OIDC token beyond its issuer's ceiling refused");
+        refused(why)
+    }
 }
 
 /// How long a started sign-in may take to come back.
 const SIGN_IN_SECONDS: u64 = 600;
-/// Sign-ins started and not finished, at most (the oldest go first).
-const MAX_PENDING: usize = 10_000;
-
-/// A sign-in on its way through the provider.
-struct Pending {
-    nonce: String,
-    verifier: String,
-    started: Instant,
-}
 
 /// The console's sign-in with an OIDC provider: the authorization code
 /// flow with PKCE (S256), `state` and `nonce`, the ID token checked as a
 /// bearer is (signature, algorithm, issuer, audience = the client, time)
 /// and its nonce.
+///
+/// Nothing is kept per started sign-in (#34 L9: `/console/oidc/start`
+/// could be flooded): the `state` carries when it was made and a MAC
+/// under a key made at start, and the nonce and PKCE verifier are derived
+/// from it with that key. A flood of starts costs a MAC each and evicts
+/// no one's sign-in; a state is good for [`SIGN_IN_SECONDS`], in the
+/// browser whose cookie holds it, and its code is exchanged once (the
+/// provider's rule).
 pub struct CodeFlow {
     cfg: super::settings::ConsoleOidc,
     /// The client's secret (never shown: this type has no `Debug`).
     secret: String,
     verifier: Verifier,
-    pending: std::sync::Mutex<HashMap<String, Pending>>,
+    /// Keys the states' MACs and the values derived from them.
+    key: [u8; 32],
 }
 
 /// A person the provider vouched for.
@@ -503,12 +531,77 @@ impl CodeFlow {
         if secret.is_empty() {
             return Err("console.oidc: client_secret_file is empty".into());
         }
+        let mut key = [0u8; 32];
+        for (k, r) in key.iter_mut().zip(crate::ids::random_bytes(32)) {
+            *k = r;
+        }
         Ok(Self {
             verifier: Verifier::new(&[cfg.id_token_issuer()])?,
             cfg: cfg.clone(),
             secret,
-            pending: std::sync::Mutex::default(),
+            key,
         })
+    }
+
+    /// HMAC-SHA256 under this flow's key of `label` and `parts`.
+    fn mac(&self, label: &str, parts: &[&[u8]]) -> Result<[u8; 32], Refused> {
+        use hmac::Mac;
+        let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(&self.key)
+            .map_err(|_| refused("no key for the sign-in's state"))?;
+        m.update(label.as_bytes());
+        for p in parts {
+            m.update(&(p.len() as u64).to_be_bytes());
+            m.update(p);
+        }
+        Ok(m.finalize().into_bytes().into())
+    }
+
+    /// A new state made at `now`: base64url of when (8 bytes), 16 random
+    /// bytes and 16 bytes of their MAC.
+    fn new_state(&self, now: u64) -> Result<String, Refused> {
+        let when = now.to_be_bytes();
+        let random = crate::ids::random_bytes(16);
+        let mac = self.mac("state", &[&when, &random])?;
+        let mut raw = Vec::with_capacity(40);
+        raw.extend_from_slice(&when);
+        raw.extend_from_slice(&random);
+        raw.extend_from_slice(mac.get(..16).unwrap_or_default());
+        Ok(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw))
+    }
+
+    /// Whether `state` is one this flow made less than
+    /// [`SIGN_IN_SECONDS`] before `now`.
+    fn state_holds(&self, state: &str, now: u64) -> bool {
+        let Ok(raw) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(state) else {
+            return false;
+        };
+        let (Some(when), Some(random), Some(tag)) = (raw.get(..8), raw.get(8..24), raw.get(24..))
+        else {
+            return false;
+        };
+        if tag.len() != 16 {
+            return false;
+        }
+        let Ok(want) = self.mac("state", &[when, random]) else {
+            return false;
+        };
+        let ok = want
+            .get(..16)
+            .is_some_and(|w| bool::from(subtle::ConstantTimeEq::ct_eq(w, tag)));
+        let made = <[u8; 8]>::try_from(when)
+            .map(u64::from_be_bytes)
+            .unwrap_or(0);
+        ok && made <= now.saturating_add(60) && now.saturating_sub(made) < SIGN_IN_SECONDS
+    }
+
+    /// The nonce and the PKCE verifier of a sign-in (43 base64url
+    /// characters each), derived from its state.
+    fn derived(&self, state: &str) -> Result<(String, String), Refused> {
+        let b64 = |b: [u8; 32]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+        Ok((
+            b64(self.mac("nonce", &[state.as_bytes()])?),
+            b64(self.mac("pkce", &[state.as_bytes()])?),
+        ))
     }
 
     /// What the sign-in button says.
@@ -527,14 +620,14 @@ impl CodeFlow {
     /// Start a sign-in: the provider's URL to send the browser to, and the
     /// `state` the browser must bring back (the caller binds it to the
     /// browser with a cookie).
-    pub async fn start(&self) -> Result<(String, String), Refused> {
+    pub async fn start(&self, now: u64) -> Result<(String, String), Refused> {
         let issuer = self.issuer()?;
         let auth = issuer
             .endpoint("authorization_endpoint")
             .await
             .map_err(|e| refused(format!("the identity provider cannot be reached: {e}")))?;
-        let random = crate::ids::random_token;
-        let (state, nonce, verifier) = (random(), random(), random());
+        let state = self.new_state(now)?;
+        let (nonce, verifier) = self.derived(&state)?;
         let mut scopes = vec!["openid".to_string()];
         scopes.extend(self.cfg.scopes.iter().filter(|s| *s != "openid").cloned());
         let mut url =
@@ -548,41 +641,17 @@ impl CodeFlow {
             .append_pair("nonce", &nonce)
             .append_pair("code_challenge", &s256(&verifier))
             .append_pair("code_challenge_method", "S256");
-        {
-            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            let max_age = Duration::from_secs(SIGN_IN_SECONDS);
-            p.retain(|_, v| v.started.elapsed() < max_age);
-            if p.len() >= MAX_PENDING
-                && let Some(oldest) = p
-                    .iter()
-                    .min_by_key(|(_, v)| v.started)
-                    .map(|(k, _)| k.clone())
-            {
-                p.remove(&oldest);
-            }
-            p.insert(
-                state.clone(),
-                Pending {
-                    nonce,
-                    verifier,
-                    started: Instant::now(),
-                },
-            );
-        }
         Ok((url.into(), state))
     }
 
     /// Finish a sign-in the provider sent back with `code` for `state`
     /// (already matched to the browser's cookie): the code is exchanged
     /// once, the ID token checked, the person mapped.
-    pub async fn finish(&self, state: &str, code: &str) -> Result<Person, Refused> {
-        let pending = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(state)
-            .filter(|p| p.started.elapsed() < Duration::from_secs(SIGN_IN_SECONDS))
-            .ok_or_else(|| refused("this sign-in has expired or was not started here"))?;
+    pub async fn finish(&self, state: &str, code: &str, now: u64) -> Result<Person, Refused> {
+        if !self.state_holds(state, now) {
+            return Err(refused("this sign-in has expired or was not started here"));
+        }
+        let (nonce, verifier) = self.derived(state)?;
         let issuer = self.issuer()?;
         let token_url = issuer
             .endpoint("token_endpoint")
@@ -592,7 +661,7 @@ impl CodeFlow {
             .append_pair("grant_type", "authorization_code")
             .append_pair("code", code)
             .append_pair("redirect_uri", &self.cfg.redirect_url)
-            .append_pair("code_verifier", &pending.verifier)
+            .append_pair("code_verifier", &verifier)
             .finish();
         let enc = |s: &str| url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
         let r = issuer
@@ -627,8 +696,8 @@ impl CodeFlow {
             .and_then(Value::as_str)
             .ok_or_else(|| refused("the provider sent no ID token"))?;
         let (_, claims) = self.verifier.verify_claims(id_token).await?;
-        let nonce = claims.get("nonce").and_then(Value::as_str).unwrap_or("");
-        if !super::same_secret(&pending.nonce, nonce) {
+        let got = claims.get("nonce").and_then(Value::as_str).unwrap_or("");
+        if !super::same_secret(&nonce, got) {
             return Err(refused("the ID token's nonce is not this sign-in's"));
         }
         self.person(&claims)
@@ -661,6 +730,14 @@ impl CodeFlow {
             return Err(refused(format!(
                 "the tenant ({}) must be 1-128 characters of [A-Za-z0-9_.:-]",
                 cfg.tenant_claim
+            )));
+        }
+        // The same ceiling as a bearer's: only a tenant `[console.oidc]`
+        // names (`tenant`, `tenants`).
+        if !cfg.allows_tenant(&tenant) {
+            tracing::warn!(issuer = %cfg.issuer, tenant = %tenant, "console sign-in for a tenant [console.oidc] does not name refused");
+            return Err(refused(format!(
+                "tenant {tenant:?} is not one [console.oidc] names (tenants)"
             )));
         }
         let values = c
@@ -725,6 +802,60 @@ mod tests {
         assert!(!looks_like_jwt("cat_abc.def"));
         assert!(!looks_like_jwt("eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."));
         assert!(!looks_like_jwt("eyJ.a.b.c"));
+    }
+
+    fn flow(dir: &std::path::Path) -> CodeFlow {
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "console-secret-0123456789\n").unwrap();
+        let cfg: crate::auth::settings::ConsoleOidc = toml::from_str(&format!(
+            "issuer = \"http://127.0.0.1:9\"\nclient_id = \"c\"\nclient_secret_file = \"{}\"\nredirect_url = \"https://127.0.0.1:1/console/oidc/callback\"\napprover = [\"a\"]\ntenant = \"acme\"\n",
+            secret.display()
+        ))
+        .unwrap();
+        CodeFlow::new(&cfg).unwrap()
+    }
+
+    /// #34 L9: a sign-in's state is stateless: it holds, in time, for the
+    /// flow that made it only, and its nonce and verifier are its own.
+    #[test]
+    fn sign_in_states_are_macs_not_server_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let (f, other) = (flow(dir.path()), flow(dir.path()));
+        let now = 1_700_000_000;
+        let s = f.new_state(now).unwrap();
+        assert!(f.state_holds(&s, now));
+        assert!(f.state_holds(&s, now + SIGN_IN_SECONDS - 1));
+        assert!(!f.state_holds(&s, now + SIGN_IN_SECONDS), "expired");
+        assert!(!f.state_holds(&s, now - 3600), "from the future");
+        assert!(!other.state_holds(&s, now), "another key");
+        let mut tampered = s.clone().into_bytes();
+        tampered[2] = if tampered[2] == b'A' { b'B' } else { b'A' };
+        assert!(!f.state_holds(&String::from_utf8(tampered).unwrap(), now));
+        assert!(!f.state_holds("", now) && !f.state_holds("x", now));
+        let (nonce, verifier) = f.derived(&s).unwrap();
+        assert_eq!((nonce.len(), verifier.len()), (43, 43));
+        assert_ne!(nonce, verifier);
+        let s2 = f.new_state(now).unwrap();
+        assert_ne!(s, s2);
+        assert_ne!(f.derived(&s2).unwrap().0, nonce);
+    }
+
+    /// #34 M3: the console's sign-in has the same tenant ceiling as a
+    /// bearer: only `[console.oidc] tenant`/`tenants`.
+    #[test]
+    fn console_sign_ins_keep_to_the_configured_tenants() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = flow(dir.path());
+        let person = |c: serde_json::Value| f.person(c.as_object().unwrap());
+        let p = person(serde_json::json!({"sub": "u1", "groups": ["a"]})).unwrap();
+        assert_eq!(p.principal.tenant, "acme", "the fixed tenant");
+        let p =
+            person(serde_json::json!({"sub": "u1", "tenant_id": "acme", "groups": "a"})).unwrap();
+        assert_eq!(p.principal.roles, [Role::Approver]);
+        let e = person(serde_json::json!({"sub": "u1", "tenant_id": "globex", "groups": "a"}))
+            .err()
+            .unwrap();
+        assert!(e.0.contains("\"globex\" is not one"), "{e}");
     }
 
     #[test]

@@ -113,6 +113,25 @@ pub struct OidcIssuer {
     /// Which claims hold what (`[auth.oidc.claims]`).
     #[serde(default)]
     pub claims: ClaimNames,
+    /// The tenant of tokens without a tenant claim; with no `tenants`, the
+    /// only tenant this issuer's tokens may act for (a token naming
+    /// another is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// The tenants this issuer's tokens may name (with `tenant`, if set).
+    /// One of `tenant` and `tenants` is required: an issuer never chooses
+    /// an arbitrary tenant.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<String>,
+    /// The roles this issuer's tokens may carry (a ceiling, not a grant:
+    /// the token still names its roles). A token naming a role outside it
+    /// is refused. Default: `agent` only.
+    #[serde(default = "oidc_allowed_roles")]
+    pub allowed_roles: Vec<String>,
+}
+
+fn oidc_allowed_roles() -> Vec<String> {
+    vec!["agent".into()]
 }
 
 fn oidc_algorithms() -> Vec<String> {
@@ -127,18 +146,19 @@ pub(crate) fn oidc_leeway() -> u64 {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClaimNames {
-    /// The tenant (else `sub`).
+    /// The tenant (absent: the issuer's `tenant`, else the token is
+    /// refused).
     pub tenant: String,
-    /// Roles: agent (or runtime), approver, auditor, admin; absent: agent.
-    /// Other names in the claim are ignored.
+    /// Roles: agent (or runtime), approver, auditor, admin; absent: the
+    /// token is refused. Other names in the claim are ignored.
     pub roles: String,
     /// Profiles it may use; absent or empty: all.
     pub profiles: String,
     /// Runtimes it may be; absent or empty: all.
     pub runtimes: String,
-    /// Action scopes; absent: `*`; an empty list: none.
+    /// Action scopes; absent or empty: none.
     pub actions: String,
-    /// Task templates it may plan; absent: `*`; an empty list: none.
+    /// Task templates it may plan; absent or empty: none.
     pub task_templates: String,
 }
 
@@ -218,9 +238,14 @@ pub struct ConsoleOidc {
     #[serde(default = "oidc_tenant_claim")]
     pub tenant_claim: String,
     /// The tenant of people whose token has no tenant claim; absent: such a
-    /// sign-in is refused.
+    /// sign-in is refused. With no `tenants`, the only tenant people may
+    /// sign in to (a token naming another is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The tenants people may sign in to (with `tenant`, if set). One of
+    /// `tenant` and `tenants` is required.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<String>,
     /// The claim (a list, or names separated by spaces or commas) whose
     /// values map to console roles.
     #[serde(default = "oidc_groups_claim")]
@@ -264,7 +289,16 @@ impl ConsoleOidc {
             ca_file: self.ca_file.clone(),
             leeway_seconds: self.leeway_seconds,
             claims: ClaimNames::default(),
+            tenant: self.tenant.clone(),
+            tenants: self.tenants.clone(),
+            // The console maps roles itself (`approver`, `auditor`, `admin`).
+            allowed_roles: ["approver", "auditor", "admin"].map(String::from).to_vec(),
         }
+    }
+
+    /// Whether people may sign in to `tenant` (`tenant` or `tenants`).
+    pub fn allows_tenant(&self, tenant: &str) -> bool {
+        allows_tenant(self.tenant.as_deref(), &self.tenants, tenant)
     }
 
     pub(crate) fn validate(&self) -> Result<(), String> {
@@ -286,13 +320,7 @@ impl ConsoleOidc {
                 "name the roles_claim values of approvers, auditors or admins (approver, auditor, admin)".into(),
             ));
         }
-        if let Some(t) = &self.tenant
-            && !super::valid_tenant_name(t)
-        {
-            return Err(at(
-                "tenant must be 1-128 characters of [A-Za-z0-9_.:-]".into()
-            ));
-        }
+        check_tenants(self.tenant.as_deref(), &self.tenants).map_err(at)?;
         for n in [&self.name_claim, &self.tenant_claim, &self.roles_claim] {
             if n.trim().is_empty() {
                 return Err(at("claim names must not be empty".into()));
@@ -303,6 +331,18 @@ impl ConsoleOidc {
 }
 
 impl OidcIssuer {
+    /// Whether this issuer's tokens may act for `tenant`.
+    pub fn allows_tenant(&self, tenant: &str) -> bool {
+        allows_tenant(self.tenant.as_deref(), &self.tenants, tenant)
+    }
+
+    /// Whether this issuer's tokens may carry `role`.
+    pub fn allows_role(&self, role: super::Role) -> bool {
+        self.allowed_roles
+            .iter()
+            .any(|r| r.parse::<super::Role>().is_ok_and(|a| a == role))
+    }
+
     /// The issuer's own settings (not whether another has its name).
     pub(crate) fn validate(&self) -> Result<(), String> {
         let at = |e: String| format!("auth.oidc {}: {e}", self.issuer);
@@ -334,6 +374,17 @@ impl OidcIssuer {
         if self.leeway_seconds > 300 {
             return Err(at("leeway_seconds must be at most 300".into()));
         }
+        check_tenants(self.tenant.as_deref(), &self.tenants).map_err(at)?;
+        if self.allowed_roles.is_empty() {
+            return Err(at(
+                "allowed_roles must name at least one role (agent, approver, auditor, admin)"
+                    .into(),
+            ));
+        }
+        for r in &self.allowed_roles {
+            r.parse::<super::Role>()
+                .map_err(|e| at(format!("allowed_roles: {e}")))?;
+        }
         let c = &self.claims;
         for n in [
             &c.tenant,
@@ -349,6 +400,29 @@ impl OidcIssuer {
         }
         Ok(())
     }
+}
+
+/// `tenant` or one of `tenants`.
+fn allows_tenant(fixed: Option<&str>, list: &[String], tenant: &str) -> bool {
+    fixed == Some(tenant) || list.iter().any(|t| t == tenant)
+}
+
+/// One of `tenant` and `tenants` is set, and each names a valid tenant.
+fn check_tenants(fixed: Option<&str>, list: &[String]) -> Result<(), String> {
+    if fixed.is_none() && list.is_empty() {
+        return Err(
+            "name the tenants this issuer's tokens may act for: `tenant = \"…\"` (one, also for tokens without a tenant claim) or `tenants = [\"…\"]`; the tenant claim alone is not trusted"
+                .into(),
+        );
+    }
+    for t in fixed.into_iter().chain(list.iter().map(String::as_str)) {
+        if !super::valid_tenant_name(t) {
+            return Err(format!(
+                "tenant {t:?} must be 1-128 characters of [A-Za-z0-9_.:-]"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether `u`'s host is a loopback name or address.

@@ -8,9 +8,14 @@
 //! a known token's secret, from one place cannot lock that person or agent
 //! out elsewhere. Every failure from a source, whatever it named, also
 //! counts for the source: [`MAX_SOURCE_FAILURES`] in a window block all
-//! sign-ins from it that are not already verified (loopback is exempt:
-//! on a jump host every local agent shares it; so is "no address", the
-//! re-checks of open event streams).
+//! sign-ins from it that are not already verified. Loopback is exempt for
+//! bearer tokens (on a jump host every local agent shares it, and a token
+//! costs no argon2 check); so is "no address", the re-checks of open
+//! event streams. Password sign-ins from loopback are not exempt: an SSH
+//! port-forward arrives as loopback, and each guess holds the one argon2
+//! turn every person's sign-in waits for, so [`MAX_SOURCE_FAILURES`]
+//! failed passwords from loopback in a window block password sign-ins
+//! from loopback (its own key: local agents' tokens go on working).
 //!
 //! A blocked attempt is refused before any check with 429
 //! `sign_in_throttled` and `Retry-After`; a credential already verified
@@ -86,6 +91,17 @@ pub enum Credential {
 enum Key {
     Source(Source),
     Pair(Credential, Source),
+    /// Password failures from a loopback source (exempt from `Source`).
+    LoopbackPasswords(Source),
+}
+
+/// The keys that refuse `cred` from `source` while blocked.
+fn keys_of(source: Source, cred: &Credential) -> Vec<Key> {
+    let mut keys = vec![Key::Source(source), Key::Pair(cred.clone(), source)];
+    if matches!(cred, Credential::User(_)) && source.ip().is_loopback() {
+        keys.push(Key::LoopbackPasswords(source));
+    }
+    keys
 }
 
 #[derive(Debug)]
@@ -142,7 +158,7 @@ impl Throttle {
     pub fn admit(&self, source: Source, cred: &Credential) -> Result<(), u64> {
         let now = Instant::now();
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let wait = [Key::Source(source), Key::Pair(cred.clone(), source)]
+        let wait = keys_of(source, cred)
             .iter()
             .filter_map(|k| state.map.get(k)?.blocked_until)
             .filter(|until| *until > now)
@@ -169,6 +185,8 @@ impl Throttle {
         // The source first: if only one key fits, it is the source's.
         if !source.ip().is_loopback() && !source.ip().is_unspecified() {
             keys.push((Key::Source(source), MAX_SOURCE_FAILURES));
+        } else if source.ip().is_loopback() && matches!(cred, Credential::User(_)) {
+            keys.push((Key::LoopbackPasswords(source), MAX_SOURCE_FAILURES));
         }
         if cred != &Credential::Unknown && !source_blocked {
             keys.push((Key::Pair(cred.clone(), source), MAX_FAILURES));
@@ -205,7 +223,7 @@ impl Throttle {
                 started.push(Blocked {
                     credential: match key {
                         Key::Pair(c, _) => Some(c),
-                        Key::Source(_) => None,
+                        Key::Source(_) | Key::LoopbackPasswords(_) => None,
                     },
                     source,
                     for_,
@@ -266,11 +284,35 @@ mod tests {
         }
         assert_eq!(blocked, 1, "one block: the source's");
         assert!(t.admit(a, &Credential::User("new".into())).is_err());
+        // Tokens from loopback: never blocked as a source.
         let lo = src("127.0.0.1");
         for i in 0..MAX_SOURCE_FAILURES * 2 {
-            t.failed(lo, &Credential::User(format!("u{i}")));
+            t.failed(lo, &Credential::Token(format!("t{i}")));
         }
-        assert_eq!(t.admit(lo, &Credential::User("new".into())), Ok(()));
+        assert_eq!(t.admit(lo, &Credential::Token("new".into())), Ok(()));
+    }
+
+    /// #34 L6: password guesses from loopback (an SSH port-forward) block
+    /// password sign-ins from loopback, as from any address, and leave
+    /// loopback's tokens and other addresses alone.
+    #[test]
+    fn password_guesses_from_loopback_are_blocked_but_not_its_tokens() {
+        let t = Throttle::default();
+        let lo = src("127.0.0.1");
+        let mut blocked = vec![];
+        for i in 0..MAX_SOURCE_FAILURES {
+            blocked.extend(t.failed(lo, &Credential::User(format!("u{i}"))));
+        }
+        assert_eq!(blocked.len(), 1, "{blocked:?}");
+        assert_eq!(blocked[0].credential, None);
+        let wait = t.admit(lo, &Credential::User("alice".into())).unwrap_err();
+        assert!((59..=60).contains(&wait), "{wait}");
+        assert_eq!(t.admit(lo, &Credential::Token("agent".into())), Ok(()));
+        assert_eq!(t.admit(lo, &Credential::Unknown), Ok(()));
+        assert_eq!(
+            t.admit(src("192.0.2.1"), &Credential::User("alice".into())),
+            Ok(())
+        );
     }
 
     #[test]
@@ -293,7 +335,7 @@ mod tests {
         let t = Throttle::default();
         let lo = src("127.0.0.1");
         for i in 0..MAX_ENTRIES * 2 {
-            t.failed(lo, &Credential::User(format!("n{i}")));
+            t.failed(lo, &Credential::Token(format!("n{i}")));
         }
         assert!(t.len() <= MAX_ENTRIES, "{}", t.len());
     }
@@ -317,14 +359,14 @@ mod tests {
         let t = Throttle::default();
         let lo = src("127.0.0.1");
         for i in 0..MAX_ENTRIES {
-            t.failed(lo, &Credential::User(format!("n{i}")));
+            t.failed(lo, &Credential::Token(format!("n{i}")));
         }
         assert_eq!(t.len(), MAX_ENTRIES);
         // All recent: nothing to prune, and no room for a new name.
-        t.failed(lo, &Credential::User("late".into()));
+        t.failed(lo, &Credential::Token("late".into()));
         assert_eq!(t.len(), MAX_ENTRIES);
         // A name already counted still gets blocked.
-        let n0 = Credential::User("n0".into());
+        let n0 = Credential::Token("n0".into());
         for _ in 1..MAX_FAILURES {
             t.failed(lo, &n0);
         }

@@ -107,8 +107,8 @@ codes! {
 
     // 401
     Unauthorized = "unauthorized", UNAUTHORIZED, Rejected, None;
-    /// Never produced here (the reference's OIDC rejection, and this
-    /// appliance has no OIDC); kept: the reference's catalogue lists it.
+    /// An OIDC token that does not hold, or claims more than its issuer
+    /// may grant (`[[auth.oidc]]` tenants, allowed_roles).
     InvalidToken = "invalid_token", UNAUTHORIZED, Rejected, None;
 
     // 403

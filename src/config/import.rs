@@ -529,6 +529,7 @@ pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, String> {
         sections: vec![],
         files: vec![],
         rep: Report::default(),
+        tenants: Default::default(),
     };
     if let Some(p) = &src.env {
         b.read_env(p)?;
@@ -567,6 +568,8 @@ struct Build<'a> {
     sections: Vec<Piece>,
     files: Vec<OutFile>,
     rep: Report,
+    /// The tenants the principals file names (the OIDC issuer's ceiling).
+    tenants: std::collections::BTreeSet<String>,
 }
 
 impl Build<'_> {
@@ -721,9 +724,11 @@ impl Build<'_> {
         let bytes = std::fs::read(&p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
         let text =
             std::str::from_utf8(&bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
-        let n = crate::auth::load_tokens_file(text)
-            .map_err(|e| format!("{}: {e}", p.display()))?
-            .len();
+        let loaded =
+            crate::auth::load_tokens_file(text).map_err(|e| format!("{}: {e}", p.display()))?;
+        let n = loaded.len();
+        self.tenants
+            .extend(loaded.into_iter().map(|(_, principal)| principal.tenant));
         self.files.push(OutFile {
             name: PRINCIPALS_FILE,
             data: bytes,
@@ -988,8 +993,21 @@ impl Build<'_> {
         if !claims.is_empty() {
             t.insert("claims".into(), toml::Value::Table(claims));
         }
+        // The reference took any tenant and role a token named; here an
+        // issuer has a ceiling. The principals' tenants are a start.
+        let mut comment = vec!["[[auth.oidc]]: CUBE_ADAPTER_OIDC_JWKS_URL, _ISSUER, _AUDIENCE, _TENANT_CLAIM, _ROLES_CLAIM, with the reference's algorithms; the other claims (cube_profiles, cube_runtimes, cube_actions, cube_task_templates) keep their names.".into()];
+        if self.tenants.is_empty() {
+            self.rep.not_carried(
+                "CUBE_ADAPTER_OIDC_* tenants",
+                "the reference took any tenant a token named; name the issuer's tenants (`tenants` or `tenant` in [[auth.oidc]]) before `config check` accepts it",
+            );
+        } else {
+            let list: Vec<String> = self.tenants.iter().cloned().collect();
+            t.insert("tenants".into(), tlist(&list));
+            comment.push("tenants: the principals file's, the only ones its tokens may name (the reference took any); allowed_roles: agent only by default (the reference took any role a token named, admin too): widen it deliberately.".into());
+        }
         self.sections.push(Piece {
-            comment: vec!["[[auth.oidc]]: CUBE_ADAPTER_OIDC_JWKS_URL, _ISSUER, _AUDIENCE, _TENANT_CLAIM, _ROLES_CLAIM, with the reference's algorithms; the other claims (cube_profiles, cube_runtimes, cube_actions, cube_task_templates) keep their names.".into()],
+            comment,
             path: vec!["auth".into(), "oidc".into()],
             value: toml::Value::Array(vec![toml::Value::Table(t)]),
         });

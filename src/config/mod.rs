@@ -1194,8 +1194,10 @@ impl Config {
                 }
                 "TOKENS_FILE" => cfg.tokens_file = Some(PathBuf::from(v)),
                 // The reference's one OIDC issuer.
+                // (and this appliance's ceilings for it, which the
+                // reference did not have: OIDC_TENANTS, OIDC_ALLOWED_ROLES)
                 "OIDC_JWKS_URL" | "OIDC_ISSUER" | "OIDC_AUDIENCE" | "OIDC_TENANT_CLAIM"
-                | "OIDC_ROLES_CLAIM" => {
+                | "OIDC_ROLES_CLAIM" | "OIDC_TENANTS" | "OIDC_ALLOWED_ROLES" => {
                     oidc.insert(name, v.clone());
                 }
                 "INSECURE_PLAIN_HTTP" => cfg.insecure_plain_http = parse_bool(k, v)?,
@@ -1225,6 +1227,27 @@ impl Config {
             if let Some(r) = oidc.get("OIDC_ROLES_CLAIM") {
                 claims.roles = r.clone();
             }
+            // The ceilings: from the variables, else from the file's entry
+            // for the same issuer (which the variables replace).
+            let split = |v: &String| -> Vec<String> {
+                v.split([',', ' '])
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect()
+            };
+            let same = cfg.auth.oidc.iter().find(|o| &o.issuer == issuer);
+            let (tenant, tenants) = match oidc.get("OIDC_TENANTS") {
+                Some(v) => (None, split(v)),
+                None => same
+                    .map(|o| (o.tenant.clone(), o.tenants.clone()))
+                    .unwrap_or_default(),
+            };
+            let allowed_roles = match (oidc.get("OIDC_ALLOWED_ROLES"), same) {
+                (Some(v), _) => split(v),
+                (None, Some(o)) => o.allowed_roles.clone(),
+                (None, None) => vec!["agent".into()],
+            };
             cfg.auth.oidc.retain(|o| &o.issuer != issuer);
             cfg.auth.oidc.push(OidcIssuer {
                 issuer: issuer.clone(),
@@ -1237,6 +1260,9 @@ impl Config {
                 ca_file: None,
                 leeway_seconds: crate::auth::settings::oidc_leeway(),
                 claims,
+                tenant,
+                tenants,
+                allowed_roles,
             });
         }
         if bind.is_some() || port.is_some() {
@@ -1482,7 +1508,7 @@ mod tests {
                 .collect();
             Config::load(Some(&f), &env, &Flags::default())
         };
-        let ok = "[[auth.oidc]]\nissuer = \"https://idp.example.test/realms/x\"\naudience = \"cube\"\nalgorithms = [\"RS256\", \"EdDSA\"]\n[auth.oidc.claims]\nroles = \"groups\"\n";
+        let ok = "[[auth.oidc]]\nissuer = \"https://idp.example.test/realms/x\"\naudience = \"cube\"\nalgorithms = [\"RS256\", \"EdDSA\"]\ntenants = [\"acme\"]\n[auth.oidc.claims]\nroles = \"groups\"\n";
         let (c, _) = load(ok, &[]).unwrap();
         assert_eq!(c.auth.oidc[0].claims.roles, "groups");
         assert_eq!(c.auth.oidc[0].claims.tenant, "tenant_id");
@@ -1490,6 +1516,20 @@ mod tests {
             (ok.replace("RS256", "HS256"), "not allowed"),
             (ok.replace("https://idp", "http://idp"), "https"),
             (ok.replace("\"cube\"", "\" \""), "audience"),
+            // No ceiling on the tenant: refused, naming the issuer.
+            (
+                ok.replace("tenants = [\"acme\"]\n", ""),
+                "auth.oidc https://idp.example.test/realms/x: name the tenants",
+            ),
+            (ok.replace("[\"acme\"]", "[\"a b\"]"), "tenant \"a b\""),
+            (
+                ok.replace("tenants =", "allowed_roles = [\"root\"]\ntenants ="),
+                "allowed_roles: unknown role",
+            ),
+            (
+                ok.replace("tenants =", "allowed_roles = []\ntenants ="),
+                "allowed_roles must name",
+            ),
             (
                 format!(
                     "{ok}{}",
@@ -1509,17 +1549,31 @@ mod tests {
             )
             .is_ok()
         );
+        let reference = [
+            ("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test"),
+            ("CUBE_ADAPTER_OIDC_AUDIENCE", "cube"),
+            ("CUBE_ADAPTER_OIDC_ROLES_CLAIM", "groups"),
+        ];
+        // The reference's variables alone name no tenants: refused.
+        let e = load("", &reference).unwrap_err();
+        assert!(e.contains("name the tenants"), "{e}");
+        let mut with = reference.to_vec();
+        with.push(("CUBE_ADAPTER_OIDC_TENANTS", "acme, globex"));
+        let (c, _) = load("", &with).unwrap();
+        assert_eq!(c.auth.oidc.len(), 1);
+        assert_eq!(c.auth.oidc[0].claims.roles, "groups");
+        assert_eq!(c.auth.oidc[0].tenants, ["acme", "globex"]);
+        assert_eq!(c.auth.oidc[0].allowed_roles, ["agent"]);
+        // Or the file's entry for the same issuer gives them.
         let (c, _) = load(
-            "",
-            &[
-                ("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test"),
-                ("CUBE_ADAPTER_OIDC_AUDIENCE", "cube"),
-                ("CUBE_ADAPTER_OIDC_ROLES_CLAIM", "groups"),
-            ],
+            "[[auth.oidc]]\nissuer = \"https://idp.example.test\"\naudience = \"x\"\ntenant = \"acme\"\nallowed_roles = [\"agent\", \"approver\"]\n",
+            &reference,
         )
         .unwrap();
         assert_eq!(c.auth.oidc.len(), 1);
-        assert_eq!(c.auth.oidc[0].claims.roles, "groups");
+        assert_eq!(c.auth.oidc[0].audience, "cube");
+        assert_eq!(c.auth.oidc[0].tenant.as_deref(), Some("acme"));
+        assert_eq!(c.auth.oidc[0].allowed_roles, ["agent", "approver"]);
         let e = load(
             "",
             &[("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test")],

@@ -48,7 +48,8 @@ pub async fn start(State(st): State<ConsoleState>) -> Response {
     let Some(flow) = st.oidc.clone() else {
         return not_configured();
     };
-    match flow.start().await {
+    let now = st.broker.clock().unix().max(0).unsigned_abs();
+    match flow.start(now).await {
         Ok((url, state)) => {
             let mut r = Redirect::to(&url).into_response();
             if let Ok(v) = HeaderValue::from_str(&lax_cookie(&state, session::SIGN_IN_FORM_SECONDS))
@@ -130,7 +131,8 @@ pub async fn callback(
             "The identity provider sent no code. Sign in again.",
         ));
     };
-    let person = match flow.finish(state, code).await {
+    let now = st.broker.clock().unix().max(0).unsigned_abs();
+    let person = match flow.finish(state, code, now).await {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(reason = %e, "console sign-in with the identity provider refused");

@@ -17,9 +17,17 @@ async fn quick_start_flow_and_idempotent_acquire() {
     assert_eq!(h["audit_mode"], "required");
     let (st, r) = s.get("", "/readyz").await;
     assert_eq!(st, StatusCode::OK, "{r}");
-    // Both sides of the backend are probed and named.
+    // Both sides of the backend are probed and named, and the templates;
+    // no template, profile or backend by name (#34 L9).
     assert_eq!(r["checks"]["cube_api"], "ok", "{r}");
     assert_eq!(r["checks"]["cube_proxy"], "ok", "{r}");
+    assert_eq!(r["checks"]["templates"], "ok", "{r}");
+    let keys: Vec<&String> = r["checks"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        ["audit", "cube_api", "cube_proxy", "state", "templates"],
+        "{r}"
+    );
 
     let (st, a) = s
         .post(
@@ -99,6 +107,15 @@ async fn quick_start_flow_and_idempotent_acquire() {
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(r.headers()["cache-control"], "no-store");
     assert_eq!(r.headers()["x-content-type-options"], "nosniff");
+    // Over HTTPS, HSTS too (#34 L9): API, MCP and health alike.
+    for path in ["/v1/leases", "/mcp", "/readyz", "/healthz", "/nowhere"] {
+        let r = s.http.get(format!("{}{path}", s.url)).send().await.unwrap();
+        assert_eq!(
+            r.headers()["strict-transport-security"],
+            "max-age=31536000",
+            "{path}"
+        );
+    }
     s.stop().await;
 }
 

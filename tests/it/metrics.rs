@@ -174,6 +174,37 @@ pub(crate) fn sample(text: &str, name: &str, labels: &[&str]) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Without a metrics token, `/metrics` is open but names no tenant or
+/// profile (#34 L9): their series are summed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_metrics_name_no_tenant_or_profile() {
+    let s = Server::start().await;
+    for key in ["open-1", "open-2"] {
+        let (st, v) = s
+            .post(
+                &s.admin,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": key}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+    let text = exposition(&s.http, &s.url).await;
+    assert!(
+        !text.contains("tenant=") && !text.contains("profile="),
+        "{text}"
+    );
+    let active = sample(&text, "cube_adapter_leases", &["state=\"running\""]);
+    assert_eq!(active, Some(2.0), "{text}");
+    let ops = sample(
+        &text,
+        "cube_adapter_operations_total",
+        &["action=\"acquire\"", "outcome=\"ok\""],
+    );
+    assert!(ops.is_some_and(|n| n >= 2.0), "{text}");
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_what_the_traffic_did() {
     let tmp = tempfile::tempdir().unwrap();

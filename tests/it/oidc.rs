@@ -142,6 +142,9 @@ fn issuer(iss: &str, audience: &str, algorithms: &[&str]) -> OidcIssuer {
         ca_file: None,
         leeway_seconds: 30,
         claims: ClaimNames::default(),
+        tenant: None,
+        tenants: vec!["acme".into()],
+        allowed_roles: vec!["agent".into()],
     }
 }
 
@@ -166,17 +169,20 @@ async fn tokens_that_do_not_hold_are_refused() {
     let iss = jwks.issuer.clone();
     let iss2 = jwks2.issuer.clone();
     let s = Server::start_with(|c| {
-        c.auth.oidc = vec![
-            issuer(&iss, "cube-adapter", &["ES256"]),
-            issuer(&iss2, "cube-adapter", &["ES256"]),
-        ]
+        c.auth.oidc = vec![issuer(&iss, "cube-adapter", &["ES256"]), {
+            // A fixed tenant: its tokens carry none.
+            let mut i = issuer(&iss2, "cube-adapter", &["ES256"]);
+            i.tenant = Some("globex".into());
+            i.tenants = vec![];
+            i
+        }]
     })
     .await;
     let t = now();
     let claims = |over: Value| {
         let mut c = json!({
             "iss": iss, "aud": "cube-adapter", "sub": "agent-7", "tenant_id": "acme",
-            "iat": t, "exp": t + 300, "jti": rand::random::<u64>().to_string(),
+            "roles": "agent", "cube_actions": ["lease:list"], "iat": t, "exp": t + 300, "jti": rand::random::<u64>().to_string(),
         });
         for (k, v) in over.as_object().unwrap() {
             if v.is_null() {
@@ -207,6 +213,22 @@ async fn tokens_that_do_not_hold_are_refused() {
         (
             "roles none of ours",
             a.sign(&claims(json!({"roles": ["offline_access"]}))),
+        ),
+        // The issuer's ceilings (#34 M3): a tenant it may not name, a
+        // role above its allowed_roles, no roles claim, no tenant claim
+        // (never `sub` instead).
+        (
+            "a tenant outside the issuer's",
+            a.sign(&claims(json!({"tenant_id": "globex"}))),
+        ),
+        (
+            "a role above allowed_roles",
+            a.sign(&claims(json!({"roles": ["agent", "admin"]}))),
+        ),
+        ("no roles claim", a.sign(&claims(json!({"roles": null})))),
+        (
+            "no tenant claim",
+            a.sign(&claims(json!({"tenant_id": null, "sub": "acme"}))),
         ),
         ("alg none", {
             let h = b64(br#"{"alg":"none","typ":"JWT"}"#);
@@ -267,6 +289,7 @@ async fn tokens_that_do_not_hold_are_refused() {
     let claims2 = |exp: u64| {
         json!({
             "iss": iss2, "aud": "cube-adapter", "sub": "agent-9", "exp": exp,
+            "roles": ["agent"], "cube_actions": "lease:list",
             "jti": rand::random::<u64>().to_string(),
         })
     };
@@ -291,6 +314,23 @@ async fn tokens_that_do_not_hold_are_refused() {
     assert_eq!(
         (st, code.as_str()),
         (StatusCode::UNAUTHORIZED, "invalid_token")
+    );
+    // The fixed-tenant issuer: its own tenant named is fine, another
+    // tenant (the first issuer's) is refused.
+    let mut named = claims2(t + 302);
+    named["tenant_id"] = json!("globex");
+    assert_eq!(list_with(&s, &e.sign(&named)).await.0, StatusCode::OK);
+    named["tenant_id"] = json!("acme");
+    let (st, code) = list_with(&s, &e.sign(&named)).await;
+    assert_eq!(
+        (st, code.as_str()),
+        (StatusCode::UNAUTHORIZED, "invalid_token")
+    );
+    // Absent actions grant none (the reference took `*`).
+    let (st, code) = list_with(&s, &a.sign(&claims(json!({"cube_actions": null})))).await;
+    assert_eq!(
+        (st, code.as_str()),
+        (StatusCode::FORBIDDEN, "action_denied")
     );
     s.stop().await;
 }
@@ -486,6 +526,113 @@ async fn a_real_providers_tokens_are_bearers_with_their_claims() {
     s.stop().await;
 }
 
+/// Each issuer has a ceiling (#34 M3), with tokens from real providers:
+/// a tenant the issuer may not name, a role above its `allowed_roles`,
+/// and no roles claim are refused (401 `invalid_token`, logged without
+/// the token); no actions claim grants no action. A second provider (a
+/// contractor's, fixed to its own tenant) cannot mint the first one's
+/// tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_issuer_has_a_ceiling_of_tenants_and_roles() {
+    let agent =
+        |claims: Value| json!({"secret": "agent-secret-0123456789abcdef", "claims": claims});
+    let extra = json!({
+        "other-tenant": agent(json!({"tenant_id": "globex", "roles": ["agent"], "cube_actions": ["lease:*"]})),
+        "wants-admin": agent(json!({"tenant_id": "acme", "roles": ["agent", "admin"], "cube_actions": ["lease:*"]})),
+        "no-roles": agent(json!({"tenant_id": "acme", "cube_actions": ["lease:*"]})),
+        "no-actions": agent(json!({"tenant_id": "acme", "roles": "agent"})),
+        "approver": agent(json!({"tenant_id": "acme", "roles": "approver", "cube_actions": ["lease:list"]})),
+    })
+    .to_string();
+    let idp = Provider::start(&[
+        (
+            "OIDC_AGENT_CLAIMS",
+            r#"{"tenant_id":"acme","roles":"agent","cube_actions":["lease:*"]}"#,
+        ),
+        ("OIDC_EXTRA_AGENTS", &extra),
+    ]);
+    // The contractor's provider: its agents say they are acme's.
+    let contractor = Provider::start(&[(
+        "OIDC_AGENT_CLAIMS",
+        r#"{"tenant_id":"acme","roles":"agent","cube_actions":["lease:*"]}"#,
+    )]);
+    let (iss, iss2) = (idp.issuer.clone(), contractor.issuer.clone());
+    let s = Server::start_with(|c| {
+        let mut main = issuer(&iss, AUDIENCE, &["RS256"]);
+        main.allowed_roles = vec!["agent".into(), "approver".into()];
+        let mut other = issuer(&iss2, AUDIENCE, &["RS256"]);
+        other.tenant = Some("contractor".into());
+        other.tenants = vec![];
+        c.auth.oidc = vec![main, other];
+    })
+    .await;
+    async fn token(p: &Provider, client: &str) -> String {
+        p.agent_token(client, AGENT.1, AUDIENCE).await
+    }
+
+    // Within the ceilings: the agent, and an approver (allowed here).
+    let ok = token(&idp, AGENT.0).await;
+    assert_eq!(list_with(&s, &ok).await.0, StatusCode::OK);
+    let approver = token(&idp, "approver").await;
+    assert_eq!(list_with(&s, &approver).await.0, StatusCode::OK);
+
+    for (client, what) in [
+        ("other-tenant", "is not one this issuer may name"),
+        ("wants-admin", "role admin is above"),
+        ("no-roles", "has no roles claim"),
+    ] {
+        let t = token(&idp, client).await;
+        let (st, v) = s.get(&t, "/v1/leases").await;
+        assert_eq!(
+            (st, code(&v)),
+            (StatusCode::UNAUTHORIZED, "invalid_token"),
+            "{client}: {v}"
+        );
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(what),
+            "{client}: {v}"
+        );
+        // Not an acquire either (nothing was granted).
+        let (st, _) = s
+            .post(
+                &t,
+                "/v1/leases/acquire",
+                json!({"runtime": "mcp", "session_key": client}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::UNAUTHORIZED, "{client}");
+    }
+    // No actions claim: authenticated, and allowed nothing.
+    let none = token(&idp, "no-actions").await;
+    let (st, v) = s.get(&none, "/v1/leases").await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "action_denied"),
+        "{v}"
+    );
+    let (st, v) = s
+        .post(
+            &none,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "none"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+
+    // The contractor's token naming acme is refused; the same issuer's
+    // fixed tenant is the contractor's own.
+    let forged = token(&contractor, AGENT.0).await;
+    let (st, v) = s.get(&forged, "/v1/leases").await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::UNAUTHORIZED, "invalid_token"),
+        "{v}"
+    );
+    let why = v["error"]["message"].as_str().unwrap();
+    assert!(why.contains("tenant \"acme\" is not one"), "{v}");
+    s.stop().await;
+}
+
 /// `[console.oidc]` for a provider on 127.0.0.1 and a console at `console`
 /// (`https://127.0.0.1:PORT`); the client secret in `dir`.
 fn console_oidc(issuer: &str, console: &str, dir: &std::path::Path) -> ConsoleOidc {
@@ -500,6 +647,7 @@ fn console_oidc(issuer: &str, console: &str, dir: &std::path::Path) -> ConsoleOi
         label = "Test IdP"
         approver = ["cube-approvers"]
         auditor = ["cube-auditors"]
+        tenants = ["acme"]
         "#,
         secret.display()
     ))

@@ -97,6 +97,7 @@ fn assert_security_headers(h: &HeaderMap, what: &str) {
         ("referrer-policy", "no-referrer"),
         ("x-content-type-options", "nosniff"),
         ("x-frame-options", "DENY"),
+        ("strict-transport-security", "max-age=31536000"),
     ] {
         assert_eq!(
             h.get(k).and_then(|x| x.to_str().ok()),
