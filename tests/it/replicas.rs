@@ -1118,3 +1118,84 @@ async fn a_failing_statement_fails_only_its_own_write() {
     assert_eq!((v.events, v.last_seq), (9, 9), "{v:?}");
     store.close().await;
 }
+
+/// A replica whose lock connection broke a moment ago is still running: a
+/// replica starting then must not resolve its intents (#34, L10). One
+/// silent for the grace period (`GRACE_SECONDS`), its lock free, is
+/// stopped, and its intents are the others' to resolve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
+    use cube_adapter::audit::event::Event;
+    use cube_adapter::store::pg::{GRACE_SECONDS, replica_lock};
+    use cube_adapter::store::{Store, journal};
+    use std::time::{Duration, Instant};
+    let pg = Postgres::start();
+    let up = Instant::now();
+    let settings = cube_adapter::store::pg::Settings {
+        url: format!("{}?sslmode=disable", pg.url()),
+        password_file: Some(pg.password_file()),
+        ..Default::default()
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = Store::open_postgres(da.path(), &settings).unwrap();
+    let a_id = a.replica().unwrap().to_string();
+    let ev = Event {
+        action: "exec".into(),
+        phase: "intent".into(),
+        ..Default::default()
+    };
+    a.write(move |txn, chain| {
+        let ev = chain.append(txn, ev)?;
+        journal::put_pending(txn, "op-of-a", ev.seq)
+    })
+    .await
+    .unwrap();
+    // B has A's secret.key, as every replica has the first one's.
+    std::fs::copy(da.path().join("secret.key"), db.path().join("secret.key")).unwrap();
+    let b = Store::open_postgres(db.path(), &settings).unwrap();
+    let of_a = |b: &Store| {
+        b.pending_to_resolve()
+            .unwrap()
+            .iter()
+            .any(|(op, _)| op == "op-of-a")
+    };
+    assert!(!of_a(&b));
+    assert!(b.replica_running(&a_id).unwrap());
+
+    // A's lock connection is cut: for a moment no session holds its lock.
+    let (_, hi, lo) = replica_lock(&a_id);
+    let cut = pg.psql_in(
+        "cube",
+        &format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' \
+             AND classid::bigint = {hi} AND objid::bigint = {lo} AND objsubid = 1"
+        ),
+    );
+    assert_eq!(cut, "1");
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        assert!(b.replica_running(&a_id).unwrap(), "A taken for stopped");
+        assert!(!of_a(&b), "B would resolve A's intents while A runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A stops for good, and has been silent for longer than the grace
+    // (and the database up that long): its intents are B's.
+    a.close().await;
+    drop(a);
+    pg.psql_in(
+        "cube",
+        &format!(
+            "UPDATE cube_replicas SET seen_at = now() - interval '1 hour' WHERE id = '{a_id}'"
+        ),
+    );
+    let grace = Duration::from_secs(GRACE_SECONDS as u64 + 1);
+    tokio::time::sleep(grace.saturating_sub(up.elapsed())).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b.replica_running(&a_id).unwrap() {
+        assert!(Instant::now() < deadline, "A's lock is still held");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(of_a(&b));
+    b.close().await;
+}

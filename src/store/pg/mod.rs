@@ -47,6 +47,24 @@ pub const MIGRATIONS: &[(i32, &str)] =
 /// The advisory lock the schema steps run under.
 const MIGRATE_LOCK: &str = "migrate";
 
+/// How long a replica must have been silent before another may take it
+/// for stopped (and resolve its intents, mark its PTYs lost): its lock is
+/// not enough, as a replica whose lock connection broke takes the lock
+/// again a second later. A running replica notes `seen_at` every second.
+pub const GRACE_SECONDS: i32 = 30;
+
+/// SQL: replica `r` (a `cube_replicas` row) is not running. Its advisory
+/// lock is free, it has not noted `seen_at` for `GRACE_SECONDS` ($2), and
+/// the database has been up that long (after a database restart every
+/// replica's lock is gone and its `seen_at` old until it reconnects).
+const NOT_RUNNING: &str = "NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+           AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+    AND r.seen_at < now() - $2::int * interval '1 second'
+    AND pg_postmaster_start_time() < now() - $2::int * interval '1 second'";
+
 type P<'a> = &'a (dyn ToSql + Sync);
 
 /// A transaction on one connection. Statements run blocking: the store's
@@ -113,19 +131,15 @@ impl PgTx {
 
     /// The pending intents a replica answers for: its own, those of no
     /// replica (a store copied from redb), and those of replicas that are
-    /// not running (their advisory lock is free).
+    /// not running (`NOT_RUNNING`).
     pub fn pending_for(&self, replica: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let rows = self.query(
+        let sql = format!(
             "SELECT p.op, p.seq FROM cube_pending p
              WHERE p.replica IS NULL OR p.replica = $1 OR NOT EXISTS (
-                 SELECT 1 FROM cube_replicas r JOIN pg_locks l
-                   ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                  AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
-                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                 WHERE r.id = p.replica)
-             ORDER BY p.op",
-            &[&replica],
-        )?;
+                 SELECT 1 FROM cube_replicas r WHERE r.id = p.replica AND NOT ({NOT_RUNNING}))
+             ORDER BY p.op"
+        );
+        let rows = self.query(&sql, &[&replica, &GRACE_SECONDS])?;
         rows.into_iter()
             .map(|r| {
                 Ok((
@@ -136,17 +150,14 @@ impl PgTx {
             .collect()
     }
 
-    /// Whether a replica is running (holds its lock).
+    /// Whether a replica may be running (see `NOT_RUNNING`).
     pub fn replica_running(&self, replica: &str) -> Result<bool, StoreError> {
-        let rows = self.query(
-            "SELECT 1 FROM cube_replicas r JOIN pg_locks l
-               ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-              AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-             WHERE r.id = $1",
-            &[&replica],
-        )?;
-        Ok(!rows.is_empty())
+        let sql = format!("SELECT NOT ({NOT_RUNNING}) FROM cube_replicas r WHERE r.id = $1");
+        let rows = self.query(&sql, &[&replica, &GRACE_SECONDS])?;
+        match rows.first() {
+            Some(r) => r.try_get(0).map_err(corrupt),
+            None => Ok(false),
+        }
     }
 
     fn new(conn: Conn, begin: &'static str) -> Self {
