@@ -276,13 +276,57 @@ impl Journal {
                 Ok(t)
             })
             .await;
-        r.map_err(|e| {
-            if self.mode == AuditMode::Required {
-                // The effect happened and is not recorded: stop everything.
-                self.blocked.store(true, Ordering::SeqCst);
-            }
-            AuditError::Unavailable(e.to_string())
-        })
+        let e = match r {
+            Ok(t) => return Ok(t),
+            Err(e) => e,
+        };
+        // The effect happened and its outcome is not recorded. When the
+        // store is what failed (`Unavailable`: a commit, the connection),
+        // stop everything. When only this write failed (its own statement
+        // or state change, refused; the store commits the others), the
+        // intent gets an `uncertain` outcome made only of what the intent
+        // already recorded, and the journal goes on: one caller's data
+        // cannot stop the journal. If even that cannot be written, stop.
+        let settled = recorded
+            && !matches!(e, StoreError::Unavailable(_))
+            && self.settle_unrecorded(&intent, outcome).await.is_ok();
+        if !settled && self.mode == AuditMode::Required {
+            self.blocked.store(true, Ordering::SeqCst);
+        }
+        tracing::error!(
+            operation = %intent.operation_id,
+            action = %intent.base.action,
+            error = %e,
+            blocked = !settled && self.mode == AuditMode::Required,
+            "an effect's outcome could not be recorded"
+        );
+        Err(AuditError::Unavailable(e.to_string()))
+    }
+
+    /// The outcome of an intent whose own outcome could not be written:
+    /// `uncertain`, with `error_code` `unrecorded:<outcome meant>`, and
+    /// nothing but the intent's own fields (which the store took once). An
+    /// intent no longer pending (its outcome committed after all) is left
+    /// alone.
+    async fn settle_unrecorded(&self, intent: &Intent, meant: &str) -> Result<(), StoreError> {
+        let mut ev = intent.base.clone();
+        ev.event_id = new_id();
+        ev.ts = self.clock.text();
+        ev.phase = "outcome".into();
+        ev.outcome = "uncertain".into();
+        ev.error_code = Some(format!("unrecorded:{meant}"));
+        let took = intent.started.elapsed();
+        ev.duration_ms = Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
+        let op = intent.operation_id.clone();
+        self.store
+            .write(move |txn, chain| {
+                if !journal::pending(txn)?.iter().any(|(o, _)| *o == op) {
+                    return Ok(());
+                }
+                chain.append(txn, ev)?;
+                journal::remove_pending(txn, &op)
+            })
+            .await
     }
 
     /// A single-step event (a rejection, a read-only action).
@@ -501,4 +545,61 @@ pub async fn reconcile(
         journal.blocked.store(false, Ordering::SeqCst);
     }
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ReadOps;
+
+    /// An outcome that only its own write failed to record (its state
+    /// change refused; the store is fine) gets an `uncertain` outcome and
+    /// leaves the journal serving; one the store could not take blocks it
+    /// (#34, H2).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_outcome_is_settled_and_a_lost_one_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let j = Journal::open(store.clone(), AuditMode::Required, vec![7; 32]).unwrap();
+
+        let intent = j.intent(j.event("exec")).await.unwrap();
+        let op = intent.operation_id.clone();
+        let r = j
+            .outcome(
+                intent,
+                "ok",
+                |_| {},
+                |_| Err::<(), _>(StoreError::Conflict("refused".into())),
+            )
+            .await;
+        assert!(r.is_err());
+        j.check()
+            .expect("one refused write does not block the journal");
+        assert!(pending(&store).unwrap().is_empty());
+        let last = store
+            .read_now(|t| {
+                let n = t.last_seq()?;
+                journal::event(t, n)
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(last.operation_id.as_deref(), Some(op.as_str()));
+        assert_eq!(
+            (last.phase.as_str(), last.outcome.as_str()),
+            ("outcome", "uncertain")
+        );
+        assert_eq!(last.error_code.as_deref(), Some("unrecorded:ok"));
+        assert_eq!(verify(&store).unwrap().events, 2);
+
+        // The next effect goes through as usual.
+        let intent = j.intent(j.event("exec")).await.unwrap();
+        j.outcome(intent, "ok", |_| {}, |_| Ok(())).await.unwrap();
+
+        // The store itself fails: the outcome is lost, and that blocks.
+        let intent = j.intent(j.event("exec")).await.unwrap();
+        store.close().await;
+        let r = j.outcome(intent, "ok", |_| {}, |_| Ok(())).await;
+        assert!(r.is_err());
+        assert!(matches!(j.check(), Err(AuditError::Blocked)));
+    }
 }

@@ -507,6 +507,8 @@ pub struct StoreSection {
     pub kind: StoreKind,
     /// `postgres://USER@HOST:PORT/DB?sslmode=verify-full` (or libpq's
     /// `key=value` form), without a password: that is in `password_file`.
+    /// No `sslmode` means `verify-full`; `prefer` and `disable` are refused
+    /// unless every host is loopback or a unix socket.
     pub url: Option<String>,
     /// The database password (one line; re-read for each new connection).
     pub password_file: Option<PathBuf>,
@@ -549,6 +551,9 @@ impl StoreSection {
                 if url.trim().is_empty() {
                     return Err("store: url is empty".into());
                 }
+                // The URL parses, and its `sslmode` is allowed for its
+                // hosts (no plain text off this machine).
+                crate::store::pg::conn::check_url(url).map_err(|e| format!("store: url: {e}"))?;
                 if self.pool_size == 0 || self.connect_timeout_seconds == 0 {
                     return Err(
                         "store: pool_size and connect_timeout_seconds must be at least 1".into(),
@@ -1495,6 +1500,34 @@ fn parse_bool(k: &str, v: &str) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[store] url`: no plain text (`prefer`, `disable`) to a database
+    /// on another host, said when the config is loaded (#34, L5).
+    #[test]
+    fn store_url_refuses_plain_text_off_loopback() {
+        let store = |url: &str| StoreSection {
+            kind: StoreKind::Postgres,
+            url: Some(url.into()),
+            ..StoreSection::default()
+        };
+        for url in [
+            "postgres://cube@db.example/cube?sslmode=disable",
+            "postgres://cube@10.1.2.3:5432/cube?sslmode=prefer",
+        ] {
+            let e = store(url).validate().unwrap_err();
+            assert!(e.starts_with("store: url:") && e.contains("refused"), "{e}");
+        }
+        for url in [
+            "postgres://cube@db.example/cube",
+            "postgres://cube@db.example/cube?sslmode=verify-ca",
+            "postgres://cube@127.0.0.1/cube?sslmode=disable",
+            "host=/run/postgresql user=cube sslmode=prefer",
+        ] {
+            store(url)
+                .validate()
+                .unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
 
     #[test]
     fn oidc_issuers_are_checked_and_the_reference_variables_make_one() {

@@ -991,7 +991,23 @@ fn writer(
         };
         let before = chain.clone();
         let n = jobs.len() as u64;
-        let finishes: Vec<Finish> = jobs.into_iter().map(|j| j(&txn, &mut chain)).collect();
+        // Each job runs on its own: in a database, a job whose statement
+        // fails is undone alone (its savepoint) and so is what it did to
+        // the chain head, and the others commit; with redb, a job's
+        // failure writes nothing the others depend on (`write`'s rule).
+        let mut finishes: Vec<(Finish, Option<StoreError>)> = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let saved = chain.clone();
+            txn.job_begins();
+            let finish = j(&txn, &mut chain);
+            match txn.job_ends() {
+                Ok(()) => finishes.push((finish, None)),
+                Err(e) => {
+                    chain = saved;
+                    finishes.push((finish, Some(e)));
+                }
+            }
+        }
         let t = Instant::now();
         let moved = chain.next_seq != before.next_seq;
         let committed = engine.commit(txn, &chain, moved);
@@ -1022,8 +1038,8 @@ fn writer(
                         grew
                     });
                 }
-                for f in finishes {
-                    f(Ok(()));
+                for (f, undone) in finishes {
+                    f(undone.map_or(Ok(()), Err));
                 }
                 if inner
                     .upgrade()
@@ -1035,7 +1051,7 @@ fn writer(
             Err(e) => {
                 note_failure(&inner, &e, engine.stops_on_failure());
                 chain = before;
-                for f in finishes {
+                for (f, _) in finishes {
                     f(Err(StoreError::Unavailable(format!("commit failed: {e}"))));
                 }
                 if engine.stops_on_failure() {
@@ -1046,6 +1062,25 @@ fn writer(
     }
     // Stopped: everything still queued fails (its sender sees a dropped reply).
     rx.close();
+}
+
+impl Wx {
+    /// One job of a group commit begins (see `PgTx::job_begins`).
+    fn job_begins(&self) {
+        if let Wx::Pg(t) = self {
+            t.job_begins();
+        }
+    }
+
+    /// One job of a group commit ended: `Err` when its work was undone (a
+    /// statement of it failed in the database), with the reason, for that
+    /// job alone.
+    fn job_ends(&self) -> Result<(), StoreError> {
+        match self {
+            Wx::Pg(t) => t.job_ends(),
+            Wx::Redb(_) => Ok(()),
+        }
+    }
 }
 
 /// A group commit failed: logged, and kept for the callers whose replies

@@ -958,3 +958,244 @@ async fn a_crashed_replica_blocks_until_reconciled_while_the_other_serves() {
         "no reconciled outcome in the shared journal"
     );
 }
+
+/// Queue a store write without waiting for it: its job is in the writer's
+/// queue when this returns (the future is polled once), and the handle
+/// gives its answer later.
+async fn queue<T: Send + 'static>(
+    store: &cube_adapter::store::Store,
+    f: impl FnOnce(
+        &cube_adapter::store::Wx,
+        &mut cube_adapter::store::Chain,
+    ) -> Result<T, cube_adapter::store::StoreError>
+    + Send
+    + 'static,
+) -> tokio::task::JoinHandle<Result<T, cube_adapter::store::StoreError>> {
+    let s = store.clone();
+    let mut write = Box::pin(async move { s.write(f).await });
+    std::future::poll_fn(|cx| {
+        assert!(
+            write.as_mut().poll(cx).is_pending(),
+            "the write answered before its group commit"
+        );
+        std::task::Poll::Ready(())
+    })
+    .await;
+    tokio::spawn(write)
+}
+
+/// One write whose statement PostgreSQL refuses fails alone (#34, H2):
+/// the writes it shares a group commit with commit, and what the failing
+/// write did to the chain (an event appended before the statement that
+/// failed) is undone with it, so the journal stays one verified chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_statement_fails_only_its_own_write() {
+    use cube_adapter::audit::event::Event;
+    use cube_adapter::store::{Store, StoreError, WriteOps, tables};
+    let pg = Postgres::start();
+    let settings = cube_adapter::store::pg::Settings {
+        url: format!("{}?sslmode=disable", pg.url()),
+        password_file: Some(pg.password_file()),
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open_postgres(dir.path(), &settings).unwrap();
+    let ev = |action: &str| Event {
+        action: action.into(),
+        ..Default::default()
+    };
+    let first = ev("first");
+    store
+        .write(move |txn, chain| chain.append(txn, first).map(|_| ()))
+        .await
+        .unwrap();
+
+    // Hold the writer in a job of its own while the batch is queued, so
+    // the batch is one group commit.
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let held = queue(&store, move |_, _| {
+        let _ = entered_tx.send(());
+        let _ = release_rx.recv();
+        Ok(())
+    })
+    .await;
+    entered_rx.await.unwrap();
+    let before = store.commit_stats();
+
+    let mut good = vec![];
+    let mut bad = vec![];
+    for i in 0..3 {
+        let e = ev(&format!("good-{i}"));
+        good.push(queue(&store, move |txn, chain| chain.append(txn, e).map(|_| ())).await);
+    }
+    // An event appended, then a statement the database refuses (event 1
+    // exists): the append must be undone with it.
+    let e = ev("bad-duplicate");
+    bad.push(
+        queue(&store, move |txn, chain| {
+            chain.append(txn, e)?;
+            txn.insert_event(1, b"{}")
+        })
+        .await,
+    );
+    for i in 3..6 {
+        let e = ev(&format!("good-{i}"));
+        good.push(queue(&store, move |txn, chain| chain.append(txn, e).map(|_| ())).await);
+    }
+    // A key over the btree index's row limit (random hex does not
+    // compress below it), after an append.
+    let big = {
+        let mut s = String::new();
+        while s.len() < 12_000 {
+            s.push_str(&format!("{:016x}", rand::random::<u64>()));
+        }
+        s
+    };
+    let e = ev("bad-oversized-key");
+    bad.push(
+        queue(&store, move |txn, chain| {
+            chain.append(txn, e)?;
+            txn.put_index(tables::LEASE_JOBS, &big)
+        })
+        .await,
+    );
+    let e = ev("good-last");
+    good.push(queue(&store, move |txn, chain| chain.append(txn, e).map(|_| ())).await);
+    let key = "lease\0job";
+    good.push(queue(&store, move |txn, _| txn.put_index(tables::LEASE_JOBS, key)).await);
+
+    release_tx.send(()).unwrap();
+    held.await.unwrap().unwrap();
+    for (i, w) in good.into_iter().enumerate() {
+        w.await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("good write {i} failed with the bad ones: {e}"));
+    }
+    for w in bad {
+        let e = w.await.unwrap().unwrap_err();
+        assert!(
+            !matches!(e, StoreError::Unavailable(_)),
+            "a refused statement is its write's own error, not the store's: {e}"
+        );
+    }
+    let after = store.commit_stats();
+    assert_eq!(
+        after.commits - before.commits,
+        2,
+        "the held job and the batch: {before:?} {after:?}"
+    );
+    assert!(!store.failed());
+
+    // The chain: 1 + 7 good events, the refused writes' appends undone.
+    let v = cube_adapter::audit::verify(&store).unwrap();
+    assert_eq!((v.events, v.last_seq), (8, 8), "{v:?}");
+    let actions: Vec<String> = store
+        .read_now(|txn| {
+            use cube_adapter::store::ReadOps;
+            txn.events(1, 100)
+        })
+        .unwrap()
+        .into_iter()
+        .map(|(_, e)| e.action)
+        .collect();
+    assert!(actions.iter().all(|a| !a.starts_with("bad")), "{actions:?}");
+    let has = store
+        .read_now(|txn| {
+            use cube_adapter::store::ReadOps;
+            txn.index_keys(tables::LEASE_JOBS, "lease\0", "lease\u{1}")
+        })
+        .unwrap();
+    assert_eq!(has, vec!["lease\0job".to_string()]);
+    // The head the writer keeps matches the database's: the next append
+    // links on.
+    let e = ev("next");
+    store
+        .write(move |txn, chain| chain.append(txn, e).map(|_| ()))
+        .await
+        .unwrap();
+    let v = cube_adapter::audit::verify(&store).unwrap();
+    assert_eq!((v.events, v.last_seq), (9, 9), "{v:?}");
+    store.close().await;
+}
+
+/// A replica whose lock connection broke a moment ago is still running: a
+/// replica starting then must not resolve its intents (#34, L10). One
+/// silent for the grace period (`GRACE_SECONDS`), its lock free, is
+/// stopped, and its intents are the others' to resolve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
+    use cube_adapter::audit::event::Event;
+    use cube_adapter::store::pg::{GRACE_SECONDS, replica_lock};
+    use cube_adapter::store::{Store, journal};
+    use std::time::{Duration, Instant};
+    let pg = Postgres::start();
+    let up = Instant::now();
+    let settings = cube_adapter::store::pg::Settings {
+        url: format!("{}?sslmode=disable", pg.url()),
+        password_file: Some(pg.password_file()),
+        ..Default::default()
+    };
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = Store::open_postgres(da.path(), &settings).unwrap();
+    let a_id = a.replica().unwrap().to_string();
+    let ev = Event {
+        action: "exec".into(),
+        phase: "intent".into(),
+        ..Default::default()
+    };
+    a.write(move |txn, chain| {
+        let ev = chain.append(txn, ev)?;
+        journal::put_pending(txn, "op-of-a", ev.seq)
+    })
+    .await
+    .unwrap();
+    // B has A's secret.key, as every replica has the first one's.
+    std::fs::copy(da.path().join("secret.key"), db.path().join("secret.key")).unwrap();
+    let b = Store::open_postgres(db.path(), &settings).unwrap();
+    let of_a = |b: &Store| {
+        b.pending_to_resolve()
+            .unwrap()
+            .iter()
+            .any(|(op, _)| op == "op-of-a")
+    };
+    assert!(!of_a(&b));
+    assert!(b.replica_running(&a_id).unwrap());
+
+    // A's lock connection is cut: for a moment no session holds its lock.
+    let (_, hi, lo) = replica_lock(&a_id);
+    let cut = pg.psql_in(
+        "cube",
+        &format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' \
+             AND classid::bigint = {hi} AND objid::bigint = {lo} AND objsubid = 1"
+        ),
+    );
+    assert_eq!(cut, "1");
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        assert!(b.replica_running(&a_id).unwrap(), "A taken for stopped");
+        assert!(!of_a(&b), "B would resolve A's intents while A runs");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A stops for good, and has been silent for longer than the grace
+    // (and the database up that long): its intents are B's.
+    a.close().await;
+    drop(a);
+    pg.psql_in(
+        "cube",
+        &format!(
+            "UPDATE cube_replicas SET seen_at = now() - interval '1 hour' WHERE id = '{a_id}'"
+        ),
+    );
+    let grace = Duration::from_secs(GRACE_SECONDS as u64 + 1);
+    tokio::time::sleep(grace.saturating_sub(up.elapsed())).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b.replica_running(&a_id).unwrap() {
+        assert!(Instant::now() < deadline, "A's lock is still held");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(of_a(&b));
+    b.close().await;
+}

@@ -35,7 +35,7 @@ use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 use sha2::{Digest, Sha256};
 use tokio::runtime::{Handle, Runtime, RuntimeFlavor};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, TryAcquireError};
-use tokio_postgres::config::SslMode;
+use tokio_postgres::config::{Host, SslMode};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Config, NoTls, Row, SimpleQueryMessage, Statement};
@@ -64,10 +64,12 @@ const SYSTEM_CA_BUNDLES: &[&str] = &[
 pub struct Settings {
     /// A libpq-style URL or key=value string, e.g.
     /// `postgres://cube@127.0.0.1:5432/cube?sslmode=require`. `sslmode` may
-    /// be `disable`, `prefer` (the default), `require`, `verify-ca` or
-    /// `verify-full`. Whenever TLS is used the server's certificate is
-    /// verified against the CA (`ca_file` or the system bundle), and so is
-    /// its host name except under `verify-ca`: there is no unverified TLS.
+    /// be `verify-full` (the default), `verify-ca`, `require`, and, when
+    /// every host is this machine (loopback, `localhost`, a unix socket),
+    /// `prefer` or `disable`. Whenever TLS is used the server's certificate
+    /// is verified against the CA (`ca_file` or the system bundle), and so
+    /// is its host name except under `verify-ca`: there is no unverified
+    /// TLS.
     pub url: String,
     /// A file holding the password (one trailing newline is ignored), read
     /// each time a connection is opened, so a rotated password is picked up
@@ -157,10 +159,7 @@ impl Pg {
     /// (URL, password, TLS) fail here with a clear error rather than at the
     /// first query. Blocking; callable from any context.
     pub fn connect(s: &Settings) -> Result<Pg, StoreError> {
-        let (url, verify) = rewrite_sslmode(&s.url);
-        let mut config = Config::from_str(&url).map_err(|e| {
-            StoreError::Unavailable(format!("postgres: invalid database URL: {}", chain(&e)))
-        })?;
+        let (mut config, verify) = parse_url(&s.url)?;
         if s.password_file.is_some() && config.get_password().is_some() {
             return Err(StoreError::Unavailable(
                 "postgres: the database URL contains a password and password_file is set: \
@@ -1031,12 +1030,71 @@ enum Verify {
     Chain,
 }
 
+/// Parse the database URL with the TLS it asks for, and hold it to the
+/// rules: no `sslmode` means `verify-full`; `disable` and `prefer` (which
+/// falls back to plain text when the server, or a machine on the way, says
+/// it has no TLS) only when every host is this machine (`loopback_only`).
+fn parse_url(url: &str) -> Result<(Config, Option<Verify>), StoreError> {
+    let (url, mut verify, given) = rewrite_sslmode(url);
+    let mut config = Config::from_str(&url).map_err(|e| {
+        StoreError::Unavailable(format!("postgres: invalid database URL: {}", chain(&e)))
+    })?;
+    if !given {
+        config.ssl_mode(SslMode::Require);
+        verify = Some(Verify::Full);
+    }
+    let unverified = match config.get_ssl_mode() {
+        SslMode::Disable => Some("disable"),
+        SslMode::Prefer => Some("prefer"),
+        _ => None,
+    };
+    if let Some(mode) = unverified
+        && !loopback_only(&config)
+    {
+        return Err(StoreError::Unavailable(format!(
+            "postgres: sslmode={mode} is refused for a database on another host: the password \
+             and every record could go in clear, to whoever answers; use sslmode=verify-full \
+             (the default; with ca_file), verify-ca or require (both verify the certificate); \
+             disable and prefer are for 127.0.0.0/8, ::1, localhost and unix sockets"
+        )));
+    }
+    Ok((config, verify))
+}
+
+/// Check a database URL as `Pg::connect` would before connecting (`[store]
+/// url`, at config load): it parses, and its `sslmode` is allowed for its
+/// hosts.
+pub fn check_url(url: &str) -> Result<(), StoreError> {
+    parse_url(url).map(|_| ())
+}
+
+/// Whether every address the URL dials is this machine: a unix socket, a
+/// loopback address (127.0.0.0/8, ::1, IPv4-mapped included) or
+/// `localhost`. As tokio-postgres dials: the `i`th `hostaddr` when there
+/// is one, else the `i`th host. No host at all fails to connect anyway.
+fn loopback_only(config: &Config) -> bool {
+    let loopback_ip = |ip: std::net::IpAddr| ip.to_canonical().is_loopback();
+    let (hosts, addrs) = (config.get_hosts(), config.get_hostaddrs());
+    (0..hosts.len().max(addrs.len())).all(|i| match (addrs.get(i), hosts.get(i)) {
+        (Some(ip), _) => loopback_ip(*ip),
+        (None, Some(Host::Tcp(name))) => {
+            let name = name.trim_start_matches('[').trim_end_matches(']');
+            name.eq_ignore_ascii_case("localhost")
+                || name.parse::<std::net::IpAddr>().is_ok_and(loopback_ip)
+        }
+        (None, Some(Host::Unix(_))) => true,
+        (None, None) => true,
+    })
+}
+
 /// tokio-postgres knows `disable`, `prefer` and `require`; libpq's
 /// `verify-ca` and `verify-full` become `require` (TLS or nothing) and the
-/// verification they ask for is returned.
-fn rewrite_sslmode(url: &str) -> (String, Option<Verify>) {
+/// verification they ask for is returned, with whether the URL sets
+/// `sslmode` at all.
+fn rewrite_sslmode(url: &str) -> (String, Option<Verify>, bool) {
     let mut out = String::with_capacity(url.len());
     let mut verify = None;
+    let mut given = false;
     let mut rest = url;
     'scan: while let Some(at) = rest.find("sslmode") {
         let (before, from) = rest.split_at(at);
@@ -1049,6 +1107,7 @@ fn rewrite_sslmode(url: &str) -> (String, Option<Verify>) {
             .last()
             .is_none_or(|c| c == '?' || c == '&' || c.is_whitespace());
         if at_boundary && let Some(value) = after_key.trim_start().strip_prefix('=') {
+            given = true;
             let value = value.trim_start();
             let quoted = value.starts_with('\'');
             let bare = value.strip_prefix('\'').unwrap_or(value);
@@ -1073,7 +1132,7 @@ fn rewrite_sslmode(url: &str) -> (String, Option<Verify>) {
         rest = after_key;
     }
     out.push_str(rest);
-    (out, verify)
+    (out, verify, given)
 }
 
 fn tls_for(
@@ -1209,21 +1268,93 @@ mod tests {
 
     #[test]
     fn rewrites_verify_modes() {
-        let (url, v) = rewrite_sslmode("postgres://a@h/db?sslmode=verify-full");
+        let (url, v, given) = rewrite_sslmode("postgres://a@h/db?sslmode=verify-full");
         assert_eq!(url, "postgres://a@h/db?sslmode=require");
         assert_eq!(v, Some(Verify::Full));
-        let (url, v) = rewrite_sslmode("host=h sslmode = 'verify-ca' user=a");
+        assert!(given);
+        let (url, v, _) = rewrite_sslmode("host=h sslmode = 'verify-ca' user=a");
         assert_eq!(url, "host=h sslmode='require' user=a");
         assert_eq!(v, Some(Verify::Chain));
-        let (url, v) = rewrite_sslmode("postgres://h/db?application_name=xsslmode&sslmode=require");
+        let (url, v, given) =
+            rewrite_sslmode("postgres://h/db?application_name=xsslmode&sslmode=require");
         assert_eq!(
             url,
             "postgres://h/db?application_name=xsslmode&sslmode=require"
         );
         assert_eq!(v, None);
-        let (url, v) = rewrite_sslmode("postgres://h/db?sslmode=verify-fullish");
+        assert!(given);
+        let (url, v, _) = rewrite_sslmode("postgres://h/db?sslmode=verify-fullish");
         assert_eq!(url, "postgres://h/db?sslmode=verify-fullish");
         assert_eq!(v, None);
+        let (_, v, given) = rewrite_sslmode("postgres://h/db?application_name=xsslmode");
+        assert_eq!((v, given), (None, false));
+    }
+
+    /// No `sslmode`: `verify-full`, whatever the host (#34, L5).
+    #[test]
+    fn sslmode_defaults_to_verify_full() {
+        for url in [
+            "postgres://cube@db.example:5432/cube",
+            "postgres://cube@127.0.0.1/cube",
+            "host=db.example user=cube",
+        ] {
+            let (config, verify) = parse_url(url).unwrap();
+            assert_eq!(config.get_ssl_mode(), SslMode::Require, "{url}");
+            assert_eq!(verify, Some(Verify::Full), "{url}");
+        }
+    }
+
+    /// `disable` and `prefer` only on this machine; every verifying mode
+    /// anywhere (#34, L5).
+    #[test]
+    fn unverified_sslmode_only_on_loopback() {
+        let local = [
+            "postgres://cube@127.0.0.1:5432/cube",
+            "postgres://cube@127.8.9.10/cube",
+            "postgres://cube@localhost/cube",
+            "postgres://cube@LocalHost/cube",
+            "postgres://cube@[::1]:5432/cube",
+            "postgres://cube@%2Frun%2Fpostgresql/cube",
+            "host=/run/postgresql user=cube",
+            "host=::ffff:127.0.0.1 user=cube",
+            "host=127.0.0.1,localhost user=cube",
+            "host=db.example hostaddr=127.0.0.1 user=cube",
+        ];
+        let remote = [
+            "postgres://cube@db.example:5432/cube",
+            "postgres://cube@10.0.0.5/cube",
+            "postgres://cube@[2001:db8::1]/cube",
+            "postgres://cube@128.0.0.1/cube",
+            "postgres://cube@localhost.example/cube",
+            "host=127.0.0.1,db.example user=cube",
+            "host=localhost hostaddr=10.0.0.5 user=cube",
+        ];
+        let with = |url: &str, mode: &str| {
+            let sep = if url.starts_with("postgres://") {
+                "?"
+            } else {
+                " "
+            };
+            format!("{url}{sep}sslmode={mode}")
+        };
+        for url in local {
+            for mode in ["disable", "prefer", "require", "verify-ca", "verify-full"] {
+                parse_url(&with(url, mode)).unwrap_or_else(|e| panic!("{url} {mode}: {e}"));
+            }
+        }
+        for url in remote {
+            for mode in ["disable", "prefer"] {
+                let e = parse_url(&with(url, mode)).unwrap_err().to_string();
+                assert!(
+                    e.contains(&format!("sslmode={mode} is refused")),
+                    "{url} {mode}: {e}"
+                );
+            }
+            for mode in ["require", "verify-ca", "verify-full"] {
+                parse_url(&with(url, mode)).unwrap_or_else(|e| panic!("{url} {mode}: {e}"));
+            }
+            check_url(url).unwrap();
+        }
     }
 
     #[test]

@@ -10,9 +10,16 @@
 //!   read in the transaction that appends it.
 //! - Reads are `REPEATABLE READ, READ ONLY` transactions: a snapshot, as
 //!   redb's read transactions are.
-//! - A failed statement or commit fails that group commit only (every
-//!   write in it gets `Unavailable`): the next one reconnects. Unlike the
-//!   redb file, a database that went away comes back.
+//! - Each write of a group commit runs after a savepoint of its own (sent
+//!   with its first statement, no extra round trip): a statement that
+//!   fails undoes that write alone (`ROLLBACK TO SAVEPOINT`), which gets
+//!   the statement's error, and the others commit. One caller's write that
+//!   the database refuses (a key over the index's row limit, a constraint)
+//!   cannot fail the writes of the others it was queued with.
+//! - A failed commit (or a savepoint that cannot be rolled back to: the
+//!   connection went away) fails that group commit only (every write in it
+//!   gets `Unavailable`): the next one reconnects. Unlike the redb file, a
+//!   database that went away comes back.
 //!
 //! Keys are `bytea` (record keys hold `\0`, which `text` cannot); values
 //! are the same JSON bytes redb holds.
@@ -40,6 +47,24 @@ pub const MIGRATIONS: &[(i32, &str)] =
 /// The advisory lock the schema steps run under.
 const MIGRATE_LOCK: &str = "migrate";
 
+/// How long a replica must have been silent before another may take it
+/// for stopped (and resolve its intents, mark its PTYs lost): its lock is
+/// not enough, as a replica whose lock connection broke takes the lock
+/// again a second later. A running replica notes `seen_at` every second.
+pub const GRACE_SECONDS: i32 = 30;
+
+/// SQL: replica `r` (a `cube_replicas` row) is not running. Its advisory
+/// lock is free, it has not noted `seen_at` for `GRACE_SECONDS` ($2), and
+/// the database has been up that long (after a database restart every
+/// replica's lock is gone and its `seen_at` old until it reconnects).
+const NOT_RUNNING: &str = "NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+           AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()))
+    AND r.seen_at < now() - $2::int * interval '1 second'
+    AND pg_postmaster_start_time() < now() - $2::int * interval '1 second'";
+
 type P<'a> = &'a (dyn ToSql + Sync);
 
 /// A transaction on one connection. Statements run blocking: the store's
@@ -51,9 +76,26 @@ pub struct PgTx {
     /// `BEGIN` is sent with the first statement (one round trip).
     begin: &'static str,
     begun: Cell<bool>,
-    /// A statement failed: the transaction is aborted and must not commit.
+    /// A statement failed: the transaction is aborted and must not commit
+    /// (unless it is rolled back to the failing write's savepoint).
     failed: Cell<bool>,
+    /// Why the last statement failed.
+    why: RefCell<Option<StoreError>>,
+    /// A write of the group commit has begun and sent no statement yet:
+    /// its savepoint goes with its first one.
+    job_pending: Cell<bool>,
+    /// The savepoint `job` is open (made for the current or the previous
+    /// write; the next write releases it and makes its own).
+    job_open: Cell<bool>,
 }
+
+/// The savepoint each write of a group commit runs after.
+const SAVEPOINT: &str = "SAVEPOINT job";
+/// The previous write's savepoint is released (its work stays in the
+/// transaction) and the next one made: one savepoint open at a time.
+const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT job; SAVEPOINT job";
+/// Undo the current write (the savepoint stays, as PostgreSQL keeps it).
+const UNDO_JOB: &str = "ROLLBACK TO SAVEPOINT job";
 
 /// Read transactions see one snapshot.
 const BEGIN_READ: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
@@ -89,19 +131,15 @@ impl PgTx {
 
     /// The pending intents a replica answers for: its own, those of no
     /// replica (a store copied from redb), and those of replicas that are
-    /// not running (their advisory lock is free).
+    /// not running (`NOT_RUNNING`).
     pub fn pending_for(&self, replica: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let rows = self.query(
+        let sql = format!(
             "SELECT p.op, p.seq FROM cube_pending p
              WHERE p.replica IS NULL OR p.replica = $1 OR NOT EXISTS (
-                 SELECT 1 FROM cube_replicas r JOIN pg_locks l
-                   ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                  AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
-                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                 WHERE r.id = p.replica)
-             ORDER BY p.op",
-            &[&replica],
-        )?;
+                 SELECT 1 FROM cube_replicas r WHERE r.id = p.replica AND NOT ({NOT_RUNNING}))
+             ORDER BY p.op"
+        );
+        let rows = self.query(&sql, &[&replica, &GRACE_SECONDS])?;
         rows.into_iter()
             .map(|r| {
                 Ok((
@@ -112,17 +150,14 @@ impl PgTx {
             .collect()
     }
 
-    /// Whether a replica is running (holds its lock).
+    /// Whether a replica may be running (see `NOT_RUNNING`).
     pub fn replica_running(&self, replica: &str) -> Result<bool, StoreError> {
-        let rows = self.query(
-            "SELECT 1 FROM cube_replicas r JOIN pg_locks l
-               ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-              AND l.classid::bigint = r.lock_hi AND l.objid::bigint = r.lock_lo
-              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-             WHERE r.id = $1",
-            &[&replica],
-        )?;
-        Ok(!rows.is_empty())
+        let sql = format!("SELECT NOT ({NOT_RUNNING}) FROM cube_replicas r WHERE r.id = $1");
+        let rows = self.query(&sql, &[&replica, &GRACE_SECONDS])?;
+        match rows.first() {
+            Some(r) => r.try_get(0).map_err(corrupt),
+            None => Ok(false),
+        }
     }
 
     fn new(conn: Conn, begin: &'static str) -> Self {
@@ -132,7 +167,40 @@ impl PgTx {
             begin,
             begun: Cell::new(false),
             failed: Cell::new(false),
+            why: RefCell::new(None),
+            job_pending: Cell::new(false),
+            job_open: Cell::new(false),
         }
+    }
+
+    /// A write of the group commit begins: whatever it does until
+    /// `job_ends` can be undone alone. Costs nothing until it sends a
+    /// statement (its savepoint goes with that statement).
+    pub(crate) fn job_begins(&self) {
+        self.job_pending.set(true);
+    }
+
+    /// A write of the group commit ended. If one of its statements failed,
+    /// its work is undone (to its savepoint) and the transaction goes on
+    /// for the other writes: the statement's error is returned, for that
+    /// write alone. If it cannot be undone (the connection went away), the
+    /// transaction stays failed and the whole group commit fails.
+    pub(crate) fn job_ends(&self) -> Result<(), StoreError> {
+        // Still pending: the write sent nothing (or nothing could be sent:
+        // the transaction had failed before it), so it has nothing to undo.
+        let sent = !self.job_pending.replace(false);
+        if !sent || !self.failed.get() {
+            return Ok(());
+        }
+        let why =
+            self.why.borrow_mut().take().unwrap_or_else(|| {
+                StoreError::Unavailable("a statement of this write failed".into())
+            });
+        let mut c = self.conn.borrow_mut();
+        if c.batch(UNDO_JOB).is_ok() {
+            self.failed.set(false);
+        }
+        Err(why)
     }
 
     /// Run a statement in the transaction (beginning it with the first).
@@ -147,15 +215,28 @@ impl PgTx {
             ));
         }
         let mut c = self.conn.borrow_mut();
-        let r = if self.begun.get() {
-            c.query(sql, params)
-        } else {
-            c.set_in_txn(true);
-            self.begun.set(true);
-            c.begin_then_query(self.begin, sql, params)
+        let savepoint = self.job_pending.replace(false).then(|| {
+            if self.job_open.replace(true) {
+                NEXT_SAVEPOINT
+            } else {
+                SAVEPOINT
+            }
+        });
+        let r = match (self.begun.get(), savepoint) {
+            (true, None) => c.query(sql, params),
+            (true, Some(sp)) => c.begin_then_query(sp, sql, params),
+            (false, sp) => {
+                c.set_in_txn(true);
+                self.begun.set(true);
+                match sp {
+                    None => c.begin_then_query(self.begin, sql, params),
+                    Some(sp) => c.begin_then_query(&format!("{}; {sp}", self.begin), sql, params),
+                }
+            }
         };
-        if r.is_err() {
+        if let Err(e) = &r {
             self.failed.set(true);
+            *self.why.borrow_mut() = Some(e.clone());
         }
         r
     }
@@ -176,9 +257,11 @@ impl PgTx {
             c.set_in_txn(false);
             r?;
             if self.failed.get() {
-                return Err(StoreError::Unavailable(
-                    "a statement failed; the transaction was rolled back".into(),
-                ));
+                let why = self.why.borrow().as_ref().map(|e| e.to_string());
+                return Err(StoreError::Unavailable(format!(
+                    "a statement failed ({}); the transaction was rolled back",
+                    why.as_deref().unwrap_or("unknown")
+                )));
             }
             return Ok(c);
         }
