@@ -116,6 +116,69 @@ async fn sandboxes_run_under_the_system_call_filter() {
     t.client.kill(&sb.id).await.unwrap();
 }
 
+/// x86-64: a call of the x32 ABI (the number with `__X32_SYSCALL_BIT`,
+/// `0x40000000`) is refused with EPERM whatever it is, so that a kernel
+/// with x32 enabled cannot be asked for `keyctl` under another number.
+/// On a kernel without x32 (most distributions' default) an unfiltered
+/// x32 call fails with ENOSYS instead: EPERM is the filter's answer, so
+/// the test tells a fixed filter from the old one on either kind of kernel.
+/// `unshare(CLONE_NEWTIME)` is refused too (the sandbox's root could make
+/// a time namespace otherwise).
+#[cfg(target_arch = "x86_64")]
+#[tokio::test]
+async fn x32_calls_and_time_namespaces_are_refused() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    const X32: libc::c_long = 0x4000_0000;
+    let calls: &[(&str, libc::c_long, &[i64])] = &[
+        ("x32_getpid", X32 | libc::SYS_getpid, &[]),
+        ("x32_keyctl", X32 | libc::SYS_keyctl, &[0, -3, 1]),
+        ("x32_bpf", X32 | libc::SYS_bpf, &[0, 0, 0]),
+        (
+            "x32_unshare",
+            X32 | libc::SYS_unshare,
+            &[libc::CLONE_NEWUSER as i64],
+        ),
+        ("x32_own_number", X32 | 512, &[0, 0, 0, 0]),
+        (
+            "unshare_newtime",
+            libc::SYS_unshare,
+            &[libc::CLONE_NEWTIME as i64],
+        ),
+    ];
+    let out = t.client.run(&sb, &sh(&syscalls(calls)), MB).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.exit_code,
+        0,
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (name, _, _) in calls {
+        assert!(
+            text.lines()
+                .any(|l| l == format!("{name} -1 {}", libc::EPERM)),
+            "{name} should fail with EPERM:\n{text}"
+        );
+    }
+    // The plain call still works (the bit, not the call, is refused).
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(&syscalls(&[("getpid", libc::SYS_getpid, &[])])),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("getpid ") && !text.contains(" -1 "),
+        "{text}"
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
+
 /// Whether a host process lives (and is not a zombie).
 fn alive(pid: i32) -> bool {
     !crate::kit::backend::is_zombie(pid)
