@@ -724,6 +724,76 @@ async fn attacks_from_inside_a_sandbox_fail() {
     }
 }
 
+/// The appliance's credential files outside its state directory, here
+/// `[store] password_file` and `[console.oidc] client_secret_file` where
+/// a sandbox of `host` could read them, are masked as `serve` masks them
+/// (`app::embedded_settings`), while a public file beside them (the
+/// database's CA) still shows: the masks, not the directory, hide them.
+#[tokio::test]
+async fn configured_secret_files_are_masked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new()
+        .prefix("cube-escape-secrets-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, PermissionsExt::from_mode(0o644)).unwrap();
+        p
+    };
+    let password = file("pg-password", "pg-secret-password\n");
+    let client_secret = file("oidc-client.secret", "oidc-client-secret\n");
+    let ca = file("pg-ca.pem", "public ca\n");
+    let cfg: cube_adapter::config::Config = toml::from_str(&format!(
+        r#"
+[store]
+kind = "postgres"
+url = "postgres://cube@127.0.0.1/cube"
+password_file = "{}"
+ca_file = "{}"
+
+[console.oidc]
+issuer = "https://idp.example"
+client_id = "console"
+client_secret_file = "{}"
+redirect_url = "https://127.0.0.1/console/oidc/callback"
+"#,
+        password.display(),
+        ca.display(),
+        client_secret.display()
+    ))
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let served = cube_adapter::app::embedded_settings(
+        &cfg,
+        state.path(),
+        std::path::PathBuf::from(crate::kit::BIN),
+    );
+    let t = TestBackend::start_with(|s| s.mask.extend(served.mask)).await;
+    let sb = t.sandbox().await;
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(&format!(
+                "cat {} {} {} 2>&1",
+                password.display(),
+                client_secret.display(),
+                ca.display()
+            )),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("pg-secret-password"), "{text}");
+    assert!(!text.contains("oidc-client-secret"), "{text}");
+    assert!(text.contains("public ca"), "the test's files show: {text}");
+    t.client.kill(&sb.id).await.unwrap();
+}
+
 /// A paused sandbox whose state directory is removed cannot end itself
 /// (frozen, its watchdog too): any backend on the host ends it, whoever
 /// made it, by the deleted directory its init still holds; a sandbox whose
