@@ -98,6 +98,13 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
     if let Some(n) = &cfg.console.notify {
         v.extend(n.secret_file.iter().cloned());
     }
+    // The PostgreSQL store's password, and the console's OIDC client
+    // secret (issue 34, L4). CA files (`ca_file`) and client certificates
+    // are public and stay visible.
+    v.extend(cfg.store.password_file.iter().cloned());
+    if let Some(o) = &cfg.console.oidc {
+        v.push(o.client_secret_file.clone());
+    }
     for def in cfg.backend_defs().values() {
         match def {
             crate::config::BackendDef::Cubesandbox(b) => {
@@ -692,6 +699,102 @@ async fn audit_blocks(
         ev.duration_ms = Some(u64::try_from(b.for_.as_millis()).unwrap_or(u64::MAX));
         if let Err(e) = journal.record(ev).await {
             tracing::warn!(error = %e, "a sign-in block was not audited");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `*_file` of the configuration that holds a secret (all but
+    /// CA and client certificates, which are public) is masked in
+    /// sandboxes: found by walking the configuration itself, so that a
+    /// secret file set here and missing from `masks` fails the test.
+    #[test]
+    fn every_configured_secret_file_is_masked() {
+        let text = r#"
+tokens_file = "/srv/s/tokens.json"
+
+[store]
+kind = "postgres"
+url = "postgres://cube@db.example/cube"
+password_file = "/srv/s/pg-password"
+ca_file = "/srv/s/pg-ca.pem"
+
+[metrics]
+token_file = "/srv/s/metrics.token"
+
+[receipts]
+hmac_key_file = "/srv/s/receipts.key"
+
+[console.notify]
+url = "https://hooks.example/x"
+secret_file = "/srv/s/notify.secret"
+ca_file = "/srv/s/notify-ca.pem"
+
+[console.oidc]
+issuer = "https://idp.example"
+client_id = "console"
+client_secret_file = "/srv/s/oidc-client.secret"
+redirect_url = "https://cube.example/console/oidc/callback"
+ca_file = "/srv/s/idp-ca.pem"
+
+[[audit.sinks]]
+kind = "http"
+name = "siem"
+url = "https://siem.example/in"
+ca_file = "/srv/s/siem-ca.pem"
+client_cert_file = "/srv/s/siem-client.pem"
+client_key_file = "/srv/s/siem-client.key"
+hmac_key_file = "/srv/s/siem-hmac.key"
+token_file = "/srv/s/siem.token"
+
+[backends.cube]
+kind = "cubesandbox"
+api_url = "https://cube.example"
+api_key_file = "/srv/s/cube-api.key"
+ca_file = "/srv/s/cube-ca.pem"
+client_cert_file = "/srv/s/cube-client.pem"
+client_key_file = "/srv/s/cube-client.key"
+"#;
+        let cfg: Config = toml::from_str(text).unwrap();
+        let masks = masks(&cfg, Path::new("/var/lib/cube-adapter-test"));
+        fn secret_files(v: &serde_json::Value, out: &mut Vec<(String, PathBuf)>) {
+            match v {
+                serde_json::Value::Object(m) => {
+                    for (k, v) in m {
+                        match v {
+                            serde_json::Value::String(p)
+                                if k.ends_with("_file")
+                                    && k != "ca_file"
+                                    && k != "client_cert_file" =>
+                            {
+                                out.push((k.clone(), PathBuf::from(p)));
+                            }
+                            _ => secret_files(v, out),
+                        }
+                    }
+                }
+                serde_json::Value::Array(a) => a.iter().for_each(|v| secret_files(v, out)),
+                _ => {}
+            }
+        }
+        let mut found = vec![];
+        secret_files(&serde_json::to_value(&cfg).unwrap(), &mut found);
+        assert_eq!(found.len(), 11, "{found:?}");
+        for (key, path) in &found {
+            assert!(
+                masks.contains(path),
+                "{key} = {} is not masked",
+                path.display()
+            );
+        }
+        for p in ["/srv/s/pg-password", "/srv/s/oidc-client.secret"] {
+            assert!(masks.contains(&PathBuf::from(p)), "{p}: {masks:?}");
+        }
+        for public in ["/srv/s/pg-ca.pem", "/srv/s/cube-client.pem"] {
+            assert!(!masks.contains(&PathBuf::from(public)), "{public}");
         }
     }
 }

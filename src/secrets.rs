@@ -81,22 +81,74 @@ impl Sealer {
     }
 }
 
-/// Write `data` to `path` with `mode`, whole or not at all: a temporary
-/// file, synced, then renamed over `path`.
+/// Write `data` to `path` with `mode`, whole or not at all, never through
+/// a link: a new temporary file of a random name beside `path` (created
+/// with `O_CREAT|O_EXCL|O_NOFOLLOW` and mode 0600, so nothing planted at
+/// that name is opened or followed, and no one else can open it while it
+/// is written), synced, given `mode` on its descriptor, then renamed over
+/// `path` (`rename` replaces a symbolic link at `path` itself, never the
+/// file it points to), and the directory synced so that the rename lasts.
 pub fn write_private(path: &std::path::Path, data: &[u8], mode: u32) -> std::io::Result<()> {
+    write_private_via(path, data, mode, || crate::ids::random_hex(8))
+}
+
+/// `write_private`, the temporary names' random parts from `random`.
+fn write_private_via(
+    path: &std::path::Path,
+    data: &[u8],
+    mode: u32,
+    mut random: impl FnMut() -> String,
+) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)?;
-    f.write_all(data)?;
-    f.sync_all()?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
-    std::fs::rename(&tmp, path)
+    let name = path.file_name().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} names no file", path.display()),
+        )
+    })?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    // A name taken (by a crash's leftover, or by something planted) is
+    // never reused: another random one is tried.
+    let mut attempt = 0;
+    let (tmp, mut f) = loop {
+        let mut n = std::ffi::OsString::from(".");
+        n.push(name);
+        n.push(format!(".{}.tmp", random()));
+        let tmp = dir.join(n);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 8 => {
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let written = (|| {
+        f.write_all(data)?;
+        f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)?
+        .sync_all()
 }
 
 #[cfg(test)]
@@ -116,5 +168,114 @@ mod tests {
         let last = raw.len() - 1;
         raw[last] ^= 1;
         assert!(s.open(&B64.encode(raw)).is_err());
+    }
+
+    fn mode_of(p: &std::path::Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    fn entries(d: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn write_private_writes_whole_files_with_their_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ca.key");
+        write_private(&p, b"one", 0o600).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"one");
+        assert_eq!(mode_of(&p), 0o600);
+        write_private(&p, b"two", 0o644).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(mode_of(&p), 0o644);
+        // Files of the same stem do not share a temporary name (the old
+        // one was `ca.tmp` for both `ca.key` and `ca.pem`), and none is
+        // left behind.
+        write_private(&dir.path().join("ca.pem"), b"cert", 0o644).unwrap();
+        assert_eq!(entries(dir.path()), ["ca.key", "ca.pem"]);
+        // A path that names no file is refused.
+        assert!(write_private(std::path::Path::new("/"), b"x", 0o600).is_err());
+    }
+
+    #[test]
+    fn write_private_replaces_a_link_at_the_target_not_what_it_points_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "unchanged").unwrap();
+        let p = dir.path().join("secret.key");
+        std::os::unix::fs::symlink(&victim, &p).unwrap();
+        write_private(&p, b"new secret", 0o600).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "unchanged");
+        assert!(std::fs::symlink_metadata(&p).unwrap().is_file());
+        assert_eq!(std::fs::read(&p).unwrap(), b"new secret");
+        assert_eq!(mode_of(&p), 0o600);
+        // A dangling link too: nothing is created where it points.
+        let nowhere = dir.path().join("nowhere");
+        let q = dir.path().join("other.key");
+        std::os::unix::fs::symlink(&nowhere, &q).unwrap();
+        write_private(&q, b"x", 0o600).unwrap();
+        assert!(!nowhere.exists());
+        assert_eq!(std::fs::read(&q).unwrap(), b"x");
+    }
+
+    #[test]
+    fn write_private_never_opens_a_link_planted_at_a_temporary_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "unchanged").unwrap();
+        // The old fixed name, and the shape of the new ones: links there
+        // are neither followed nor removed.
+        let p = dir.path().join("secret.key");
+        let planted = dir.path().join("secret.tmp");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        for _ in 0..20 {
+            write_private(&p, b"new secret", 0o600).unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "unchanged");
+        assert!(std::fs::symlink_metadata(&planted).unwrap().is_symlink());
+        assert_eq!(entries(dir.path()), ["secret.key", "secret.tmp", "victim"]);
+    }
+
+    #[test]
+    fn write_private_never_follows_a_link_at_its_temporary_name() {
+        // Links planted at the exact temporary names it draws: each is
+        // skipped (O_EXCL|O_NOFOLLOW), left alone, and the next name tried.
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "unchanged").unwrap();
+        let p = dir.path().join("secret.key");
+        for r in ["a", "b", "c"] {
+            std::os::unix::fs::symlink(&victim, dir.path().join(format!(".secret.key.{r}.tmp")))
+                .unwrap();
+        }
+        let mut names = ["a", "b", "c", "d"].into_iter().map(String::from);
+        write_private_via(&p, b"new secret", 0o600, || names.next().unwrap()).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "unchanged");
+        assert_eq!(std::fs::read(&p).unwrap(), b"new secret");
+        assert_eq!(
+            entries(dir.path()),
+            [
+                ".secret.key.a.tmp",
+                ".secret.key.b.tmp",
+                ".secret.key.c.tmp",
+                "secret.key",
+                "victim"
+            ]
+        );
+        // Every name it tries taken: it gives up, nothing written anywhere.
+        let q = dir.path().join("other.key");
+        let e = write_private_via(&q, b"x", 0o600, || "a".into());
+        std::os::unix::fs::symlink(&victim, dir.path().join(".other.key.a.tmp")).unwrap();
+        assert!(e.is_ok(), "the first try had a free name");
+        let e = write_private_via(&q, b"y", 0o600, || "a".into()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "unchanged");
+        assert_eq!(std::fs::read(&q).unwrap(), b"x");
     }
 }

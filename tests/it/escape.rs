@@ -116,6 +116,69 @@ async fn sandboxes_run_under_the_system_call_filter() {
     t.client.kill(&sb.id).await.unwrap();
 }
 
+/// x86-64: a call of the x32 ABI (the number with `__X32_SYSCALL_BIT`,
+/// `0x40000000`) is refused with EPERM whatever it is, so that a kernel
+/// with x32 enabled cannot be asked for `keyctl` under another number.
+/// On a kernel without x32 (most distributions' default) an unfiltered
+/// x32 call fails with ENOSYS instead: EPERM is the filter's answer, so
+/// the test tells a fixed filter from the old one on either kind of kernel.
+/// `unshare(CLONE_NEWTIME)` is refused too (the sandbox's root could make
+/// a time namespace otherwise).
+#[cfg(target_arch = "x86_64")]
+#[tokio::test]
+async fn x32_calls_and_time_namespaces_are_refused() {
+    let t = TestBackend::start().await;
+    let sb = t.sandbox().await;
+    const X32: libc::c_long = 0x4000_0000;
+    let calls: &[(&str, libc::c_long, &[i64])] = &[
+        ("x32_getpid", X32 | libc::SYS_getpid, &[]),
+        ("x32_keyctl", X32 | libc::SYS_keyctl, &[0, -3, 1]),
+        ("x32_bpf", X32 | libc::SYS_bpf, &[0, 0, 0]),
+        (
+            "x32_unshare",
+            X32 | libc::SYS_unshare,
+            &[libc::CLONE_NEWUSER as i64],
+        ),
+        ("x32_own_number", X32 | 512, &[0, 0, 0, 0]),
+        (
+            "unshare_newtime",
+            libc::SYS_unshare,
+            &[libc::CLONE_NEWTIME as i64],
+        ),
+    ];
+    let out = t.client.run(&sb, &sh(&syscalls(calls)), MB).await.unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.exit_code,
+        0,
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (name, _, _) in calls {
+        assert!(
+            text.lines()
+                .any(|l| l == format!("{name} -1 {}", libc::EPERM)),
+            "{name} should fail with EPERM:\n{text}"
+        );
+    }
+    // The plain call still works (the bit, not the call, is refused).
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(&syscalls(&[("getpid", libc::SYS_getpid, &[])])),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("getpid ") && !text.contains(" -1 "),
+        "{text}"
+    );
+    t.client.kill(&sb.id).await.unwrap();
+}
+
 /// Whether a host process lives (and is not a zombie).
 fn alive(pid: i32) -> bool {
     !crate::kit::backend::is_zombie(pid)
@@ -659,6 +722,76 @@ async fn attacks_from_inside_a_sandbox_fail() {
             assert!(held, "{template}: {what} ({cmd}) got through: {text}");
         }
     }
+}
+
+/// The appliance's credential files outside its state directory, here
+/// `[store] password_file` and `[console.oidc] client_secret_file` where
+/// a sandbox of `host` could read them, are masked as `serve` masks them
+/// (`app::embedded_settings`), while a public file beside them (the
+/// database's CA) still shows: the masks, not the directory, hide them.
+#[tokio::test]
+async fn configured_secret_files_are_masked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::Builder::new()
+        .prefix("cube-escape-secrets-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::set_permissions(dir.path(), PermissionsExt::from_mode(0o755)).unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, PermissionsExt::from_mode(0o644)).unwrap();
+        p
+    };
+    let password = file("pg-password", "pg-secret-password\n");
+    let client_secret = file("oidc-client.secret", "oidc-client-secret\n");
+    let ca = file("pg-ca.pem", "public ca\n");
+    let cfg: cube_adapter::config::Config = toml::from_str(&format!(
+        r#"
+[store]
+kind = "postgres"
+url = "postgres://cube@127.0.0.1/cube"
+password_file = "{}"
+ca_file = "{}"
+
+[console.oidc]
+issuer = "https://idp.example"
+client_id = "console"
+client_secret_file = "{}"
+redirect_url = "https://127.0.0.1/console/oidc/callback"
+"#,
+        password.display(),
+        ca.display(),
+        client_secret.display()
+    ))
+    .unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let served = cube_adapter::app::embedded_settings(
+        &cfg,
+        state.path(),
+        std::path::PathBuf::from(crate::kit::BIN),
+    );
+    let t = TestBackend::start_with(|s| s.mask.extend(served.mask)).await;
+    let sb = t.sandbox().await;
+    let out = t
+        .client
+        .run(
+            &sb,
+            &sh(&format!(
+                "cat {} {} {} 2>&1",
+                password.display(),
+                client_secret.display(),
+                ca.display()
+            )),
+            MB,
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("pg-secret-password"), "{text}");
+    assert!(!text.contains("oidc-client-secret"), "{text}");
+    assert!(text.contains("public ca"), "the test's files show: {text}");
+    t.client.kill(&sb.id).await.unwrap();
 }
 
 /// A paused sandbox whose state directory is removed cannot end itself
