@@ -281,14 +281,16 @@ impl Journal {
             Err(e) => e,
         };
         // The effect happened and its outcome is not recorded. When the
-        // store is what failed (`Unavailable`: a commit, the connection),
-        // stop everything. When only this write failed (its own statement
-        // or state change, refused; the store commits the others), the
+        // database refused this write alone and undid all of it
+        // (`Refused`: its savepoint; the store committed the others), the
         // intent gets an `uncertain` outcome made only of what the intent
         // already recorded, and the journal goes on: one caller's data
-        // cannot stop the journal. If even that cannot be written, stop.
+        // cannot stop the journal. Anything else — the store failed (a
+        // commit, the connection), or a write that may have left part of
+        // its state change behind — stops everything, as does a fallback
+        // that cannot be written.
         let settled = recorded
-            && !matches!(e, StoreError::Unavailable(_))
+            && matches!(e, StoreError::Refused(_))
             && self.settle_unrecorded(&intent, outcome).await.is_ok();
         if !settled && self.mode == AuditMode::Required {
             self.blocked.store(true, Ordering::SeqCst);
@@ -564,12 +566,14 @@ mod tests {
 
         let intent = j.intent(j.event("exec")).await.unwrap();
         let op = intent.operation_id.clone();
+        // A write the store refused and undid alone (what the PostgreSQL
+        // store answers for a statement it refuses: its savepoint).
         let r = j
             .outcome(
                 intent,
                 "ok",
                 |_| {},
-                |_| Err::<(), _>(StoreError::Conflict("refused".into())),
+                |_| Err::<(), _>(StoreError::Refused("refused".into())),
             )
             .await;
         assert!(r.is_err());
@@ -594,6 +598,21 @@ mod tests {
         // The next effect goes through as usual.
         let intent = j.intent(j.event("exec")).await.unwrap();
         j.outcome(intent, "ok", |_| {}, |_| Ok(())).await.unwrap();
+
+        // A state change that failed part way (redb has no per-write undo:
+        // what it wrote may stay): not settled, it blocks.
+        let intent = j.intent(j.event("exec")).await.unwrap();
+        let r = j
+            .outcome(
+                intent,
+                "ok",
+                |_| {},
+                |_| Err::<(), _>(StoreError::Conflict("half done".into())),
+            )
+            .await;
+        assert!(r.is_err());
+        assert!(matches!(j.check(), Err(AuditError::Blocked)));
+        j.blocked.store(false, Ordering::SeqCst);
 
         // The store itself fails: the outcome is lost, and that blocks.
         let intent = j.intent(j.event("exec")).await.unwrap();

@@ -53,6 +53,12 @@ pub enum StoreError {
     Conflict(String),
     #[error("not found")]
     NotFound,
+    /// The database refused one of this write's statements, and the write
+    /// was undone alone (its savepoint, and what it did to the chain head);
+    /// the other writes of its group commit went on. Only the PostgreSQL
+    /// store answers this: redb has no per-write undo.
+    #[error("the store refused this write (undone): {0}")]
+    Refused(String),
 }
 
 impl From<crate::secrets::SecretsError> for StoreError {

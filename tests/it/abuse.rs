@@ -28,7 +28,12 @@ fn redb_size(s: &Server) -> u64 {
 /// far less than 64 KiB a request, and the chain whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_megabyte_names_reach_the_journal_as_a_digest_and_a_length() {
-    let s = Server::start().await;
+    // With a metrics token, /metrics keeps every label (runtime, profile).
+    let tmp = tempfile::tempdir().unwrap();
+    let metrics_token = "metrics-token-0123456789abcdef";
+    let token_file = tmp.path().join("metrics.token");
+    std::fs::write(&token_file, format!("{metrics_token}\n")).unwrap();
+    let s = Server::start_with(move |c| c.metrics.token_file = Some(token_file)).await;
     let auditor = s.token(&["--tenant", "acme", "--subject", "aud", "--role", "auditor"]);
     let huge_runtime = "r".repeat(4 << 20);
     let huge_profile = "p".repeat(4 << 20);
@@ -129,6 +134,7 @@ async fn four_megabyte_names_reach_the_journal_as_a_digest_and_a_length() {
     let m = s
         .http
         .get(format!("{}/metrics", s.url))
+        .bearer_auth(metrics_token)
         .send()
         .await
         .unwrap()
@@ -136,6 +142,11 @@ async fn four_megabyte_names_reach_the_journal_as_a_digest_and_a_length() {
         .await
         .unwrap();
     assert!(!m.contains("~sha256:"), "a digest became a metric label");
+    assert!(
+        m.contains("runtime=\"(invalid)\"") && m.contains("profile=\"(invalid)\""),
+        "the refusals are counted under (invalid)"
+    );
+    assert!(m.contains("profile=\"persistent-code\""), "labels are kept");
     s.stop().await;
 }
 

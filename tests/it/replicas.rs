@@ -1162,6 +1162,10 @@ async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
     assert!(!of_a(&b));
     assert!(b.replica_running(&a_id).unwrap());
 
+    // The database has been up longer than the grace, so that what keeps
+    // A running below is its heartbeat alone, not the database's youth.
+    let grace = Duration::from_secs(GRACE_SECONDS as u64 + 1);
+    tokio::time::sleep(grace.saturating_sub(up.elapsed())).await;
     // A's lock connection is cut: for a moment no session holds its lock.
     let (_, hi, lo) = replica_lock(&a_id);
     let cut = pg.psql_in(
@@ -1179,8 +1183,8 @@ async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // A stops for good, and has been silent for longer than the grace
-    // (and the database up that long): its intents are B's.
+    // A stops for good, and has been silent for longer than the grace:
+    // its intents are B's.
     a.close().await;
     drop(a);
     pg.psql_in(
@@ -1189,8 +1193,6 @@ async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
             "UPDATE cube_replicas SET seen_at = now() - interval '1 hour' WHERE id = '{a_id}'"
         ),
     );
-    let grace = Duration::from_secs(GRACE_SECONDS as u64 + 1);
-    tokio::time::sleep(grace.saturating_sub(up.elapsed())).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while b.replica_running(&a_id).unwrap() {
         assert!(Instant::now() < deadline, "A's lock is still held");

@@ -232,21 +232,17 @@ impl Broker {
     /// tenant (as the reference has it), but never beyond the profiles and
     /// runtimes of the identity that uses it. A refusal is recorded.
     pub(crate) async fn usable(&self, p: &Principal, l: &Lease, ev: &Event) -> Result<()> {
+        // The answer does not name the lease's profile or runtime (the
+        // identity may not list the lease); the journal records them.
         let refused = if !p.allows_profile(&l.profile) {
             Error::new(
                 Code::ProfileDenied,
-                format!(
-                    "this lease is of profile {}, which is not available to this identity",
-                    l.profile
-                ),
+                "this lease's profile is not available to this identity",
             )
         } else if !p.allows_runtime(&l.runtime) {
             Error::new(
                 Code::RuntimeDenied,
-                format!(
-                    "this lease is of runtime {}, which is not allowed for this identity",
-                    l.runtime
-                ),
+                "this lease's runtime is not allowed for this identity",
             )
         } else {
             return Ok(());

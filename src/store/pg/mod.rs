@@ -199,6 +199,8 @@ impl PgTx {
         let mut c = self.conn.borrow_mut();
         if c.batch(UNDO_JOB).is_ok() {
             self.failed.set(false);
+            // Undone: this write alone failed, and left nothing behind.
+            return Err(StoreError::Refused(why.to_string()));
         }
         Err(why)
     }
