@@ -1201,3 +1201,87 @@ async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
     assert!(of_a(&b));
     b.close().await;
 }
+
+/// Issue #34's H2, as it was reproduced: eight clients of another tenant,
+/// with an auditor's token, send acquires whose `runtime` is 3,000
+/// characters (more than a PostgreSQL btree row takes, were it an index key
+/// as it was) while the admin's tenant acquires and runs commands through
+/// the same replica: every one of the victim's calls answers 200, the
+/// replica keeps serving, and every intent has its one outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_oversized_names_do_not_fail_this_ones_calls() {
+    let pg = Postgres::start();
+    let r = Replicas::start_n(Some(&pg), 1, "").await;
+    let out = r.cli(
+        0,
+        &[
+            "token",
+            "create",
+            "--tenant",
+            "evil",
+            "--subject",
+            "flood",
+            "--role",
+            "auditor",
+        ],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let flood = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut floods = vec![];
+    for _ in 0..8 {
+        let (http, url, flood, stop) = (r.http.clone(), r.url(0), flood.clone(), stop.clone());
+        floods.push(tokio::spawn(async move {
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let st = http
+                    .post(format!("{url}/v1/leases/acquire"))
+                    .bearer_auth(&flood)
+                    .json(&json!({"runtime": "r".repeat(3000), "session_key": "s", "profile": "p".repeat(3000)}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status();
+                assert_eq!(st, StatusCode::FORBIDDEN);
+                n += 1;
+            }
+            n
+        }));
+    }
+    let mut failed = vec![];
+    for i in 0..20 {
+        let (st, v) = r
+            .post(
+                format!("{}/v1/leases/acquire", r.url(0)),
+                json!({"runtime": "mcp", "session_key": format!("victim-{}", i % 4)}),
+            )
+            .await;
+        if st != StatusCode::OK {
+            failed.push(format!("acquire {st} {v}"));
+            continue;
+        }
+        let lease = v["lease_ref"].as_str().unwrap().to_string();
+        let (st, v) = r.exec(0, &lease, "echo ok").await;
+        if st != StatusCode::OK {
+            failed.push(format!("exec {st} {v}"));
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut sent = 0;
+    for f in floods {
+        sent += f.await.unwrap();
+    }
+    assert!(sent >= 8, "the flood ran ({sent} requests)");
+    assert!(failed.is_empty(), "the victim's calls failed: {failed:?}");
+    let lease = r.acquire(0, "after").await;
+    let (st, v) = r.exec(0, &lease, "echo still").await;
+    assert_eq!(st, StatusCode::OK, "the replica still serves: {v}");
+    let events = r.assert_settled(0);
+    assert!(
+        events
+            .iter()
+            .filter(|e| e["outcome"] == "rejected")
+            .all(|e| e["runtime"].as_str().is_none_or(|v| v.len() <= 128)),
+        "a refused name was kept verbatim"
+    );
+}
