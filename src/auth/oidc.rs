@@ -54,21 +54,22 @@ pub fn algorithm(name: &str) -> Option<Algorithm> {
     ALGORITHMS.iter().find(|(n, _)| *n == name).map(|(_, a)| *a)
 }
 
-/// Whether `s` looks like a JWT (three base64url parts), not one of our
-/// tokens or a reference principal's.
+/// Whether `s` looks like a JWT (three base64url parts, the last possibly
+/// empty: an `alg: none` token is a JWT too, and refused as one with 401
+/// `invalid_token`), not one of our tokens or a reference principal's.
 pub fn looks_like_jwt(s: &str) -> bool {
     let mut parts = s.split('.');
-    let ok = |p: Option<&str>| {
+    let ok = |p: Option<&str>, may_be_empty: bool| {
         p.is_some_and(|p| {
-            !p.is_empty()
+            (may_be_empty || !p.is_empty())
                 && p.bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         })
     };
     s.starts_with("eyJ")
-        && ok(parts.next())
-        && ok(parts.next())
-        && ok(parts.next())
+        && ok(parts.next(), false)
+        && ok(parts.next(), false)
+        && ok(parts.next(), true)
         && parts.next().is_none()
 }
 
@@ -800,7 +801,9 @@ mod tests {
     fn jwts_are_told_from_other_tokens() {
         assert!(looks_like_jwt("eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln"));
         assert!(!looks_like_jwt("cat_abc.def"));
-        assert!(!looks_like_jwt("eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."));
+        // `alg: none` with no signature is a JWT (and refused as one).
+        assert!(looks_like_jwt("eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0."));
+        assert!(!looks_like_jwt("eyJhbGciOiJub25lIn0..c2ln"));
         assert!(!looks_like_jwt("eyJ.a.b.c"));
     }
 
