@@ -187,6 +187,9 @@ codes! {
     // 502
     /// A backend (CubeSandbox) operation failed.
     ExecutionFailed = "execution_failed", BAD_GATEWAY, Error, None;
+    /// The profile names a template the backend does not have: the
+    /// operator's configuration, not the agent's request (alert on it).
+    TemplateNotFound = "template_not_found", BAD_GATEWAY, Error, None;
     CheckpointCleanupFailed = "checkpoint_cleanup_failed", BAD_GATEWAY, Error, None;
     InvalidArtifact = "invalid_artifact", BAD_GATEWAY, Error, None;
 

@@ -457,6 +457,22 @@ async fn status_runs_the_first_connection_checklist() {
                 )),
                 "{out}"
             );
+            // An agent's acquire meets it as a code of its own (#35 item
+            // 3): the operator's misconfigured profile, not a command that
+            // failed; the message names the template.
+            let (st, v) = s
+                .post(
+                    &s.admin,
+                    "/v1/leases/acquire",
+                    json!({"runtime": "mcp", "session_key": "t"}),
+                )
+                .await;
+            assert_eq!(
+                (st, crate::kit::code(&v)),
+                (StatusCode::BAD_GATEWAY, "template_not_found"),
+                "{v}"
+            );
+            assert!(v.to_string().contains(template), "{v}");
         }
         assert!(!out.contains(key), "the key was printed: {out}");
         s.stop().await;

@@ -337,7 +337,7 @@ impl Broker {
                             "the backend's disk is nearly full: no new sandboxes until space returns",
                         ),
                         ErrorKind::NotFound => Error::new(
-                            Code::ExecutionFailed,
+                            Code::TemplateNotFound,
                             format!(
                                 "the profile's template {} does not exist on the backend",
                                 prof.template
