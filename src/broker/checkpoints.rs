@@ -9,7 +9,8 @@ use crate::auth::Principal;
 use crate::cube::ErrorKind;
 use crate::store::{self, StoreError};
 
-/// Longest checkpoint name (bytes).
+/// Longest checkpoint name or branch, in characters (as JSON Schema's
+/// `maxLength` in docs/openapi.yaml counts them).
 pub const MAX_NAME: usize = 128;
 
 pub use crate::store::checkpoints::Checkpoint;
@@ -127,11 +128,11 @@ impl Broker {
         name: Option<&str>,
     ) -> Result<dto::CheckpointCreated> {
         if let Some(n) = name
-            && (n.is_empty() || n.len() > MAX_NAME)
+            && (n.is_empty() || n.chars().count() > MAX_NAME)
         {
             return Err(Error::new(
                 Code::InvalidRequest,
-                format!("name must be 1..={MAX_NAME} bytes"),
+                format!("name must be 1..={MAX_NAME} characters"),
             ));
         }
         let ev = self.event(p, "checkpoint_create", ctx);
@@ -281,11 +282,11 @@ impl Broker {
         branch: Option<&str>,
     ) -> Result<dto::ForkResponse> {
         if let Some(b) = branch
-            && (b.trim().is_empty() || b.len() > MAX_NAME || b.contains('\0'))
+            && (b.trim().is_empty() || b.chars().count() > MAX_NAME || b.contains('\0'))
         {
             return Err(Error::new(
                 Code::InvalidBranch,
-                format!("branch must be 1..={MAX_NAME} bytes, not blank"),
+                format!("branch must be 1..={MAX_NAME} characters, not blank"),
             ));
         }
         let ev = self.event(p, "checkpoint_fork", ctx);
