@@ -33,6 +33,10 @@ PKG=$PWD/target/pkgtest
 LOG=$PKG/serve.log
 passed=0
 SERVE_PID=
+# start_service's optional wrapper (run as root before the service user is
+# taken) and configuration file.
+SERVE_WRAP=()
+SERVE_CONFIG=/etc/cube-adapter/config.toml
 
 log() { printf '\n-- %s\n' "$*"; }
 fail() {
@@ -207,10 +211,10 @@ start_service() {
     (
         umask 0077
         cd /
-        exec setpriv --reuid=cube-adapter --regid=cube-adapter --init-groups \
+        exec "${SERVE_WRAP[@]}" setpriv --reuid=cube-adapter --regid=cube-adapter --init-groups \
             --bounding-set=-all,+setuid,+setgid,+dac_override,+sys_admin --inh-caps=-all \
             env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
-            /usr/bin/cube-adapter serve --config /etc/cube-adapter/config.toml \
+            /usr/bin/cube-adapter serve --config "$SERVE_CONFIG" \
             --listen 127.0.0.1:0
     ) >>"$LOG" 2>&1 &
     SERVE_PID=$!
@@ -315,6 +319,59 @@ v=$(/usr/bin/cube-adapter status --json)
 check "the upgraded service reads the old state" test "$(json 'v["store"]["audit_last_seq"] >= '"$EVENTS" <<<"$v")" = True
 check "and is ready" test "$(json 'v["ready"]' <<<"$v")" = True
 stop_service
+EVENTS=$(audit_events)
+
+# --- a host with mounts below what sandboxes show (#35) ------------------
+# A tmpfs on /usr/local (a file anyone may write in it) and below /var, a
+# bound directory below /var, a file bound on /etc/hosts, and the state
+# directory under /var/lib: sandboxes of both built-in templates start for
+# the unprivileged service and see those mounts, read-only.
+log "serve on a host with mounts below /usr and /var"
+SHAPES=/var/tmp/cube-adapter-test-shapes
+mkdir -p "$SHAPES/sub" "$SHAPES/bound" "$SHAPES/bound-src"
+echo bound >"$SHAPES/bound-src/file"
+echo "127.0.0.1 localhost shapes-test" >"$SHAPES/hosts"
+chmod -R a+rX "$SHAPES"
+SERVE_WRAP=(unshare --mount --propagation private sh -c '
+    set -e
+    mount -t tmpfs -o size=1m,mode=1777 shapes /usr/local
+    echo usr-local >/usr/local/marker; chmod 666 /usr/local/marker
+    mount -t tmpfs -o size=1m,mode=1777 shapes "$0/sub"
+    echo var-sub >"$0/sub/marker"; chmod 666 "$0/sub/marker"
+    mount --bind "$0/bound-src" "$0/bound"
+    mount --bind "$0/hosts" /etc/hosts
+    exec "$@"' "$SHAPES")
+SERVE_CONFIG=/etc/cube-adapter/shapes-test.toml
+{
+    cat /etc/cube-adapter/config.toml
+    printf '\n[profiles.offline-code]\ntemplate = "minimal"\n[profiles.host-view]\ntemplate = "host"\n'
+} >"$SERVE_CONFIG"
+chown root:cube-adapter "$SERVE_CONFIG"
+chmod 0640 "$SERVE_CONFIG"
+start_service
+for profile in offline-code host-view; do
+    L=$(curl "${C[@]}" "$URL/v1/leases/acquire" \
+        -d "{\"runtime\":\"mcp\",\"session_key\":\"shapes-$profile\",\"profile\":\"$profile\"}" | json 'v["lease_ref"]')
+    check "$profile: a sandbox starts" test -n "$L"
+    cmd='cat /usr/local/marker; echo x 2>&1 >>/usr/local/marker; cat /etc/hosts'
+    [[ $profile == host-view ]] && cmd+="; cat $SHAPES/sub/marker $SHAPES/bound/file; echo x 2>&1 >>$SHAPES/sub/marker; touch $SHAPES/bound/x 2>&1; ls -A $STATE"
+    out=$(curl "${C[@]}" "$URL/v1/leases/$L/exec" -d "$(python3 -c 'import json,sys; print(json.dumps({"command": sys.argv[1]}))' "$cmd")" | json 'v["stdout"]')
+    check "$profile: /usr/local's tmpfs shows: $out" grep -qx usr-local <<<"$out"
+    check "$profile: read-only" grep -q '/usr/local/marker: Read-only file system' <<<"$out"
+    check "$profile: the bound /etc/hosts shows" grep -qx '127.0.0.1 localhost shapes-test' <<<"$out"
+    if [[ $profile == host-view ]]; then
+        check "host: /var's tmpfs shows" grep -qx var-sub <<<"$out"
+        check "host: the directory bound below /var shows" grep -qx bound <<<"$out"
+        check "host: read-only" test "$(grep -c 'Read-only file system' <<<"$out")" = 3
+        check "host: the state directory is masked" lacks 'state.redb' "$out"
+    fi
+    curl "${C[@]}" "$URL/v1/leases/$L/release" -d '{"action":"kill"}' >/dev/null
+done
+stop_service
+SERVE_WRAP=()
+SERVE_CONFIG=/etc/cube-adapter/config.toml
+rm -f /etc/cube-adapter/shapes-test.toml
+rm -rf "$SHAPES"
 EVENTS=$(audit_events)
 
 # --- remove, purge --------------------------------------------------------

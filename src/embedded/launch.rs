@@ -1080,14 +1080,103 @@ fn bind_ro(src: &Path, dst: &Path) -> anyhow::Result<()> {
     bind_with(src, dst, true)
 }
 
-/// Bind a directory (nosuid, nodev; read-only if asked, or if its source
-/// mount is), keeping the source mount's locked flags.
+/// Bind a directory and every mount below it (nosuid, nodev; read-only if
+/// asked), keeping each mount's locked flags.
+///
+/// The bind is recursive: in the sandbox's user namespace the host's mounts
+/// below `src` (a partition on `/usr/local`, a tmpfs below `/var`, a
+/// bind-mounted file in `/etc`, a sandbox's loop-mounted disk) are locked
+/// to their parent, and binding the parent alone fails with `EINVAL`. The
+/// flags are then set on all of them at once (`mount_setattr`, Linux 5.12
+/// and later), or one by one on older kernels, so that nothing below a
+/// read-only tree is writable.
 fn bind_with(src: &Path, dst: &Path, read_only: bool) -> anyhow::Result<()> {
-    use nix::sys::statvfs::{FsFlags, statvfs};
+    use anyhow::Context;
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
     let none: Option<&str> = None;
-    mount(Some(src), dst, none, MsFlags::MS_BIND, none)?;
-    let st = statvfs(dst)?;
-    let f = st.flags();
+    mount(
+        Some(src),
+        dst,
+        none,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        none,
+    )?;
+    let mut attrs = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+    if read_only {
+        attrs |= MOUNT_ATTR_RDONLY;
+    }
+    let setattr = if std::env::var_os(NO_MOUNT_SETATTR_ENV).is_some() {
+        Err(std::io::Error::from_raw_os_error(libc::ENOSYS))
+    } else {
+        sys::mount_setattr_recursive(dst, attrs)
+    };
+    match setattr {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            for m in mounts_at_or_below(dst)? {
+                remount_keeping_locked(&m, read_only)
+                    .with_context(|| format!("remount {}", m.display()))?;
+            }
+            Ok(())
+        }
+        Err(e) => Err(anyhow::Error::from(e).context("set the mounts' flags")),
+    }
+}
+
+/// Set, the launcher takes the path of kernels without `mount_setattr`
+/// (before 5.12) on any kernel: for tests of that path.
+pub const NO_MOUNT_SETATTR_ENV: &str = "CUBE_ADAPTER_NO_MOUNT_SETATTR";
+
+/// The mount points at `dir` and below it in this mount namespace, parents
+/// before their children (`/proc/self/mountinfo`'s order).
+fn mounts_at_or_below(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_mountinfo(p)))
+        .filter(|p| p.starts_with(dir))
+        .collect())
+}
+
+/// A path as mountinfo writes it: space, tab, newline and backslash as
+/// three octal digits after a backslash.
+fn unescape_mountinfo(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('\\') {
+        out.push_str(&rest[..i]);
+        let code = rest
+            .get(i + 1..i + 4)
+            .and_then(|d| u8::from_str_radix(d, 8).ok());
+        match code {
+            Some(c) => {
+                out.push(char::from(c));
+                rest = &rest[i + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[i + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Remount one bind mount nosuid, nodev (and read-only if asked), keeping
+/// the flags its source has (a user namespace may not clear them). A mount
+/// the sandbox's root cannot reach is left as it is: no process of the
+/// sandbox, which has no more rights than its root, can reach it either.
+fn remount_keeping_locked(at: &Path, read_only: bool) -> anyhow::Result<()> {
+    use nix::sys::statvfs::{FsFlags, statvfs};
+    let f = match statvfs(at) {
+        Ok(st) => st.flags(),
+        Err(nix::errno::Errno::EACCES) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
     let mut flags = MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     if read_only {
         flags |= MsFlags::MS_RDONLY;
@@ -1103,7 +1192,8 @@ fn bind_with(src: &Path, dst: &Path, read_only: bool) -> anyhow::Result<()> {
             flags |= ms;
         }
     }
-    mount(none, dst, none, flags, none)?;
+    let none: Option<&str> = None;
+    mount(none, at, none, flags, none)?;
     Ok(())
 }
 

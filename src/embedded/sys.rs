@@ -143,3 +143,43 @@ pub fn getxattr(path: &std::path::Path, name: &str, buf: &mut [u8]) -> std::io::
     };
     usize::try_from(n).map_err(|_| std::io::Error::last_os_error())
 }
+
+/// `mount_setattr(2)` with `AT_RECURSIVE`: set `attr_set` (`MOUNT_ATTR_*`)
+/// on the mount at `path` and on every mount below it, all or none.
+/// Linux 5.12 and later; older kernels answer `ENOSYS`.
+pub fn mount_setattr_recursive(path: &std::path::Path, attr_set: u64) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    /// `struct mount_attr` (linux/mount.h), its first published size.
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const AT_RECURSIVE: libc::c_uint = 0x8000;
+    let path = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let attr = MountAttr {
+        attr_set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: `path` is NUL-terminated and `attr` a fully initialised
+    // mount_attr; both outlive the call, and the size passed is attr's own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            AT_RECURSIVE | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}

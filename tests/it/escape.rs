@@ -411,7 +411,7 @@ async fn the_default_template_shows_programs_not_the_host() {
 
 /// A tiny root filesystem: bash and the libraries it links, and a file
 /// naming the template, as an uncompressed tar (what `mmdebstrap` makes).
-fn tiny_rootfs_tar(dir: &std::path::Path) -> std::path::PathBuf {
+pub(crate) fn tiny_rootfs_tar(dir: &std::path::Path) -> std::path::PathBuf {
     let root = dir.join("tiny");
     let ldd = std::process::Command::new("ldd")
         .arg("/bin/bash")

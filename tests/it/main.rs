@@ -30,6 +30,7 @@ mod kit;
 mod layers;
 mod mcp;
 mod metrics;
+mod mounts;
 mod network;
 mod oidc;
 mod pg_conn;
