@@ -190,6 +190,10 @@ codes! {
     /// The profile names a template the backend does not have: the
     /// operator's configuration, not the agent's request (alert on it).
     TemplateNotFound = "template_not_found", BAD_GATEWAY, Error, None;
+    /// The profile gives sandboxes network access the backend's host
+    /// cannot provide (the embedded backend without `pasta` or `nft`): the
+    /// operator's configuration, not the agent's request.
+    NetworkUnavailable = "network_unavailable", BAD_GATEWAY, Error, None;
     CheckpointCleanupFailed = "checkpoint_cleanup_failed", BAD_GATEWAY, Error, None;
     InvalidArtifact = "invalid_artifact", BAD_GATEWAY, Error, None;
 

@@ -164,6 +164,11 @@ pub fn config_check(args: ConfigCheckArgs) -> Exit {
     match load(args.common.config.as_deref(), &flags) {
         Ok(c) => {
             println!("configuration OK");
+            for (profile, r) in crate::ops::network_checks(&c) {
+                if let Err(e) = r {
+                    eprintln!("warning: profile {profile}: {e}");
+                }
+            }
             match toml::to_string_pretty(&c) {
                 Ok(t) => println!("{t}"),
                 Err(e) => eprintln!("warning: cannot render the configuration: {e}"),

@@ -991,6 +991,15 @@ impl Workspace {
     }
 }
 
+impl Profile {
+    /// Whether its sandboxes have network access (the internet, or an
+    /// `allow_out` entry): on the embedded backend, they need `pasta` and
+    /// `nft` on the host.
+    pub fn network_access(&self) -> bool {
+        self.allow_internet_access || !self.network.allow_out.is_empty()
+    }
+}
+
 impl Default for Profile {
     fn default() -> Self {
         Self {

@@ -32,6 +32,9 @@ pub enum ErrorKind {
     Internal,
     /// The backend answered something that is not the protocol.
     Protocol,
+    /// The backend cannot do what was asked on its host (a program it
+    /// needs is missing): the operator's to fix, not the caller's.
+    Unsupported,
 }
 
 impl ErrorKind {
@@ -47,6 +50,7 @@ impl ErrorKind {
             ErrorKind::TooLarge => "too_large",
             ErrorKind::Internal => "internal",
             ErrorKind::Protocol => "protocol",
+            ErrorKind::Unsupported => "unsupported",
         }
     }
 }
@@ -83,6 +87,7 @@ impl CubeError {
             413 => ErrorKind::TooLarge,
             429 | 502 | 503 => ErrorKind::Unavailable,
             507 => ErrorKind::TooLarge,
+            501 => ErrorKind::Unsupported,
             _ => ErrorKind::Internal,
         };
         Self::new(kind, message)

@@ -118,6 +118,10 @@ pub enum BackendError {
     /// Too little disk left for another sandbox (507).
     #[error("{0}")]
     StorageLow(String),
+    /// What the request needs is missing on this host (501): pasta or
+    /// nft for a sandbox with network access.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -132,6 +136,7 @@ impl BackendError {
             Self::BadRequest(_) => 400,
             Self::Conflict(_) => 409,
             Self::StorageLow(_) => 507,
+            Self::Unsupported(_) => 501,
             Self::Internal(_) => 500,
         }
     }
@@ -634,7 +639,7 @@ impl Manager {
                 .map_err(BackendError::BadRequest)?,
         };
         if egress.is_some() {
-            super::egress::Tools::find().map_err(BackendError::Internal)?;
+            super::egress::Tools::find().map_err(BackendError::Unsupported)?;
         }
         Ok(egress)
     }

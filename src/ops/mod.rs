@@ -538,7 +538,12 @@ impl Service {
                 .collect();
             templates.sort();
             templates.dedup();
-            backend_status(b, templates)
+            let network = if cfg.embedded_backend().is_some_and(|(n, _)| n == b.name) {
+                network_checks(&cfg)
+            } else {
+                vec![]
+            };
+            backend_status(b, templates, network)
         }))
         .await;
         let mut by_name = serde_json::Map::new();
@@ -607,6 +612,7 @@ impl Service {
 async fn backend_status(
     b: &crate::broker::backends::Backend,
     templates: Vec<String>,
+    network: Vec<(String, std::result::Result<String, String>)>,
 ) -> (Value, bool) {
     let mut checks = BTreeMap::new();
     // The first-connection checklist (docs/operations.md, "Connecting
@@ -683,6 +689,14 @@ async fn backend_status(
         };
         backend_ok &= check(format!("template {t} exists and is READY"), v);
         checks.insert(t, short);
+    }
+    // A profile whose sandboxes cannot have their network fails alone:
+    // the backend still serves the others.
+    for (profile, r) in network {
+        check(
+            format!("profile {profile}: what its sandboxes' network needs (pasta, nft)"),
+            r,
+        );
     }
     (
         json!({
@@ -866,7 +880,37 @@ pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String
         ));
     }
     nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
-    Ok(loose_files(config_file, cfg))
+    let mut warnings = loose_files(config_file, cfg);
+    warnings.extend(
+        network_checks(cfg)
+            .into_iter()
+            .filter_map(|(profile, r)| r.err().map(|e| format!("profile {profile}: {e}"))),
+    );
+    Ok(warnings)
+}
+
+/// For each profile on the embedded backend whose sandboxes have network
+/// access: whether this host has what that needs (`pasta`, `nft`), or what
+/// is missing. For `config check`, `status` and the start-up log: without
+/// them, every acquire of the profile fails (502 `network_unavailable`).
+pub fn network_checks(cfg: &Config) -> Vec<(String, std::result::Result<String, String>)> {
+    let Some((embedded, _)) = cfg.embedded_backend() else {
+        return vec![];
+    };
+    let tools = crate::embedded::egress::Tools::find();
+    cfg.profiles
+        .iter()
+        .filter(|(_, p)| p.network_access() && cfg.profile_backend(p) == Some(embedded.as_str()))
+        .map(|(name, _)| {
+            let r = match &tools {
+                Ok(t) => Ok(format!("{} and {}", t.pasta.display(), t.nft.display())),
+                Err(missing) => Err(format!(
+                    "{missing}: its acquires fail (502 network_unavailable) until then"
+                )),
+            };
+            (name.clone(), r)
+        })
+        .collect()
 }
 
 /// The reference-format principals of `tokens_file` (none without one).

@@ -308,3 +308,116 @@ async fn profiles_carry_the_policy() {
         "{err}"
     );
 }
+
+/// `pasta` hidden from the backend (`/dev/null` bound over it wherever it
+/// is looked for), for a host without Debian's `passt`: a command prefix
+/// that ends by running its arguments.
+const WITHOUT_PASTA: &[&str] = &[
+    "unshare",
+    "--mount",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    "for p in /usr/bin/pasta /usr/sbin/pasta /bin/pasta /sbin/pasta /usr/local/bin/pasta; do \
+     [ -f $p ] && mount --bind /dev/null $p; done; exec \"$@\"",
+    "sh",
+];
+
+/// On a host without `pasta`, a profile with network access is named
+/// before anyone acquires (`config check`, the start-up log, `status`,
+/// with the package to install); its acquires answer 502
+/// `network_unavailable`, the operator's problem, while other profiles
+/// serve (#35).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_without_pasta_is_named_before_anyone_acquires() {
+    let config = "[profiles.offline-code]\ntemplate = \"minimal\"\n\
+                  [profiles.web-code]\ntemplate = \"minimal\"\nallow_internet_access = true\n";
+    let dir = tempfile::tempdir().unwrap();
+    let missing = "sandboxes with network access need pasta (Debian package passt) on the host";
+
+    let file = dir.path().join("config.toml");
+    std::fs::write(&file, config).unwrap();
+    let out = std::process::Command::new(WITHOUT_PASTA[0])
+        .args(&WITHOUT_PASTA[1..])
+        .arg(BIN)
+        .args(["config", "check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("configuration OK"),
+        "{out:?}"
+    );
+    assert!(
+        stderr.contains(&format!("warning: profile web-code: {missing}")),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("offline-code"), "{stderr}");
+
+    let log = dir.path().join("serve.log");
+    let (rig, p) = crate::kit::ProcRig::start_wrapped(config, WITHOUT_PASTA, &log);
+    // The log is copied as it comes: wait for the line.
+    let mut logged = String::new();
+    for _ in 0..100 {
+        logged = std::fs::read_to_string(&log).unwrap_or_default();
+        if logged.contains("profile web-code") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        logged.contains(&format!("profile web-code: {missing}")),
+        "{logged}"
+    );
+    let acquire = |profile: &str| serde_json::json!({"runtime": "mcp", "session_key": profile, "profile": profile});
+    let url = format!("{}/v1/leases/acquire", p.url);
+    let (st, v) = rig.call(url.clone(), Some(acquire("web-code"))).await;
+    assert_eq!(st, reqwest::StatusCode::BAD_GATEWAY, "{v}");
+    assert_eq!(v["error"]["code"], "network_unavailable", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("network access") && msg.contains(missing),
+        "{v}"
+    );
+    let (st, v) = rig.call(url, Some(acquire("offline-code"))).await;
+    assert_eq!(st, reqwest::StatusCode::OK, "{v}");
+
+    let status = rig.status();
+    let checks: Vec<&serde_json::Value> = status["backends"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|b| b["checklist"].as_array().unwrap())
+        .filter(|c| c["check"].as_str().unwrap().starts_with("profile "))
+        .collect();
+    assert_eq!(checks.len(), 1, "{status}");
+    assert_eq!(
+        checks[0]["check"], "profile web-code: what its sandboxes' network needs (pasta, nft)",
+        "{status}"
+    );
+    assert_eq!(checks[0]["ok"], false, "{status}");
+    assert!(
+        checks[0]["detail"].as_str().unwrap().starts_with(missing),
+        "{status}"
+    );
+    let out = rig.cli(&["status"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("[FAIL] profile web-code"),
+        "{out:?}"
+    );
+    let (st, _) = rig
+        .call(
+            format!(
+                "{}/v1/leases/{}/release",
+                p.url,
+                v["lease_ref"].as_str().unwrap()
+            ),
+            Some(serde_json::json!({"action": "kill"})),
+        )
+        .await;
+    assert_eq!(st, reqwest::StatusCode::OK);
+    p.stop();
+}

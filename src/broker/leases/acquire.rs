@@ -343,6 +343,13 @@ impl Broker {
                                 prof.template
                             ),
                         ),
+                        ErrorKind::Unsupported if prof.network_access() => Error::new(
+                            Code::NetworkUnavailable,
+                            format!(
+                                "the profile gives sandboxes network access, which the backend's host cannot provide ({}): ask the operator",
+                                e.message
+                            ),
+                        ),
                         ErrorKind::Conflict if volume.is_some() => Error::new(
                             Code::ProfileConflict,
                             "the workspace volume is mounted read-write by another sandbox",

@@ -30,6 +30,21 @@ impl ProcRig {
     /// As `start`, the configuration file holding `config` and the first
     /// process started with `env`.
     pub fn start_with(config: &str, env: &[(&str, &str)]) -> (Self, Proc) {
+        Self::start_by(config, |state, config| Proc::start(state, config, env))
+    }
+
+    /// As `start_with`, the process run by `wrap` (a command that ends by
+    /// running its arguments), its standard error kept in `log`.
+    pub fn start_wrapped(config: &str, wrap: &[&str], log: &std::path::Path) -> (Self, Proc) {
+        Self::start_by(config, |state, config| {
+            Proc::start_wrapped(wrap, state, config, &[], log)
+        })
+    }
+
+    fn start_by(
+        config: &str,
+        start: impl FnOnce(&std::path::Path, &std::path::Path) -> Result<Proc, String>,
+    ) -> (Self, Proc) {
         cube_adapter::tls::install_default_provider();
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().join("state");
@@ -37,7 +52,7 @@ impl ProcRig {
         std::fs::write(&config_file, config).unwrap();
         let config = config_file;
         let reaper = SandboxReaper(state.join("embedded/sandboxes"));
-        let p = Proc::start(&state, &config, env).unwrap();
+        let p = start(&state, &config).unwrap();
         let ca = std::fs::read(state.join("tls/ca.pem")).unwrap();
         let http = reqwest::Client::builder()
             .tls_backend_preconfigured(cube_adapter::tls::client_config(Some(&ca), None).unwrap())
@@ -163,8 +178,33 @@ impl Proc {
         config: &std::path::Path,
         env: &[(&str, &str)],
     ) -> Result<Self, String> {
+        let log = std::env::var_os("CUBE_TEST_SERVE_LOG").map(PathBuf::from);
+        Self::launch(std::process::Command::new(BIN), state, config, env, log)
+    }
+
+    /// As `start`, run by `wrap` (a command that ends by running its
+    /// arguments: `unshare … sh -c '…; exec "$@"' sh`), standard error
+    /// kept in `log`.
+    pub fn start_wrapped(
+        wrap: &[&str],
+        state: &std::path::Path,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+        log: &std::path::Path,
+    ) -> Result<Self, String> {
+        let mut cmd = std::process::Command::new(wrap[0]);
+        cmd.args(&wrap[1..]).arg(BIN);
+        Self::launch(cmd, state, config, env, Some(log.to_path_buf()))
+    }
+
+    fn launch(
+        mut cmd: std::process::Command,
+        state: &std::path::Path,
+        config: &std::path::Path,
+        env: &[(&str, &str)],
+        log: Option<PathBuf>,
+    ) -> Result<Self, String> {
         use std::io::BufRead;
-        let mut cmd = std::process::Command::new(BIN);
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
             .arg(state)
             .arg("--config")
@@ -186,7 +226,6 @@ impl Proc {
         // fail its next print.
         let mut stderr = child.stderr.take().unwrap();
         std::thread::spawn(move || std::io::copy(&mut reader, &mut std::io::sink()));
-        let log = std::env::var_os("CUBE_TEST_SERVE_LOG");
         std::thread::spawn(move || match log {
             Some(f) => {
                 let mut f = std::fs::OpenOptions::new()
