@@ -3,6 +3,14 @@
 //! `HEALTH_INTERVAL` (and again at once after a call found it down); a
 //! backend that is down fails its own profiles' calls before any intent,
 //! with 503 `backend_unavailable`, while the others keep serving.
+//!
+//! A backend is down when it fails `DOWN_AFTER` health probes in a row
+//! *and* its real calls are not being answered (none answered within
+//! `SERVING_WINDOW`, or `cube::client::FAILED_IN_A_ROW` failed since the
+//! last one): a probe that gets no answer in time behind real work on a
+//! busy backend is not an outage (passive health, as Envoy's outlier
+//! detection counts real calls' outcomes). One probe that answers brings
+//! it back.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,8 +23,15 @@ use super::{Code, Error, Result};
 
 /// How often each backend is asked whether it is up.
 pub const HEALTH_INTERVAL: Duration = Duration::from_secs(2);
-/// How long one health call may take before the backend counts as down.
+/// How long one health call may take before it counts as failed.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+/// Failed health probes in a row before a backend whose calls are not
+/// being answered counts as down.
+pub const DOWN_AFTER: u32 = 3;
+/// How soon a probe follows one that failed (while the backend is up).
+const RECHECK_AFTER_FAILURE: Duration = Duration::from_millis(500);
+/// A backend that answered a real call this recently is serving.
+pub const SERVING_WINDOW: Duration = Duration::from_secs(10);
 
 /// What kind of backend it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +53,8 @@ pub struct Backend {
     problem: std::sync::Mutex<Option<String>>,
     /// Ask again now (a call found it unreachable).
     recheck: tokio::sync::Notify,
+    /// Health probes failed in a row.
+    failed_probes: std::sync::atomic::AtomicU32,
 }
 
 impl Backend {
@@ -50,6 +67,7 @@ impl Backend {
             up: AtomicBool::new(true),
             problem: std::sync::Mutex::new(None),
             recheck: tokio::sync::Notify::new(),
+            failed_probes: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -112,7 +130,7 @@ impl Backend {
         *self.problem.lock().unwrap_or_else(|p| p.into_inner()) = r.err();
     }
 
-    /// Ask it now.
+    /// Probe it now: whether it is up afterwards.
     pub async fn check(&self) -> bool {
         let r = match tokio::time::timeout(HEALTH_TIMEOUT, self.client.health()).await {
             Ok(Ok(())) => Ok(()),
@@ -122,9 +140,34 @@ impl Backend {
                 HEALTH_TIMEOUT.as_secs()
             )),
         };
-        let ok = r.is_ok();
-        self.set(r);
-        ok
+        match r {
+            Ok(()) => {
+                self.failed_probes.store(0, Ordering::Release);
+                self.set(Ok(()));
+            }
+            Err(e) => {
+                let failed = self.failed_probes.fetch_add(1, Ordering::AcqRel) + 1;
+                if self.client.serving(SERVING_WINDOW) {
+                    tracing::debug!(backend = %self.name, error = %e, failed,
+                        "health probe failed while real calls are answered: busy, not down");
+                } else if failed >= DOWN_AFTER || !self.is_up() {
+                    self.set(Err(e));
+                } else {
+                    tracing::debug!(backend = %self.name, error = %e, failed, "health probe failed");
+                }
+            }
+        }
+        self.is_up()
+    }
+
+    /// How long until the next probe: sooner while probes fail on a
+    /// backend that is still up.
+    fn next_probe(&self) -> Duration {
+        if self.is_up() && self.failed_probes.load(Ordering::Acquire) > 0 {
+            RECHECK_AFTER_FAILURE
+        } else {
+            HEALTH_INTERVAL
+        }
     }
 
     /// A call failed to reach it: have the watch ask again at once.
@@ -249,7 +292,7 @@ async fn watch(b: Arc<Backend>) {
     loop {
         b.check().await;
         tokio::select! {
-            _ = tokio::time::sleep(HEALTH_INTERVAL) => {}
+            _ = tokio::time::sleep(b.next_probe()) => {}
             _ = b.recheck.notified() => {}
         }
     }

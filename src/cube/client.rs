@@ -326,7 +326,54 @@ pub(crate) struct Inner {
     /// Failed calls by `ErrorKind` (not `not_found`: an ordinary answer),
     /// for `cube_adapter_backend_errors_total`.
     pub(crate) errors: crate::metrics::Family<1, crate::metrics::Counter>,
+    /// Real calls' outcomes, for the health watch (passive health).
+    pub(crate) outcomes: Outcomes,
 }
+
+/// What the backend's real calls found: when one was last answered, and
+/// how many have failed in a row since (no answer, a timeout, a 5xx or
+/// something that is not the protocol).
+#[derive(Debug)]
+pub(crate) struct Outcomes {
+    born: std::time::Instant,
+    /// Milliseconds from `born` to the last answer, plus one (0: none yet).
+    answered_at: std::sync::atomic::AtomicU64,
+    failed_in_a_row: std::sync::atomic::AtomicU32,
+}
+
+impl Outcomes {
+    fn new() -> Self {
+        Self {
+            born: std::time::Instant::now(),
+            answered_at: std::sync::atomic::AtomicU64::new(0),
+            failed_in_a_row: std::sync::atomic::AtomicU32::new(0),
+        }
+    }
+
+    fn record(&self, kind: Option<ErrorKind>) {
+        use std::sync::atomic::Ordering;
+        let failed = matches!(
+            kind,
+            Some(
+                ErrorKind::Unavailable
+                    | ErrorKind::Timeout
+                    | ErrorKind::Internal
+                    | ErrorKind::Protocol
+            )
+        );
+        if failed {
+            self.failed_in_a_row.fetch_add(1, Ordering::AcqRel);
+        } else {
+            let ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            self.answered_at.store(ms + 1, Ordering::Release);
+            self.failed_in_a_row.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Real calls that fail one after another before a backend whose health
+/// probe fails no longer counts as serving (`CubeClient::serving`).
+pub const FAILED_IN_A_ROW: u32 = 3;
 
 fn parse_base(what: &str, s: &str, insecure: bool) -> Result<reqwest::Url> {
     let url = reqwest::Url::parse(s)
@@ -453,6 +500,7 @@ impl CubeClient {
                 stream_http,
                 api_key,
                 errors: crate::metrics::Family::with_capacity(crate::metrics::Counter::default, 16),
+                outcomes: Outcomes::new(),
             }),
         })
     }
@@ -460,12 +508,29 @@ impl CubeClient {
     /// Count a failed call (`cube_adapter_backend_errors_total{kind}`);
     /// `not_found` is an ordinary answer and not counted.
     pub(crate) fn count<T>(&self, r: Result<T>) -> Result<T> {
+        self.inner.outcomes.record(r.as_ref().err().map(|e| e.kind));
         if let Err(e) = &r
             && e.kind != ErrorKind::NotFound
         {
             self.inner.errors.inc([e.kind.as_str()]);
         }
         r
+    }
+
+    /// Whether its real calls are being answered: one was answered within
+    /// `within`, and fewer than `FAILED_IN_A_ROW` have failed since (a
+    /// backend whose calls complete is busy, not down, however slow its
+    /// health probe).
+    pub fn serving(&self, within: Duration) -> bool {
+        use std::sync::atomic::Ordering;
+        let o = &self.inner.outcomes;
+        let at = o.answered_at.load(Ordering::Acquire);
+        at != 0
+            && o.born
+                .elapsed()
+                .saturating_sub(Duration::from_millis(at - 1))
+                <= within
+            && o.failed_in_a_row.load(Ordering::Acquire) < FAILED_IN_A_ROW
     }
 
     /// Failed calls so far, by kind.

@@ -567,3 +567,92 @@ async fn a_reload_adds_a_backend_and_keeps_one_with_leases() {
     drop(pr);
     drop(st);
 }
+
+/// A forwarder to a backend's CubeAPI that holds every `GET /health` for
+/// `hold` before passing it on, as a busy backend answers its health probe
+/// only behind the real work queued before it. Other requests pass at once.
+async fn hold_health(backend_port: u16, hold: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let Ok(upstream) =
+                    tokio::net::TcpStream::connect(("127.0.0.1", backend_port)).await
+                else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut ur, mut uw) = upstream.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut ur, &mut cw).await;
+                });
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    if buf[..n].starts_with(b"GET /health ") {
+                        tokio::time::sleep(hold).await;
+                    }
+                    if uw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A busy backend is not declared down (#35): its health probe gets no
+/// answer within its 3 s (held back, as behind real work) while its real
+/// calls are answered, and every call succeeds, none 503. Once it answers
+/// no real call any more (idle here), the failing probes do take it down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_backend_whose_calls_complete_is_not_declared_down() {
+    let root = tempfile::tempdir().unwrap();
+    let b = Standalone::start(&root.path().join("busy"), 0);
+    let api = hold_health(b.port, Duration::from_secs(8)).await;
+    let state = root.path().join("appliance");
+    let s = Server::start_with(|c| {
+        c.state_dir = state.clone();
+        c.gc_interval_seconds = 0;
+        let mut section = b.section();
+        section.api_url = format!("http://127.0.0.1:{api}");
+        c.backends = [("busy".to_string(), BackendDef::Cubesandbox(section))].into();
+        c.profiles = [(
+            "busy-code".to_string(),
+            profile("busy", Workspace::default()),
+        )]
+        .into();
+    })
+    .await;
+    let l = lease(&s, "busy-code", "busy").await;
+    // Four probes' worth of calls (each probe fails after 3 s): every one
+    // succeeds, the backend stays up.
+    let end = Instant::now() + Duration::from_secs(16);
+    let mut calls = 0;
+    while Instant::now() < end {
+        let v = exec(&s, &l, "echo busy").await;
+        assert_eq!(v["stdout"], "busy\n");
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(calls > 10, "{calls}");
+    let up = || async {
+        let text = crate::metrics::exposition(&s.http, &s.url).await;
+        crate::metrics::sample(&text, "cube_adapter_backend_up", &["backend=\"busy\""])
+    };
+    assert_eq!(up().await, Some(1.0));
+    // Idle (nothing answered any more: /metrics asks no backend), its
+    // probes still failing: down.
+    until(
+        40,
+        "the idle backend with failing probes seen down",
+        || async { up().await == Some(0.0) },
+    )
+    .await;
+    s.stop().await;
+}
