@@ -352,6 +352,71 @@ fn read_yaml(p: &Path) -> Result<Value, String> {
     })
 }
 
+/// Where the keys of a YAML document are: each key's path (its parents'
+/// keys and its own) and its 1-based line. Block mappings only: keys in
+/// flow collections (`{…}`) or in sequence items are not indexed (an error
+/// there names no line, or its parent's).
+#[derive(Debug, Default)]
+struct KeyLines(BTreeMap<Vec<String>, usize>);
+
+impl KeyLines {
+    fn of(text: &str) -> Self {
+        let mut stack: Vec<(usize, String)> = vec![];
+        let mut out = BTreeMap::new();
+        for (i, raw) in text.lines().enumerate() {
+            let line = raw.trim_start();
+            if line.is_empty() || line.starts_with('#') || line.starts_with('-') {
+                continue;
+            }
+            let Some(key) = yaml_key(line) else {
+                continue;
+            };
+            let indent = raw.len() - line.len();
+            while stack.last().is_some_and(|(d, _)| *d >= indent) {
+                stack.pop();
+            }
+            stack.push((indent, key));
+            out.entry(stack.iter().map(|(_, k)| k.clone()).collect())
+                .or_insert(i + 1);
+        }
+        Self(out)
+    }
+
+    /// The line of the first of `paths` that is in the document.
+    fn line(&self, paths: &[&[&str]]) -> Option<usize> {
+        paths.iter().find_map(|p| {
+            let key: Vec<String> = p.iter().map(|s| s.to_string()).collect();
+            self.0.get(&key).copied()
+        })
+    }
+}
+
+/// The key of a `key: value` (or `key:`) line, unquoted.
+fn yaml_key(line: &str) -> Option<String> {
+    let (key, rest) = match line.chars().next()? {
+        q @ ('"' | '\'') => {
+            let end = line[1..].find(q)? + 1;
+            (line[1..end].to_string(), &line[end + 1..])
+        }
+        _ => {
+            let at = line
+                .find(": ")
+                .or_else(|| line.ends_with(':').then(|| line.len() - 1))?;
+            (line[..at].trim_end().to_string(), &line[at..])
+        }
+    };
+    let rest = rest.strip_prefix(':')?;
+    (rest.is_empty() || rest.starts_with([' ', '\t'])).then_some(key)
+}
+
+/// `FILE:LINE` where the line is known, else `FILE`.
+fn file_line(shown: &str, line: Option<usize>) -> String {
+    match line {
+        Some(l) => format!("{shown}:{l}"),
+        None => shown.to_string(),
+    }
+}
+
 fn object<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, String> {
     v.as_object()
         .ok_or_else(|| format!("{at} must be a mapping"))
@@ -1069,11 +1134,11 @@ impl Build<'_> {
             "--profiles",
             &mut self.rep,
         )?;
-        let (file_defaults, raw, shown) = match &path {
+        let (file_defaults, raw, shown, lines) = match &path {
             Some((p, _)) => {
-                let (d, ps) = read_profiles(p)?;
+                let (d, ps, lines) = read_profiles(p)?;
                 self.rep.sources.push(("profiles".into(), p.clone()));
-                (d, ps, p.display().to_string())
+                (d, ps, p.display().to_string(), lines)
             }
             None => {
                 self.rep.notes.push(
@@ -1084,6 +1149,7 @@ impl Build<'_> {
                     Map::new(),
                     Map::from_iter([("offline-code".to_string(), Value::Null)]),
                     "the built-in profile".to_string(),
+                    ProfileLines::default(),
                 )
             }
         };
@@ -1093,7 +1159,14 @@ impl Build<'_> {
         for (name, value) in &raw {
             let own = match value {
                 Value::Null => Map::new(),
-                v => object(v, &format!("{shown}: profile {name}"))?.clone(),
+                v => object(
+                    v,
+                    &format!(
+                        "{}: profile {name}",
+                        file_line(&shown, lines.line(name, ""))
+                    ),
+                )?
+                .clone(),
             };
             let mut merged = env_defaults.clone();
             for (k, v) in file_defaults.iter().chain(own.iter()) {
@@ -1104,8 +1177,16 @@ impl Build<'_> {
                     from_env.entry(k.as_str()).or_default().push(name.clone());
                 }
             }
-            let (piece, named_template) =
-                profile(name, &merged, &shown, &self.env, has_backend, &mut self.rep)?;
+            let line = |k: &str| lines.line(name, k);
+            let (piece, named_template) = profile(
+                name,
+                &merged,
+                &shown,
+                &line,
+                &self.env,
+                has_backend,
+                &mut self.rep,
+            )?;
             if !named_template {
                 untemplated.push(name.clone());
             }
@@ -1243,12 +1324,15 @@ impl Build<'_> {
 /// A YAML mapping.
 type Mapping = Map<String, Value>;
 
-/// A profiles file: `{defaults, profiles}` or a bare map of profiles.
-fn read_profiles(p: &Path) -> Result<(Mapping, Mapping), String> {
+/// A profiles file: `{defaults, profiles}` or a bare map of profiles; and
+/// where a profile's key is (`profiles.NAME.KEY`, else `defaults.KEY`, else
+/// the profile's own line).
+fn read_profiles(p: &Path) -> Result<(Mapping, Mapping, ProfileLines), String> {
     let doc = read_yaml(p)?;
+    let lines = KeyLines::of(&read_text(p)?);
     let shown = p.display().to_string();
     let top = object(&doc, &shown)?;
-    let (defaults, profiles) = if top.contains_key("profiles") {
+    let (defaults, profiles, wrapped) = if top.contains_key("profiles") {
         if let Some(k) = top
             .keys()
             .find(|k| !["defaults", "profiles"].contains(&k.as_str()))
@@ -1266,14 +1350,38 @@ fn read_profiles(p: &Path) -> Result<(Mapping, Mapping), String> {
             &format!("{shown}: profiles"),
         )?
         .clone();
-        (d, ps)
+        (d, ps, true)
     } else {
-        (Map::new(), top.clone())
+        (Map::new(), top.clone(), false)
     };
     if profiles.is_empty() {
         return Err(format!("{shown}: defines no profile"));
     }
-    Ok((defaults, profiles))
+    Ok((defaults, profiles, ProfileLines { lines, wrapped }))
+}
+
+/// Where the keys of a profiles file are.
+#[derive(Debug, Default)]
+struct ProfileLines {
+    lines: KeyLines,
+    /// Under `profiles:` (with `defaults:`), not a bare map of profiles.
+    wrapped: bool,
+}
+
+impl ProfileLines {
+    /// The line of profile `name`'s `key` (its own, else the defaults'),
+    /// else of the profile.
+    fn line(&self, name: &str, key: &str) -> Option<usize> {
+        if self.wrapped {
+            self.lines.line(&[
+                &["profiles", name, key],
+                &["defaults", key],
+                &["profiles", name],
+            ])
+        } else {
+            self.lines.line(&[&[name, key], &[name]])
+        }
+    }
 }
 
 /// A file of the reference: the flag's, else the env file's variable
@@ -1451,11 +1559,12 @@ fn profile(
     name: &str,
     merged: &Map<String, Value>,
     shown: &str,
+    line: &dyn Fn(&str) -> Option<usize>,
     env: &Env,
     has_backend: bool,
     rep: &mut Report,
 ) -> Result<(Piece, bool), String> {
-    let at = |k: &str| format!("{shown}: profile {name}: {k}");
+    let at = |k: &str| format!("{}: profile {name}: {k}", file_line(shown, line(k)));
     let mut t = toml::Table::new();
     let mut comment = vec![format!("[profiles.{name}]: from {shown}.")];
     let mut named_template = false;
@@ -1605,7 +1714,7 @@ fn profile(
     // What the loader will say, said here with the file's name.
     toml::Value::Table(t.clone())
         .try_into::<super::Profile>()
-        .map_err(|e| format!("{shown}: profile {name}: {e}"))?;
+        .map_err(|e| format!("{}: profile {name}: {e}", file_line(shown, line(""))))?;
     rep.carried(
         format!("{shown}: profile {name}"),
         format!("[profiles.{name}]"),
@@ -1682,6 +1791,7 @@ fn tasks(
 ) -> Result<usize, String> {
     let shown = p.display().to_string();
     let doc = read_yaml(p)?;
+    let lines = KeyLines::of(&read_text(p)?);
     let top = object(&doc, &shown)?;
     if let Some(k) = top
         .keys()
@@ -1702,7 +1812,9 @@ fn tasks(
     let known: BTreeSet<&str> = profiles.iter().map(String::as_str).collect();
     let mut n = 0;
     for (name, v) in list {
-        let at = format!("{shown}: task {name}");
+        // A task's key: its own line, else the defaults', else the task's.
+        let line = |k: &str| lines.line(&[&["tasks", name, k], &["defaults", k], &["tasks", name]]);
+        let at = format!("{}: task {name}", file_line(&shown, line("")));
         let mut merged = defaults.clone();
         for (k, x) in object(v, &at)? {
             merged.insert(k.clone(), x.clone());
@@ -1727,7 +1839,8 @@ fn tasks(
             serde_json::from_value(Value::Object(merged)).map_err(|e| format!("{at}: {e}"))?;
         if !known.contains(t.profile.as_str()) {
             return Err(format!(
-                "{at}: profile '{}' is not defined (the reference refuses it too)",
+                "{}: task {name}: profile '{}' is not defined (the reference refuses it too)",
+                file_line(&shown, line("profile")),
                 t.profile
             ));
         }
@@ -1798,6 +1911,27 @@ pub fn check(config: &Path) -> Result<(Config, Vec<String>), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_lines_follow_block_mappings() {
+        let text = "# a comment\ndefaults:\n  profile: a\ntasks:\n  build:\n    \
+                    description: |\n      not: a key of ours\n    \"profile\": b\n    \
+                    command: {argv: [x]}\n    parameters:\n      - item: 1\n  deploy:\n";
+        let l = KeyLines::of(text);
+        assert_eq!(l.line(&[&["defaults", "profile"]]), Some(3));
+        assert_eq!(l.line(&[&["tasks", "build"]]), Some(5));
+        assert_eq!(l.line(&[&["tasks", "build", "profile"]]), Some(8));
+        assert_eq!(l.line(&[&["tasks", "build", "command"]]), Some(9));
+        assert_eq!(l.line(&[&["tasks", "deploy"]]), Some(12));
+        assert_eq!(
+            l.line(&[&["tasks", "deploy", "profile"], &["defaults", "profile"]]),
+            Some(3)
+        );
+        assert_eq!(l.line(&[&["tasks", "build", "item"]]), None);
+        assert_eq!(yaml_key("url: http://x"), Some("url".into()));
+        assert_eq!(yaml_key("a:b"), None);
+        assert_eq!(yaml_key("'k: 1': v"), Some("k: 1".into()));
+    }
 
     fn kv(text: &str) -> Vec<(String, String)> {
         parse_env(text)

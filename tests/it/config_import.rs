@@ -446,11 +446,78 @@ fn bad_yaml_is_refused_with_its_file_and_line() {
     );
     assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
     assert!(
+        r.err.contains(
+            "bad-profiles.yaml:3: profile offline-code: checkpoints_enabled must be a boolean"
+        ),
+        "the file and the key's line: {}",
         r.err
-            .contains("offline-code: checkpoints_enabled must be a boolean"),
+    );
+    // From the defaults: their line.
+    std::fs::write(
+        &bad,
+        "defaults:\n  checkpoints_enabled: \"no\"\nprofiles:\n  offline-code:\n    sandbox_timeout_seconds: 60\n",
+    )
+    .unwrap();
+    let r = run(
+        &[
+            "config",
+            "import",
+            "--profiles",
+            bad.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
+    assert!(
+        r.err.contains(
+            "bad-profiles.yaml:2: profile offline-code: checkpoints_enabled must be a boolean"
+        ),
         "{}",
         r.err
     );
+
+    // A task naming a profile that is not defined: the line of its
+    // `profile`, or of the defaults' when it has none of its own.
+    std::fs::write(&bad, "profiles:\n  offline-code: {}\n").unwrap();
+    let tasks = dir.path().join("ref/bad-tasks.yaml");
+    for (text, line) in [
+        (
+            "defaults:\n  profile: offline-code\n  parameters: {type: object}\ntasks:\n  build:\n    description: Build\n    \
+             command: {argv: [make]}\n  deploy:\n    description: Deploy\n    profile: prod-code\n    \
+             command: {argv: [make, deploy]}\n",
+            10,
+        ),
+        (
+            "defaults:\n  profile: prod-code\n  parameters: {type: object}\ntasks:\n  build:\n    description: Build\n    \
+             command: {argv: [make]}\n",
+            2,
+        ),
+    ] {
+        std::fs::write(&tasks, text).unwrap();
+        let r = run(
+            &[
+                "config",
+                "import",
+                "--profiles",
+                bad.to_str().unwrap(),
+                "--task-templates",
+                tasks.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            dir.path(),
+        );
+        assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
+        assert!(
+            r.err.contains(&format!("bad-tasks.yaml:{line}: task "))
+                && r.err.contains("profile 'prod-code' is not defined"),
+            "{text}: {}",
+            r.err
+        );
+    }
+    assert!(!out.exists(), "nothing is written");
 }
 
 /// The reference's task templates with their `defaults` merged in, as our
