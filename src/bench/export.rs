@@ -171,13 +171,91 @@ fn tmpdir() -> PathBuf {
 
 /// `bench export`: fill a journal with `events` events, start `serve` on
 /// it and run `exports` exports through its admin socket, one after the
-/// other; VmRSS of the service before, during (peak) and after each.
-pub async fn export(launcher: &Path, events: u64, exports: usize) -> anyhow::Result<Report> {
+/// other; VmRSS of the service before, during (peak) and after each. With
+/// `load` > 0, that many agents each hold a lease and make audited calls
+/// (`stat`) all the while: the soak of a busy appliance.
+pub async fn export(
+    launcher: &Path,
+    events: u64,
+    exports: usize,
+    load: usize,
+) -> anyhow::Result<Report> {
     let dir = tmpdir();
     std::fs::create_dir_all(&dir)?;
-    let result = export_in(launcher, &dir, events, exports).await;
+    let result = export_in(launcher, &dir, events, exports, load).await;
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// Agents making audited calls on leases of their own until stopped.
+struct Load {
+    stop: tokio_util::sync::CancellationToken,
+    calls: Vec<tokio::task::JoinHandle<(u64, u64)>>,
+}
+
+impl Load {
+    /// `agents` leases of the `bench` profile, each polled with `stat`.
+    async fn start(url: &str, state: &Path, agents: usize) -> anyhow::Result<Self> {
+        let ca = std::fs::read(state.join("tls/ca.pem"))?;
+        let http = reqwest::Client::builder()
+            .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
+            .build()?;
+        let admin = std::fs::read_to_string(state.join("admin.token"))?
+            .trim()
+            .to_string();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut calls = vec![];
+        for a in 0..agents {
+            let r = http
+                .post(format!("{url}/v1/leases/acquire"))
+                .bearer_auth(&admin)
+                .json(&serde_json::json!({
+                    "runtime": "mcp", "session_key": format!("load-{a}"), "profile": "bench"
+                }))
+                .send()
+                .await?;
+            let st = r.status();
+            let v: serde_json::Value = r.json().await?;
+            anyhow::ensure!(st.is_success(), "acquire: {st} {v}");
+            let lease = v
+                .get("lease_ref")
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            let (http, admin, stop, url) =
+                (http.clone(), admin.clone(), stop.clone(), url.to_string());
+            calls.push(tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u64, 0u64);
+                while !stop.is_cancelled() {
+                    let r = http
+                        .post(format!("{url}/v1/leases/{lease}/stat"))
+                        .bearer_auth(&admin)
+                        .json(&serde_json::json!({"path": "/workspace"}))
+                        .send()
+                        .await;
+                    match r {
+                        Ok(r) if r.status().is_success() => ok += 1,
+                        _ => failed += 1,
+                    }
+                }
+                (ok, failed)
+            }));
+        }
+        Ok(Self { stop, calls })
+    }
+
+    /// Stop the agents: (calls answered, calls failed).
+    async fn finish(self) -> (u64, u64) {
+        self.stop.cancel();
+        let mut all = (0, 0);
+        for c in self.calls {
+            if let Ok((ok, failed)) = c.await {
+                all.0 += ok;
+                all.1 += failed;
+            }
+        }
+        all
+    }
 }
 
 async fn export_in(
@@ -185,10 +263,14 @@ async fn export_in(
     dir: &Path,
     events: u64,
     exports: usize,
+    load: usize,
 ) -> anyhow::Result<Report> {
     let mut report = Report::new("export");
     let config = dir.join("config.toml");
-    std::fs::write(&config, "")?;
+    std::fs::write(
+        &config,
+        "[profiles.bench]\ntemplate = \"minimal\"\nmax_active_leases_per_tenant = 10000\n",
+    )?;
     let state = dir.join("state");
     // A first start makes the state directory (keys, certificate, token).
     drop(super::ServeProc::start(launcher, &state, &config)?);
@@ -210,23 +292,43 @@ async fn export_in(
     report
         .figures
         .insert("service RSS idle (KiB)".into(), idle as f64);
+    let load = if load > 0 {
+        Some(Load::start(&serve.url, &state, load).await?)
+    } else {
+        None
+    };
     let mut peak = idle;
     let mut last_after = idle;
+    let mut after_fifth = None;
     let mut expected = None;
+    // Beyond ten exports (a soak), only the RSS after each is reported.
+    let detailed = exports <= 10;
     for i in 1..=exports {
         let run = match run_export(launcher, &state, &config, serve.pid()).await {
             Ok(r) => r,
             Err(e) => return Err(e),
         };
         // Every export prints the whole journal (the first start's own
-        // events included): the same number of lines each time.
-        if *expected.get_or_insert(run.lines) != run.lines || run.lines < events {
+        // events included): the same number of lines each time, or more
+        // under load.
+        let first = *expected.get_or_insert(run.lines);
+        if run.lines < events || (load.is_none() && first != run.lines) {
             anyhow::bail!("export {i} printed {} lines of {events}", run.lines);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         last_after = rss_kib(serve.pid());
+        if i == 5 {
+            after_fifth = Some(last_after);
+        }
         peak = peak.max(run.service_peak_kib);
         let f = &mut report.figures;
+        if !detailed {
+            f.insert(
+                format!("export {i:03}: service RSS after (KiB)"),
+                last_after as f64,
+            );
+            continue;
+        }
         f.insert(
             format!("export {i}: service RSS peak (KiB)"),
             run.service_peak_kib as f64,
@@ -248,9 +350,27 @@ async fn export_in(
             run.bytes as f64 / run.seconds / 1e6,
         );
     }
+    if let Some(load) = load {
+        let (ok, failed) = load.finish().await;
+        report
+            .figures
+            .insert("load: audited calls answered".into(), ok as f64);
+        report
+            .figures
+            .insert("load: audited calls failed".into(), failed as f64);
+    }
     drop(serve);
+    if let Some(fifth) = after_fifth {
+        report
+            .figures
+            .insert("service RSS after export 5 (KiB)".into(), fifth as f64);
+        report.figures.insert(
+            format!("service RSS after export {exports}, over after export 5 (%)"),
+            (last_after as f64 / fifth as f64 - 1.0) * 100.0,
+        );
+    }
     report.figures.insert(
-        "events exported per run".into(),
+        "events exported by the first run".into(),
         expected.unwrap_or(0) as f64,
     );
     report.figures.insert(

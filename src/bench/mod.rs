@@ -250,7 +250,7 @@ pub async fn all(
             "identities",
             identities::identities(launcher, 1000, 2000, 8).await?,
         ),
-        ("export", export::export(launcher, 200_000, 3).await?),
+        ("export", export::export(launcher, 200_000, 3, 0).await?),
         (
             "console",
             console::console(launcher, 20_000, 100_000, 50, 20).await?,

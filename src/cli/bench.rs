@@ -103,6 +103,10 @@ pub enum BenchCommand {
         events: u64,
         #[arg(long, default_value_t = 3)]
         exports: usize,
+        /// Agents making audited calls on leases of their own while the
+        /// exports run (a soak under load: `--exports 100 --load 64`).
+        #[arg(long, default_value_t = 0)]
+        load: usize,
         #[arg(long)]
         json: Option<PathBuf>,
     },
@@ -229,9 +233,10 @@ pub fn run(b: BenchCommand) -> Exit {
         BenchCommand::Export {
             events,
             exports,
+            load,
             json,
         } => (
-            rt.block_on(bench::export::export(&launcher, events, exports)),
+            rt.block_on(bench::export::export(&launcher, events, exports, load)),
             json,
         ),
         BenchCommand::Console {

@@ -261,7 +261,7 @@ async fn bench_export_scenario() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
     let launcher = std::env::var("CUBE_BENCH_LAUNCHER").unwrap_or_else(|_| BIN.to_string());
-    let report = cube_adapter::bench::export::export(std::path::Path::new(&launcher), events, 3)
+    let report = cube_adapter::bench::export::export(std::path::Path::new(&launcher), events, 3, 0)
         .await
         .unwrap();
     report.print();
