@@ -526,6 +526,9 @@ async fn export(store: &Store, since: u64, w: &mut (impl tokio::io::AsyncWrite +
     drop(rx);
     let _ = reading.await;
     let _ = w.flush().await;
+    // Its batches are freed now: hand their pages back (on the blocking
+    // pool: trimming walks every arena).
+    let _ = tokio::task::spawn_blocking(crate::embedded::sys::release_free_memory).await;
 }
 
 /// The reading side of [`export`] (on the blocking pool): chunks of

@@ -187,6 +187,11 @@ pub async fn export(
     result
 }
 
+/// How often each load agent makes its call: 64 agents make 64 audited
+/// calls a second, a busy appliance's pace, and the journal the exports
+/// read grows by some 8,000 events a minute, not by all two cores can write.
+const LOAD_EVERY: Duration = Duration::from_secs(1);
+
 /// Agents making audited calls on leases of their own until stopped.
 struct Load {
     stop: tokio_util::sync::CancellationToken,
@@ -194,7 +199,8 @@ struct Load {
 }
 
 impl Load {
-    /// `agents` leases of the `bench` profile, each polled with `stat`.
+    /// `agents` leases of the `bench` profile, each polled with `stat`
+    /// every `LOAD_EVERY`.
     async fn start(url: &str, state: &Path, agents: usize) -> anyhow::Result<Self> {
         let ca = std::fs::read(state.join("tls/ca.pem"))?;
         let http = reqwest::Client::builder()
@@ -236,6 +242,10 @@ impl Load {
                     match r {
                         Ok(r) if r.status().is_success() => ok += 1,
                         _ => failed += 1,
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = tokio::time::sleep(LOAD_EVERY) => {}
                     }
                 }
                 (ok, failed)
