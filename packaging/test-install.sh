@@ -24,8 +24,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CARGO_DEB_VERSION=3.8.0
-CARGO_GENERATE_RPM_VERSION=0.21.1
 STATE=/var/lib/cube-adapter
 MARKER=$STATE/.cube-adapter-test-install
 DROPIN_DIR=/etc/systemd/system/cube-adapter.service.d
@@ -101,22 +99,7 @@ cleanup() {
 trap cleanup EXIT
 
 # --- tools (pinned; built once, kept in target/tools) ---------------------
-# Built into target/ (kept between runs as the npm cache is), both in one
-# build directory so the dependencies they share are built once, and
-# lightly optimised: they package one binary and need no speed (#35 item 9).
-TOOLS=$PWD/target/tools
-export PATH="$TOOLS/bin:${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
-tools=()
-cargo deb --version 2>/dev/null | grep -q "$CARGO_DEB_VERSION" || tools+=("cargo-deb@$CARGO_DEB_VERSION")
-cargo generate-rpm --version 2>/dev/null | grep -q "$CARGO_GENERATE_RPM_VERSION" ||
-    tools+=("cargo-generate-rpm@$CARGO_GENERATE_RPM_VERSION")
-if ((${#tools[@]})); then
-    log "cargo install ${tools[*]} (into target/tools)"
-    CARGO_TARGET_DIR=$TOOLS/build cargo install --locked --quiet --root "$TOOLS" \
-        --config 'profile.release.opt-level=1' --config 'profile.release.lto=false' \
-        --config 'profile.release.codegen-units=256' --config 'profile.release.debug=0' \
-        --config 'profile.release.incremental=false' "${tools[@]}"
-fi
+source packaging/tools.sh
 if ! command -v rpm >/dev/null; then
     log "apt-get install rpm (to inspect the .rpm)"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rpm >/dev/null ||
