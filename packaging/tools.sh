@@ -3,9 +3,7 @@
 # into target/tools (kept between runs, as the npm cache is), both in one
 # build directory so the dependencies they share are built once, and
 # lightly optimised: they package one binary and need no speed (#35 item 9).
-# Sourced by packaging/test-install.sh (which then finds them on PATH);
-# .ci/run also runs it in the background, at the lowest priority, while the
-# tests run, so that they are ready when the package test starts.
+# Sourced by packaging/test-install.sh, which then finds them on PATH.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
