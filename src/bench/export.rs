@@ -196,6 +196,10 @@ const LOAD_EVERY: Duration = Duration::from_secs(1);
 struct Load {
     stop: tokio_util::sync::CancellationToken,
     calls: Vec<tokio::task::JoinHandle<(u64, u64)>>,
+    http: reqwest::Client,
+    url: String,
+    admin: String,
+    leases: Vec<String>,
 }
 
 impl Load {
@@ -210,7 +214,7 @@ impl Load {
             .trim()
             .to_string();
         let stop = tokio_util::sync::CancellationToken::new();
-        let mut calls = vec![];
+        let (mut calls, mut leases) = (vec![], vec![]);
         for a in 0..agents {
             let r = http
                 .post(format!("{url}/v1/leases/acquire"))
@@ -228,6 +232,7 @@ impl Load {
                 .and_then(serde_json::Value::as_str)
                 .unwrap_or_default()
                 .to_string();
+            leases.push(lease.clone());
             let (http, admin, stop, url) =
                 (http.clone(), admin.clone(), stop.clone(), url.to_string());
             calls.push(tokio::spawn(async move {
@@ -251,10 +256,19 @@ impl Load {
                 (ok, failed)
             }));
         }
-        Ok(Self { stop, calls })
+        Ok(Self {
+            stop,
+            calls,
+            http,
+            url: url.to_string(),
+            admin,
+            leases,
+        })
     }
 
-    /// Stop the agents: (calls answered, calls failed).
+    /// Stop the agents and release their leases: (calls answered, calls
+    /// failed). A lease left held would leave its sandbox running, its disk
+    /// mounted, when the bench removes the state directory.
     async fn finish(self) -> (u64, u64) {
         self.stop.cancel();
         let mut all = (0, 0);
@@ -262,6 +276,18 @@ impl Load {
             if let Ok((ok, failed)) = c.await {
                 all.0 += ok;
                 all.1 += failed;
+            }
+        }
+        for lease in &self.leases {
+            let released = self
+                .http
+                .post(format!("{}/v1/leases/{lease}/release", self.url))
+                .bearer_auth(&self.admin)
+                .json(&serde_json::json!({"action": "kill"}))
+                .send()
+                .await;
+            if !matches!(&released, Ok(r) if r.status().is_success()) {
+                tracing::warn!(lease, "bench: a load lease was not released");
             }
         }
         all
@@ -313,53 +339,56 @@ async fn export_in(
     let mut expected = None;
     // Beyond ten exports (a soak), only the RSS after each is reported.
     let detailed = exports <= 10;
-    for i in 1..=exports {
-        let run = match run_export(launcher, &state, &config, serve.pid()).await {
-            Ok(r) => r,
-            Err(e) => return Err(e),
-        };
-        // Every export prints the whole journal (the first start's own
-        // events included): the same number of lines each time, or more
-        // under load.
-        let first = *expected.get_or_insert(run.lines);
-        if run.lines < events || (load.is_none() && first != run.lines) {
-            anyhow::bail!("export {i} printed {} lines of {events}", run.lines);
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        last_after = rss_kib(serve.pid());
-        if i == 5 {
-            after_fifth = Some(last_after);
-        }
-        peak = peak.max(run.service_peak_kib);
-        let f = &mut report.figures;
-        if !detailed {
+    // The exports, in a block of their own: the load's leases are released
+    // whether they succeed or not.
+    let exported: anyhow::Result<()> = async {
+        for i in 1..=exports {
+            let run = run_export(launcher, &state, &config, serve.pid()).await?;
+            // Every export prints the whole journal (the first start's own
+            // events included): the same number of lines each time, or more
+            // under load.
+            let first = *expected.get_or_insert(run.lines);
+            if run.lines < events || (load.is_none() && first != run.lines) {
+                anyhow::bail!("export {i} printed {} lines of {events}", run.lines);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            last_after = rss_kib(serve.pid());
+            if i == 5 {
+                after_fifth = Some(last_after);
+            }
+            peak = peak.max(run.service_peak_kib);
+            let f = &mut report.figures;
+            if !detailed {
+                f.insert(
+                    format!("export {i:03}: service RSS after (KiB)"),
+                    last_after as f64,
+                );
+                continue;
+            }
             f.insert(
-                format!("export {i:03}: service RSS after (KiB)"),
+                format!("export {i}: service RSS peak (KiB)"),
+                run.service_peak_kib as f64,
+            );
+            f.insert(
+                format!("export {i}: service RSS after (KiB)"),
                 last_after as f64,
             );
-            continue;
+            f.insert(
+                format!("export {i}: audit export RSS peak (KiB)"),
+                run.client_peak_kib as f64,
+            );
+            f.insert(
+                format!("export {i}: events/s"),
+                run.lines as f64 / run.seconds,
+            );
+            f.insert(
+                format!("export {i}: MB/s"),
+                run.bytes as f64 / run.seconds / 1e6,
+            );
         }
-        f.insert(
-            format!("export {i}: service RSS peak (KiB)"),
-            run.service_peak_kib as f64,
-        );
-        f.insert(
-            format!("export {i}: service RSS after (KiB)"),
-            last_after as f64,
-        );
-        f.insert(
-            format!("export {i}: audit export RSS peak (KiB)"),
-            run.client_peak_kib as f64,
-        );
-        f.insert(
-            format!("export {i}: events/s"),
-            run.lines as f64 / run.seconds,
-        );
-        f.insert(
-            format!("export {i}: MB/s"),
-            run.bytes as f64 / run.seconds / 1e6,
-        );
+        Ok(())
     }
+    .await;
     if let Some(load) = load {
         let (ok, failed) = load.finish().await;
         report
@@ -370,6 +399,7 @@ async fn export_in(
             .insert("load: audited calls failed".into(), failed as f64);
     }
     drop(serve);
+    exported?;
     if let Some(fifth) = after_fifth {
         report
             .figures
