@@ -232,6 +232,7 @@ pub(crate) async fn bootstrap_admin(
         return Ok(None);
     }
     let principal = Principal {
+        label: None,
         tenant: "admin".into(),
         subject: "bootstrap-admin".into(),
         roles: vec![Role::Admin],
@@ -367,6 +368,7 @@ pub async fn serve_with(
         shared.push((
             t.expose().to_string(),
             Principal {
+                label: None,
                 tenant: "default".into(),
                 subject: "shared-bearer".into(),
                 roles: vec![Role::Agent],

@@ -461,10 +461,12 @@ pub fn ctx(request_id: Option<&str>) -> Result<Ctx, ApiError> {
             }
             Ok(Ctx {
                 request_id: r.to_string(),
+                ..Ctx::default()
             })
         }
         None => Ok(Ctx {
             request_id: crate::ids::random_hex(8),
+            ..Ctx::default()
         }),
     }
 }

@@ -41,15 +41,38 @@ struct PlanReq {
     /// Missing: 400 `invalid_parameters`, as in the reference.
     #[serde(default)]
     parameters: Option<serde_json::Value>,
+    /// Why the agent asks (shown first to approvers).
+    #[serde(default)]
+    reason: Option<String>,
+    /// The lease the agent works in (its own): named to approvers.
+    #[serde(default)]
+    lease_ref: Option<String>,
     #[serde(default)]
     request_id: Option<String>,
 }
 
-async fn plan(State(st): State<AppState>, Auth(p): Auth, Strict(b): Strict<PlanReq>) -> R {
-    let c = ctx(b.request_id.as_deref())?;
+/// The header an MCP bridge names its host in (the MCP client info);
+/// other clients are known by their `User-Agent`.
+pub const AGENT_HEADER: &str = "x-cube-agent";
+
+async fn plan(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    h: HeaderMap,
+    Strict(b): Strict<PlanReq>,
+) -> R {
+    let mut c = ctx(b.request_id.as_deref())?;
+    c.agent = [AGENT_HEADER, "user-agent"]
+        .iter()
+        .find_map(|n| h.get(*n).and_then(|v| v.to_str().ok()))
+        .and_then(crate::broker::Ctx::agent_from);
+    let why = crate::broker::tasks::PlanWhy {
+        reason: b.reason.as_deref(),
+        lease_ref: b.lease_ref.as_deref(),
+    };
     let v = st
         .broker
-        .plan_task(&p, &c, &b.template, b.parameters.as_ref())
+        .plan_task(&p, &c, &b.template, b.parameters.as_ref(), why)
         .await?;
     with_status(StatusCode::CREATED, v)
 }

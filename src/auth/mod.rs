@@ -174,6 +174,12 @@ pub struct Principal {
     /// None for the appliance's own identities.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub issuer: Option<String>,
+    /// What the credential is called, for people (issue #36): a token's
+    /// description (or `token <id>`), a user's name, a certificate
+    /// identity's description. Set when the caller is authenticated, never
+    /// stored with the principal, never a secret.
+    #[serde(skip)]
+    pub label: Option<String>,
 }
 
 fn all() -> Vec<String> {
@@ -277,6 +283,25 @@ pub struct TokenRecord {
     /// that stands for this principal (`hash` is then empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cert_sha256: Option<String>,
+}
+
+impl TokenRecord {
+    /// The principal it stands for, with its label (issue #36): its
+    /// description, or else `token <id>` (`certificate <id>`).
+    pub fn labelled(self) -> Principal {
+        let kind = if self.cert_sha256.is_some() {
+            "certificate"
+        } else {
+            "token"
+        };
+        let mut p = self.principal;
+        p.label = Some(
+            self.description
+                .filter(|d| !d.trim().is_empty())
+                .unwrap_or_else(|| format!("{kind} {}", self.id)),
+        );
+        p
+    }
 }
 
 /// The verified client certificate a connection presented (a request
@@ -688,6 +713,7 @@ impl TokenSpec {
             ));
         }
         Ok(Principal {
+            label: None,
             subject: self.subject.unwrap_or_else(|| self.tenant.clone()),
             tenant: self.tenant,
             roles: roles.clone(),
@@ -814,6 +840,7 @@ pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> 
         out.push((
             token,
             Principal {
+                label: None,
                 subject: e.subject.unwrap_or_else(|| e.tenant_id.clone()),
                 tenant: e.tenant_id,
                 roles,
@@ -1318,8 +1345,10 @@ impl Authenticator {
         match rec {
             Some(u) if ok => {
                 self.throttle.succeeded(source, &cred);
-                self.remember(key, &u.principal, generation);
-                Ok(u.principal)
+                let mut p = u.principal;
+                p.label = Some(u.name);
+                self.remember(key, &p, generation);
+                Ok(p)
             }
             _ => {
                 self.failed(source, &cred);
@@ -1351,7 +1380,7 @@ impl Authenticator {
             .map_err(|_| AuthError::Unavailable)?;
         let principal = rec
             .filter(|r| r.revoked_at.is_none() && r.cert_sha256.as_deref() == Some(fp.as_str()))
-            .map(|r| r.principal)
+            .map(TokenRecord::labelled)
             .ok_or(AuthError::Unauthorized)?;
         self.remember(key, &principal, generation);
         Ok(principal)
@@ -1373,7 +1402,7 @@ impl Authenticator {
         let key = self.token_key()?;
         if rec.hash.starts_with(KEYED_PREFIX) {
             return if keyed_matches(&key, token, &rec.hash) {
-                Ok(rec.principal)
+                Ok(rec.labelled())
             } else {
                 Err(AuthError::Unauthorized)
             };
@@ -1393,7 +1422,7 @@ impl Authenticator {
             return Err(AuthError::Unauthorized);
         }
         self.rekey(&rec, &key, token).await;
-        Ok(rec.principal)
+        Ok(rec.labelled())
     }
 
     /// The store's token key (unsealed when the store was opened).
@@ -1596,6 +1625,7 @@ mod tests {
 
     fn p(actions: &[&str]) -> Principal {
         Principal {
+            label: None,
             tenant: "t".into(),
             subject: "s".into(),
             roles: vec![Role::Agent],
@@ -1794,6 +1824,7 @@ mod tests {
         let d = |r: &[Role]| default_actions(r);
         let q = |r: &[Role], a: &str| {
             Principal {
+                label: None,
                 roles: r.to_vec(),
                 actions: d(r),
                 ..p(&[])

@@ -459,6 +459,7 @@ impl Issuer {
         // absent grant nothing (the reference took `*`).
         let nonempty = |v: Option<Vec<String>>| v.filter(|v| !v.is_empty());
         Ok(Principal {
+            label: None,
             tenant: tenant.to_string(),
             subject: sub.to_string(),
             runtimes: nonempty(list(&names.runtimes)?),
@@ -759,6 +760,7 @@ impl CodeFlow {
         Ok(Person {
             name: name.to_string(),
             principal: Principal {
+                label: None,
                 tenant,
                 subject: sub.to_string(),
                 actions: super::default_actions(&roles),

@@ -54,10 +54,21 @@ impl From<UserRecord> for UserInfo {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum UserOp {
-    Add { principal: Principal, hash: String },
-    Passwd { name: String, hash: String },
-    SetDisabled { name: String, disabled: bool },
-    Remove { name: String },
+    Add {
+        principal: Box<Principal>,
+        hash: String,
+    },
+    Passwd {
+        name: String,
+        hash: String,
+    },
+    SetDisabled {
+        name: String,
+        disabled: bool,
+    },
+    Remove {
+        name: String,
+    },
     List,
 }
 
@@ -211,7 +222,7 @@ pub async fn user_op_audited(
             let rec = UserRecord {
                 name: name.clone(),
                 hash,
-                principal,
+                principal: *principal,
                 created_at: now.clone(),
                 password_changed_at: now,
                 disabled_at: None,

@@ -75,6 +75,7 @@ async fn identities_in(
         (0..tokens)
             .map(|i| {
                 let principal = Principal {
+                    label: None,
                     tenant: "bench".into(),
                     subject: format!("agent-{i}"),
                     roles: vec![Role::Agent],

@@ -103,6 +103,8 @@ codes! {
     InvalidBranch = "invalid_branch", BAD_REQUEST, Rejected, None;
     InvalidAction = "invalid_action", BAD_REQUEST, Rejected, None;
     InvalidParameters = "invalid_parameters", BAD_REQUEST, Rejected, None;
+    /// A template that requires a reason, and a plan without one.
+    ReasonRequired = "reason_required", BAD_REQUEST, Rejected, None;
     InvalidDecision = "invalid_decision", BAD_REQUEST, Rejected, None;
 
     // 401
@@ -145,6 +147,8 @@ codes! {
     /// it.
     CheckpointWithMountDenied = "checkpoint_with_mount_denied", CONFLICT, Rejected, None;
     PlanNotPending = "plan_not_pending", CONFLICT, Rejected, None;
+    /// The same person approving a plan again (a quorum counts people).
+    AlreadyApproved = "already_approved", CONFLICT, Rejected, None;
     PlanNotApproved = "plan_not_approved", CONFLICT, Rejected, None;
     PlanExpired = "plan_expired", CONFLICT, Rejected, None;
     TaskTemplateChanged = "task_template_changed", CONFLICT, Rejected, None;

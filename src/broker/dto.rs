@@ -676,6 +676,8 @@ pub struct OutputContract {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TaskTemplateContract {
     pub approval_required: bool,
+    /// Approvals from distinct people a plan needs.
+    pub approvals_required: u32,
     pub description: String,
     pub name: String,
     pub outputs: Vec<OutputContract>,
@@ -683,6 +685,8 @@ pub struct TaskTemplateContract {
     pub parameters: Value,
     pub plan_ttl_seconds: u64,
     pub profile: String,
+    /// A plan must say why (`reason`).
+    pub reason_required: bool,
     pub template_sha256: String,
 }
 
@@ -690,6 +694,8 @@ impl TaskTemplateContract {
     pub(crate) fn new(name: &str, t: &crate::config::TaskTemplate) -> Self {
         Self {
             approval_required: t.approval_required,
+            approvals_required: t.approvals_required,
+            reason_required: t.reason_required,
             description: t.description.clone(),
             name: name.to_string(),
             outputs: t
@@ -717,11 +723,53 @@ pub struct TaskTemplateList {
     pub task_templates: Vec<TaskTemplateContract>,
 }
 
+/// One person's decision on a plan, as answered (issue #36).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PlanDecision {
+    /// The decider's identity digest (the stable key).
+    pub identity: String,
+    pub subject: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    pub tenant: String,
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// `console` or `api`.
+    pub via: String,
+}
+
+impl From<&crate::store::plans::Decision> for PlanDecision {
+    fn from(d: &crate::store::plans::Decision) -> Self {
+        Self {
+            identity: d.identity.clone(),
+            subject: d.subject.clone(),
+            label: d.label.clone(),
+            tenant: d.tenant.clone(),
+            at: d.at.clone(),
+            reason: d.reason.clone(),
+            via: d.via.clone(),
+        }
+    }
+}
+
 /// A plan: `POST /v1/tasks/plan` (201) and the approver's decision.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PlanAnswer {
     pub approval_required: bool,
     pub approved_at: Option<String>,
+    /// Approvals from distinct people it needs, and those given so far.
+    pub approvals_required: u32,
+    pub approvals: Vec<PlanDecision>,
+    /// The denial that ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denial: Option<PlanDecision>,
+    /// Why the agent asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Who asked, readable (absent for plans made before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_by: Option<crate::store::plans::Requester>,
     pub command_sha256: String,
     pub created_at: String,
     pub decided_at: Option<String>,
@@ -741,6 +789,11 @@ impl PlanAnswer {
         Self {
             approval_required: p.approval_required,
             approved_at: p.approved_at.clone(),
+            approvals_required: p.approvals_required,
+            approvals: p.approvals.iter().map(PlanDecision::from).collect(),
+            denial: p.denial.as_ref().map(PlanDecision::from),
+            reason: p.reason.clone(),
+            requested_by: p.requested_by.clone(),
             command_sha256: p.command_sha256.clone(),
             created_at: p.created_at.clone(),
             decided_at: p.decided_at.clone(),
@@ -763,6 +816,14 @@ impl PlanAnswer {
 pub struct PlanReview {
     pub approval_required: bool,
     pub approved_at: Option<String>,
+    pub approvals_required: u32,
+    pub approvals: Vec<PlanDecision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denial: Option<PlanDecision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_by: Option<crate::store::plans::Requester>,
     pub command_sha256: String,
     pub contract: TaskTemplateContract,
     pub created_at: String,
@@ -790,6 +851,11 @@ impl PlanReview {
         Self {
             approval_required: plan.approval_required,
             approved_at: plan.approved_at,
+            approvals_required: plan.approvals_required,
+            approvals: plan.approvals,
+            denial: plan.denial,
+            reason: plan.reason,
+            requested_by: plan.requested_by,
             command_sha256: plan.command_sha256,
             contract,
             created_at: plan.created_at,

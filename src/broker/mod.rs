@@ -95,6 +95,11 @@ pub struct PlanNeedsApproval {
     pub profile: String,
     /// RFC 3339.
     pub expires_at: String,
+    /// Who asked (the identity's subject).
+    pub requester: String,
+    /// The template's risk rules its values matched: `parameter: note`
+    /// (never the values).
+    pub risks: Vec<String>,
 }
 
 /// Told when a plan needs approval. Called on the planning path: it must
@@ -137,6 +142,32 @@ pub struct PreparedPolicy(Policy);
 #[derive(Debug, Clone, Default)]
 pub struct Ctx {
     pub request_id: String,
+    /// What the client said it is (an MCP host's client info, an HTTP
+    /// client's `User-Agent`): printable ASCII, at most 128 bytes.
+    pub agent: Option<String>,
+    /// The console session the request came through (its store key, a
+    /// digest): decisions there are recorded as runtime `console`.
+    pub console_session: Option<String>,
+}
+
+impl Ctx {
+    /// A client's description of itself as it may be kept: printable
+    /// ASCII (anything else becomes `?`), at most 128 bytes; empty is none.
+    pub fn agent_from(s: &str) -> Option<String> {
+        let t: String = s
+            .trim()
+            .chars()
+            .map(|c| {
+                if c == ' ' || c.is_ascii_graphic() {
+                    c
+                } else {
+                    '?'
+                }
+            })
+            .take(128)
+            .collect();
+        Some(t).filter(|t| !t.is_empty())
+    }
 }
 
 impl Broker {

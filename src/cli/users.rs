@@ -105,7 +105,14 @@ pub fn add(a: UserAddArgs) -> Exit {
         Ok(h) => h,
         Err(e) => return usage(e),
     };
-    apply(&a.common, UserOp::Add { principal, hash }, false)
+    apply(
+        &a.common,
+        UserOp::Add {
+            principal: Box::new(principal),
+            hash,
+        },
+        false,
+    )
 }
 
 pub fn list(a: UserListArgs) -> Exit {

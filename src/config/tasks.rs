@@ -86,6 +86,52 @@ fn default_ttl() -> u64 {
     900
 }
 
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// Most approvals a template may require.
+pub const MAX_APPROVALS: u32 = 10;
+
+/// A rule that marks a parameter's value as risky (issue #36): the review
+/// highlights it and the approval notification names it. A value is
+/// risky when a string matches `pattern`, or a number is above `above` or
+/// below `below`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RiskRule {
+    /// A declared parameter (top level).
+    pub parameter: String,
+    /// A regular expression (Rust `regex` syntax) a string value is
+    /// searched with: `(?i)\bdrop\s+table\b`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattern: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub above: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub below: Option<f64>,
+    /// What makes it risky, in words for the approver (1..=200 bytes).
+    pub note: String,
+}
+
+/// A parameter a rule found risky, and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Risk {
+    pub parameter: String,
+    pub note: String,
+}
+
+/// Longest risk note (bytes).
+pub const MAX_RISK_NOTE: usize = 200;
+
 /// `[tasks.<name>]` in the configuration.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -110,6 +156,24 @@ pub struct TaskTemplate {
     /// option); after literal text (`"--opt=${name}"`) any value is fine.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow_leading_dash: Vec<String>,
+    /// Approvals from distinct people a plan needs (1..=10): no person
+    /// counts twice, the requester never counts.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub approvals_required: u32,
+    /// A plan must say why it is asked for (`reason`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub reason_required: bool,
+    /// Parameters may hold printable ASCII only (and spaces): anything
+    /// else is refused when the plan is made.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub parameters_ascii_only: bool,
+    /// Accept bidirectional controls (U+202E and the like) in parameters;
+    /// refused by default, as they make text read other than it runs.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_bidi_controls: bool,
+    /// Values the approver should look at twice (`[[tasks.NAME.risk]]`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub risk: Vec<RiskRule>,
 }
 
 /// An `argv` element with a placeholder: the literal text before it, the
@@ -264,6 +328,42 @@ impl TaskTemplate {
             }
         }
         super::paths::check(&self.command.cwd).map_err(|e| format!("{at}: command.cwd: {e}"))?;
+        if self.approvals_required == 0 || self.approvals_required > MAX_APPROVALS {
+            return Err(format!(
+                "{at}: approvals_required must be 1..={MAX_APPROVALS}"
+            ));
+        }
+        if self.approvals_required > 1 && !self.approval_required {
+            return Err(format!(
+                "{at}: approvals_required = {} needs approval_required = true",
+                self.approvals_required
+            ));
+        }
+        for r in &self.risk {
+            let rat = format!("{at}: risk rule for '{}'", r.parameter);
+            if !declared.contains(&r.parameter.as_str()) {
+                return Err(format!("{rat}: parameters do not declare it"));
+            }
+            if r.note.trim().is_empty() || r.note.len() > MAX_RISK_NOTE {
+                return Err(format!(
+                    "{rat}: note is required (at most {MAX_RISK_NOTE} bytes)"
+                ));
+            }
+            if r.pattern.is_none() && r.above.is_none() && r.below.is_none() {
+                return Err(format!("{rat}: give pattern, above or below"));
+            }
+            if let Some(p) = &r.pattern {
+                regex::RegexBuilder::new(p)
+                    .size_limit(1 << 20)
+                    .build()
+                    .map_err(|e| format!("{rat}: pattern: {e}"))?;
+            }
+        }
+        if self.parameters_ascii_only && self.allow_bidi_controls {
+            return Err(format!(
+                "{at}: parameters_ascii_only and allow_bidi_controls contradict each other"
+            ));
+        }
         if self.plan_ttl_seconds == 0 || self.plan_ttl_seconds > MAX_PLAN_TTL {
             return Err(format!("{at}: plan_ttl_seconds must be 1..={MAX_PLAN_TTL}"));
         }
@@ -310,10 +410,25 @@ impl TaskTemplate {
         });
         // Only when set: the digests of other templates stay the
         // reference's.
-        if !self.allow_leading_dash.is_empty()
-            && let Some(m) = v.as_object_mut()
-        {
-            m.insert("allow_leading_dash".into(), json!(self.allow_leading_dash));
+        if let Some(m) = v.as_object_mut() {
+            if !self.allow_leading_dash.is_empty() {
+                m.insert("allow_leading_dash".into(), json!(self.allow_leading_dash));
+            }
+            if self.approvals_required != 1 {
+                m.insert("approvals_required".into(), json!(self.approvals_required));
+            }
+            if !self.risk.is_empty() {
+                m.insert("risk".into(), json!(self.risk));
+            }
+            for (k, on) in [
+                ("reason_required", self.reason_required),
+                ("parameters_ascii_only", self.parameters_ascii_only),
+                ("allow_bidi_controls", self.allow_bidi_controls),
+            ] {
+                if on {
+                    m.insert(k.into(), json!(true));
+                }
+            }
         }
         hex::encode(sha2::Sha256::digest(canonical(&v).as_bytes()))
     }
@@ -332,6 +447,33 @@ impl TaskTemplate {
             })).collect::<Vec<_>>(),
             "template_sha256": self.digest(name),
         })
+    }
+
+    /// The risky values of `params` (already validated): one entry per
+    /// rule that matches, in the rules' order.
+    pub fn risks(&self, params: &Value) -> Vec<Risk> {
+        self.risk
+            .iter()
+            .filter(|r| {
+                let v = params.get(&r.parameter);
+                let by_pattern = match (&r.pattern, v) {
+                    (Some(p), Some(Value::String(s))) => regex::RegexBuilder::new(p)
+                        .size_limit(1 << 20)
+                        .build()
+                        .is_ok_and(|re| re.is_match(s)),
+                    _ => false,
+                };
+                let n = v.and_then(Value::as_f64);
+                let by_range = n.is_some_and(|n| {
+                    r.above.is_some_and(|a| n > a) || r.below.is_some_and(|b| n < b)
+                });
+                by_pattern || by_range
+            })
+            .map(|r| Risk {
+                parameter: r.parameter.clone(),
+                note: r.note.clone(),
+            })
+            .collect()
     }
 
     /// The shell command for `params` (already validated against the
@@ -460,7 +602,53 @@ mod tests {
             plan_ttl_seconds: 900,
             outputs: vec![],
             allow_leading_dash: vec![],
+            approvals_required: 1,
+            reason_required: false,
+            parameters_ascii_only: false,
+            allow_bidi_controls: false,
+            risk: vec![],
         }
+    }
+
+    #[test]
+    fn risky_values_are_named() {
+        let mut t = template();
+        t.risk = vec![
+            RiskRule {
+                parameter: "epochs".into(),
+                pattern: None,
+                above: Some(10.0),
+                below: None,
+                note: "a long run".into(),
+            },
+            RiskRule {
+                parameter: "name".into(),
+                pattern: Some(r"(?i)\bdrop\s+table\b|rm\s+-rf".into()),
+                above: None,
+                below: None,
+                note: "destructive".into(),
+            },
+        ];
+        assert_eq!(t.validate("train", &["offline-code"]), Ok(()));
+        assert!(t.risks(&json!({"epochs": 3, "name": "x"})).is_empty());
+        let r = t.risks(&json!({"epochs": 30, "name": "please DROP  table users"}));
+        let notes: Vec<&str> = r.iter().map(|r| r.note.as_str()).collect();
+        assert_eq!(notes, ["a long run", "destructive"]);
+        assert_ne!(t.digest("train"), template().digest("train"));
+        let mut bad = t.clone();
+        bad.risk[1].pattern = Some("(".into());
+        assert!(
+            bad.validate("train", &["offline-code"])
+                .unwrap_err()
+                .contains("pattern")
+        );
+        let mut bad = t.clone();
+        bad.risk[0].parameter = "nope".into();
+        assert!(
+            bad.validate("train", &["offline-code"])
+                .unwrap_err()
+                .contains("do not declare")
+        );
     }
 
     #[test]

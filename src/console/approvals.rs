@@ -17,9 +17,10 @@ use serde::Deserialize;
 use super::ConsoleState;
 use super::pages::{
     Notice, Outcome, Page, age, broker_refused as refused, checked_form, ctx, html, scope_text,
-    signed_in, span,
+    session_ctx, signed_in, signed_in_returning, span,
 };
 use crate::broker::Code;
+use crate::broker::tasks::reveal::{Piece, Scan, pieces};
 
 /// How often the queue reloads itself (seconds; a meta refresh).
 pub const QUEUE_REFRESH_SECONDS: u32 = 5;
@@ -30,10 +31,83 @@ pub struct QueueRow {
     pub tenant: String,
     pub template: String,
     pub profile: String,
+    /// Who asked: the subject (and the credential's label), or the start
+    /// of the identity digest for plans made before names were kept.
     pub requester: String,
+    /// What the agent said it is, if it did.
+    pub agent: String,
+    /// Why, as the agent said (the start of it).
+    pub reason: String,
+    /// `1 of 2` where a plan needs more than one approval.
+    pub approvals: String,
     pub mine: bool,
     pub age: String,
     pub left: String,
+}
+
+/// Who asked, in a line: `subject (label)`, or the digest's start.
+fn asked_by(r: Option<&crate::store::plans::Requester>, digest: &str) -> String {
+    match r {
+        Some(r) => match &r.label {
+            Some(l) if *l != r.subject => format!("{} ({l})", r.subject),
+            _ => r.subject.clone(),
+        },
+        None => short(digest),
+    }
+}
+
+/// The start of a text, for a table cell.
+fn gist(s: &str, n: usize) -> String {
+    let mut out: String = s.chars().take(n).collect();
+    if s.chars().count() > n {
+        out.push('…');
+    }
+    out
+}
+
+/// Someone's decision, as the review lists it.
+pub struct DecisionRow {
+    pub who: String,
+    pub tenant: String,
+    pub at: String,
+    pub via: String,
+    pub reason: Option<Vec<Piece>>,
+}
+
+/// A parameter before (the last approved plan) and now.
+pub struct ChangeRow {
+    pub name: Vec<Piece>,
+    pub before: Vec<Piece>,
+    pub now: Vec<Piece>,
+    pub changed: bool,
+    pub risky: bool,
+}
+
+/// The comparison with the last approved plan, for the page.
+pub struct Compared {
+    pub plan_ref: String,
+    pub approved_at: String,
+    pub identical: bool,
+    /// The names of the parameters that changed.
+    pub changed: Vec<String>,
+    pub rows: Vec<ChangeRow>,
+    /// Its command, when it differs from this one's.
+    pub command_before: Option<Vec<Piece>>,
+}
+
+impl From<&crate::broker::dto::PlanDecision> for DecisionRow {
+    fn from(d: &crate::broker::dto::PlanDecision) -> Self {
+        Self {
+            who: match &d.label {
+                Some(l) if *l != d.subject => format!("{} ({l})", d.subject),
+                _ => d.subject.clone(),
+            },
+            tenant: d.tenant.clone(),
+            at: d.at.clone(),
+            via: d.via.clone(),
+            reason: d.reason.as_deref().map(pieces),
+        }
+    }
 }
 
 #[derive(Template)]
@@ -73,6 +147,22 @@ struct ReviewPage {
     decided_at: Option<String>,
     task_ref: Option<String>,
     requester: String,
+    /// Who asked, readable: subject and label, tenant, agent, lease.
+    asked_by: String,
+    agent: Option<String>,
+    lease: Option<String>,
+    reason: Option<Vec<Piece>>,
+    risks: Vec<crate::config::tasks::Risk>,
+    previous: Option<Compared>,
+    approvals_required: u32,
+    approvals: Vec<DecisionRow>,
+    /// Whether any approver gave a reason.
+    approver_reasons: bool,
+    denial: Option<DecisionRow>,
+    /// What the parameters and command hide, in a line (a banner).
+    hidden: Option<String>,
+    parameters_shown: Vec<Piece>,
+    command_shown: Vec<Piece>,
     mine: bool,
     command_sha256: String,
     parameters_sha256: String,
@@ -104,7 +194,18 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
         .map(|p| QueueRow {
             age: age(&p.created_at, now),
             left: span(p.expires_unix - now),
-            requester: short(&p.requester),
+            requester: asked_by(p.requested_by.as_ref(), &p.requester),
+            agent: p
+                .requested_by
+                .as_ref()
+                .and_then(|r| r.agent.clone())
+                .unwrap_or_default(),
+            reason: p.reason.as_deref().map(|r| gist(r, 80)).unwrap_or_default(),
+            approvals: if p.approvals_required > 1 {
+                format!("{} of {}", p.approvals, p.approvals_required)
+            } else {
+                String::new()
+            },
             mine: p.requested_by_me,
             plan_ref: p.plan_ref,
             tenant: p.tenant,
@@ -128,6 +229,11 @@ fn notice(q: &Outcome) -> Option<Notice> {
             return Notice::done("Approved. The requester may now submit the task.");
         }
         Some("denied") => return Notice::done("Denied. The plan will not run."),
+        Some("counted") => {
+            return Notice::done(
+                "Your approval is recorded. The plan needs more approvals from other people before it may run.",
+            );
+        }
         _ => {}
     }
     let code = q.code()?;
@@ -150,6 +256,9 @@ fn notice(q: &Outcome) -> Option<Notice> {
             "The task template or its profile changed after this plan was made; the agent must plan again."
         }
         Code::ValueTooLarge => "The reason is too long (at most 1024 bytes).",
+        Code::AlreadyApproved => {
+            "You approved this plan already: it needs approvals from other people."
+        }
         Code::InvalidDecision => "The decision must be approve or deny.",
         Code::TaskPlanNotFound => "There is no such plan.",
         _ => "The appliance refused the decision.",
@@ -171,13 +280,15 @@ pub async fn review(
     Path(plan_ref): Path<String>,
     Query(q): Query<Outcome>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
+    // Signed out (a notification's link): back here once signed in.
+    let back = format!("/console/plans/{plan_ref}");
+    let who = match signed_in_returning(&st, &headers, Some(&back)).await {
         Ok(s) => s,
         Err(r) => return r,
     };
     let r = match st
         .broker
-        .review_plan_in_console(&who.principal, &ctx(), &plan_ref)
+        .review_plan_in_console(&who.principal, &session_ctx(&who), &plan_ref)
         .await
     {
         Ok(r) => r,
@@ -186,6 +297,49 @@ pub async fn review(
     let now = st.broker.clock().unix();
     let v = r.review;
     let pending = v.state == crate::store::plans::PlanState::PendingApproval;
+    let parameters = v
+        .parameters
+        .as_ref()
+        .map(|p| serde_json::to_string_pretty(p).unwrap_or_default());
+    let mut scan = Scan::default();
+    if let Some(p) = &v.parameters {
+        scan.add_json(p);
+    }
+    if let Some(c) = &r.command {
+        scan.add(c);
+    }
+    if let Some(w) = &v.reason {
+        scan.add(w);
+    }
+    let risky: Vec<&str> = r.risks.iter().map(|x| x.parameter.as_str()).collect();
+    let previous = r.previous.as_ref().map(|pv| Compared {
+        plan_ref: pv.plan_ref.clone(),
+        approved_at: pv.approved_at.clone(),
+        identical: pv.identical,
+        changed: pv
+            .rows
+            .iter()
+            .filter(|x| x.changed)
+            .map(|x| x.name.clone())
+            .collect(),
+        rows: pv
+            .rows
+            .iter()
+            .map(|x| ChangeRow {
+                name: pieces(&x.name),
+                before: pieces(x.before.as_deref().unwrap_or("(absent)")),
+                now: pieces(x.now.as_deref().unwrap_or("(absent)")),
+                changed: x.changed,
+                risky: risky.contains(&x.name.as_str()),
+            })
+            .collect(),
+        command_before: pv
+            .command
+            .as_deref()
+            .filter(|c| Some(*c) != r.command.as_deref())
+            .map(pieces),
+    });
+    let by = v.requested_by.as_ref();
     let page = ReviewPage {
         page: Page::new(Some(&who), "approvals"),
         notice: notice(&q),
@@ -204,6 +358,23 @@ pub async fn review(
         expires_at: v.expires_at,
         decided_at: v.decided_at,
         task_ref: v.task_ref,
+        asked_by: asked_by(by, &r.requester),
+        agent: by.and_then(|b| b.agent.clone()),
+        lease: by.and_then(|b| match (&b.lease_ref, &b.runtime) {
+            (Some(l), Some(rt)) => Some(format!("{l} (runtime {rt})")),
+            (Some(l), None) => Some(l.clone()),
+            _ => None,
+        }),
+        reason: v.reason.as_deref().map(pieces),
+        risks: r.risks.clone(),
+        previous,
+        approvals_required: v.approvals_required,
+        approvals: v.approvals.iter().map(DecisionRow::from).collect(),
+        approver_reasons: v.approvals.iter().any(|a| a.reason.is_some()),
+        denial: v.denial.as_ref().map(DecisionRow::from),
+        hidden: (!scan.is_clean()).then(|| scan.summary()),
+        parameters_shown: parameters.as_deref().map(pieces).unwrap_or_default(),
+        command_shown: r.command.as_deref().map(pieces).unwrap_or_default(),
         requester: r.requester,
         mine: r.requested_by_me,
         command_sha256: v.command_sha256,
@@ -219,10 +390,7 @@ pub async fn review(
                 required: o.required,
             })
             .collect(),
-        parameters: v
-            .parameters
-            .as_ref()
-            .map(|p| serde_json::to_string_pretty(p).unwrap_or_default()),
+        parameters,
         command: r.command,
         may_decide: who.principal.may_approve() && pending,
         csrf: who.csrf.clone(),
@@ -256,7 +424,7 @@ pub async fn decide(
         .broker
         .decide_plan(
             &who.principal,
-            &ctx(),
+            &session_ctx(&who),
             &plan_ref,
             Some(f.decision.as_str()),
             reason,
@@ -265,10 +433,10 @@ pub async fn decide(
     {
         Ok(p) => format!(
             "/console/plans/{plan_ref}?done={}",
-            if p.state == crate::store::plans::PlanState::Approved {
-                "approved"
-            } else {
-                "denied"
+            match p.state {
+                crate::store::plans::PlanState::Approved => "approved",
+                crate::store::plans::PlanState::PendingApproval => "counted",
+                _ => "denied",
             }
         ),
         Err(e) => format!("/console/plans/{plan_ref}?error={}", e.code.as_str()),

@@ -621,7 +621,10 @@ pub async fn add_person(
         &st,
         &who,
         Request::User {
-            op: UserOp::Add { principal, hash },
+            op: UserOp::Add {
+                principal: Box::new(principal),
+                hash,
+            },
         },
     )
     .await

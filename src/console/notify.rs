@@ -97,9 +97,14 @@ pub fn console_base(cfg: &Config, n: &NotifySection, listen: std::net::SocketAdd
 /// under `cube_adapter`. Names and times only.
 pub fn message(n: &PlanNeedsApproval, console_base: &str) -> Value {
     let link = format!("{console_base}/console/plans/{}", n.plan_ref);
+    let risky = if n.risks.is_empty() {
+        String::new()
+    } else {
+        format!(" Risky: {}.", n.risks.join("; "))
+    };
     let text = format!(
-        "A task plan needs approval: template {} (profile {}) for tenant {}, plan {}, expires {}. Review it: {}",
-        n.template, n.profile, n.tenant, n.plan_ref, n.expires_at, link
+        "A task plan needs approval: template {} (profile {}) asked by {} for tenant {}, plan {}, expires {}.{risky} Review it: {}",
+        n.template, n.profile, n.requester, n.tenant, n.plan_ref, n.expires_at, link
     );
     json!({
         "text": text,
@@ -110,6 +115,8 @@ pub fn message(n: &PlanNeedsApproval, console_base: &str) -> Value {
             "template": n.template,
             "profile": n.profile,
             "expires_at": n.expires_at,
+            "requester": n.requester,
+            "risks": n.risks,
             "review_url": link,
         }
     })
@@ -269,6 +276,8 @@ mod tests {
             plan_ref: "plan_0123456789abcdef0123".into(),
             tenant: "acme".into(),
             template: "word-count".into(),
+            requester: "agent-a".into(),
+            risks: vec!["text: mentions production".into()],
             profile: "trusted".into(),
             expires_at: "2030-01-01T00:00:00Z".into(),
         };

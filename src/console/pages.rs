@@ -61,6 +61,22 @@ struct SignInPage {
     sso: Option<String>,
     /// Whether local users may sign in here (`[console] local_users`).
     local: bool,
+    /// Where to go once signed in (a console page: [`safe_next`]).
+    next: String,
+}
+
+/// A page to return to after signing in, if it is one: a console path of
+/// letters, digits, `/`, `_` and `-` (a plan's review from a notification
+/// link), never another site or a path with a query.
+pub(super) fn safe_next(next: &str) -> Option<&str> {
+    let ok = next.starts_with("/console/")
+        && next.len() <= 200
+        && !next.contains("//")
+        && !next.starts_with("/console/sign-")
+        && next
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/_-".contains(&b));
+    ok.then_some(next)
 }
 
 #[derive(Template)]
@@ -165,8 +181,12 @@ pub(super) fn lifetimes(st: &ConsoleState) -> Lifetimes {
     }
 }
 
-fn to_sign_in(clear: bool) -> Response {
-    let mut r = Redirect::to("/console/sign-in").into_response();
+fn to_sign_in(clear: bool, next: Option<&str>) -> Response {
+    let to = match next.and_then(safe_next) {
+        Some(n) => format!("/console/sign-in?next={n}"),
+        None => "/console/sign-in".into(),
+    };
+    let mut r = Redirect::to(&to).into_response();
     if clear && let Ok(v) = HeaderValue::from_str(&session::clear_cookie(session::COOKIE)) {
         r.headers_mut().insert(header::SET_COOKIE, v);
     }
@@ -178,6 +198,16 @@ fn to_sign_in(clear: bool) -> Response {
 pub(super) async fn signed_in(
     st: &ConsoleState,
     headers: &HeaderMap,
+) -> Result<SignedIn, Response> {
+    signed_in_returning(st, headers, None).await
+}
+
+/// [`signed_in`], and someone signed out is sent back to `next` once they
+/// have signed in (a page a link leads to: a plan's review).
+pub(super) async fn signed_in_returning(
+    st: &ConsoleState,
+    headers: &HeaderMap,
+    next: Option<&str>,
 ) -> Result<SignedIn, Response> {
     let store = st.broker.journal().store();
     let now = st.broker.clock().unix();
@@ -191,6 +221,7 @@ pub(super) async fn signed_in(
         )),
         Err(NoSession::SignIn) => Err(to_sign_in(
             session::cookie(headers, session::COOKIE).is_some(),
+            next,
         )),
         Err(NoSession::Store(e)) => {
             tracing::error!(error = %e, "console session lookup failed");
@@ -309,6 +340,17 @@ pub(super) fn sign_in_page(
     name: &str,
     message: Option<&str>,
 ) -> Response {
+    sign_in_page_to(st, status, name, message, "")
+}
+
+/// The sign-in form, returning to `next` once signed in.
+fn sign_in_page_to(
+    st: &ConsoleState,
+    status: StatusCode,
+    name: &str,
+    message: Option<&str>,
+    next: &str,
+) -> Response {
     let token = session::new_token();
     let mut r = html(
         status,
@@ -319,6 +361,7 @@ pub(super) fn sign_in_page(
             message: message.map(str::to_string),
             sso: st.oidc.as_ref().map(|o| o.label().to_string()),
             local: st.broker.config().console.local_users,
+            next: safe_next(next).unwrap_or_default().to_string(),
         },
     );
     if let Ok(v) = HeaderValue::from_str(&session::set_cookie(
@@ -331,8 +374,17 @@ pub(super) fn sign_in_page(
     r
 }
 
-pub async fn sign_in_form(State(st): State<ConsoleState>) -> Response {
-    sign_in_page(&st, StatusCode::OK, "", None)
+#[derive(Deserialize)]
+pub struct SignInQuery {
+    #[serde(default)]
+    next: String,
+}
+
+pub async fn sign_in_form(
+    State(st): State<ConsoleState>,
+    axum::extract::Query(q): axum::extract::Query<SignInQuery>,
+) -> Response {
+    sign_in_page_to(&st, StatusCode::OK, "", None, &q.next)
 }
 
 #[derive(Deserialize)]
@@ -343,6 +395,8 @@ pub struct SignInForm {
     name: String,
     #[serde(default)]
     password: String,
+    #[serde(default)]
+    next: String,
 }
 
 /// Record a sign-in attempt (never the password; the name as a digest).
@@ -415,11 +469,12 @@ pub async fn sign_in(
         Ok(p) => p,
         Err(AuthError::Throttled(secs)) => {
             refused(&st, source, &f.name, "sign_in_throttled").await;
-            let mut r = sign_in_page(
+            let mut r = sign_in_page_to(
                 &st,
                 StatusCode::TOO_MANY_REQUESTS,
                 &f.name,
                 Some("Too many attempts. Wait a little, then try again."),
+                &f.next,
             );
             if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
                 r.headers_mut().insert(header::RETRY_AFTER, v);
@@ -429,11 +484,12 @@ pub async fn sign_in(
         // (A password check never yields an OIDC refusal.)
         Err(AuthError::Unauthorized | AuthError::InvalidToken(_)) => {
             refused(&st, source, &f.name, "unauthorized").await;
-            return sign_in_page(
+            return sign_in_page_to(
                 &st,
                 StatusCode::UNAUTHORIZED,
                 &f.name,
                 Some("Wrong user name or password."),
+                &f.next,
             );
         }
         Err(AuthError::Unavailable) => return unavailable(),
@@ -445,11 +501,12 @@ pub async fn sign_in(
         Ok(Some(u)) if u.disabled_at.is_none() => u,
         Ok(_) => {
             refused(&st, source, &f.name, "unauthorized").await;
-            return sign_in_page(
+            return sign_in_page_to(
                 &st,
                 StatusCode::UNAUTHORIZED,
                 &f.name,
                 Some("Wrong user name or password."),
+                &f.next,
             );
         }
         Err(e) => {
@@ -482,7 +539,7 @@ pub async fn sign_in(
         let _ = session::end(&store, key).await;
         return unavailable();
     }
-    let mut r = Redirect::to("/console").into_response();
+    let mut r = Redirect::to(safe_next(&f.next).unwrap_or("/console")).into_response();
     let life = lifetimes(&st);
     for c in [
         session::set_cookie(session::COOKIE, &id, life.absolute),
@@ -525,7 +582,7 @@ pub async fn sign_out(
     if let Err(e) = j.record(ev).await {
         tracing::warn!(error = %e, "a console sign-out was not audited");
     }
-    to_sign_in(true)
+    to_sign_in(true, None)
 }
 
 /// The message a page shows after an action (from its [`Outcome`] query).
@@ -612,6 +669,16 @@ pub fn span(secs: i64) -> String {
 pub(super) fn ctx() -> crate::broker::Ctx {
     crate::broker::Ctx {
         request_id: crate::ids::random_hex(8),
+        ..Default::default()
+    }
+}
+
+/// A request context for a broker call a signed-in person makes: it
+/// names the console session (recorded as runtime `console`).
+pub(super) fn session_ctx(who: &SignedIn) -> crate::broker::Ctx {
+    crate::broker::Ctx {
+        console_session: Some(who.key.clone()),
+        ..ctx()
     }
 }
 

@@ -160,6 +160,8 @@ pub async fn current(
             end(store, key).await.map_err(NoSession::Store)?;
             return Err(NoSession::SignIn);
         };
+        let mut p = p;
+        p.label = Some(s.user.clone());
         let signed = SignedIn {
             name: s.user.clone(),
             principal: p,
@@ -183,9 +185,11 @@ pub async fn current(
         return Err(NoSession::SignIn);
     };
     touch(store, &key, &s, now).await?;
+    let mut principal = user.principal;
+    principal.label = Some(user.name.clone());
     Ok(SignedIn {
         name: user.name,
-        principal: user.principal,
+        principal,
         csrf: csrf_of(id),
         key,
     })

@@ -118,6 +118,9 @@ impl McpServer {
                 let mut b = axum::http::Request::builder()
                     .method(req.method)
                     .uri(&req.path);
+                if let Some(a) = agent_of(ctx) {
+                    b = b.header(crate::api::tasks::AGENT_HEADER, a);
+                }
                 if let Some(a) = auth {
                     b = b.header(axum::http::header::AUTHORIZATION, a);
                 }
@@ -148,6 +151,9 @@ impl McpServer {
                 };
                 if let Some(t) = token {
                     b = b.bearer_auth(t.expose());
+                }
+                if let Some(a) = agent_of(ctx) {
+                    b = b.header(crate::api::tasks::AGENT_HEADER, a);
                 }
                 if let Some(v) = &req.body {
                     b = b.json(v);
@@ -328,6 +334,13 @@ fn tool_error(code: &str, message: &str) -> CallToolResult {
     let mut r = CallToolResult::structured_error(json!({"code": code, "message": message}));
     r.content = vec![ContentBlock::text(format!("{code}: {message}"))];
     r
+}
+
+/// The MCP host as its client info names it (`name version (MCP)`),
+/// printable ASCII, for the plans it asks for; none before it said.
+fn agent_of(ctx: &RequestContext<RoleServer>) -> Option<String> {
+    let ci = &ctx.peer.peer_info()?.client_info;
+    crate::broker::Ctx::agent_from(&format!("{} {} (MCP)", ci.name, ci.version))
 }
 
 impl ServerHandler for McpServer {

@@ -340,6 +340,8 @@ pub fn schema(name: &str) -> Value {
             json!({
                 "template": {"type": "string", "pattern": "^[a-z][a-z0-9-]{0,62}$", "description": "A name from cube_task_templates."},
                 "parameters": {"type": "object", "description": "Values for the template's parameters, matching its schema."},
+                "reason": {"type": "string", "maxLength": 1024, "description": "Why the task is needed, in plain words: the person approving reads it first. Some templates require it."},
+                "lease_ref": {"type": "string", "pattern": "^lease_[a-f0-9]{20}$", "description": "The lease you are working in, if any: shown to the approver."},
                 "request_id": request_id,
             }),
             &["template", "parameters"],

@@ -42,6 +42,59 @@ impl std::fmt::Display for PlanState {
     }
 }
 
+/// Who asked for a plan, readable by people (issue #36): the identity's
+/// subject, the credential's label, and what the agent said of itself.
+/// Never a secret; the identity digest (`Plan::requester`) stays the key.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Requester {
+    pub subject: String,
+    /// The OIDC issuer that vouched for the subject.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issuer: Option<String>,
+    /// The token's description (or `token <id>`), a user's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// The lease the agent was working in, when it named one, and that
+    /// lease's runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ref: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<String>,
+    /// What the client said it is: the MCP host's client info, or the
+    /// HTTP client's `User-Agent` (printable ASCII, at most 128 bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<String>,
+}
+
+/// One person's decision on a plan (issue #36): who, when, why, and
+/// through what.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Decision {
+    /// The decider's identity digest.
+    pub identity: String,
+    /// Digest of the decider's subject alone: one person in two tenants
+    /// counts once.
+    pub subject_digest: String,
+    pub subject: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    pub tenant: String,
+    pub at: String,
+    /// The decider's words, as they gave them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// `console` or `api`.
+    pub via: String,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
 /// A plan as stored.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Plan {
@@ -87,6 +140,21 @@ pub struct Plan {
     pub denial_reason_sha256: Option<String>,
     #[serde(default)]
     pub task_ref: Option<String>,
+    /// Who asked, readable (absent in plans made before issue #36).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_by: Option<Requester>,
+    /// Why the agent asked, in its own words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Approvals from distinct people the plan needs.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub approvals_required: u32,
+    /// The approvals given so far, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approvals: Vec<Decision>,
+    /// The denial that ended it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denial: Option<Decision>,
 }
 
 pub fn get(txn: &impl ReadOps, plan_ref: &str) -> Result<Option<Plan>, StoreError> {

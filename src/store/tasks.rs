@@ -81,6 +81,9 @@ pub struct Task {
     pub approver: Option<String>,
     #[serde(default)]
     pub approved_at: Option<String>,
+    /// Every approval the plan had (issue #36): the receipt names them all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approvals: Vec<crate::store::plans::Decision>,
     pub template: String,
     pub template_digest: String,
     pub profile: String,

@@ -55,6 +55,7 @@ async fn old_token_records_keep_working_and_are_rekeyed() {
         id: "0123456789ab".into(),
         hash: phc.clone(),
         principal: Principal {
+            label: None,
             tenant: "acme".into(),
             subject: "old-agent".into(),
             roles: vec![Role::Agent],

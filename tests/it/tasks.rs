@@ -1709,3 +1709,302 @@ async fn users_approve_with_a_password() {
     assert_eq!(code(&r.json().await.unwrap()), "sign_in_throttled");
     s.stop().await;
 }
+
+/// Approvals people can trust (issue #36), on `/v1`: a plan names who asked
+/// (subject, the token's label, the lease and runtime it works in, what
+/// the client said it is) and why; a template may require a reason and
+/// two approvals from distinct people; the requester never counts, nobody
+/// counts twice, and the receipt names every approver with their words.
+/// Bidirectional controls in parameters are refused by default; a
+/// template may take printable ASCII only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_reasons_and_who_asked() {
+    let s = Server::start_with(|c| {
+        configure(c);
+        let deploy: TaskTemplate = serde_json::from_value(json!({
+            "description": "Deploy a ref.",
+            "profile": "trusted",
+            "approvals_required": 2,
+            "reason_required": true,
+            "parameters": {"type": "object", "additionalProperties": false,
+                "required": ["ref", "replicas"],
+                "properties": {"ref": {"type": "string", "maxLength": 64},
+                               "replicas": {"type": "integer", "minimum": 1, "maximum": 50}}},
+            "command": {"argv": ["/bin/sh", "-c", "echo deploy \"$1\" x \"$2\"", "deploy", "${ref}", "${replicas}"]},
+        }))
+        .unwrap();
+        let mut strict = deploy.clone();
+        strict.parameters_ascii_only = true;
+        strict.approvals_required = 1;
+        strict.reason_required = false;
+        c.tasks.insert("deploy".into(), deploy);
+        c.tasks.insert("deploy-ascii".into(), strict);
+        c.validate().unwrap();
+    })
+    .await;
+    let alice = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "alice",
+        "--description",
+        "release bot on build-7",
+        "--role",
+        "agent",
+        "--role",
+        "approver",
+        "--action",
+        "task:*",
+        "--action",
+        "lease:*",
+    ]);
+    let approver = |who: &str| {
+        s.token(&[
+            "--tenant",
+            "acme",
+            "--subject",
+            who,
+            "--role",
+            "approver",
+            "--action",
+            "task:approve",
+            "--action",
+            "task:status",
+        ])
+    };
+    let (bob, carol) = (approver("bob"), approver("carol"));
+
+    // The contract says what a plan needs.
+    let (_, v) = s.get(&alice, "/v1/task-templates").await;
+    let deploy = v["task_templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "deploy")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (&deploy["approvals_required"], &deploy["reason_required"]),
+        (&json!(2), &json!(true))
+    );
+
+    let params = json!({"ref": "main", "replicas": 30});
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy", "parameters": params}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::BAD_REQUEST, "reason_required"));
+    // A reason is bounded, and kept as written (the console shows what it
+    // hides escaped).
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy", "parameters": params, "reason": "x".repeat(1025)}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::PAYLOAD_TOO_LARGE, "value_too_large"),
+        "{v}"
+    );
+
+    // Who asked: the lease it works in and what the client said it is.
+    let (st, lease) = s
+        .post(
+            &alice,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "quorum", "profile": "trusted"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{lease}");
+    let lr = lease["lease_ref"].as_str().unwrap();
+    let r = s
+        .http
+        .post(format!("{}/v1/tasks/plan", s.url))
+        .bearer_auth(&alice)
+        .header("x-cube-agent", "hermes-agent 0.19.0 (MCP)")
+        .json(
+            &json!({"template": "deploy", "parameters": params, "lease_ref": lr,
+                      "reason": "Roll out the fix for ticket 4711.\nRollback: redeploy v1.2."}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let plan: Value = r.json().await.unwrap();
+    assert_eq!(
+        plan["requested_by"],
+        json!({"subject": "alice", "label": "release bot on build-7", "lease_ref": lr,
+               "runtime": "mcp", "agent": "hermes-agent 0.19.0 (MCP)"})
+    );
+    assert_eq!(
+        plan["reason"],
+        "Roll out the fix for ticket 4711.\nRollback: redeploy v1.2."
+    );
+    assert_eq!(
+        (&plan["approvals_required"], &plan["approvals"]),
+        (&json!(2), &json!([]))
+    );
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let approve = |token: String, reason: &'static str| {
+        let s = &s;
+        async move {
+            s.post(
+                &token,
+                &format!("/v1/task-plans/{pr}/approve"),
+                json!({"decision": "approve", "reason": reason}),
+            )
+            .await
+        }
+    };
+
+    // The requester never counts; one approval leaves it pending; the
+    // same person does not count twice.
+    let (st, v) = approve(alice.clone(), "mine").await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "self_approval_denied")
+    );
+    let (st, v) = approve(bob.clone(), "diff looks right").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "pending_approval", "{v}");
+    assert_eq!(v["approvals"][0]["subject"], "bob");
+    assert_eq!(v["approvals"][0]["reason"], "diff looks right");
+    assert_eq!(v["approvals"][0]["via"], "api");
+    let (st, v) = approve(bob.clone(), "again").await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "already_approved"),
+        "{v}"
+    );
+    let (st, v) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (StatusCode::CONFLICT, "plan_not_approved"));
+    let (st, v) = approve(carol.clone(), "on call agrees").await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "approved");
+    let subjects: Vec<&str> = v["approvals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["subject"].as_str().unwrap())
+        .collect();
+    assert_eq!(subjects, ["bob", "carol"]);
+
+    // The review shows the same to an approver; the receipt names both.
+    let (st, v) = s.get(&carol, &format!("/v1/task-plans/{pr}")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["reason"], plan["reason"]);
+    assert_eq!(v["requested_by"]["label"], "release bot on build-7");
+    let (st, task) = s
+        .post(&alice, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{task}");
+    let tr = task["task_ref"].as_str().unwrap();
+    wait_ended(&s, &alice, tr).await;
+    let (st, v) = s
+        .post(&alice, &format!("/v1/tasks/{tr}/result"), json!({}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let approvers = v["receipt"]["payload"]["approvers"].as_array().unwrap();
+    let named: Vec<(&str, &str)> = approvers
+        .iter()
+        .map(|a| {
+            (
+                a["subject"].as_str().unwrap(),
+                a["reason"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        named,
+        [("bob", "diff looks right"), ("carol", "on call agrees")]
+    );
+
+    // A denial ends a plan with its reason, kept as written.
+    let (_, p2) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy", "parameters": params, "reason": "again"}),
+        )
+        .await;
+    let p2 = p2["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &carol,
+            &format!("/v1/task-plans/{p2}/approve"),
+            json!({"decision": "deny", "reason": "not during the freeze"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        (&v["state"], &v["denial"]["subject"], &v["denial"]["reason"]),
+        (
+            &json!("denied"),
+            &json!("carol"),
+            &json!("not during the freeze")
+        )
+    );
+
+    // Nothing hidden: a right-to-left override is refused by default (the
+    // message names the parameter and the character, never the value); a
+    // zero-width space is taken (and shown escaped to approvers); an
+    // ASCII-only template refuses a Cyrillic homoglyph.
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy", "reason": "r",
+                   "parameters": {"ref": "release-\u{202E}txt.exe", "replicas": 1}}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_parameters")
+    );
+    let m = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(m.contains("parameters.ref") && m.contains("U+202E"), "{v}");
+    assert!(!m.contains("txt.exe"), "{v}");
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy", "reason": "r",
+                   "parameters": {"ref": "ma\u{200B}in", "replicas": 1}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let (st, v) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy-ascii", "parameters": {"ref": "m\u{0430}in", "replicas": 1}}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_parameters")
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("U+0430"),
+        "{v}"
+    );
+    let (st, _) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy-ascii", "parameters": {"ref": "main", "replicas": 1}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED);
+    s.stop().await;
+}

@@ -36,8 +36,9 @@ use crate::config::tasks::{Expose, OutputFormat, canonical};
 use crate::store;
 use crate::store::jobs::JobState;
 mod plan;
-pub use plan::{ConsoleReview, PendingPlan};
+pub use plan::{ConsoleReview, DiffRow, PendingPlan, PlanWhy, PreviousPlan};
 mod listing;
+pub mod reveal;
 pub use listing::{
     ConsoleTask, HeadCheck, LIST_DEFAULT, LIST_MAX, ReceiptCheck, TaskFilter, TaskPage, TaskRow,
 };
@@ -161,6 +162,7 @@ impl Broker {
         let mut p = match base {
             Some(b) => b.for_task(task_ref),
             None => Principal {
+                label: None,
                 tenant: tenant.to_string(),
                 subject: format!("trusted-task:{task_ref}"),
                 roles: vec![],

@@ -18,6 +18,12 @@ pub struct PendingPlan {
     pub created_at: String,
     pub expires_at: String,
     pub expires_unix: i64,
+    /// Who asked, readable (absent for plans made before it was kept).
+    pub requested_by: Option<crate::store::plans::Requester>,
+    /// Why the agent asked.
+    pub reason: Option<String>,
+    pub approvals: usize,
+    pub approvals_required: u32,
 }
 
 /// A plan's review for the console.
@@ -33,6 +39,61 @@ pub struct ConsoleReview {
     /// The command exactly as it will run, to those who see the
     /// parameters (absent if it no longer matches `command_sha256`).
     pub command: Option<String>,
+    /// The template's risk rules the parameters match (to those who see
+    /// the parameters).
+    pub risks: Vec<crate::config::tasks::Risk>,
+    /// The last plan of the same template and tenant that people approved,
+    /// compared with this one (to those who see the parameters).
+    pub previous: Option<PreviousPlan>,
+}
+
+/// The last approved plan of the same template and tenant, and how this
+/// one differs from it (issue #36, "what changed").
+#[derive(Debug, Clone)]
+pub struct PreviousPlan {
+    pub plan_ref: String,
+    pub approved_at: String,
+    /// The same parameters exactly (the same `parameters_sha256`).
+    pub identical: bool,
+    /// Every top-level parameter of either, by name.
+    pub rows: Vec<DiffRow>,
+    /// Its command, when it was made under the same template.
+    pub command: Option<String>,
+}
+
+/// One parameter, before (the approved plan) and now (compact JSON;
+/// `None`: absent).
+#[derive(Debug, Clone)]
+pub struct DiffRow {
+    pub name: String,
+    pub before: Option<String>,
+    pub now: Option<String>,
+    pub changed: bool,
+}
+
+impl PreviousPlan {
+    fn compare(before: &Value, now: &Value) -> Vec<DiffRow> {
+        let empty = serde_json::Map::new();
+        let (b, n) = (
+            before.as_object().unwrap_or(&empty),
+            now.as_object().unwrap_or(&empty),
+        );
+        let mut names: Vec<&String> = b.keys().chain(n.keys()).collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|k| {
+                let (x, y) = (b.get(k), n.get(k));
+                DiffRow {
+                    name: k.clone(),
+                    before: x.map(Value::to_string),
+                    now: y.map(Value::to_string),
+                    changed: x != y,
+                }
+            })
+            .collect()
+    }
 }
 
 impl Broker {
@@ -65,6 +126,7 @@ impl Broker {
         ctx: &Ctx,
         template: &str,
         parameters: Option<&Value>,
+        why: PlanWhy<'_>,
     ) -> Result<dto::PlanAnswer> {
         let mut ev = self.task_event(p, "task_plan", ctx);
         self.authorize(p, "task:plan", &ev).await?;
@@ -159,6 +221,32 @@ impl Broker {
                 )
                 .await);
         }
+        // Nothing hidden: what the approver reads is what runs.
+        if let Some(m) = hidden_fault(t, parameters) {
+            return Err(self
+                .reject(ev, Error::new(Code::InvalidParameters, m))
+                .await);
+        }
+        let reason = match words(why.reason, "reason") {
+            Ok(r) => r,
+            Err(e) => return Err(self.reject(ev, e).await),
+        };
+        if t.reason_required && reason.is_none() {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ReasonRequired,
+                        format!("task template {template} requires a reason: say why the task is needed (reason, at most {MAX_REASON} bytes)"),
+                    ),
+                )
+                .await);
+        }
+        // The lease the agent works in, if it names one: its own, usable.
+        let lease = match why.lease_ref {
+            Some(r) => Some(self.owned_lease(p, r, &ev).await?),
+            None => None,
+        };
         let command = match t.render(parameters) {
             Ok(c) => c,
             Err(m) => {
@@ -237,6 +325,18 @@ impl Broker {
             decided_at: None,
             denial_reason_sha256: None,
             task_ref: None,
+            requested_by: Some(crate::store::plans::Requester {
+                subject: p.subject.clone(),
+                issuer: p.issuer.clone(),
+                label: p.label.clone(),
+                lease_ref: lease.as_ref().map(|l| l.lease_ref.clone()),
+                runtime: lease.as_ref().map(|l| l.runtime.clone()),
+                agent: ctx.agent.clone(),
+            }),
+            reason,
+            approvals_required: t.approvals_required,
+            approvals: vec![],
+            denial: None,
         };
         let j = &self.inner.journal;
         ev.outcome = "ok".into();
@@ -261,6 +361,12 @@ impl Broker {
                 template: plan.template.clone(),
                 profile: plan.profile.clone(),
                 expires_at: plan.expires_at.clone(),
+                requester: p.subject.clone(),
+                risks: t
+                    .risks(parameters)
+                    .into_iter()
+                    .map(|r| format!("{}: {}", r.parameter, r.note))
+                    .collect(),
             });
         }
         Ok(self.plan_answer(&plan, ctx))
@@ -342,6 +448,10 @@ impl Broker {
                         created_at: pl.created_at,
                         expires_at: pl.expires_at,
                         expires_unix: pl.expires_unix,
+                        requested_by: pl.requested_by,
+                        reason: pl.reason,
+                        approvals: pl.approvals.len(),
+                        approvals_required: pl.approvals_required,
                     })
                     .collect())
             })
@@ -396,15 +506,71 @@ impl Broker {
                 .filter(|c| sha256_hex(c.as_bytes()) == plan.command_sha256),
             _ => None,
         };
+        let (risks, previous) = match (&parameters, with_command) {
+            (Some(v), true) => (t.risks(v), self.previous_plan(&plan, &t, v).await?),
+            _ => (vec![], None),
+        };
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
         Ok(ConsoleReview {
+            risks,
+            previous,
             requested_by_me: self.identity(p) == plan.requester,
             requester: plan.requester.clone(),
             tenant: plan.tenant.clone(),
             review: dto::PlanReview::new(self.plan_answer(&plan, ctx), contract, parameters),
             command,
         })
+    }
+
+    /// The last plan people approved of `plan`'s template and tenant
+    /// (other than `plan`), compared with `plan`'s parameters.
+    async fn previous_plan(
+        &self,
+        plan: &Plan,
+        t: &TaskTemplate,
+        now: &Value,
+    ) -> Result<Option<PreviousPlan>> {
+        let (tenant, template, me) = (
+            plan.tenant.clone(),
+            plan.template.clone(),
+            plan.plan_ref.clone(),
+        );
+        let last = self
+            .inner
+            .store
+            .read(move |txn| {
+                Ok(store::plans::all(txn)?
+                    .into_iter()
+                    .filter(|pl| {
+                        pl.tenant == tenant
+                            && pl.template == template
+                            && pl.plan_ref != me
+                            && pl.approval_required
+                            && pl.approved_at.is_some()
+                    })
+                    .max_by(|a, b| {
+                        (&a.approved_at, &a.plan_ref).cmp(&(&b.approved_at, &b.plan_ref))
+                    }))
+            })
+            .await?;
+        let Some(last) = last else {
+            return Ok(None);
+        };
+        let raw = self.inner.store.sealer.open(&last.parameters_sealed)?;
+        let before: Value = serde_json::from_slice(&raw)
+            .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
+        let command = (last.template_digest == plan.template_digest)
+            .then(|| t.render(&before).ok())
+            .flatten()
+            .filter(|c| sha256_hex(c.as_bytes()) == last.command_sha256);
+        Ok(Some(PreviousPlan {
+            identical: last.parameters_sha256 == plan.parameters_sha256,
+            rows: PreviousPlan::compare(&before, now),
+            approved_at: last.approved_at.clone().unwrap_or_default(),
+            plan_ref: last.plan_ref,
+            command,
+        }))
     }
 
     /// `POST /v1/task-plans/{ref}/approve`: an independent approver's
@@ -427,13 +593,13 @@ impl Broker {
                 ));
             }
         };
-        if reason.is_some_and(|r| r.len() > MAX_REASON) {
-            return Err(Error::new(
-                Code::ValueTooLarge,
-                format!("reason is longer than {MAX_REASON} bytes"),
-            ));
-        }
+        let reason = words(reason, "reason")?;
         let mut ev = self.task_event(p, if approve { "task_approve" } else { "task_deny" }, ctx);
+        if let Some(s) = &ctx.console_session {
+            // A person in the console, recorded as such.
+            ev.runtime = Some("console".into());
+            ev.session_digest = Some(self.inner.journal.digest("session", s.as_bytes()));
+        }
         ev.plan_ref = shaped(plan_ref, "plan");
         ev.decision = Some(if approve { "approve" } else { "deny" }.into());
         self.authorize(p, "task:approve", &ev).await?;
@@ -505,20 +671,66 @@ impl Broker {
                 )
                 .await);
         }
+        // A quorum counts people: one person (by subject, in any tenant)
+        // approves once.
+        let my_subject = self.subject_digest(p);
+        if approve
+            && plan
+                .approvals
+                .iter()
+                .any(|a| a.identity == me || a.subject_digest == my_subject)
+        {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::AlreadyApproved,
+                        format!(
+                            "you approved this plan already; it needs {} approvals from distinct people ({} so far)",
+                            plan.approvals_required,
+                            plan.approvals.len()
+                        ),
+                    ),
+                )
+                .await);
+        }
         self.inner.journal.check()?;
         let (ts, _) = self.now();
-        plan.approver = Some(me.clone());
-        plan.decided_at = Some(ts.clone());
+        let decision = crate::store::plans::Decision {
+            identity: me.clone(),
+            subject_digest: my_subject,
+            subject: p.subject.clone(),
+            label: p.label.clone(),
+            tenant: p.tenant.clone(),
+            at: ts.clone(),
+            reason: reason.clone(),
+            via: if ctx.console_session.is_some() {
+                "console"
+            } else {
+                "api"
+            }
+            .into(),
+        };
         if approve {
-            plan.state = PlanState::Approved;
-            plan.approved_at = Some(ts);
+            plan.approvals.push(decision);
+            if plan.approvals.len() >= plan.approvals_required.max(1) as usize {
+                plan.state = PlanState::Approved;
+                plan.approved_at = Some(ts.clone());
+                plan.approver = Some(me.clone());
+                plan.decided_at = Some(ts);
+            }
         } else {
             plan.state = PlanState::Denied;
-            plan.denial_reason_sha256 = reason.map(|r| sha256_hex(r.as_bytes()));
+            plan.approver = Some(me.clone());
+            plan.decided_at = Some(ts);
+            plan.denial_reason_sha256 = reason.as_ref().map(|r| sha256_hex(r.as_bytes()));
+            plan.denial = Some(decision);
         }
         ev.outcome = "ok".into();
         ev.approver_digest = Some(me);
-        ev.reason_digest = reason.map(|r| self.inner.journal.digest("reason", r.as_bytes()));
+        ev.reason_digest = reason
+            .as_ref()
+            .map(|r| self.inner.journal.digest("reason", r.as_bytes()));
         self.save_plan(&plan, PlanState::PendingApproval, ev)
             .await?;
         Ok(self.plan_answer(&plan, ctx))
@@ -577,4 +789,54 @@ impl Broker {
         }
         Ok(n)
     }
+}
+
+/// What an agent says of a plan besides its parameters: why it asks, and
+/// the lease it works in.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlanWhy<'a> {
+    pub reason: Option<&'a str>,
+    pub lease_ref: Option<&'a str>,
+}
+
+/// A person's (or an agent's) words as they may be kept: trimmed, at most
+/// `MAX_REASON` bytes; blank is none. Whatever they hold is kept: the
+/// console shows hidden characters in them escaped, as in parameters.
+fn words(r: Option<&str>, what: &str) -> Result<Option<String>> {
+    let Some(r) = r.map(str::trim).filter(|r| !r.is_empty()) else {
+        return Ok(None);
+    };
+    if r.len() > MAX_REASON {
+        return Err(Error::new(
+            Code::ValueTooLarge,
+            format!("{what} is longer than {MAX_REASON} bytes"),
+        ));
+    }
+    Ok(Some(r.to_string()))
+}
+
+/// Why a template refuses these parameters' characters, if it does:
+/// bidirectional controls unless it allows them, anything but printable
+/// ASCII where it asks for that.
+fn hidden_fault(t: &crate::config::TaskTemplate, parameters: &Value) -> Option<String> {
+    if t.parameters_ascii_only
+        && let Some((at, c)) =
+            reveal::first_fault(parameters, &|c| !(c == ' ' || c.is_ascii_graphic()))
+    {
+        return Some(format!(
+            "parameters.{at} contains {}: this task template accepts printable ASCII only",
+            reveal::describe(c)
+        ));
+    }
+    if !t.allow_bidi_controls
+        && let Some((at, c)) = reveal::first_fault(parameters, &|c| {
+            reveal::hidden(c) == Some(reveal::Hidden::Bidi)
+        })
+    {
+        return Some(format!(
+            "parameters.{at} contains a bidirectional control character ({}), which makes text read other than it runs: refused (a template may accept them with allow_bidi_controls)",
+            reveal::describe(c)
+        ));
+    }
+    None
 }

@@ -239,6 +239,14 @@ impl Broker {
             "requester_hash": task.requester,
             "approver_hash": task.approver,
             "approved_at": task.approved_at,
+            // Every person who approved it (a quorum names them all).
+            "approvers": task.approvals.iter().map(|a| json!({
+                "identity_hash": a.identity,
+                "subject": a.subject,
+                "tenant_hash": &sha256_hex(a.tenant.as_bytes())[..32],
+                "approved_at": a.at,
+                "reason": a.reason,
+            })).collect::<Vec<_>>(),
             "task_template": task.template,
             "template_sha256": task.template_digest,
             "profile": task.profile,

@@ -90,6 +90,7 @@ impl Broker {
             requester: plan.requester.clone(),
             approver: plan.approver.clone().filter(|_| plan.approval_required),
             approved_at: plan.approved_at.clone(),
+            approvals: plan.approvals.clone(),
             template: plan.template.clone(),
             template_digest: plan.template_digest.clone(),
             profile: plan.profile.clone(),

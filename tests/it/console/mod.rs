@@ -626,7 +626,10 @@ async fn approvals_queue_review_and_decisions() {
         &format!("<a href=\"/console/plans/{plan1}\">{plan1}</a>"),
         "word-count",
         "<td>acme</td>",
-        "<td>trusted</td>",
+        "<td>word-count<br><span class=\"hint\">trusted</span></td>",
+        // Who asked, by name; no reason given.
+        "<td>agent-a (token ",
+        "none given",
         "href=\"/console/approvals\" aria-current=\"page\"",
         "Time left",
     ] {
@@ -656,9 +659,17 @@ async fn approvals_queue_review_and_decisions() {
         &format!("action=\"/console/plans/{plan1}/decide\""),
         "value=\"approve\"",
         "value=\"deny\"",
+        "The agent gave no reason.",
+        "Approvals</dt><dd id=\"approvals\">0 of 1</dd>",
     ] {
         assert!(html.contains(want), "the review lacks {want}: {html}");
     }
+    assert!(
+        html.contains("<dd id=\"asked-by\">agent-a (token "),
+        "{html}"
+    );
+    // Nothing is hidden in these parameters: no banner.
+    assert!(!html.contains("hidden-banner"), "{html}");
     assert!(!html.contains("You asked for this plan"), "{html}");
     clean(&html, &alice);
     let csrf = csrf_field(&html);
@@ -682,8 +693,25 @@ async fn approvals_queue_review_and_decisions() {
     assert!(!html.contains("value=\"approve\""), "no form once decided");
     clean(&html, &alice);
     assert_eq!(plan_state(&s, &agent, &plan1).await, "approved");
+    // The approver's words are kept as written, with who and through what.
+    assert!(
+        html.contains("1 of 1: alice (acme, ") && html.contains(", console)"),
+        "{html}"
+    );
+    assert!(
+        html.contains("alice: <span class=\"words\">looked fine</span>"),
+        "{html}"
+    );
     let j = s.journal();
-    assert_eq!(events(&j, "task_approve", "ok").len(), 1, "{j}");
+    let approved = events(&j, "task_approve", "ok");
+    assert_eq!(approved.len(), 1, "{j}");
+    // A person in the console, recorded as such (runtime and session).
+    assert!(
+        approved[0].contains("\"runtime\":\"console\"")
+            && approved[0].contains("\"session_digest\":"),
+        "{}",
+        approved[0]
+    );
     assert!(!j.contains(secret1) && !j.contains("looked fine"));
     // Gone from the queue.
     let (_, html) = b.page("/console/approvals", &alice).await;
