@@ -13,6 +13,9 @@
 //   CUBE_APPROVER, CUBE_SECOND_APPROVER, CUBE_AUDITOR, CUBE_ADMIN  names
 //   CUBE_AGENT_TOKEN    the agent's bearer token (plans are submitted with it)
 //   CUBE_PLAN, CUBE_PLAN2  two plans pending approval (of CUBE_APPROVER's tenant)
+//   CUBE_TRUST_BEFORE   a deploy plan two people approved
+//   CUBE_TRUST_DIFF     the same but one risky value, pending (needs two approvals)
+//   CUBE_TRUST_HIDDEN   a deploy plan with hidden characters and a homoglyph
 //   CUBE_OUT            a directory for the report, downloads and page sources
 //   CUBE_SCREENS        where screenshots go (target/console-screens)
 //   CUBE_DOC_SCREENS    if set, the few commit-ready screenshots are also
@@ -39,6 +42,9 @@ const ADMIN = env('CUBE_ADMIN');
 const AGENT = env('CUBE_AGENT_TOKEN');
 const PLAN = env('CUBE_PLAN');
 const PLAN2 = env('CUBE_PLAN2');
+const TRUST_BEFORE = env('CUBE_TRUST_BEFORE');
+const TRUST_DIFF = env('CUBE_TRUST_DIFF');
+const TRUST_HIDDEN = env('CUBE_TRUST_HIDDEN');
 const OUT = env('CUBE_OUT');
 const SCREENS = env('CUBE_SCREENS');
 const DOC_SCREENS = process.env.CUBE_DOC_SCREENS || '';
@@ -59,6 +65,7 @@ const report = {
   focus: {},
   phone_overflow: [], // pages wider than a phone's screen
   auditor_refused: null, // the code the auditor's forged decision got
+  trust: {}, // issue #36: the notification link's actions, Approve's place
   task_ref: null,
   receipt_file: null,
   csv_file: null,
@@ -79,7 +86,7 @@ const PHONE = { width: 390, height: 844 };
 const FOR_DOCS = new Set([
   'sign-in-desktop', 'overview-desktop', 'approvals-desktop', 'plan-review-desktop',
   'task-desktop', 'receipt-verify-desktop', 'audit-desktop', 'leases-desktop', 'identities-desktop',
-  'approvals-phone', 'plan-review-phone', 'overview-dark',
+  'approvals-phone', 'plan-review-phone', 'overview-dark', 'plan-changed-desktop', 'plan-hidden-desktop',
 ]);
 
 const browser = await chromium.launch({
@@ -298,7 +305,7 @@ try {
     await Promise.all([page.waitForURL(`${BASE}/console/plans/${PLAN}`), link.click()]);
     const command = await page.locator('pre.command').innerText();
     must(command.includes('/bin/sh -c'), `the review shows the command: ${command}`);
-    must((await page.locator('dd.state-name').innerText()) === 'pending_approval', 'pending');
+    must((await page.locator('.state-name').innerText()) === 'pending_approval', 'pending');
     await shots(page, 'plan-review');
     await save(page, 'plan-review');
     // The keyboard reaches the reason and the Approve button.
@@ -312,7 +319,7 @@ try {
       page.getByRole('button', { name: 'Approve' }).click(),
     ]);
     must((await page.getByRole('status').innerText()).includes('Approved.'), 'the review says Approved.');
-    must((await page.locator('dd.state-name').innerText()) === 'approved', 'approved');
+    must((await page.locator('.state-name').innerText()) === 'approved', 'approved');
     must((await page.locator('form[action$="/decide"]').count()) === 0, 'no form once decided');
     await save(page, 'plan-approved');
   });
@@ -346,7 +353,7 @@ try {
     report.auditor_refused = code;
     await open(p, to, 'review');
     must((await p.getByRole('alert').innerText()).includes(`(${code})`), `the review shows ${code}`);
-    must((await p.locator('dd.state-name').innerText()) === 'pending_approval', 'still pending');
+    must((await p.locator('.state-name').innerText()) === 'pending_approval', 'still pending');
   });
 
   // --- JavaScript off: sign in and approve with plain forms ---------------
@@ -361,7 +368,7 @@ try {
       p.waitForURL(`${BASE}/console/plans/${PLAN2}?done=approved`),
       p.getByRole('button', { name: 'Approve' }).click(),
     ]);
-    must((await p.locator('dd.state-name').innerText()) === 'approved', 'approved without JavaScript');
+    must((await p.locator('.state-name').innerText()) === 'approved', 'approved without JavaScript');
     // Sign out, still without JavaScript.
     await Promise.all([p.waitForURL(`${BASE}/console/sign-in`), p.getByRole('button', { name: 'Sign out' }).click()]);
     await ctx.close();
@@ -443,6 +450,79 @@ try {
     const file = join(OUT, 'audit.csv');
     await download.saveAs(file);
     report.csv_file = file;
+  });
+
+  // --- approvals people can trust (issue #36) ---------------------------
+  await stage('trust', async () => {
+    // From a notification's link, signed out: sign in, then Approve — two
+    // actions; Approve within the first 800 px at 1280 px.
+    const ctx = await context('notified');
+    const p = await ctx.newPage();
+    await p.goto(`/console/plans/${TRUST_DIFF}`);
+    must(p.url() === `${BASE}/console/sign-in?next=/console/plans/${TRUST_DIFF}`, `signed out, the link goes to sign-in and back (${p.url()})`);
+    await p.getByLabel('User name').fill(APPROVER);
+    await p.getByLabel('Password').fill(PASSWORD);
+    let actions = 0;
+    await Promise.all([p.waitForURL(`${BASE}/console/plans/${TRUST_DIFF}`), p.getByRole('button', { name: 'Sign in' }).click()]);
+    actions += 1;
+    const approve = p.getByRole('button', { name: 'Approve' });
+    await shots(p, 'plan-changed');
+    await save(p, 'plan-changed');
+    const box = await approve.boundingBox();
+    report.trust.approve_bottom = Math.round(box.y + box.height);
+    must(box.y + box.height <= 800, `Approve within the first 800 px: its bottom is at ${box.y + box.height}`);
+    // What changed, and what is risky.
+    must((await p.locator('#risks').innerText()).includes('replicas'), 'the risky value is named');
+    must((await p.locator('#risks mark.risky').count()) >= 1, 'the risky value is highlighted');
+    const compared = await p.locator('#compared').innerText();
+    must(compared.includes('Changed since') && compared.includes(TRUST_BEFORE) && compared.includes('replicas'), `compared with the approved plan: ${compared}`);
+    const row = p.locator('#diff tr.changed');
+    must((await row.count()) === 1, 'one parameter changed');
+    const cells = await row.locator('td').allInnerTexts();
+    must(cells[0].startsWith('replicas') && cells[1] === '3' && cells[2] === '30', `replicas 3 → 30: ${cells}`);
+    must((await p.locator('#why').innerText()) === 'More capacity for the sale.', 'why, first');
+    must((await p.locator('#asked-by').innerText()).startsWith('agent-a (token '), 'who asked, by name');
+    await p.getByLabel(/^Reason/).fill('sale week, capacity agreed');
+    await Promise.all([p.waitForURL(`${BASE}/console/plans/${TRUST_DIFF}?done=counted`), approve.click()]);
+    actions += 1;
+    report.trust.actions = actions;
+    // Quorum: one approval of two; pending still.
+    must((await p.getByRole('status').innerText()).includes('needs more approvals'), 'counted, not approved');
+    must((await p.locator('.state-name').innerText()) === 'pending_approval', 'still pending');
+    must((await p.locator('#approvals').innerText()).startsWith('1 of 2'), 'one of two');
+    // Approving again: the same person does not count twice.
+    must((await p.getByRole('button', { name: 'Approve' }).count()) === 1, 'the form is still there');
+    await Promise.all([p.waitForURL(`${BASE}/console/plans/${TRUST_DIFF}?error=already_approved`), p.getByRole('button', { name: 'Approve' }).click()]);
+    must((await p.getByRole('alert').innerText()).includes('already_approved'), 'already approved');
+    await ctx.close();
+    // The second, distinct approver makes it runnable.
+    const ctx2 = await context('second-approver');
+    const q = await ctx2.newPage();
+    await signIn(q, SECOND);
+    await open(q, `/console/plans/${TRUST_DIFF}`, 'review');
+    await Promise.all([q.waitForURL(`${BASE}/console/plans/${TRUST_DIFF}?done=approved`), q.getByRole('button', { name: 'Approve' }).click()]);
+    must((await q.locator('.state-name').innerText()) === 'approved', 'approved by two');
+    const two = await q.locator('#approvals').innerText();
+    must(two.startsWith('2 of 2') && two.includes(APPROVER) && two.includes(SECOND), `both named: ${two}`);
+    await save(q, 'plan-quorum');
+
+    // Nothing hidden: the banner, each hidden character as its code, the
+    // homoglyph marked.
+    await open(q, `/console/plans/${TRUST_HIDDEN}`, 'review');
+    const banner = await q.locator('#hidden-banner').innerText();
+    for (const w of ['bidirectional control', 'U+202E', 'invisible character', 'U+200B', 'mixing scripts']) {
+      must(banner.includes(w), `the banner names ${w}: ${banner}`);
+    }
+    const marks = await q.locator('#parameters mark.hidden-char').allInnerTexts();
+    must(marks.includes('U+202E') && marks.includes('U+200B'), `hidden characters escaped: ${marks}`);
+    const cmdMarks = await q.locator('#command mark.hidden-char').allInnerTexts();
+    must(cmdMarks.includes('U+202E'), `escaped in the command too: ${cmdMarks}`);
+    const glyph = q.locator('#parameters mark.confusable');
+    must((await glyph.count()) >= 1 && (await glyph.first().innerText()) === 'm\u0430in', 'the homoglyph is marked');
+    must((await glyph.first().getAttribute('title')).includes('U+0430'), 'its letter is named');
+    await shots(q, 'plan-hidden');
+    await save(q, 'plan-hidden');
+    await ctx2.close();
   });
 
   // --- the other main pages: screenshots ---------------------------------

@@ -60,6 +60,101 @@ fn read(path: &Value) -> String {
     std::fs::read_to_string(path.as_str().unwrap()).unwrap()
 }
 
+/// A template that needs two approvals, takes bidirectional controls (to
+/// show them), and has risk rules (issue #36).
+fn deploy_template() -> cube_adapter::config::TaskTemplate {
+    serde_json::from_value(json!({
+        "description": "Deploy a ref.",
+        "profile": "trusted",
+        "approvals_required": 2,
+        "allow_bidi_controls": true,
+        "parameters": {"type": "object", "additionalProperties": false,
+            "required": ["ref", "replicas", "note"],
+            "properties": {"ref": {"type": "string", "maxLength": 64},
+                           "replicas": {"type": "integer", "minimum": 1, "maximum": 50},
+                           "note": {"type": "string", "maxLength": 200}}},
+        "command": {"argv": ["/bin/sh", "-c", "echo deploy \"$1\" x \"$2\": \"$3\"", "deploy",
+                             "${ref}", "${replicas}", "${note}"]},
+        "risk": [
+            {"parameter": "replicas", "above": 10, "note": "more than 10 replicas"},
+            {"parameter": "note", "pattern": "(?i)rm -rf|drop table", "note": "a destructive command"},
+        ],
+    }))
+    .unwrap()
+}
+
+/// The plans of the approvals-people-can-trust stage (issue #36).
+struct TrustPlans {
+    /// Approved by two people through `/v1`.
+    before: String,
+    /// The same but one value (replicas 3 → 30, risky), pending.
+    diff: String,
+    /// Hidden characters and a homoglyph in its values, pending.
+    hidden: String,
+}
+
+async fn trust_plans(s: &Server, agent: &str) -> TrustPlans {
+    // Refused by default: a bidirectional control in a parameter of a
+    // template that does not allow them.
+    let (st, v) = s
+        .post(
+            agent,
+            "/v1/tasks/plan",
+            json!({"template": "word-count", "parameters": {"text": "a\u{202E}b", "repeat": 1}}),
+        )
+        .await;
+    assert_eq!(
+        (st, crate::kit::code(&v)),
+        (StatusCode::BAD_REQUEST, "invalid_parameters"),
+        "{v}"
+    );
+    let plan = |params: Value, reason: &str| {
+        let body = json!({"template": "deploy", "parameters": params, "reason": reason});
+        async move {
+            let (st, v) = s.post(agent, "/v1/tasks/plan", body).await;
+            assert_eq!(st, StatusCode::CREATED, "{v}");
+            v["plan_ref"].as_str().unwrap().to_string()
+        }
+    };
+    let before = plan(
+        json!({"ref": "main", "replicas": 3, "note": "weekly"}),
+        "The weekly rollout.",
+    )
+    .await;
+    for who in ["alice", "bob"] {
+        let r = s
+            .http
+            .post(format!("{}/v1/task-plans/{before}/approve", s.url))
+            .basic_auth(who, Some(PASSWORD))
+            .json(&json!({"decision": "approve", "reason": "as every week"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::OK,
+            "{who}: {}",
+            r.text().await.unwrap()
+        );
+    }
+    let diff = plan(
+        json!({"ref": "main", "replicas": 30, "note": "weekly"}),
+        "More capacity for the sale.",
+    )
+    .await;
+    let hidden = plan(
+        json!({"ref": "m\u{0430}in", "replicas": 3,
+               "note": "RTL-override: \u{202E}txt.exe and zero\u{200B}width"}),
+        "Looks like the weekly one.",
+    )
+    .await;
+    TrustPlans {
+        before,
+        diff,
+        hidden,
+    }
+}
+
 /// An agent plans two tasks; an approver signs in with the keyboard alone,
 /// finds the first in the queue, reviews the command and approves it; an
 /// auditor sees the second but no form, and a decision forged from the
@@ -71,7 +166,12 @@ fn read(path: &Value) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_in_headless_chromium() {
     let dir = preflight();
-    let s = Server::start_with(crate::tasks::configure).await;
+    let s = Server::start_with(|c| {
+        crate::tasks::configure(c);
+        c.tasks.insert("deploy".into(), deploy_template());
+        c.validate().unwrap();
+    })
+    .await;
     let agent = s.token(&[
         "--tenant",
         "acme",
@@ -98,6 +198,7 @@ async fn console_in_headless_chromium() {
     let plan2 = p2["plan_ref"].as_str().unwrap().to_string();
     // A live lease, for the Leases page.
     let lease = s.acquire(&agent, "browser-test").await;
+    let trust = trust_plans(&s, &agent).await;
 
     let out = manifest().join("target/console-browser");
     let _ = std::fs::remove_dir_all(&out);
@@ -117,6 +218,9 @@ async fn console_in_headless_chromium() {
         .env("CUBE_AGENT_TOKEN", &agent)
         .env("CUBE_PLAN", &plan1)
         .env("CUBE_PLAN2", &plan2)
+        .env("CUBE_TRUST_DIFF", &trust.diff)
+        .env("CUBE_TRUST_HIDDEN", &trust.hidden)
+        .env("CUBE_TRUST_BEFORE", &trust.before)
         .env("CUBE_OUT", &out)
         .env("CUBE_SCREENS", &screens)
         .kill_on_drop(true);
@@ -232,7 +336,38 @@ async fn console_in_headless_chromium() {
     assert_eq!(plan_state(&s, &agent, &plan1).await, "submitted");
     assert_eq!(plan_state(&s, &agent, &plan2).await, "approved");
     let j = s.journal();
-    assert_eq!(events(&j, "task_approve", "ok").len(), 2, "{j}");
+    let approvals = events(&j, "task_approve", "ok");
+    let of = |plan: &str| approvals.iter().filter(|e| e.contains(plan)).count();
+    assert_eq!((of(&plan1), of(&plan2)), (1, 1), "{j}");
+    // Issue #36: the plan that needed two approvals has them, by two
+    // people, the console's recorded as such; the notification link took
+    // two actions, and Approve was within the first 800 px.
+    assert_eq!(of(&trust.diff), 2, "{j}");
+    assert!(
+        approvals
+            .iter()
+            .filter(|e| e.contains(&trust.diff))
+            .all(|e| e.contains("\"runtime\":\"console\"")),
+        "{j}"
+    );
+    let (st, v) = s
+        .get(&agent, &format!("/v1/task-plans/{}", trust.diff))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "approved");
+    let who: Vec<&str> = v["approvals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["subject"].as_str().unwrap())
+        .collect();
+    assert_eq!(who, ["alice", "bob"], "{v}");
+    assert_eq!(v["approvals"][0]["reason"], "sale week, capacity agreed");
+    assert_eq!(report["trust"]["actions"], 2, "{report}");
+    assert!(
+        report["trust"]["approve_bottom"].as_u64().unwrap() <= 800,
+        "{report}"
+    );
     // The auditor's forged decision was refused with the code /v1 gives
     // the auditor for the same decision; both refusals audited.
     let code = report["auditor_refused"]

@@ -660,7 +660,7 @@ async fn approvals_queue_review_and_decisions() {
         "value=\"approve\"",
         "value=\"deny\"",
         "The agent gave no reason.",
-        "Approvals</dt><dd id=\"approvals\">0 of 1</dd>",
+        "approvals <span id=\"approvals\">0 of 1</span>",
     ] {
         assert!(html.contains(want), "the review lacks {want}: {html}");
     }
@@ -689,7 +689,7 @@ async fn approvals_queue_review_and_decisions() {
         .decide_and_follow(&alice, &plan1, &csrf, "approve", "done=approved")
         .await;
     assert!(html.contains("Approved."), "{html}");
-    assert!(html.contains(">approved</dd>"), "{html}");
+    assert!(html.contains(">approved</span>"), "{html}");
     assert!(!html.contains("value=\"approve\""), "no form once decided");
     clean(&html, &alice);
     assert_eq!(plan_state(&s, &agent, &plan1).await, "approved");
