@@ -22,7 +22,9 @@ use super::pages::{
 use crate::broker::Code;
 use crate::broker::tasks::reveal::{Piece, Scan, pieces};
 
-/// How often the queue reloads itself (seconds; a meta refresh).
+/// How often the queue's script asks whether the queue changed
+/// (seconds). The page never reloads itself: focus and a half-read row
+/// stay where they are.
 pub const QUEUE_REFRESH_SECONDS: u32 = 5;
 
 /// One row of the queue.
@@ -117,6 +119,23 @@ struct QueuePage {
     scope: String,
     refresh: u32,
     rows: Vec<QueueRow>,
+    recent: Vec<EndedRow>,
+    /// The pending plans' refs, space-separated: the script compares the
+    /// queue with them.
+    pending: String,
+    js_version: String,
+}
+
+/// A plan decided, run or expired, as the queue lists it below the
+/// pending ones.
+pub struct EndedRow {
+    pub plan_ref: String,
+    pub tenant: String,
+    pub template: String,
+    pub requester: String,
+    pub state: &'static str,
+    pub ended_by: String,
+    pub ended_at: String,
 }
 
 /// One output of the template's contract.
@@ -184,12 +203,24 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
         Ok(s) => s,
         Err(r) => return r,
     };
-    let plans = match st.broker.list_pending_plans(&who.principal, &ctx()).await {
+    let (plans, ended) = match st.broker.list_pending_plans(&who.principal, &ctx()).await {
         Ok(v) => v,
         Err(e) => return refused(&who, &e),
     };
     let now = st.broker.clock().unix();
-    let rows = plans
+    let recent = ended
+        .into_iter()
+        .map(|p| EndedRow {
+            requester: asked_by(p.requested_by.as_ref(), &p.requester),
+            state: p.state.as_str(),
+            ended_by: p.ended_by.unwrap_or_default(),
+            ended_at: p.ended_at,
+            plan_ref: p.plan_ref,
+            tenant: p.tenant,
+            template: p.template,
+        })
+        .collect();
+    let rows: Vec<QueueRow> = plans
         .into_iter()
         .map(|p| QueueRow {
             age: age(&p.created_at, now),
@@ -217,9 +248,33 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
         page: Page::new(Some(&who), "approvals"),
         scope: scope_text(&who.principal),
         refresh: QUEUE_REFRESH_SECONDS,
+        pending: rows
+            .iter()
+            .map(|r: &QueueRow| r.plan_ref.as_str())
+            .collect::<Vec<_>>()
+            .join(" "),
         rows,
+        recent,
+        js_version: super::assets::version("console.js"),
     };
     html(StatusCode::OK, &page)
+}
+
+/// `GET /console/approvals/pending`: the refs of the plans pending
+/// approval, for the queue's script (`{"pending": [...]}`); the same
+/// policy as the queue.
+pub async fn pending(State(st): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let who = match signed_in(&st, &headers).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match st.broker.list_pending_plans(&who.principal, &ctx()).await {
+        Ok((plans, _)) => {
+            let refs: Vec<String> = plans.into_iter().map(|p| p.plan_ref).collect();
+            axum::Json(serde_json::json!({ "pending": refs })).into_response()
+        }
+        Err(e) => refused(&who, &e),
+    }
 }
 
 /// The message for a decision's outcome or the broker's code.

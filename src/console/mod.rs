@@ -65,6 +65,7 @@ pub fn router(st: ConsoleState) -> Router {
         .route("/console/oidc/start", get(oidc::start))
         .route("/console/oidc/callback", get(oidc::callback))
         .route("/console/approvals", get(approvals::queue))
+        .route("/console/approvals/pending", get(approvals::pending))
         .route("/console/plans/{plan_ref}", get(approvals::review))
         .route("/console/plans/{plan_ref}/decide", post(approvals::decide))
         .merge(tasks::routes())

@@ -525,6 +525,23 @@ try {
     await ctx2.close();
   });
 
+  // --- the queue says when it changed, and never moves focus -------------
+  await stage('queue news', async () => {
+    await open(page, '/console/approvals', 'queue');
+    must((await page.locator('meta[http-equiv="refresh"]').count()) === 0, 'the queue does not reload itself');
+    const first = page.locator('table.queue a').first();
+    await first.focus();
+    const before = await focused(page);
+    const [st, v] = await v1('POST', '/v1/tasks/plan', { template: 'word-count', parameters: { text: 'news', repeat: 1 }, reason: 'a new one' });
+    must(st === 201, `a new plan: ${st} ${JSON.stringify(v)}`);
+    const news = page.locator('#queue-news');
+    await news.waitFor({ state: 'visible', timeout: 20000 });
+    const text = await news.innerText();
+    must(text.startsWith('1 new;'), `the notice says so: ${text}`);
+    must((await focused(page)) === before, `focus stays on ${before}`);
+    report.trust.queue_news = text;
+  });
+
   // --- the other main pages: screenshots ---------------------------------
   await stage('leases', async () => {
     await open(page, '/console/leases', 'leases');

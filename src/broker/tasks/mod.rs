@@ -252,8 +252,10 @@ impl Broker {
         }
     }
 
-    /// Mark a plan expired if its time is up (saved with an event).
-    async fn expire(&self, p: &Principal, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
+    /// Mark a plan expired if its time is up (saved with an event). The
+    /// expiry is the appliance's doing, recorded as such, whoever's look
+    /// noticed it.
+    async fn expire(&self, _p: &Principal, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
         if plan.state == PlanState::Expired {
             return Ok(true);
         }
@@ -262,7 +264,14 @@ impl Broker {
         }
         let was = plan.state;
         plan.state = PlanState::Expired;
-        let mut ev = self.task_event(p, "task_plan_expired", ctx);
+        let j = &self.inner.journal;
+        let mut ev = j.event("task_plan_expired");
+        ev.phase = "event".into();
+        ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
+        ev.tenant_digest = Some(j.digest("tenant", plan.tenant.as_bytes()));
+        if !ctx.request_id.is_empty() {
+            ev.request_id = Some(ctx.request_id.clone());
+        }
         ev.outcome = "ok".into();
         ev.plan_ref = Some(plan.plan_ref.clone());
         ev.task_template = Some(plan.template.clone());

@@ -24,6 +24,74 @@ pub struct PendingPlan {
     pub reason: Option<String>,
     pub approvals: usize,
     pub approvals_required: u32,
+    /// Its state as of now (a live plan past its time is `expired`).
+    pub state: PlanState,
+    /// Who or what ended it: the approvers, the denier, the appliance
+    /// (expiry), the task it became.
+    pub ended_by: Option<String>,
+    /// When it was decided or expired (RFC 3339).
+    pub ended_at: String,
+}
+
+/// How many ended plans the console's queue lists under the pending ones.
+pub const RECENT_PLANS: usize = 20;
+
+impl PendingPlan {
+    fn of(pl: Plan, me: &str, now: i64) -> Self {
+        let state = if pl.state.is_live() && pl.expires_unix <= now {
+            PlanState::Expired
+        } else {
+            pl.state
+        };
+        let names = |v: &[crate::store::plans::Decision]| {
+            v.iter()
+                .map(|d| d.subject.clone())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let ended_by = match state {
+            PlanState::Expired => Some("the appliance (its time ran out)".to_string()),
+            PlanState::Denied => Some(match &pl.denial {
+                Some(d) => format!("denied by {}", d.subject),
+                None => "denied".into(),
+            }),
+            PlanState::Approved if !pl.approvals.is_empty() => {
+                Some(format!("approved by {}", names(&pl.approvals)))
+            }
+            PlanState::Submitted => Some(match (&pl.task_ref, pl.approvals.is_empty()) {
+                (Some(t), false) => format!("approved by {}; ran as {t}", names(&pl.approvals)),
+                (Some(t), true) => format!("ran as {t}"),
+                (None, _) => "submitted".into(),
+            }),
+            _ => None,
+        };
+        let ended_at = match state {
+            PlanState::Expired => pl.expires_at.clone(),
+            _ => pl
+                .decided_at
+                .clone()
+                .or_else(|| pl.approved_at.clone())
+                .unwrap_or_else(|| pl.created_at.clone()),
+        };
+        PendingPlan {
+            ended_at,
+            requested_by_me: pl.requester == me,
+            plan_ref: pl.plan_ref,
+            tenant: pl.tenant,
+            template: pl.template,
+            profile: pl.profile,
+            requester: pl.requester,
+            created_at: pl.created_at,
+            expires_at: pl.expires_at,
+            expires_unix: pl.expires_unix,
+            requested_by: pl.requested_by,
+            reason: pl.reason,
+            approvals: pl.approvals.len(),
+            approvals_required: pl.approvals_required,
+            state,
+            ended_by,
+        }
+    }
 }
 
 /// A plan's review for the console.
@@ -404,9 +472,15 @@ impl Broker {
     }
 
     /// The plans waiting for an approver that `p` may look at (its
-    /// tenant's; every tenant's for admins), oldest first. The same
+    /// tenant's; every tenant's for admins), oldest first, and the most
+    /// recently ended ones ([`RECENT_PLANS`], newest first: approved,
+    /// denied, expired or run, with who or what ended them). The same
     /// authorization as `review_plan`; a refusal is audited.
-    pub async fn list_pending_plans(&self, p: &Principal, ctx: &Ctx) -> Result<Vec<PendingPlan>> {
+    pub async fn list_pending_plans(
+        &self,
+        p: &Principal,
+        ctx: &Ctx,
+    ) -> Result<(Vec<PendingPlan>, Vec<PendingPlan>)> {
         let ev = self.task_event(p, "task_plan_list", ctx);
         let scope = if p.may_approve() {
             "task:approve"
@@ -427,37 +501,27 @@ impl Broker {
         }
         let (tenant, admin, now) = (p.tenant.clone(), p.is_admin(), self.now().1);
         let me = self.identity(p);
-        let mut v: Vec<PendingPlan> = self
+        let all: Vec<PendingPlan> = self
             .inner
             .store
             .read(move |txn| {
                 Ok(store::plans::all(txn)?
                     .into_iter()
-                    .filter(|pl| {
-                        pl.state == PlanState::PendingApproval
-                            && pl.expires_unix > now
-                            && (admin || pl.tenant == tenant)
-                    })
-                    .map(|pl| PendingPlan {
-                        requested_by_me: pl.requester == me,
-                        plan_ref: pl.plan_ref,
-                        tenant: pl.tenant,
-                        template: pl.template,
-                        profile: pl.profile,
-                        requester: pl.requester,
-                        created_at: pl.created_at,
-                        expires_at: pl.expires_at,
-                        expires_unix: pl.expires_unix,
-                        requested_by: pl.requested_by,
-                        reason: pl.reason,
-                        approvals: pl.approvals.len(),
-                        approvals_required: pl.approvals_required,
-                    })
+                    .filter(|pl| admin || pl.tenant == tenant)
+                    .map(|pl| PendingPlan::of(pl, &me, now))
                     .collect())
             })
             .await?;
-        v.sort_by(|a, b| (&a.created_at, &a.plan_ref).cmp(&(&b.created_at, &b.plan_ref)));
-        Ok(v)
+        let (mut pending, mut ended): (Vec<PendingPlan>, Vec<PendingPlan>) = all
+            .into_iter()
+            .filter(|pl| pl.state != PlanState::Ready)
+            .partition(|pl| pl.state == PlanState::PendingApproval);
+        pending.sort_by(|a, b| (&a.created_at, &a.plan_ref).cmp(&(&b.created_at, &b.plan_ref)));
+        // Approved plans (still open until submitted) are decided: listed
+        // with the ended ones.
+        ended.sort_by(|a, b| (&b.ended_at, &b.plan_ref).cmp(&(&a.ended_at, &a.plan_ref)));
+        ended.truncate(RECENT_PLANS);
+        Ok((pending, ended))
     }
 
     async fn plan_review(
@@ -481,7 +545,9 @@ impl Broker {
             return Err(Error::new(Code::TaskPlanNotFound, "no such task plan"));
         }
         ev.task_template = Some(plan.template.clone());
-        if self.expire(p, ctx, &mut plan).await? {
+        // `/v1` answers an expired plan with 409 plan_expired; the console
+        // shows it, expired, for the record.
+        if self.expire(p, ctx, &mut plan).await? && !with_command {
             return Err(self
                 .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);

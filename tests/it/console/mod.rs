@@ -622,7 +622,9 @@ async fn approvals_queue_review_and_decisions() {
     assert_eq!(st, StatusCode::OK, "{html}");
     for want in [
         "<h1>Approvals</h1>",
-        "<meta http-equiv=\"refresh\" content=\"5\">",
+        // No reload of its own: a script says when the queue changed.
+        &format!("data-pending=\"{plan1}\""),
+        "id=\"queue-reload\"",
         &format!("<a href=\"/console/plans/{plan1}\">{plan1}</a>"),
         "word-count",
         "<td>acme</td>",
@@ -713,10 +715,20 @@ async fn approvals_queue_review_and_decisions() {
         approved[0]
     );
     assert!(!j.contains(secret1) && !j.contains("looked fine"));
-    // Gone from the queue.
+    // Gone from the queue, listed among the decided with who decided.
     let (_, html) = b.page("/console/approvals", &alice).await;
-    assert!(!html.contains(&plan1), "{html}");
-    assert!(html.contains("No plan is waiting for approval."), "{html}");
+    assert!(!html.contains("http-equiv=\"refresh\""), "{html}");
+    let (queue, recent) = html.split_once("id=\"recent-heading\"").unwrap();
+    assert!(!queue.contains(&plan1), "{html}");
+    assert!(queue.contains("No plan is waiting for approval."), "{html}");
+    assert!(
+        recent.contains(&plan1) && recent.contains("approved by alice"),
+        "{html}"
+    );
+    // What the queue's script reads.
+    let r = b.get("/console/approvals/pending", Some(&alice)).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"pending": []}));
     // Deciding again: the broker's code, shown on the page.
     let html = b
         .decide_and_follow(&alice, &plan1, &csrf, "deny", "error=plan_not_pending")
