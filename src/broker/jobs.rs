@@ -50,8 +50,14 @@ c="$CUBE_ADAPTER_JOB_CWD"
 m="$CUBE_ADAPTER_JOB_SECONDS"
 unset CUBE_ADAPTER_JOB_REF CUBE_ADAPTER_JOB_COMMAND CUBE_ADAPTER_JOB_RUNNER CUBE_ADAPTER_JOB_CWD CUBE_ADAPTER_JOB_SECONDS
 setsid /bin/bash "$d/run.sh" "$d" "$c" "$m" </dev/null >/dev/null 2>&1 &
-printf '%s' "$!" > runner
-echo "$!"
+r=$!
+# Until the runner runs (its command line names the job, which is how the
+# reader knows it alive): a reader right after this answers must not take
+# a child that has not exec'd yet for a dead runner.
+i=0
+while [ ! -e started ] && [ "$i" -lt 200 ]; do sleep 0.05 2>/dev/null || sleep 1; i=$((i + 1)); done
+printf '%s' "$r" > runner
+echo "$r"
 "#;
 
 /// After a crash between a job's start and its outcome (`recovery`): the
@@ -69,6 +75,7 @@ case "$r" in ''|*[!0-9]*) echo partial;; *) echo "pid $r";; esac
 /// watchdog for the time limit; the exit code written last (atomically),
 /// once nothing of the job is left to write output.
 const RUNNER: &str = r#"d="$1"; cwd="$2"; max="$3"
+: > "$d/started"
 fin() { printf '%s' "$1" > "$d/exit-code.tmp"; mv -f "$d/exit-code.tmp" "$d/exit-code"; }
 if ! cd -- "$cwd" 2>/dev/null; then
   printf 'cube-adapter: cannot enter %s\n' "$cwd" >> "$d/stderr"
