@@ -24,7 +24,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    CsrfForm, Notice, Outcome, Page, error_page, form_expired, html, roles_text, signed_in,
+    Confirm, ConfirmForm, CsrfForm, Notice, Outcome, Page, confirmed, error_page, form_expired,
+    html, roles_text, signed_in,
 };
 use super::session::{self, SignedIn};
 use crate::admin::{self, Actor, Request, Response as Answer};
@@ -447,7 +448,7 @@ pub async fn revoke(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    Form(f): Form<CsrfForm>,
+    Form(f): Form<ConfirmForm>,
 ) -> Response {
     let who = match admin_form(&st, &headers, &f.csrf, "token_revoke").await {
         Ok(w) => w,
@@ -456,6 +457,19 @@ pub async fn revoke(
     let plain = !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit());
     if !plain {
         return back(Err("token_not_found"));
+    }
+    if !confirmed(&f.confirm) {
+        return Confirm {
+            heading: "Revoke this identity?",
+            question: format!(
+                "Whoever holds identity {id} (a token or a client certificate) is refused from the next request on. It cannot be given back: make a new one instead."
+            ),
+            action: format!("/console/identities/tokens/{id}/revoke"),
+            fields: vec![],
+            button: "Revoke it",
+            back: "/console/identities",
+        }
+        .page(&who);
     }
     match as_admin(&st, &who, Request::TokenRevoke { id }).await {
         Ok(Answer::Revoked { found: true }) => back(Ok("token_revoked")),
@@ -676,8 +690,28 @@ pub async fn disable(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(name): Path<String>,
-    Form(f): Form<CsrfForm>,
+    Form(f): Form<ConfirmForm>,
 ) -> Response {
+    if !confirmed(&f.confirm) {
+        let who = match admin_form(&st, &headers, &f.csrf, "user_disable").await {
+            Ok(w) => w,
+            Err(r) => return r,
+        };
+        if !crate::auth::users::valid_name(&name) {
+            return back(Err("user_not_found"));
+        }
+        return Confirm {
+            heading: "Disable this person?",
+            question: format!(
+                "{name} is signed out of the console at their next request and cannot sign in or use their password on /v1 until enabled again."
+            ),
+            action: format!("/console/identities/people/{name}/disable"),
+            fields: vec![],
+            button: "Disable",
+            back: "/console/identities",
+        }
+        .page(&who);
+    }
     set_disabled(st, headers, name, f.csrf, true).await
 }
 

@@ -304,6 +304,8 @@ pub struct ReleaseForm {
     csrf: String,
     #[serde(default)]
     action: String,
+    #[serde(default)]
+    confirm: String,
 }
 
 pub async fn release(
@@ -316,6 +318,19 @@ pub async fn release(
         Ok(s) => s,
         Err(r) => return r,
     };
+    if f.action == "kill" && !super::pages::confirmed(&f.confirm) {
+        return super::pages::Confirm {
+            heading: "Kill this lease?",
+            question: format!(
+                "Killing lease {lease_ref} ends its sandbox and everything running in it; its files are gone unless a checkpoint kept them. This cannot be undone."
+            ),
+            action: format!("/console/leases/{lease_ref}/release"),
+            fields: vec![("action", "kill")],
+            button: "Kill the lease",
+            back: "/console/leases",
+        }
+        .page(&who);
+    }
     let to = match st
         .broker
         .release(&who.principal, &ctx(), &lease_ref, &f.action)

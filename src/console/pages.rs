@@ -147,6 +147,58 @@ pub(super) fn error_page(
     )
 }
 
+#[derive(Template)]
+#[template(path = "confirm.html", config = "web/askama.toml")]
+struct ConfirmPage {
+    page: Page,
+    heading: String,
+    question: String,
+    action: String,
+    csrf: String,
+    fields: Vec<(String, String)>,
+    button: String,
+    back: String,
+}
+
+/// What an action that cannot be undone asks before it acts (issue #36):
+/// a page with the same form again, `confirm=yes` added, and a way back.
+/// Works without JavaScript; nothing has happened yet.
+pub(super) struct Confirm<'a> {
+    pub heading: &'a str,
+    pub question: String,
+    pub action: String,
+    pub fields: Vec<(&'a str, &'a str)>,
+    pub button: &'a str,
+    pub back: &'a str,
+}
+
+impl Confirm<'_> {
+    pub(super) fn page(self, who: &SignedIn) -> Response {
+        html(
+            StatusCode::OK,
+            &ConfirmPage {
+                page: Page::new(Some(who), ""),
+                heading: self.heading.into(),
+                question: self.question,
+                action: self.action,
+                csrf: who.csrf.clone(),
+                fields: self
+                    .fields
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                button: self.button.into(),
+                back: self.back.into(),
+            },
+        )
+    }
+}
+
+/// Whether a form was confirmed (`confirm=yes`).
+pub(super) fn confirmed(v: &str) -> bool {
+    v == "yes"
+}
+
 pub(super) fn unavailable() -> Response {
     error_page(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -556,6 +608,15 @@ pub async fn sign_in(
 pub struct CsrfForm {
     #[serde(default)]
     pub(super) csrf: String,
+}
+
+/// A form for an action asked about first ([`Confirm`]).
+#[derive(Deserialize)]
+pub struct ConfirmForm {
+    #[serde(default)]
+    pub(super) csrf: String,
+    #[serde(default)]
+    pub(super) confirm: String,
 }
 
 pub async fn sign_out(

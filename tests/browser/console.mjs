@@ -64,6 +64,7 @@ const report = {
   pages: [], // saved page sources: {name, file}
   focus: {},
   phone_overflow: [], // pages wider than a phone's screen
+  desktop_overflow: [], // tables that do not fit at 1280 px
   auditor_refused: null, // the code the auditor's forged decision got
   trust: {}, // issue #36: the notification link's actions, Approve's place
   task_ref: null,
@@ -199,6 +200,13 @@ async function shots(page, name) {
     const wide = await page.evaluate(() => document.documentElement.scrollWidth);
     if (wide > PHONE.width) report.phone_overflow.push(`${name}: ${wide}px wide at ${PHONE.width}px`);
   }
+  // At 1280 px, no table is clipped or needs scrolling sideways.
+  await page.setViewportSize(DESKTOP);
+  const clipped = await page.evaluate(() =>
+    Array.from(document.querySelectorAll('.table-wrap'))
+      .filter((w) => w.scrollWidth > w.clientWidth + 1)
+      .map((w) => `${w.querySelector('caption, th')?.textContent?.trim() ?? 'a table'}: ${w.scrollWidth}px in ${w.clientWidth}px`));
+  for (const c of clipped) report.desktop_overflow.push(`${name}: ${c}`);
   await page.emulateMedia({ colorScheme: 'light' });
   await page.setViewportSize(DESKTOP);
 }

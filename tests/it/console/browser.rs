@@ -261,6 +261,9 @@ async fn console_in_headless_chromium() {
     // Readable on a phone: no page is wider than the phone's screen.
     let wide = report["phone_overflow"].as_array().unwrap();
     assert!(wide.is_empty(), "pages wider than a phone: {wide:?}");
+    // And at 1280 px no table is clipped (issue #36).
+    let clipped = report["desktop_overflow"].as_array().unwrap();
+    assert!(clipped.is_empty(), "tables clipped at 1280 px: {clipped:?}");
 
     // The keyboard: name, password, Sign in; the reason, then Approve.
     let order: Vec<&str> = report["focus"]["sign_in"]

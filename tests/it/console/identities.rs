@@ -196,12 +196,32 @@ async fn an_admin_manages_tokens_and_people() {
     assert!(!html.contains(&token));
     assert_clean(&html, &s, Some(&root));
 
-    // Revoke: refused on /v1 at once.
+    // Revoke: asked first (nothing happens yet), then refused on /v1 at
+    // once.
     let r = b
         .id_post(
             &format!("/console/identities/tokens/{id}/revoke"),
             Some(&root),
             &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let html = r.text().await.unwrap();
+    assert!(
+        html.contains("Revoke this identity?")
+            && html.contains(&format!(
+                "action=\"/console/identities/tokens/{id}/revoke\""
+            ))
+            && html.contains("name=\"confirm\" value=\"yes\""),
+        "{html}"
+    );
+    assert_clean(&html, &s, Some(&root));
+    assert_eq!(v1_status(&s, &token).await, StatusCode::OK);
+    let r = b
+        .id_post(
+            &format!("/console/identities/tokens/{id}/revoke"),
+            Some(&root),
+            &[("csrf", &csrf), ("confirm", "yes")],
         )
         .await;
     assert_eq!(r.status(), StatusCode::SEE_OTHER);
@@ -219,7 +239,7 @@ async fn an_admin_manages_tokens_and_people() {
         .id_post(
             "/console/identities/tokens/0123456789ab/revoke",
             Some(&root),
-            &[("csrf", &csrf)],
+            &[("csrf", &csrf), ("confirm", "yes")],
         )
         .await;
     assert_eq!(
@@ -283,12 +303,24 @@ async fn an_admin_manages_tokens_and_people() {
     assert!(html.contains("id=\"person-bob\""));
     assert_clean(&html, &s, Some(&root));
 
-    // Disable: bob's session is out at his next request; enable.
+    // Disable: asked first; then bob's session is out at his next
+    // request; enable.
     let r = b
         .id_post(
             "/console/identities/people/bob/disable",
             Some(&root),
             &[("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(r.text().await.unwrap().contains("Disable this person?"));
+    let (st, _, _) = b.overview(&bob).await;
+    assert_eq!(st, StatusCode::OK, "not disabled before confirming");
+    let r = b
+        .id_post(
+            "/console/identities/people/bob/disable",
+            Some(&root),
+            &[("csrf", &csrf), ("confirm", "yes")],
         )
         .await;
     assert_eq!(
@@ -317,7 +349,7 @@ async fn an_admin_manages_tokens_and_people() {
         .id_post(
             "/console/identities/people/root/disable",
             Some(&root),
-            &[("csrf", &csrf)],
+            &[("csrf", &csrf), ("confirm", "yes")],
         )
         .await;
     assert_eq!(
@@ -583,7 +615,7 @@ async fn certificate_identities_download_and_revoke() {
         .id_post(
             &format!("/console/identities/tokens/{id}/revoke"),
             Some(&root),
-            &[("csrf", &csrf)],
+            &[("csrf", &csrf), ("confirm", "yes")],
         )
         .await;
     assert_eq!(

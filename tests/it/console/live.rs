@@ -222,7 +222,7 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
         .live_post_follow(
             &dora,
             &format!("/console/leases/{lease}/release"),
-            &[("csrf", &dora_csrf), ("action", "kill")],
+            &[("csrf", &dora_csrf), ("action", "kill"), ("confirm", "yes")],
             "/console/leases?error=action_denied",
         )
         .await;
@@ -281,7 +281,7 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
         .live_post(
             Some(&eve),
             &format!("/console/leases/{lease}/release"),
-            &[("csrf", &eve_csrf), ("action", "kill")],
+            &[("csrf", &eve_csrf), ("action", "kill"), ("confirm", "yes")],
         )
         .await;
     assert_eq!(r.status(), StatusCode::SEE_OTHER);
@@ -373,12 +373,31 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
     )
     .await;
 
-    // Kill the lease: gone for the agent too.
+    // Kill the lease: asked first (nothing happens yet), then gone for
+    // the agent too.
+    let r = b
+        .live_post(
+            Some(&root),
+            &format!("/console/leases/{lease}/release"),
+            &[("csrf", &csrf), ("action", "kill")],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let html = r.text().await.unwrap();
+    assert!(
+        html.contains("Kill this lease?")
+            && html.contains("name=\"action\" value=\"kill\"")
+            && html.contains("name=\"confirm\" value=\"yes\""),
+        "{html}"
+    );
+    clean(&html, &root);
+    let (st, _) = s.get(&agent, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st, StatusCode::OK, "killed before confirming");
     let html = b
         .live_post_follow(
             &root,
             &format!("/console/leases/{lease}/release"),
-            &[("csrf", &csrf), ("action", "kill")],
+            &[("csrf", &csrf), ("action", "kill"), ("confirm", "yes")],
             "/console/leases?done=killed",
         )
         .await;
