@@ -80,7 +80,23 @@ struct IdentitiesPage {
     certificates: Vec<IdentityRow>,
     people: Vec<PersonRow>,
     runtimes: String,
+    /// The tenants there are (of tokens, certificates and people): the
+    /// forms choose among them; a new one only by choosing "a new tenant".
+    tenants: Vec<String>,
     csrf: String,
+}
+
+/// The form's value that asks for a new tenant (`new_tenant` names it).
+pub const NEW_TENANT: &str = "(new)";
+
+/// The tenant a form chose: one of the list, or, by explicit choice, a
+/// new one.
+fn chosen_tenant(tenant: &str, new_tenant: &str) -> String {
+    if tenant.trim() == NEW_TENANT {
+        new_tenant.trim().to_string()
+    } else {
+        tenant.trim().to_string()
+    }
 }
 
 #[derive(Template)]
@@ -278,6 +294,13 @@ pub async fn page(
         Ok(_) => return refused(&who, &OpError::failed("unexpected answer")),
         Err(e) => return refused(&who, &e),
     };
+    let mut tenants: Vec<String> = tokens
+        .iter()
+        .map(|t| t.principal.tenant.clone())
+        .chain(people.iter().map(|u| u.principal.tenant.clone()))
+        .collect();
+    tenants.sort();
+    tenants.dedup();
     let (certificates, tokens): (Vec<_>, Vec<_>) = tokens
         .into_iter()
         .map(row)
@@ -300,6 +323,7 @@ pub async fn page(
         certificates,
         people,
         runtimes: crate::config::RUNTIMES.join(", "),
+        tenants,
         csrf: who.csrf.clone(),
     };
     html(StatusCode::OK, &page)
@@ -314,6 +338,8 @@ pub struct TokenForm {
     subject: String,
     #[serde(default)]
     tenant: String,
+    #[serde(default)]
+    new_tenant: String,
     #[serde(default)]
     role: String,
     #[serde(default)]
@@ -334,7 +360,7 @@ impl TokenForm {
     fn spec(&self) -> TokenSpec {
         let subject = self.subject.trim();
         TokenSpec {
-            tenant: self.tenant.trim().to_string(),
+            tenant: chosen_tenant(&self.tenant, &self.new_tenant),
             subject: (!subject.is_empty()).then(|| subject.to_string()),
             roles: items(&self.role),
             runtimes: items(&self.runtimes),
@@ -583,6 +609,8 @@ pub struct PersonForm {
     #[serde(default)]
     tenant: String,
     #[serde(default)]
+    new_tenant: String,
+    #[serde(default)]
     role: String,
     #[serde(default)]
     password: String,
@@ -612,7 +640,7 @@ pub async fn add_person(
     };
     let principal = match crate::auth::users::user_principal(
         f.name.trim(),
-        f.tenant.trim(),
+        &chosen_tenant(&f.tenant, &f.new_tenant),
         &items(&f.role),
         vec![],
         vec![],

@@ -105,6 +105,12 @@ async fn an_admin_manages_tokens_and_people() {
         "<h2 id=\"people-heading\">People</h2>",
         "aria-current=\"page\">Identities",
         "<label for=\"token-tenant\">Tenant</label>",
+        // The tenant is chosen among those there are (issue #36): a new
+        // one only by choosing so.
+        "<select id=\"token-tenant\" name=\"tenant\" required",
+        "<option value=\"admin\">admin</option>",
+        "<option value=\"(new)\">A new tenant…</option>",
+        "name=\"new_tenant\"",
     ] {
         assert!(html.contains(part), "{part}");
     }
@@ -128,6 +134,12 @@ async fn an_admin_manages_tokens_and_people() {
     // Bad input: the validation and codes of `token create`.
     for (fields, code) in [
         (vec![("tenant", "not a tenant!")], "invalid_tenant"),
+        // "A new tenant…" without its name.
+        (vec![("tenant", "(new)")], "invalid_tenant"),
+        (
+            vec![("tenant", "(new)"), ("new_tenant", "bad tenant!")],
+            "invalid_tenant",
+        ),
         (vec![("tenant", "acme"), ("role", "wizard")], "invalid_role"),
         (
             vec![("tenant", "acme"), ("runtimes", "cobol")],
@@ -154,7 +166,8 @@ async fn an_admin_manages_tokens_and_people() {
             &[
                 ("csrf", &csrf),
                 ("subject", "console-agent"),
-                ("tenant", "acme"),
+                ("tenant", "(new)"),
+                ("new_tenant", "acme"),
                 ("role", "agent"),
                 ("runtimes", "mcp"),
                 ("description", "made in the console"),
@@ -402,7 +415,7 @@ async fn an_admin_manages_tokens_and_people() {
     let admin = signed_in_identity(&j)[0].clone();
     for (action, outcome, n) in [
         ("token_create", "ok", 1),
-        ("token_create", "rejected", 3),
+        ("token_create", "rejected", 5),
         ("token_revoke", "ok", 1),
         ("token_revoke", "rejected", 1),
         ("user_add", "ok", 1),
