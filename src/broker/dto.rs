@@ -894,6 +894,9 @@ pub struct TaskAnswer {
     )]
     pub receipt: Option<Value>,
     pub receipt_ready: bool,
+    /// Why its setup failed (`code: message`), for a `setup_failed` task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup_error: Option<String>,
     pub request_id: String,
     /// Once computed, to those who may act on the task (absent otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1069,6 +1072,7 @@ mod tests {
             result: None,
             result_ready: false,
             sandbox_ref: None,
+            setup_error: None,
             state: TaskState::Succeeded,
             task_ref: "task_1".into(),
             task_template: "train".into(),

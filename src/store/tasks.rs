@@ -117,6 +117,9 @@ pub struct Task {
     /// `verified` or `pending`.
     #[serde(default)]
     pub cleanup: Option<String>,
+    /// Why its setup failed (`code: message`), for a `setup_failed` task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup_error: Option<String>,
 }
 
 impl Task {

@@ -2008,3 +2008,50 @@ async fn quorum_reasons_and_who_asked() {
     assert_eq!(st, StatusCode::CREATED);
     s.stop().await;
 }
+
+/// A task whose setup fails says why (issue #36): its status carries the
+/// code and message (`setup_error`), not only `setup_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_setup_says_why() {
+    let s = Server::start_with(|c| {
+        configure(c);
+        let mut broken = c.profiles["trusted"].clone();
+        broken.template = "no-such-template".into();
+        c.profiles.insert("broken".into(), broken);
+        let mut t: TaskTemplate = serde_json::from_value(templates()["admin-ok"].clone()).unwrap();
+        t.profile = "broken".into();
+        t.approval_required = false;
+        c.tasks.insert("broken-task".into(), t);
+        c.validate().unwrap();
+    })
+    .await;
+    let agent = s.token(&["--tenant", "acme", "--subject", "a", "--action", "task:*"]);
+    let (st, plan) = s
+        .post(
+            &agent,
+            "/v1/tasks/plan",
+            json!({"template": "broken-task", "parameters": {}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{plan}");
+    let pr = plan["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(&agent, &format!("/v1/task-plans/{pr}/submit"), json!({}))
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_GATEWAY, "template_not_found"),
+        "{v}"
+    );
+    let (_, p) = s.get(&agent, &format!("/v1/task-plans/{pr}")).await;
+    let tr = p["task_ref"].as_str().expect("the plan names its task");
+    let (st, v) = s.get(&agent, &format!("/v1/tasks/{tr}/status")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "setup_failed");
+    let why = v["setup_error"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with("template_not_found: ") && why.contains("no-such-template"),
+        "{v}"
+    );
+    s.stop().await;
+}

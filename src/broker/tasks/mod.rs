@@ -308,6 +308,7 @@ impl Broker {
             result,
             result_ready: t.result_sealed.is_some(),
             sandbox_ref: t.sandbox_ref.clone(),
+            setup_error: t.setup_error.clone(),
             state: t.state,
             task_ref: t.task_ref.clone(),
             task_template: t.template.clone(),
@@ -433,6 +434,10 @@ impl Broker {
                 }
                 _ => {
                     task.state = TaskState::SetupFailed;
+                    task.setup_error = Some(
+                        "interrupted: the appliance stopped during the task's setup, before its command started; its sandbox was ended"
+                            .into(),
+                    );
                     task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
                 }
             }

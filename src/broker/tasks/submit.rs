@@ -108,6 +108,7 @@ impl Broker {
             receipt: None,
             completed_at: None,
             cleanup: None,
+            setup_error: None,
         };
         let was = plan.state;
         plan.state = PlanState::Submitted;
@@ -218,6 +219,7 @@ impl Broker {
             }
             Err(e) => {
                 task.state = TaskState::SetupFailed;
+                task.setup_error = Some(setup_error(&e));
                 task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
                 let mut ev = self.save_task_event(&task, "task_setup", ctx, "error");
                 ev.error_code = Some(e.code.to_string());
@@ -226,4 +228,11 @@ impl Broker {
             }
         }
     }
+}
+
+/// Why a task's setup failed, as the task keeps it: the code and the
+/// message (at most 512 characters).
+fn setup_error(e: &Error) -> String {
+    let m: String = e.message.chars().take(512).collect();
+    format!("{}: {m}", e.code.as_str())
 }
