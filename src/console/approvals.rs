@@ -190,6 +190,8 @@ struct ReviewPage {
     parameters: Option<String>,
     command: Option<String>,
     may_decide: bool,
+    /// A reason typed before a session ended, kept for this plan.
+    reason_draft: String,
     csrf: String,
 }
 
@@ -395,6 +397,7 @@ pub async fn review(
             .map(pieces),
     });
     let by = v.requested_by.as_ref();
+    let draft = draft_for(&headers, &plan_ref);
     let page = ReviewPage {
         page: Page::new(Some(&who), "approvals"),
         notice: notice(&q),
@@ -448,10 +451,19 @@ pub async fn review(
         parameters,
         command: r.command,
         may_decide: who.principal.may_approve() && pending,
+        reason_draft: draft.clone().unwrap_or_default(),
         csrf: who.csrf.clone(),
         plan_ref: v.plan_ref,
     };
-    html(StatusCode::OK, &page)
+    let mut r = html(StatusCode::OK, &page);
+    // A draft is used once.
+    if draft.is_some()
+        && let Ok(v) =
+            axum::http::HeaderValue::from_str(&super::session::clear_cookie(DRAFT_COOKIE))
+    {
+        r.headers_mut().append(axum::http::header::SET_COOKIE, v);
+    }
+    r
 }
 
 #[derive(Deserialize)]
@@ -464,12 +476,60 @@ pub struct DecideForm {
     reason: String,
 }
 
+/// The cookie that keeps a reason typed into a decision whose session
+/// had ended, for the review after signing in again (half an hour).
+const DRAFT_COOKIE: &str = "__Host-cube-draft";
+const DRAFT_SECONDS: u64 = 1800;
+
+/// A plan ref's shape (nothing else goes into the draft cookie).
+fn plan_shaped(r: &str) -> bool {
+    r.strip_prefix("plan_")
+        .is_some_and(|h| h.len() == 20 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// The draft cookie's value: the plan and the reason, base64url.
+fn draft_value(plan_ref: &str, reason: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{plan_ref}\n{reason}"))
+}
+
+/// The reason a draft cookie keeps for `plan_ref`, if it keeps one.
+fn draft_for(headers: &HeaderMap, plan_ref: &str) -> Option<String> {
+    use base64::Engine;
+    let v = super::session::cookie(headers, DRAFT_COOKIE)?;
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(v)
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let (p, reason) = text.split_once('\n')?;
+    (p == plan_ref && reason.len() <= crate::broker::tasks::MAX_REASON).then(|| reason.to_string())
+}
+
 pub async fn decide(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(plan_ref): Path<String>,
     Form(f): Form<DecideForm>,
 ) -> Response {
+    // A session that ended while the person wrote: to sign in, then back
+    // to the plan with what they typed (issue #36).
+    let back = format!("/console/plans/{plan_ref}");
+    if let Err(mut r) = signed_in_returning(&st, &headers, Some(&back)).await {
+        let reason = f.reason.trim();
+        if r.status() == StatusCode::SEE_OTHER
+            && plan_shaped(&plan_ref)
+            && !reason.is_empty()
+            && reason.len() <= crate::broker::tasks::MAX_REASON
+            && let Ok(v) = axum::http::HeaderValue::from_str(&super::session::set_cookie(
+                DRAFT_COOKIE,
+                &draft_value(&plan_ref, reason),
+                DRAFT_SECONDS,
+            ))
+        {
+            r.headers_mut().append(axum::http::header::SET_COOKIE, v);
+        }
+        return r;
+    }
     let who = match checked_form(&st, &headers, &f.csrf, &plan_ref).await {
         Ok(s) => s,
         Err(r) => return r,

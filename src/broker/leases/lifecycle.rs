@@ -7,6 +7,11 @@ use super::*;
 /// tenant's that are not a trusted task's (a trusted task's lease is the
 /// task's, not the agent's); to anyone, only those of the profiles and
 /// runtimes their identity may use (`Broker::usable`); newest first.
+/// Leases whose running jobs a live list reads before it answers.
+pub const LIVE_REFRESH_LEASES: usize = 16;
+/// How long a live list waits for those reads.
+pub const LIVE_REFRESH_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 fn visible_leases(
     txn: &crate::store::Rx,
     p: &Principal,
@@ -72,6 +77,9 @@ impl Broker {
         let who = p.clone();
         let with_jobs = p.allows_action("job:status");
         let with_ptys = p.allows_action("pty:status");
+        if with_jobs {
+            self.refresh_live_jobs(p, limit).await;
+        }
         self.inner
             .store
             .read(move |txn| {
@@ -123,6 +131,44 @@ impl Broker {
             })
             .await
             .map_err(Into::into)
+    }
+
+    /// Bring the jobs a live list shows as running up to date (issue #36:
+    /// a job that ended long ago was shown running): each lease among the
+    /// first `limit` with a job still recorded as running has its jobs
+    /// read once, at most [`LIVE_REFRESH_LEASES`] leases and
+    /// [`LIVE_REFRESH_WAIT`] in all. A read that fails or takes longer
+    /// leaves the recorded state (the list says "as recorded").
+    async fn refresh_live_jobs(&self, p: &Principal, limit: usize) {
+        let who = p.clone();
+        let leases = self
+            .inner
+            .store
+            .read(move |txn| {
+                let mut v = visible_leases(txn, &who)?;
+                v.truncate(limit);
+                let mut out = vec![];
+                for l in v {
+                    if store::jobs::of_lease(txn, &l.lease_ref)?
+                        .iter()
+                        .any(|j| !j.is_terminal())
+                    {
+                        out.push(l);
+                    }
+                }
+                Ok(out)
+            })
+            .await
+            .unwrap_or_default();
+        let reads = leases
+            .into_iter()
+            .take(LIVE_REFRESH_LEASES)
+            .filter_map(|l| self.addr(&l).ok().map(|a| (a, l.lease_ref)))
+            .map(|(addr, lr)| async move {
+                let _ = self.running_jobs(&addr, &lr).await;
+            });
+        let _ =
+            tokio::time::timeout(LIVE_REFRESH_WAIT, futures_util::future::join_all(reads)).await;
     }
 
     /// `GET|POST /v1/leases/{ref}/status`.

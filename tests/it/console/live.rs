@@ -143,6 +143,39 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
     .await;
     let pty = v["pty_ref"].as_str().unwrap().to_string();
 
+    // A job that ends is shown ended, with nobody asking /v1 about it
+    // (issue #36: the list showed jobs running long after they exited).
+    let v = v1(
+        &s,
+        &agent,
+        &format!("/v1/leases/{lease}/jobs"),
+        json!({"command": "exit 3"}),
+        StatusCode::ACCEPTED,
+    )
+    .await;
+    let quick = v["job_ref"].as_str().unwrap().to_string();
+    let watcher = b.sign_in("dora").await;
+    let state_of = |html: &str, job: &str| -> String {
+        let at = html
+            .find(&format!(">{job}</a></td>"))
+            .unwrap_or_else(|| panic!("{job} not listed: {html}"));
+        let rest = &html[at..];
+        let td = rest.find("<td>").unwrap() + 4;
+        rest[td..td + rest[td..].find("</td>").unwrap()].to_string()
+    };
+    let mut seen = String::new();
+    for _ in 0..50 {
+        let (st, html) = b.page("/console/leases", &watcher).await;
+        assert_eq!(st, StatusCode::OK, "{html}");
+        seen = state_of(&html, &quick);
+        if seen == "failed" {
+            assert_eq!(state_of(&html, &sleeper), "running");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(seen, "failed", "the list shows the job as it is");
+
     // Signed out: sign in first, for pages and forms alike.
     let r = b.get("/console/leases", None).await;
     assert_to_sign_in(r.status(), r.headers(), "leases, signed out");

@@ -921,3 +921,112 @@ async fn the_overview_shows_audit_delivery_to_auditors() {
     );
     s.stop().await;
 }
+
+/// A reason typed while the session ended is not lost (issue #36): the
+/// decision is not made, the person signs in again and lands on the plan
+/// with their words in the form; the draft is used once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typed_reason_survives_a_session_that_ended() {
+    let s = Server::start_with(crate::tasks::configure).await;
+    let agent = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent-a",
+        "--action",
+        "task:*",
+    ]);
+    user(
+        &s,
+        &["add", "alice", "--tenant", "acme", "--role", "approver"],
+    );
+    let b = Browser::new(&s);
+    let plan = plan_word_count(&s, &agent, "draft test").await["plan_ref"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let alice = b.sign_in("alice").await;
+    let (_, html) = b.page(&format!("/console/plans/{plan}"), &alice).await;
+    let csrf = csrf_field(&html);
+    let r = b.sign_out(&alice, Some(&csrf)).await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    let words = "checked the diff with Bob; ok to run";
+    let r = b.decide(&alice, &plan, Some(&csrf), "approve", words).await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(
+        r.headers()[LOCATION],
+        format!("/console/sign-in?next=/console/plans/{plan}").as_str()
+    );
+    let (draft, header) = set_cookie(r.headers(), "__Host-cube-draft").expect("the draft is kept");
+    for part in [
+        "Secure",
+        "HttpOnly",
+        "SameSite=Strict",
+        "Path=/",
+        "Max-Age=1800",
+    ] {
+        assert!(header.contains(part), "{header}");
+    }
+    assert_eq!(plan_state(&s, &agent, &plan).await, "pending_approval");
+    // Signing in again from the link's form goes back to the plan.
+    let (c, cookie) = b.sign_in_form().await;
+    let r = b
+        .http
+        .post(format!("{}/console/sign-in", b.url))
+        .header("cookie", format!("{SIGN_IN}={cookie}"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(form(&[
+            ("csrf", &c),
+            ("name", "alice"),
+            ("password", PASSWORD),
+            ("next", &format!("/console/plans/{plan}")),
+        ]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(
+        r.headers()[LOCATION],
+        format!("/console/plans/{plan}").as_str()
+    );
+    let (session, _) = set_cookie(r.headers(), SESSION).unwrap();
+    let r = b
+        .http
+        .get(format!("{}/console/plans/{plan}", b.url))
+        .header(
+            "cookie",
+            format!("{SESSION}={session}; __Host-cube-draft={draft}"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let cleared = r
+        .headers()
+        .get_all(SET_COOKIE)
+        .iter()
+        .any(|v| v.to_str().unwrap().starts_with("__Host-cube-draft=;"));
+    assert!(cleared, "the draft is used once");
+    let html = r.text().await.unwrap();
+    assert!(
+        html.contains(&format!(">{words}</textarea>")) && html.contains("id=\"draft-kept\""),
+        "{html}"
+    );
+    // Another plan's review does not take it.
+    let other = plan_word_count(&s, &agent, "other").await["plan_ref"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = b
+        .http
+        .get(format!("{}/console/plans/{other}", b.url))
+        .header(
+            "cookie",
+            format!("{SESSION}={session}; __Host-cube-draft={draft}"),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(!r.text().await.unwrap().contains(words));
+    s.stop().await;
+}
