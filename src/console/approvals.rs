@@ -165,6 +165,9 @@ struct ReviewPage {
     left: String,
     decided_at: Option<String>,
     task_ref: Option<String>,
+    /// The task's state, and whether its receipt is ready.
+    task_state: Option<&'static str>,
+    receipt_ready: bool,
     requester: String,
     /// Who asked, readable: subject and label, tenant, agent, lease.
     asked_by: String,
@@ -452,6 +455,8 @@ pub async fn review(
         command: r.command,
         may_decide: who.principal.may_approve() && pending,
         reason_draft: draft.clone().unwrap_or_default(),
+        task_state: r.task.map(|(s, _)| s.as_str()),
+        receipt_ready: r.task.is_some_and(|(_, ready)| ready),
         csrf: who.csrf.clone(),
         plan_ref: v.plan_ref,
     };

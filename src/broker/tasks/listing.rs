@@ -69,6 +69,8 @@ pub struct ConsoleTask {
     pub requester: String,
     pub requested_by_me: bool,
     pub approver: Option<String>,
+    /// Who approved it, by name (issue #36), in order.
+    pub approvers: Vec<String>,
     pub approved_at: Option<String>,
     pub parameters_sha256: String,
     pub command_sha256: String,
@@ -255,6 +257,14 @@ impl Broker {
             tenant: task.tenant,
             requester: task.requester,
             approver: task.approver,
+            approvers: task
+                .approvals
+                .iter()
+                .map(|a| match &a.reason {
+                    Some(r) => format!("{} ({}, {}): {r}", a.subject, a.tenant, a.at),
+                    None => format!("{} ({}, {})", a.subject, a.tenant, a.at),
+                })
+                .collect(),
             approved_at: task.approved_at,
             parameters_sha256: task.parameters_sha256,
             command_sha256: task.command_sha256,

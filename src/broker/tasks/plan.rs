@@ -113,6 +113,9 @@ pub struct ConsoleReview {
     /// The last plan of the same template and tenant that people approved,
     /// compared with this one (to those who see the parameters).
     pub previous: Option<PreviousPlan>,
+    /// The task it became: its state and whether its receipt is ready
+    /// (from request to receipt on one page).
+    pub task: Option<(TaskState, bool)>,
 }
 
 /// The last approved plan of the same template and tenant, and how this
@@ -576,9 +579,14 @@ impl Broker {
             (Some(v), true) => (t.risks(v), self.previous_plan(&plan, &t, v).await?),
             _ => (vec![], None),
         };
+        let task = match (&plan.task_ref, with_command) {
+            (Some(r), true) => self.get_task(r)?.map(|t| (t.state, t.receipt.is_some())),
+            _ => None,
+        };
         ev.outcome = "ok".into();
         self.inner.journal.record(ev).await?;
         Ok(ConsoleReview {
+            task,
             risks,
             previous,
             requested_by_me: self.identity(p) == plan.requester,

@@ -461,6 +461,22 @@ async fn tasks_list_detail_receipt_and_cancel() {
         "outputs shown to an auditor"
     );
     assert!(!html.contains("/cancel\""), "a cancel form for an auditor");
+    // Who approved, by name (issue #36).
+    assert!(html.contains("<dd id=\"approvers\">bob (acme, "), "{html}");
+    clean(&html, &dora);
+    // From request to receipt on one page: the plan names who asked, who
+    // approved, the task it became and its receipt.
+    let (st, html) = b.page(&format!("/console/plans/{pr}"), &dora).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    for want in [
+        "<dd id=\"asked-by\">",
+        "1 of 1: bob (token ",
+        &format!(
+            "<dd id=\"ran-as\"><a href=\"/console/tasks/{done}\">{done}</a>, succeeded; <a href=\"/console/tasks/{done}/verify\">its receipt, checked</a>"
+        ),
+    ] {
+        assert!(html.contains(want), "the plan lacks {want}: {html}");
+    }
     clean(&html, &dora);
     let (st, html) = b
         .page(&format!("/console/tasks/{done}/verify"), &dora)
