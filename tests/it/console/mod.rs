@@ -738,6 +738,19 @@ async fn approvals_queue_review_and_decisions() {
         "{html}"
     );
 
+    // The same parameters again: marked identical to the approved plan;
+    // other ones: what changed (issue #36).
+    let again = plan_word_count(&s, &agent, secret1).await;
+    let again = again["plan_ref"].as_str().unwrap().to_string();
+    let (_, html) = b.page(&format!("/console/plans/{again}"), &alice).await;
+    assert!(
+        html.contains(&format!(
+            "<strong>Identical</strong> to <a href=\"/console/plans/{plan1}\">{plan1}</a>"
+        )),
+        "{html}"
+    );
+    assert!(!html.contains("id=\"diff\""), "{html}");
+
     // The auditor: the queue and the digests, no parameters, no form.
     let p2 = plan_word_count(&s, &agent, secret2).await;
     let plan2 = p2["plan_ref"].as_str().unwrap().to_string();
