@@ -174,6 +174,11 @@ pub struct TaskTemplate {
     /// Values the approver should look at twice (`[[tasks.NAME.risk]]`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub risk: Vec<RiskRule>,
+    /// The approver group: the subjects who may decide on its plans
+    /// (approvers of the plan's tenant, or admins, and one of these);
+    /// empty: any approver of the tenant.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approvers: Vec<String>,
 }
 
 /// An `argv` element with a placeholder: the literal text before it, the
@@ -359,6 +364,23 @@ impl TaskTemplate {
                     .map_err(|e| format!("{rat}: pattern: {e}"))?;
             }
         }
+        for a in &self.approvers {
+            if a.trim().is_empty() || a.len() > 128 || a.trim() != a {
+                return Err(format!(
+                    "{at}: approvers names subjects (1 to 128 bytes, no surrounding spaces)"
+                ));
+            }
+        }
+        if !self.approvers.is_empty() && self.approvals_required as usize > self.approvers.len() {
+            return Err(format!(
+                "{at}: approvals_required = {} but approvers names only {}",
+                self.approvals_required,
+                self.approvers.len()
+            ));
+        }
+        if !self.approvers.is_empty() && !self.approval_required {
+            return Err(format!("{at}: approvers needs approval_required = true"));
+        }
         if self.parameters_ascii_only && self.allow_bidi_controls {
             return Err(format!(
                 "{at}: parameters_ascii_only and allow_bidi_controls contradict each other"
@@ -419,6 +441,9 @@ impl TaskTemplate {
             }
             if !self.risk.is_empty() {
                 m.insert("risk".into(), json!(self.risk));
+            }
+            if !self.approvers.is_empty() {
+                m.insert("approvers".into(), json!(self.approvers));
             }
             for (k, on) in [
                 ("reason_required", self.reason_required),
@@ -607,6 +632,7 @@ mod tests {
             parameters_ascii_only: false,
             allow_bidi_controls: false,
             risk: vec![],
+            approvers: vec![],
         }
     }
 
@@ -642,6 +668,17 @@ mod tests {
                 .unwrap_err()
                 .contains("pattern")
         );
+        let mut bad = t.clone();
+        bad.approvers = vec!["alice".into()];
+        bad.approvals_required = 2;
+        assert!(
+            bad.validate("train", &["offline-code"])
+                .unwrap_err()
+                .contains("approvers names only 1")
+        );
+        bad.approvals_required = 1;
+        assert_eq!(bad.validate("train", &["offline-code"]), Ok(()));
+        assert_ne!(bad.digest("train"), t.digest("train"));
         let mut bad = t.clone();
         bad.risk[0].parameter = "nope".into();
         assert!(

@@ -1737,8 +1737,12 @@ async fn quorum_reasons_and_who_asked() {
         strict.parameters_ascii_only = true;
         strict.approvals_required = 1;
         strict.reason_required = false;
+        let mut sre = strict.clone();
+        sre.parameters_ascii_only = false;
+        sre.approvers = vec!["bob".into()];
         c.tasks.insert("deploy".into(), deploy);
         c.tasks.insert("deploy-ascii".into(), strict);
+        c.tasks.insert("deploy-sre".into(), sre);
         c.validate().unwrap();
     })
     .await;
@@ -2006,6 +2010,41 @@ async fn quorum_reasons_and_who_asked() {
         )
         .await;
     assert_eq!(st, StatusCode::CREATED);
+
+    // An approver group: only the approvers the template names decide.
+    let (st, p3) = s
+        .post(
+            &alice,
+            "/v1/tasks/plan",
+            json!({"template": "deploy-sre", "parameters": {"ref": "main", "replicas": 2}}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{p3}");
+    let p3 = p3["plan_ref"].as_str().unwrap();
+    let (st, v) = s
+        .post(
+            &carol,
+            &format!("/v1/task-plans/{p3}/approve"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "approver_required"),
+        "{v}"
+    );
+    let (st, v) = s
+        .post(
+            &bob,
+            &format!("/v1/task-plans/{p3}/approve"),
+            json!({"decision": "approve"}),
+        )
+        .await;
+    assert_eq!(
+        (st, &v["state"]),
+        (StatusCode::OK, &json!("approved")),
+        "{v}"
+    );
     s.stop().await;
 }
 

@@ -708,8 +708,23 @@ impl Broker {
                 )
                 .await);
         }
-        if self.plan_template(&plan).is_none() {
+        let Some(t) = self.plan_template(&plan) else {
             return Err(self.reject(ev, Self::changed()).await);
+        };
+        // The template's approver group, when it names one.
+        if !t.approvers.is_empty() && !t.approvers.contains(&p.subject) {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::ApproverRequired,
+                        format!(
+                            "only the approvers task template {} names decide on its plans",
+                            plan.template
+                        ),
+                    ),
+                )
+                .await);
         }
         if !p.allows_task_template(&plan.template) || !p.allows_profile(&plan.profile) {
             return Err(self
