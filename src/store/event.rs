@@ -88,6 +88,11 @@ pub struct Event {
     pub decision: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason_digest: Option<String>,
+    /// A person's (or an agent's) reason for a plan or a decision, in
+    /// clear (issue #36: it is their words, not a secret): at most
+    /// [`REASON_MAX`] bytes, control characters escaped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approver_digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -117,6 +122,31 @@ impl Event {
 /// writes itself (ids, refs, names, digests, codes, timestamps) fits well
 /// within it; only a caller's value that was never validated could not.
 pub const FIELD_MAX: usize = 128;
+
+/// The most bytes an event's `reason` holds (a plan's or decision's
+/// reason is at most 1024 bytes, kept whole).
+pub const REASON_MAX: usize = 1024;
+
+/// A reason as an event keeps it: whole, with every control character
+/// (newlines and tabs included) as `\u{..}` so a line of the journal
+/// stays one line wherever it goes; its [`unshaped`] form if it is longer
+/// than a [`REASON_MAX`]-byte reason can be once escaped. Keeping a kept
+/// reason changes nothing.
+pub fn reason_kept(value: &str) -> String {
+    if value.len() > 6 * REASON_MAX {
+        return unshaped(value);
+    }
+    value
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                format!("\\u{{{:x}}}", u32::from(c))
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
 
 /// How a value that is too long or not printable ASCII is kept instead:
 /// `~sha256:<first 32 hex of its SHA-256>:<its length in bytes>`.
@@ -180,12 +210,16 @@ impl Event {
             parameters_digest,
             decision,
             reason_digest,
+            reason,
             approver_digest,
             task_state,
             cleanup,
             prev_hash,
             hash,
         } = self;
+        if let Some(r) = reason {
+            *r = reason_kept(r);
+        }
         for v in [event_id, ts, phase, action, outcome, prev_hash, hash] {
             if !fits(v) {
                 *v = unshaped(v);
@@ -235,7 +269,7 @@ impl Event {
     /// The largest an event can be once [`Event::bound`]: every text field
     /// at [`FIELD_MAX`], as JSON (with its names and the numbers at their
     /// widest). A unit test checks a full event against it.
-    pub const MAX_JSON: usize = 48 * (FIELD_MAX + 32);
+    pub const MAX_JSON: usize = 48 * (FIELD_MAX + 32) + 12 * REASON_MAX + 32;
 }
 
 #[cfg(test)]
@@ -324,6 +358,7 @@ mod tests {
                 "parameters_digest",
                 "decision",
                 "reason_digest",
+                "reason",
                 "approver_digest",
                 "task_state",
                 "cleanup",
@@ -343,5 +378,15 @@ mod tests {
             .map(|b| b.len())
             .unwrap_or(usize::MAX);
         assert!(len < Event::MAX_JSON, "{len} >= {}", Event::MAX_JSON);
+    }
+
+    #[test]
+    fn reasons_are_kept_whole_on_one_line() {
+        assert_eq!(reason_kept("ok, ship it"), "ok, ship it");
+        assert_eq!(reason_kept("a\nb\tc"), "a\\u{a}b\\u{9}c");
+        let once = reason_kept(&"\n".repeat(REASON_MAX));
+        assert_eq!(reason_kept(&once), once, "keeping is idempotent");
+        assert!(reason_kept(&"x".repeat(7 * REASON_MAX)).starts_with(UNSHAPED_PREFIX));
+        assert_eq!(reason_kept("é ü ✓"), "é ü ✓");
     }
 }

@@ -1929,6 +1929,15 @@ async fn quorum_reasons_and_who_asked() {
         named,
         [("bob", "diff looks right"), ("carol", "on call agrees")]
     );
+    // The journal keeps the words too, one line each (a newline escaped).
+    let j = s.journal();
+    assert!(j.contains("\"reason\":\"diff looks right\""), "{j}");
+    assert!(
+        j.contains(
+            "\"reason\":\"Roll out the fix for ticket 4711.\\\\u{a}Rollback: redeploy v1.2.\""
+        ),
+        "{j}"
+    );
 
     // A denial ends a plan with its reason, kept as written.
     let (_, p2) = s

@@ -415,6 +415,7 @@ impl Broker {
         ev.backend = Some(plan.backend.clone());
         ev.parameters_digest = Some(j.digest("parameters", canon.as_bytes()));
         ev.command_digest = Some(j.digest("command", command.as_bytes()));
+        ev.reason = plan.reason.clone();
         let p2 = plan.clone();
         self.inner
             .store
@@ -820,6 +821,7 @@ impl Broker {
         ev.reason_digest = reason
             .as_ref()
             .map(|r| self.inner.journal.digest("reason", r.as_bytes()));
+        ev.reason = reason.clone();
         self.save_plan(&plan, PlanState::PendingApproval, ev)
             .await?;
         Ok(self.plan_answer(&plan, ctx))
