@@ -475,6 +475,7 @@ pub const CSV_COLUMNS: &[&str] = &[
     "parameters_digest",
     "decision",
     "reason_digest",
+    "reason",
     "approver_digest",
     "task_state",
     "cleanup",
