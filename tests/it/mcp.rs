@@ -958,3 +958,43 @@ async fn client_certificates_are_identities() {
     assert_eq!(v["error"]["code"], "unauthorized");
     s.stop().await;
 }
+
+/// A plan asked for through `/mcp` names the MCP host as its client info
+/// gave it, the reason and the lease (issue #36): approvers see which
+/// agent asked and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_through_mcp_names_its_host_and_reason() {
+    let s = Server::start_with(crate::tasks::configure).await;
+    let token = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "mcp-agent",
+        "--description",
+        "laptop agent",
+        "--action",
+        "task:*",
+    ]);
+    let m = Session::open(&s, "", &token).await;
+    let r = m
+        .call(
+            3,
+            "cube_task_plan",
+            json!({"template": "word-count", "parameters": {"text": "x", "repeat": 1},
+                   "reason": "the user asked for a count"}),
+        )
+        .await;
+    let plan = r["structuredContent"]["plan_ref"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{r}"))
+        .to_string();
+    let (st, v) = s.get(&token, &format!("/v1/task-plans/{plan}")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(
+        v["requested_by"],
+        json!({"subject": "mcp-agent", "label": "laptop agent", "agent": "test 1 (MCP)"}),
+        "{v}"
+    );
+    assert_eq!(v["reason"], "the user asked for a count");
+    s.stop().await;
+}
