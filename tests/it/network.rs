@@ -33,6 +33,26 @@ fn probes(targets: &[String]) -> String {
     )
 }
 
+/// The sandbox's own view of its network, printed after its probes.
+const SANDBOX_NET: &str = "echo '-- the sandbox network:'; ip -4 -o addr 2>&1; ip -4 route 2>&1";
+
+/// The host's side, for a failure message: the pasta processes and the
+/// host's routes.
+fn host_net() -> String {
+    let run = |c: &str, a: &[&str]| {
+        std::process::Command::new(c)
+            .args(a)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_else(|e| format!("{c}: {e}"))
+    };
+    format!(
+        "-- the host's pasta processes:\n{}-- the host's routes:\n{}",
+        run("pgrep", &["-a", "pasta"]),
+        run("ip", &["-4", "route"])
+    )
+}
+
 fn line<'a>(out: &'a str, target: &str) -> &'a str {
     out.lines()
         .find(|l| l.starts_with(&format!("{target} ")))
@@ -203,13 +223,16 @@ async fn egress_follows_the_policy_and_never_reaches_the_host() {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // (With the sandbox's addresses and routes after the probes, and the
+    // host's pasta processes on a failure: this check failed once, every
+    // probe "Network is unreachable", and was never seen again.)
     let script = format!(
-        "{}; getent ahostsv4 svc.cube.test | head -n1",
+        "{}; getent ahostsv4 svc.cube.test | head -n1; {SANDBOX_NET}",
         probes(&targets)
     );
     let out = t.client.run(&sb, &sh(&script), MB).await.unwrap();
     let out = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(reached(&out, "198.51.100.2:8081"), "{out}");
+    assert!(reached(&out, "198.51.100.2:8081"), "{out}\n{}", host_net());
     assert!(!reached(&out, "198.51.100.2:8082"), "{out}");
     assert!(!reached(&out, "198.51.100.3:8081"), "{out}");
     assert!(
