@@ -29,9 +29,14 @@ fn serve_notifies_systemd() {
     )
     .unwrap();
     let mut buf = [0u8; 512];
-    let recv = |buf: &mut [u8]| {
-        let n = sock.recv(buf).unwrap();
-        String::from_utf8_lossy(&buf[..n]).into_owned()
+    // A signal to this process (another test's child ending) interrupts a
+    // blocking receive: EINTR is tried again, not a failure.
+    let recv = |buf: &mut [u8]| loop {
+        match sock.recv(buf) {
+            Ok(n) => break String::from_utf8_lossy(&buf[..n]).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => panic!("no notification: {e}"),
+        }
     };
     let first = recv(&mut buf);
     assert!(
