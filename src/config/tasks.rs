@@ -255,6 +255,16 @@ pub struct Compiled {
     pub parameters: jsonschema::Validator,
     /// One per output, in order (`None`: no schema).
     pub outputs: Vec<Option<jsonschema::Validator>>,
+    /// One per risk rule, in order (`None`: no pattern).
+    pub risk: Vec<Option<regex::Regex>>,
+}
+
+/// A risk rule's pattern, compiled (at most 1 MiB of automaton).
+fn risk_pattern(p: &str) -> Result<regex::Regex, String> {
+    regex::RegexBuilder::new(p)
+        .size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("pattern: {e}"))
 }
 
 impl TaskTemplate {
@@ -270,6 +280,11 @@ impl TaskTemplate {
                         .map(|s| check_schema(s, "output"))
                         .transpose()
                 })
+                .collect::<Result<_, _>>()?,
+            risk: self
+                .risk
+                .iter()
+                .map(|r| r.pattern.as_deref().map(risk_pattern).transpose())
                 .collect::<Result<_, _>>()?,
         })
     }
@@ -358,10 +373,7 @@ impl TaskTemplate {
                 return Err(format!("{rat}: give pattern, above or below"));
             }
             if let Some(p) = &r.pattern {
-                regex::RegexBuilder::new(p)
-                    .size_limit(1 << 20)
-                    .build()
-                    .map_err(|e| format!("{rat}: pattern: {e}"))?;
+                risk_pattern(p).map_err(|e| format!("{rat}: {e}"))?;
             }
         }
         for a in &self.approvers {
@@ -475,17 +487,16 @@ impl TaskTemplate {
     }
 
     /// The risky values of `params` (already validated): one entry per
-    /// rule that matches, in the rules' order.
-    pub fn risks(&self, params: &Value) -> Vec<Risk> {
+    /// rule that matches, in the rules' order. `compiled` is this
+    /// template's (its patterns compiled once, with the policy).
+    pub fn risks(&self, compiled: &Compiled, params: &Value) -> Vec<Risk> {
         self.risk
             .iter()
-            .filter(|r| {
+            .zip(&compiled.risk)
+            .filter(|(r, re)| {
                 let v = params.get(&r.parameter);
-                let by_pattern = match (&r.pattern, v) {
-                    (Some(p), Some(Value::String(s))) => regex::RegexBuilder::new(p)
-                        .size_limit(1 << 20)
-                        .build()
-                        .is_ok_and(|re| re.is_match(s)),
+                let by_pattern = match (re, v) {
+                    (Some(re), Some(Value::String(s))) => re.is_match(s),
                     _ => false,
                 };
                 let n = v.and_then(Value::as_f64);
@@ -494,7 +505,7 @@ impl TaskTemplate {
                 });
                 by_pattern || by_range
             })
-            .map(|r| Risk {
+            .map(|(r, _)| Risk {
                 parameter: r.parameter.clone(),
                 note: r.note.clone(),
             })
@@ -656,8 +667,12 @@ mod tests {
             },
         ];
         assert_eq!(t.validate("train", &["offline-code"]), Ok(()));
-        assert!(t.risks(&json!({"epochs": 3, "name": "x"})).is_empty());
-        let r = t.risks(&json!({"epochs": 30, "name": "please DROP  table users"}));
+        let c = t.compile().unwrap();
+        assert!(t.risks(&c, &json!({"epochs": 3, "name": "x"})).is_empty());
+        let r = t.risks(
+            &c,
+            &json!({"epochs": 30, "name": "please DROP  table users"}),
+        );
         let notes: Vec<&str> = r.iter().map(|r| r.note.as_str()).collect();
         assert_eq!(notes, ["a long run", "destructive"]);
         assert_ne!(t.digest("train"), template().digest("train"));

@@ -1,6 +1,6 @@
 //! Approvals: the queue of plans pending approval and a plan's review,
 //! with the approve/deny form. Every read and decision goes through the
-//! broker as the signed-in person (`Broker::list_pending_plans`,
+//! broker as the signed-in person (`Broker::plan_queue`,
 //! `review_plan_in_console`, `decide_plan`): the same policy, audit events
 //! and error codes as `/v1`. A decision is POST-redirect-GET: its outcome
 //! (or the broker's code) comes back to the review page as a query, and
@@ -16,8 +16,8 @@ use serde::Deserialize;
 
 use super::ConsoleState;
 use super::pages::{
-    Notice, Outcome, Page, age, broker_refused as refused, checked_form, ctx, html, scope_text,
-    session_ctx, signed_in, signed_in_returning, span,
+    Notice, Outcome, Page, age, broker_refused as refused, checked_form_returning, ctx, html,
+    scope_text, session_ctx, signed_in, signed_in_returning, span,
 };
 use crate::broker::Code;
 use crate::broker::tasks::reveal::{Piece, Scan, pieces};
@@ -47,13 +47,20 @@ pub struct QueueRow {
     pub left: String,
 }
 
-/// Who asked, in a line: `subject (label)`, or the digest's start.
+/// A person or agent in a line: `subject (label)`, the label left out
+/// when it says nothing more.
+fn named(subject: &str, label: Option<&str>) -> String {
+    match label {
+        Some(l) if l != subject => format!("{subject} ({l})"),
+        _ => subject.to_string(),
+    }
+}
+
+/// Who asked, in a line: [`named`], or the digest's start for plans made
+/// before names were kept.
 fn asked_by(r: Option<&crate::store::plans::Requester>, digest: &str) -> String {
     match r {
-        Some(r) => match &r.label {
-            Some(l) if *l != r.subject => format!("{} ({l})", r.subject),
-            _ => r.subject.clone(),
-        },
+        Some(r) => named(&r.subject, r.label.as_deref()),
         None => short(digest),
     }
 }
@@ -100,10 +107,7 @@ pub struct Compared {
 impl From<&crate::broker::dto::PlanDecision> for DecisionRow {
     fn from(d: &crate::broker::dto::PlanDecision) -> Self {
         Self {
-            who: match &d.label {
-                Some(l) if *l != d.subject => format!("{} ({l})", d.subject),
-                _ => d.subject.clone(),
-            },
+            who: named(&d.subject, d.label.as_deref()),
             tenant: d.tenant.clone(),
             at: d.at.clone(),
             via: d.via.clone(),
@@ -208,7 +212,7 @@ pub async fn queue(State(st): State<ConsoleState>, headers: HeaderMap) -> Respon
         Ok(s) => s,
         Err(r) => return r,
     };
-    let (plans, ended) = match st.broker.list_pending_plans(&who.principal, &ctx()).await {
+    let (plans, ended) = match st.broker.plan_queue(&who.principal, &ctx()).await {
         Ok(v) => v,
         Err(e) => return refused(&who, &e),
     };
@@ -273,7 +277,7 @@ pub async fn pending(State(st): State<ConsoleState>, headers: HeaderMap) -> Resp
         Ok(s) => s,
         Err(r) => return r,
     };
-    match st.broker.list_pending_plans(&who.principal, &ctx()).await {
+    match st.broker.plan_queue(&who.principal, &ctx()).await {
         Ok((plans, _)) => {
             let refs: Vec<String> = plans.into_iter().map(|p| p.plan_ref).collect();
             axum::Json(serde_json::json!({ "pending": refs })).into_response()
@@ -486,12 +490,6 @@ pub struct DecideForm {
 const DRAFT_COOKIE: &str = "__Host-cube-draft";
 const DRAFT_SECONDS: u64 = 1800;
 
-/// A plan ref's shape (nothing else goes into the draft cookie).
-fn plan_shaped(r: &str) -> bool {
-    r.strip_prefix("plan_")
-        .is_some_and(|h| h.len() == 20 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-}
-
 /// The draft cookie's value: the plan and the reason, base64url.
 fn draft_value(plan_ref: &str, reason: &str) -> String {
     use base64::Engine;
@@ -519,25 +517,24 @@ pub async fn decide(
     // A session that ended while the person wrote: to sign in, then back
     // to the plan with what they typed (issue #36).
     let back = format!("/console/plans/{plan_ref}");
-    if let Err(mut r) = signed_in_returning(&st, &headers, Some(&back)).await {
-        let reason = f.reason.trim();
-        if r.status() == StatusCode::SEE_OTHER
-            && plan_shaped(&plan_ref)
-            && !reason.is_empty()
-            && reason.len() <= crate::broker::tasks::MAX_REASON
-            && let Ok(v) = axum::http::HeaderValue::from_str(&super::session::set_cookie(
-                DRAFT_COOKIE,
-                &draft_value(&plan_ref, reason),
-                DRAFT_SECONDS,
-            ))
-        {
-            r.headers_mut().append(axum::http::header::SET_COOKIE, v);
-        }
-        return r;
-    }
-    let who = match checked_form(&st, &headers, &f.csrf, &plan_ref).await {
+    let who = match checked_form_returning(&st, &headers, &f.csrf, &plan_ref, Some(&back)).await {
         Ok(s) => s,
-        Err(r) => return r,
+        Err(r) if r.status() != StatusCode::SEE_OTHER => return r,
+        Err(mut r) => {
+            let reason = f.reason.trim();
+            if crate::broker::leases::valid_ref(&plan_ref, "plan")
+                && !reason.is_empty()
+                && reason.len() <= crate::broker::tasks::MAX_REASON
+                && let Ok(v) = axum::http::HeaderValue::from_str(&super::session::set_cookie(
+                    DRAFT_COOKIE,
+                    &draft_value(&plan_ref, reason),
+                    DRAFT_SECONDS,
+                ))
+            {
+                r.headers_mut().append(axum::http::header::SET_COOKIE, v);
+            }
+            return r;
+        }
     };
     let reason = Some(f.reason.trim()).filter(|r| !r.is_empty());
     let to = match st

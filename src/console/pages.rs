@@ -785,7 +785,19 @@ pub(super) async fn checked_form(
     csrf: &str,
     reference: &str,
 ) -> Result<SignedIn, Response> {
-    let who = signed_in(st, headers).await?;
+    checked_form_returning(st, headers, csrf, reference, None).await
+}
+
+/// [`checked_form`], and someone signed out is sent back to `next` once
+/// they have signed in.
+pub(super) async fn checked_form_returning(
+    st: &ConsoleState,
+    headers: &HeaderMap,
+    csrf: &str,
+    reference: &str,
+    next: Option<&str>,
+) -> Result<SignedIn, Response> {
+    let who = signed_in_returning(st, headers, next).await?;
     if !session::same(&who.csrf, csrf) {
         return Err(form_expired(&who));
     }

@@ -255,7 +255,7 @@ impl Broker {
     /// Mark a plan expired if its time is up (saved with an event). The
     /// expiry is the appliance's doing, recorded as such, whoever's look
     /// noticed it.
-    async fn expire(&self, _p: &Principal, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
+    async fn expire(&self, ctx: &Ctx, plan: &mut Plan) -> Result<bool> {
         if plan.state == PlanState::Expired {
             return Ok(true);
         }

@@ -435,7 +435,7 @@ impl Broker {
                 expires_at: plan.expires_at.clone(),
                 requester: p.subject.clone(),
                 risks: t
-                    .risks(parameters)
+                    .risks(compiled, parameters)
                     .into_iter()
                     .map(|r| format!("{}: {}", r.parameter, r.note))
                     .collect(),
@@ -480,7 +480,7 @@ impl Broker {
     /// recently ended ones ([`RECENT_PLANS`], newest first: approved,
     /// denied, expired or run, with who or what ended them). The same
     /// authorization as `review_plan`; a refusal is audited.
-    pub async fn list_pending_plans(
+    pub async fn plan_queue(
         &self,
         p: &Principal,
         ctx: &Ctx,
@@ -551,7 +551,7 @@ impl Broker {
         ev.task_template = Some(plan.template.clone());
         // `/v1` answers an expired plan with 409 plan_expired; the console
         // shows it, expired, for the record.
-        if self.expire(p, ctx, &mut plan).await? && !with_command {
+        if self.expire(ctx, &mut plan).await? && !with_command {
             return Err(self
                 .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);
@@ -577,7 +577,14 @@ impl Broker {
             _ => None,
         };
         let (risks, previous) = match (&parameters, with_command) {
-            (Some(v), true) => (t.risks(v), self.previous_plan(&plan, &t, v).await?),
+            (Some(v), true) => (
+                self.policy()
+                    .schemas
+                    .get(&plan.template)
+                    .map(|c| t.risks(c, v))
+                    .unwrap_or_default(),
+                self.previous_plan(&plan, &t, v).await?,
+            ),
             _ => (vec![], None),
         };
         let task = match (&plan.task_ref, with_command) {
@@ -693,7 +700,7 @@ impl Broker {
         let mut plan = self.tenant_plan(p, plan_ref)?;
         ev.task_template = Some(plan.template.clone());
         ev.profile = Some(plan.profile.clone());
-        if self.expire(p, ctx, &mut plan).await? {
+        if self.expire(ctx, &mut plan).await? {
             return Err(self
                 .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);

@@ -328,7 +328,14 @@ impl Scan {
                 "words mixing scripts, which may imitate others ({})",
                 self.mixed_script
                     .iter()
-                    .map(|w| pieces(w).into_iter().map(|p| p.text).collect::<String>())
+                    .map(|w| {
+                        let foreign: Vec<String> = w
+                            .chars()
+                            .filter(|c| !c.is_ascii())
+                            .map(|c| format!("U+{:04X}", u32::from(c)))
+                            .collect();
+                        format!("{w} with {}", foreign.join(" "))
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
@@ -408,7 +415,12 @@ mod tests {
         assert_eq!(s.mixed_script, vec!["m\u{0430}in".to_string()]);
         assert!(Scan::of("привет café main-2 x_y").is_clean());
         assert!(Scan::of("plain ascii: rm -rf /tmp/x").is_clean());
-        assert!(s.summary().contains("mixing scripts"), "{}", s.summary());
+        assert!(
+            s.summary()
+                .contains("mixing scripts, which may imitate others (m\u{0430}in with U+0430)"),
+            "{}",
+            s.summary()
+        );
     }
 
     #[test]

@@ -32,7 +32,7 @@ impl Broker {
             self.inner.journal.record(ev).await?;
             return self.task_answer(&t, ctx, true);
         }
-        if self.expire(p, ctx, &mut plan).await? {
+        if self.expire(ctx, &mut plan).await? {
             return Err(self
                 .reject(ev, Error::new(Code::PlanExpired, "the plan has expired"))
                 .await);

@@ -539,6 +539,25 @@ impl Browser {
     }
 }
 
+/// The appliance with the trusted-task templates, an agent of tenant
+/// `acme` that may plan (`agent-a`) and alice, an approver of `acme`.
+async fn approvals_rig() -> (Server, String) {
+    let s = Server::start_with(crate::tasks::configure).await;
+    let agent = s.token(&[
+        "--tenant",
+        "acme",
+        "--subject",
+        "agent-a",
+        "--action",
+        "task:*",
+    ]);
+    user(
+        &s,
+        &["add", "alice", "--tenant", "acme", "--role", "approver"],
+    );
+    (s, agent)
+}
+
 /// A plan's state as /v1 answers it to `token`.
 async fn plan_state(s: &Server, token: &str, plan: &str) -> String {
     let (st, v) = s.get(token, &format!("/v1/task-plans/{plan}")).await;
@@ -579,19 +598,7 @@ fn refusals<'a>(journal: &'a str, action: &str, code: &str) -> Vec<&'a str> {
 /// person cannot approve their own plan.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approvals_queue_review_and_decisions() {
-    let s = Server::start_with(crate::tasks::configure).await;
-    let agent = s.token(&[
-        "--tenant",
-        "acme",
-        "--subject",
-        "agent-a",
-        "--action",
-        "task:*",
-    ]);
-    user(
-        &s,
-        &["add", "alice", "--tenant", "acme", "--role", "approver"],
-    );
+    let (s, agent) = approvals_rig().await;
     user(
         &s,
         &["add", "dora", "--tenant", "acme", "--role", "auditor"],
@@ -946,19 +953,7 @@ async fn the_overview_shows_audit_delivery_to_auditors() {
 /// with their words in the form; the draft is used once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_typed_reason_survives_a_session_that_ended() {
-    let s = Server::start_with(crate::tasks::configure).await;
-    let agent = s.token(&[
-        "--tenant",
-        "acme",
-        "--subject",
-        "agent-a",
-        "--action",
-        "task:*",
-    ]);
-    user(
-        &s,
-        &["add", "alice", "--tenant", "acme", "--role", "approver"],
-    );
+    let (s, agent) = approvals_rig().await;
     let b = Browser::new(&s);
     let plan = plan_word_count(&s, &agent, "draft test").await["plan_ref"]
         .as_str()
