@@ -87,7 +87,7 @@ const PHONE = { width: 390, height: 844 };
 const FOR_DOCS = new Set([
   'sign-in-desktop', 'overview-desktop', 'approvals-desktop', 'plan-review-desktop',
   'task-desktop', 'receipt-verify-desktop', 'audit-desktop', 'leases-desktop', 'identities-desktop',
-  'approvals-phone', 'plan-review-phone', 'overview-dark', 'plan-changed-desktop', 'plan-hidden-desktop',
+  'approvals-phone', 'plan-review-phone', 'overview-dark', 'plan-changed-desktop', 'plan-hidden-desktop', 'confirm-phone',
 ]);
 
 const browser = await chromium.launch({
@@ -565,6 +565,14 @@ try {
     must((await p.locator('h1').innerText()) === 'Identities', 'the Identities page');
     await shots(p, 'identities');
     await save(p, 'identities');
+    // Revoke asks first; Cancel goes back with nothing revoked (issue #36).
+    const revoke = p.getByRole('button', { name: /^Revoke token / }).first();
+    await Promise.all([p.waitForURL(/\/revoke$/), revoke.click()]);
+    must((await p.locator('h1').innerText()) === 'Revoke this identity?', 'Revoke asks first');
+    await shots(p, 'confirm');
+    await save(p, 'confirm');
+    await Promise.all([p.waitForURL(`${BASE}/console/identities`), p.locator('#confirm-cancel').click()]);
+    must((await p.getByRole('button', { name: /^Revoke token / }).count()) >= 1, 'nothing revoked');
     await open(p, '/console/connect', 'connect');
     must((await p.locator('h1').innerText()).startsWith('Connect'), 'the Connect an agent page');
     await shots(p, 'connect');
