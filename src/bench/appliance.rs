@@ -81,14 +81,7 @@ impl Rig {
             },
         ));
         let started = tokio::time::timeout(Duration::from_secs(30), srx).await??;
-        let cafile = std::fs::read(&started.ca_file)?;
-        let http = reqwest::Client::builder()
-            .tls_backend_preconfigured(crate::tls::client_config(Some(&cafile), None)?)
-            .pool_max_idle_per_host(256)
-            .build()?;
-        let admin = std::fs::read_to_string(dir.join("state/admin.token"))?
-            .trim()
-            .to_string();
+        let (http, admin) = super::admin_client(&dir.join("state"), &started.ca_file)?;
         Ok(Self {
             url: started.url,
             http,
@@ -314,7 +307,7 @@ pub async fn sinks(launcher: &Path, iterations: usize) -> anyhow::Result<Report>
     plain.stop().await;
     sunk.stop().await;
     served.abort();
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 
@@ -416,7 +409,7 @@ pub async fn overhead(launcher: &Path, iterations: usize) -> anyhow::Result<Repo
         .push(Summary::of("one durable commit (fsync), idle", &commits));
     rig.direct.kill(&sb.id).await?;
     rig.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 
@@ -452,11 +445,11 @@ pub async fn cycle(
             .insert(format!("cycles/s at {n} agents"), all.len() as f64 / secs);
         report.results.push(s);
     }
-    match Arc::try_unwrap(rig) {
-        Ok(r) => r.stop().await,
-        Err(_) => kill_sandboxes(&dir.join("embedded/sandboxes")),
+    // (Sandboxes a rig still shared leaves are removed with the directory.)
+    if let Ok(r) = Arc::try_unwrap(rig) {
+        r.stop().await;
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 
@@ -562,11 +555,11 @@ pub async fn hot(launcher: &Path, agents: usize, ops_per_agent: usize) -> anyhow
     for sb in sandboxes {
         let _ = rig.direct.kill(&sb.id).await;
     }
-    match Arc::try_unwrap(rig) {
-        Ok(r) => r.stop().await,
-        Err(_) => kill_sandboxes(&dir.join("embedded/sandboxes")),
+    // (Sandboxes a rig still shared leaves are removed with the directory.)
+    if let Ok(r) = Arc::try_unwrap(rig) {
+        r.stop().await;
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 
@@ -606,7 +599,7 @@ pub async fn audit(writers: &[usize], events_per_writer: usize) -> anyhow::Resul
                 &all,
             ));
             drop(store);
-            let _ = std::fs::remove_dir_all(&dir);
+            super::remove_tmp(&dir);
         }
         let g = report
             .figures
@@ -642,13 +635,7 @@ pub async fn memory_and_startup(
     let state = dir.join("state");
     let mut report = Report::new("memory and startup");
     let p = super::ServeProc::start(launcher, &state, &config)?;
-    let ca = std::fs::read(state.join("tls/ca.pem"))?;
-    let http = reqwest::Client::builder()
-        .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
-        .build()?;
-    let admin = std::fs::read_to_string(state.join("admin.token"))?
-        .trim()
-        .to_string();
+    let (http, admin) = super::admin_client(&state, &state.join("tls/ca.pem"))?;
     p.wait_ready(&http, super::READY_DEADLINE).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle = super::rss_kib(p.pid());
@@ -719,8 +706,7 @@ pub async fn memory_and_startup(
         &format!("start to /readyz ready ({leases} sandboxes to re-adopt)"),
         &times,
     ));
-    kill_sandboxes(&state.join("embedded/sandboxes"));
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 
@@ -837,7 +823,7 @@ pub async fn job_output(launcher: &Path, mib: usize, rounds: usize) -> anyhow::R
         total / 1e6 / med(&mut sse_secs),
     );
     rig.stop().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     Ok(report)
 }
 

@@ -47,7 +47,7 @@ pub async fn console(
     let dir = tmpdir();
     std::fs::create_dir_all(&dir)?;
     let r = console_in(launcher, &dir, events, search_events, views, searches).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     r
 }
 

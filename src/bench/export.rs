@@ -183,7 +183,7 @@ pub async fn export(
     let dir = tmpdir();
     std::fs::create_dir_all(&dir)?;
     let result = export_in(launcher, &dir, events, exports, load).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     result
 }
 
@@ -206,13 +206,7 @@ impl Load {
     /// `agents` leases of the `bench` profile, each polled with `stat`
     /// every `LOAD_EVERY`.
     async fn start(url: &str, state: &Path, agents: usize) -> anyhow::Result<Self> {
-        let ca = std::fs::read(state.join("tls/ca.pem"))?;
-        let http = reqwest::Client::builder()
-            .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
-            .build()?;
-        let admin = std::fs::read_to_string(state.join("admin.token"))?
-            .trim()
-            .to_string();
+        let (http, admin) = super::admin_client(state, &state.join("tls/ca.pem"))?;
         let stop = tokio_util::sync::CancellationToken::new();
         let (mut calls, mut leases) = (vec![], vec![]);
         for a in 0..agents {

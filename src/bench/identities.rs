@@ -37,8 +37,7 @@ pub async fn identities(
     let dir = tmpdir();
     std::fs::create_dir_all(&dir)?;
     let r = identities_in(&dir, launcher, tokens, sign_ins, concurrency).await;
-    super::appliance::kill_sandboxes(&dir.join("state/embedded/sandboxes"));
-    let _ = std::fs::remove_dir_all(&dir);
+    super::remove_tmp(&dir);
     r
 }
 

@@ -35,6 +35,41 @@ pub fn memory_kib(pid: u32) -> (u64, u64) {
 }
 
 /// `VmRSS` of a process, in KiB (0 when unreadable).
+/// Remove a bench's temporary directory and whatever its appliance's
+/// sandboxes left there. Sandboxes outlive the appliance by design, and a
+/// sandbox's disk is mounted in this mount namespace: the sandboxes'
+/// processes are killed and every mount below the directory is detached
+/// (deepest first) before it is removed, so no bench leaves a loop device
+/// or a sandbox behind, whether it ended its leases or not.
+pub(crate) fn remove_tmp(dir: &Path) {
+    for sandboxes in [
+        dir.join("embedded/sandboxes"),
+        dir.join("state/embedded/sandboxes"),
+    ] {
+        appliance::kill_sandboxes(&sandboxes);
+    }
+    if let Ok(mounts) = crate::embedded::launch::mounts_at_or_below(dir) {
+        for m in mounts.iter().rev() {
+            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A client of a bench's appliance, trusting its CA (`ca`), and the
+/// admin token `serve` wrote into `state`.
+pub(crate) fn admin_client(state: &Path, ca: &Path) -> anyhow::Result<(reqwest::Client, String)> {
+    let ca = std::fs::read(ca)?;
+    let http = reqwest::Client::builder()
+        .tls_backend_preconfigured(crate::tls::client_config(Some(&ca), None)?)
+        .pool_max_idle_per_host(256)
+        .build()?;
+    let admin = std::fs::read_to_string(state.join("admin.token"))?
+        .trim()
+        .to_string();
+    Ok((http, admin))
+}
+
 pub fn rss_kib(pid: u32) -> u64 {
     memory_kib(pid).0
 }
@@ -283,7 +318,7 @@ pub async fn backend(o: &BackendBench) -> anyhow::Result<Report> {
     let dir = std::env::temp_dir().join(format!("cube-bench-{:016x}", rand::random::<u64>()));
     std::fs::create_dir_all(&dir)?;
     let result = backend_in(o, &dir).await;
-    let _ = std::fs::remove_dir_all(&dir);
+    remove_tmp(&dir);
     result
 }
 

@@ -1131,7 +1131,7 @@ pub const NO_MOUNT_SETATTR_ENV: &str = "CUBE_ADAPTER_NO_MOUNT_SETATTR";
 
 /// The mount points at `dir` and below it in this mount namespace, parents
 /// before their children (`/proc/self/mountinfo`'s order).
-fn mounts_at_or_below(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub(crate) fn mounts_at_or_below(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let info = std::fs::read_to_string("/proc/self/mountinfo")?;
     Ok(info
         .lines()
