@@ -426,6 +426,15 @@ fn bad_yaml_is_refused_with_its_file_and_line() {
     assert!(r.err.contains("bad-profiles.yaml"), "{}", r.err);
     assert!(r.err.contains("line 4"), "{}", r.err);
     assert!(!out.exists(), "nothing is written");
+    // `config import --profiles BAD [--task-templates TASKS] --out OUT`.
+    let import = |tasks: Option<&Path>| {
+        let mut args = vec!["config", "import", "--profiles", bad.to_str().unwrap()];
+        if let Some(t) = tasks {
+            args.extend(["--task-templates", t.to_str().unwrap()]);
+        }
+        args.extend(["--out", out.to_str().unwrap()]);
+        run(&args, dir.path())
+    };
 
     // A string where the reference wants a boolean: refused as well.
     std::fs::write(
@@ -433,17 +442,7 @@ fn bad_yaml_is_refused_with_its_file_and_line() {
         "profiles:\n  offline-code:\n    checkpoints_enabled: \"false\"\n",
     )
     .unwrap();
-    let r = run(
-        &[
-            "config",
-            "import",
-            "--profiles",
-            bad.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        dir.path(),
-    );
+    let r = import(None);
     assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
     assert!(
         r.err.contains(
@@ -458,17 +457,7 @@ fn bad_yaml_is_refused_with_its_file_and_line() {
         "defaults:\n  checkpoints_enabled: \"no\"\nprofiles:\n  offline-code:\n    sandbox_timeout_seconds: 60\n",
     )
     .unwrap();
-    let r = run(
-        &[
-            "config",
-            "import",
-            "--profiles",
-            bad.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        dir.path(),
-    );
+    let r = import(None);
     assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
     assert!(
         r.err.contains(
@@ -496,19 +485,7 @@ fn bad_yaml_is_refused_with_its_file_and_line() {
         ),
     ] {
         std::fs::write(&tasks, text).unwrap();
-        let r = run(
-            &[
-                "config",
-                "import",
-                "--profiles",
-                bad.to_str().unwrap(),
-                "--task-templates",
-                tasks.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            dir.path(),
-        );
+        let r = import(Some(&tasks));
         assert_eq!(r.code, 2, "{}\n{}", r.out, r.err);
         assert!(
             r.err.contains(&format!("bad-tasks.yaml:{line}: task "))
