@@ -11,7 +11,10 @@
 //!
 //! Cursors are written at most once a second per sink (and when the sink
 //! stops), not once per delivery: a crash redelivers at most that second's
-//! events, and a busy journal does not pay a commit per sink per batch.
+//! events, and a busy journal does not pay a commit per sink per batch. A
+//! shutdown lets the sinks catch up with the journal before it stops them
+//! (`Sinks::stop`), and closes the store only after they wrote their
+//! cursors (`app::Running::shutdown`).
 
 pub mod def;
 mod outputs;
@@ -221,9 +224,26 @@ impl Sinks {
         changed
     }
 
-    /// Stop every sink and wait (at most `grace`) for each to write its
-    /// cursor.
+    /// Stop every sink: first let them deliver what the journal holds (for
+    /// up to half of `grace`; a sink that is failing, or a replica's that
+    /// does not hold the background turn, is not waited for: the next
+    /// start delivers from its cursor), then stop them and wait (for the
+    /// rest of `grace`) for each to write its cursor.
     pub async fn stop(&self, grace: Duration) {
+        let until = Instant::now() + grace / 2;
+        let turn = self.store.turn();
+        while *turn.borrow()
+            && Instant::now() < until
+            && self
+                .status()
+                .iter()
+                .any(|s| s.lag > 0 && s.consecutive_failures == 0)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let grace = until
+            .saturating_duration_since(Instant::now())
+            .saturating_add(grace / 2);
         let tasks: Vec<_> = {
             let mut r = self.running();
             std::mem::take(&mut r.workers)

@@ -22,8 +22,10 @@ pub struct Server {
     /// (`embedded.state_dir`, else `STATE/embedded`): its sandboxes are
     /// ended on drop.
     embedded: PathBuf,
+    /// The running appliance's background tasks, by name.
+    pub tasks: Vec<&'static str>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    task: Option<tokio::task::JoinHandle<cube_adapter::app::Shutdown>>,
 }
 
 impl Server {
@@ -68,28 +70,21 @@ impl Server {
             .clone()
             .unwrap_or_else(|| state.join("embedded"));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let (started_tx, started_rx) = std::sync::mpsc::channel();
-        let task = tokio::spawn(cube_adapter::app::serve(
+        let running = cube_adapter::app::start(
             cfg,
             secrets,
             listener,
             PathBuf::from(BIN),
-            move |s| {
-                let _ = started_tx.send(s.clone());
-            },
-            async move {
-                let _ = rx.await;
-            },
-        ));
-        let started = loop {
-            if let Ok(s) = started_rx.try_recv() {
-                break s;
-            }
-            if task.is_finished() {
-                panic!("server failed to start: {:?}", task.await);
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        };
+            cube_adapter::app::Reload::Off,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("server failed to start: {e:#}"));
+        let started = running.started().clone();
+        let tasks = running.task_names();
+        let task = tokio::spawn(async move {
+            let _ = rx.await;
+            running.shutdown().await
+        });
         let ca = std::fs::read(&started.ca_file).unwrap();
         let tls = cube_adapter::tls::client_config(Some(&ca), None).unwrap();
         let http = reqwest::Client::builder()
@@ -107,6 +102,7 @@ impl Server {
             admin,
             state,
             embedded,
+            tasks,
             shutdown: Some(tx),
             task: Some(task),
         }
@@ -118,12 +114,19 @@ impl Server {
 
     /// Stop serving (as `stop`), keeping the state directory until dropped.
     pub async fn halt(&mut self) {
+        let _ = self.shut_down().await;
+    }
+
+    /// Stop serving (as `halt`), with how the shutdown went (`None`: it
+    /// had already been stopped).
+    pub async fn shut_down(&mut self) -> Option<cube_adapter::app::Shutdown> {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        // `serve` closes the store before it returns: the file is free.
-        if let Some(t) = self.task.take() {
-            let _ = t.await;
+        // The shutdown closes the store last: the file is free after it.
+        match self.task.take() {
+            Some(t) => Some(t.await.unwrap()),
+            None => None,
         }
     }
 
