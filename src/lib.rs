@@ -2,6 +2,7 @@
 //!
 //! This library holds everything; `main.rs` only calls `cli::run`.
 
+#![forbid(unsafe_code)]
 #![deny(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -25,7 +26,9 @@ pub mod clock;
 pub mod config;
 pub mod console;
 pub mod cube;
-pub mod embedded;
+/// The embedded backend (`crates/embedded`): its own crate, under the
+/// name the appliance has always used for it.
+pub use cube_embedded as embedded;
 pub mod ids;
 pub mod mcp;
 pub mod metrics;

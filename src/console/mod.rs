@@ -1,5 +1,5 @@
 //! The web console (`/console`): server-rendered pages for approvers,
-//! auditors and admins (design.md, "console/"; `docs/console.md`).
+//! auditors and admins (docs/architecture.md, "Where things live"; `docs/console.md`).
 //!
 //! Templates live in `web/templates/` (askama, compiled in), static assets
 //! in `web/static/` (rust-embed, served under `/console/static/`). Every

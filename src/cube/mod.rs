@@ -4,7 +4,8 @@
 
 pub mod client;
 pub mod envd;
-pub mod wire;
+/// The wire types, shared with the embedded backend (`cube_embedded::wire`).
+pub use cube_embedded::wire;
 
 pub use client::{
     BackendConfig, CubeClient, EnvdVersion, ProxyUrl, Reachability, SandboxAddr, Secret, Timeouts,

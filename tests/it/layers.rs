@@ -1,22 +1,27 @@
 //! Layers point down only: a module may use what is below it, never what is
-//! above (design.md, "Rules learned from the first round").
+//! above (docs/architecture.md, "Layers").
 //!
-//! `cli → app → {api, mcp, admin, console} → broker → {audit, auth} → store`,
-//! with `config`, `cube` and `embedded` between the store and the broker,
-//! and `cube::wire` the only part of `cube` that `embedded` uses (the
-//! embedded backend speaks the wire; it does not use our client).
+//! The appliance: `cli → app → {api, mcp, admin, console} → broker →
+//! {audit, auth} → store`, with `config`, `cube` and `embedded` between the
+//! store and the broker. The embedded backend is a crate of its own
+//! (`crates/embedded`, `cube_embedded`, named `embedded` in the appliance):
+//! cargo keeps it from using the appliance at all, and its own modules are
+//! ranked too, from the system calls up to the HTTP service.
 //!
-//! The test reads every `crate::…` path under `src/` (and `cube_adapter::…`
-//! in `main.rs`), maps it to the top-level module it names, and checks each
-//! edge against the ranks below. The edges still to be cut are listed in
-//! `KNOWN`: the test fails when a new upward edge appears *and* when a known
-//! one is gone, so the list only ever shrinks.
+//! The test reads every `crate::…` path (and, in the embedded crate's
+//! top-level files, `super::…`; in `main.rs`, `cube_adapter::…`), maps it to
+//! the top-level module it names, and checks each edge against the ranks
+//! below. The edges still to be cut are listed in `KNOWN`: the test fails
+//! when a new upward edge appears *and* when a known one is gone, so the
+//! list only ever shrinks.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// Higher uses lower. Equal ranks may not use each other.
 const RANKS: &[(&str, u32)] = &[
+    // `cube_embedded::wire`: CubeAPI and envd messages (`cube::wire`).
+    ("wire", 0),
     ("clock", 0),
     ("ids", 0),
     ("telemetry", 0),
@@ -53,8 +58,31 @@ const RANKS: &[(&str, u32)] = &[
 /// Upward edges that exist today and are to be cut (issue 13).
 const KNOWN: &[(&str, &str)] = &[];
 
-fn rank(m: &str) -> Option<u32> {
-    RANKS.iter().find(|(n, _)| *n == m).map(|(_, r)| *r)
+/// The embedded backend's modules (`crates/embedded/src`): higher uses
+/// lower, equal ranks may not use each other; the crate root (`lib.rs`)
+/// serves them all.
+const EMBEDDED_RANKS: &[(&str, u32)] = &[
+    ("clock", 0),
+    ("error", 0),
+    ("seccomp", 0),
+    ("sys", 0),
+    ("templates", 0),
+    ("tree", 0),
+    ("wire", 0),
+    ("egress", 1),
+    ("envd", 1),
+    ("subids", 1),
+    ("launch", 2),
+    ("cgroup", 3),
+    ("disk", 3),
+    ("procs", 4),
+    ("volumes", 4),
+    ("sandbox", 5),
+    ("proxy", 6),
+];
+
+fn rank_in(ranks: &[(&str, u32)], m: &str) -> Option<u32> {
+    ranks.iter().find(|(n, _)| *n == m).map(|(_, r)| *r)
 }
 
 /// The top-level modules a source text names through `prefix` (`crate` or
@@ -116,16 +144,22 @@ fn walk(dir: &Path, files: &mut Vec<std::path::PathBuf>) {
     }
 }
 
-#[test]
-fn layers_point_down_only() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+/// Edges `(from, to)` with the files that make them.
+type Edges = BTreeMap<(String, String), BTreeSet<String>>;
+
+/// The upward edges of the crate under `src` (`from -> to (in files)`),
+/// and the modules without a rank.
+fn upward_edges(
+    src: &Path,
+    ranks: &[(&str, u32)],
+    extra: impl Fn(&str, &Path, &str) -> Vec<(String, String)>,
+) -> (Edges, BTreeSet<String>) {
     let mut files = vec![];
-    walk(&src, &mut files);
-    let mut edges: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    walk(src, &mut files);
+    let mut edges = Edges::new();
     let mut unranked = BTreeSet::new();
-    let mut wire_only = vec![];
     for f in &files {
-        let rel = f.strip_prefix(&src).unwrap();
+        let rel = f.strip_prefix(src).unwrap();
         let top = rel
             .components()
             .next()
@@ -139,46 +173,53 @@ fn layers_point_down_only() {
         }
         let text = std::fs::read_to_string(f).unwrap();
         let mut found = uses(&text, "crate");
-        if top == "main" {
-            found.extend(uses(&text, "cube_adapter"));
-        }
-        for (to, second) in found {
+        found.extend(extra(&top, rel, &text));
+        for (to, _) in found {
             if to == top || to.is_empty() {
                 continue;
             }
-            if rank(&top).is_none() {
-                unranked.insert(top.clone());
+            for m in [&top, &to] {
+                if rank_in(ranks, m).is_none() {
+                    unranked.insert(m.clone());
+                }
             }
-            if rank(&to).is_none() {
-                unranked.insert(to.clone());
+            let (Some(rf), Some(rt)) = (rank_in(ranks, &top), rank_in(ranks, &to)) else {
+                continue;
+            };
+            if rf <= rt {
+                edges
+                    .entry((top.clone(), to))
+                    .or_default()
+                    .insert(rel.display().to_string());
             }
-            if top == "embedded" && to == "cube" && second != "wire" {
-                wire_only.push(format!("{} uses cube::{second}", rel.display()));
-            }
-            edges
-                .entry((top.clone(), to))
-                .or_default()
-                .insert(rel.display().to_string());
         }
     }
+    (edges, unranked)
+}
+
+#[test]
+fn layers_point_down_only() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (upward, unranked) = upward_edges(&src, RANKS, |top, _, text| {
+        let mut v = vec![];
+        if top == "main" {
+            v.extend(uses(text, "cube_adapter"));
+        }
+        // The embedded crate by its own name counts as `embedded`, but
+        // for its wire types, which sit below everything that speaks them.
+        v.extend(uses(text, "cube_embedded").into_iter().map(|(m, _)| {
+            let m = if m == "wire" { "wire" } else { "embedded" };
+            (m.to_string(), String::new())
+        }));
+        v
+    });
     assert!(
         unranked.is_empty(),
         "modules without a rank in RANKS: {unranked:?}"
     );
-    assert!(
-        wire_only.is_empty(),
-        "embedded uses cube beyond cube::wire: {wire_only:?}"
-    );
-    let mut upward = BTreeMap::new();
-    for ((from, to), where_) in &edges {
-        let (rf, rt) = (rank(from).unwrap(), rank(to).unwrap());
-        if rf <= rt {
-            upward.insert((from.as_str(), to.as_str()), where_);
-        }
-    }
     let new: Vec<String> = upward
         .iter()
-        .filter(|(e, _)| !KNOWN.contains(e))
+        .filter(|((f, t), _)| !KNOWN.contains(&(f.as_str(), t.as_str())))
         .map(|((f, t), w)| format!("{f} -> {t} (in {w:?})"))
         .collect();
     assert!(
@@ -186,11 +227,54 @@ fn layers_point_down_only() {
         "a lower layer uses a higher one:\n  {}",
         new.join("\n  ")
     );
-    let gone: Vec<_> = KNOWN.iter().filter(|e| !upward.contains_key(*e)).collect();
+    let gone: Vec<_> = KNOWN
+        .iter()
+        .filter(|(f, t)| !upward.contains_key(&(f.to_string(), t.to_string())))
+        .collect();
     assert!(
         gone.is_empty(),
         "these edges are cut: remove them from KNOWN: {gone:?}"
     );
+}
+
+/// The embedded crate: its modules point down only, and nothing in it
+/// names the appliance (cargo would refuse a dependency on it; this keeps
+/// a path in a comment or a string from pretending otherwise).
+#[test]
+fn the_embedded_crate_points_down_only() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/embedded/src");
+    let (upward, unranked) = upward_edges(&src, EMBEDDED_RANKS, |_, rel, text| {
+        // In a top-level file `super::` is the crate root (but in its
+        // tests, the file's own module).
+        if rel.components().count() == 1 {
+            uses(text.split("#[cfg(test)]").next().unwrap_or(text), "super")
+        } else {
+            vec![]
+        }
+    });
+    assert!(
+        unranked.is_empty(),
+        "modules without a rank in EMBEDDED_RANKS: {unranked:?}"
+    );
+    let up: Vec<String> = upward
+        .iter()
+        .map(|((f, t), w)| format!("{f} -> {t} (in {w:?})"))
+        .collect();
+    assert!(
+        up.is_empty(),
+        "a lower layer of the embedded crate uses a higher one:\n  {}",
+        up.join("\n  ")
+    );
+    let mut files = vec![];
+    walk(&src, &mut files);
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        assert!(
+            !text.contains("cube_adapter"),
+            "{} names the appliance",
+            f.display()
+        );
+    }
 }
 
 #[test]

@@ -35,11 +35,14 @@ pub struct Imported {
     pub skipped: u64,
 }
 
+/// The host's whole root, read-only.
+pub const HOST_TEMPLATE: &str = "host";
+/// The default template: of the host's root, only programs, libraries and
+/// a filtered `/etc` (`launch::MINIMAL_TOP`, `launch::MINIMAL_ETC`).
+pub const MINIMAL_TEMPLATE: &str = "minimal";
+
 /// Names the built-in templates have.
-pub const BUILT_IN: &[&str] = &[
-    super::sandbox::MINIMAL_TEMPLATE,
-    super::sandbox::HOST_TEMPLATE,
-];
+pub const BUILT_IN: &[&str] = &[MINIMAL_TEMPLATE, HOST_TEMPLATE];
 
 /// A template name: 1 to 63 of `a-z 0-9 . _ -`, starting with a letter or
 /// digit, not a built-in one.

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 
 use super::envd::MAX_UPLOAD;
 use super::sandbox::{Manager, RouteError};
-use crate::cube::wire::ENVD_PORT;
+use crate::wire::ENVD_PORT;
 
 /// Parse a data-plane Host: `^(\d+)-([A-Za-z0-9_-]+)(\.|:|$)`.
 pub fn parse_host(host: &str) -> Option<(u16, &str)> {

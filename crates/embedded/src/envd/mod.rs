@@ -22,7 +22,7 @@ use tokio::io::AsyncWriteExt;
 
 use self::process::{Attached, Processes};
 use self::rpc::RpcError;
-use crate::cube::wire::{
+use crate::wire::{
     self, EntryResponse, EventEnvelope, ListDirRequest, ListDirResponse, ListResponse, MoveRequest,
     PathRequest, ProcessEvent, SelectorRequest, SendInputRequest, SendSignalRequest, StartRequest,
     UpdateRequest,
@@ -75,7 +75,7 @@ async fn older_envd(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    use crate::cube::wire::EnvdVersion;
+    use crate::wire::EnvdVersion;
     let Some(v) = a.procs.env().envd_version else {
         return next.run(req).await;
     };

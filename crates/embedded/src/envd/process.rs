@@ -23,11 +23,11 @@ use tokio::sync::mpsc;
 
 use super::rpc::RpcError;
 use super::users::{self, User};
-use crate::cube::wire::{
+use crate::sys;
+use crate::wire::{
     DataEvent, EndEvent, ProcessConfig, ProcessEvent, ProcessInfo, ProcessSelector, Pty,
     StartRequest,
 };
-use crate::embedded::sys;
 
 /// Chunk sizes envd uses.
 const STD_CHUNK: usize = 32 * 1024;
@@ -50,7 +50,7 @@ pub struct AgentEnv {
     /// (otherwise: the whole process group, and a normal `end` event).
     pub faithful: bool,
     /// Refuse what this older envd version refuses.
-    pub envd_version: Option<crate::cube::wire::EnvdVersion>,
+    pub envd_version: Option<crate::wire::EnvdVersion>,
 }
 
 impl AgentEnv {
@@ -680,7 +680,7 @@ pub fn end_event(st: std::process::ExitStatus) -> EndEvent {
         }
     } else {
         let sig = st.signal().unwrap_or(0);
-        let s = format!("signal: {}", crate::cube::wire::signal_name(sig));
+        let s = format!("signal: {}", crate::wire::signal_name(sig));
         EndEvent {
             exit_code: Some(-1),
             exited: false,

@@ -9,7 +9,7 @@ use time::format_description::well_known::Rfc3339;
 
 use super::rpc::RpcError;
 use super::users::{Names, User};
-use crate::cube::wire::{EntryInfo, FILE_TYPE_DIRECTORY, FILE_TYPE_FILE, FILE_TYPE_UNSPECIFIED};
+use crate::wire::{EntryInfo, FILE_TYPE_DIRECTORY, FILE_TYPE_FILE, FILE_TYPE_UNSPECIFIED};
 
 /// `-rw-r--r--` style permissions (Go's `FileMode.String()` for the bits we
 /// report; symlinks start with `L`).

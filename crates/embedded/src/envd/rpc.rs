@@ -10,7 +10,7 @@ use futures_util::Stream;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cube::wire::{self, ConnectError, EnvelopeDecoder};
+use crate::wire::{self, ConnectError, EnvelopeDecoder};
 
 /// A Connect error: a code string and a message.
 #[derive(Debug, Clone)]

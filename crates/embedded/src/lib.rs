@@ -6,10 +6,15 @@
 //! `launch.rs`): good for a single host, evaluation and tests; production
 //! uses CubeSandbox MicroVMs.
 
+// Handlers return `Result<_, Response>` to short-circuit with a ready answer.
+#![allow(clippy::result_large_err)]
+
 pub mod cgroup;
+pub mod clock;
 pub mod disk;
 pub mod egress;
 pub mod envd;
+pub mod error;
 pub mod launch;
 pub mod procs;
 pub mod proxy;
@@ -20,6 +25,7 @@ pub mod sys;
 pub mod templates;
 pub mod tree;
 pub mod volumes;
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,7 +41,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use self::sandbox::{BackendError, Manager};
-use crate::cube::wire::{
+use crate::wire::{
     ApiErrorBody, CreateSandbox, CreateVolume, RefreshBody, RollbackBody, SnapshotBody, TimeoutBody,
 };
 
@@ -438,7 +444,7 @@ async fn delete_template(
 }
 
 fn check_volume_id(id: &str) -> Result<(), Response> {
-    if crate::cube::wire::valid_volume_id(id) {
+    if crate::wire::valid_volume_id(id) {
         Ok(())
     } else {
         Err(bad_request(format!(

@@ -105,7 +105,7 @@ pub struct LaunchSpec {
     pub mask: Vec<PathBuf>,
     /// Volumes bound into the sandbox (`volumes.rs`), after the masks.
     #[serde(default)]
-    pub volumes: Vec<super::volumes::VolumeBind>,
+    pub volumes: Vec<VolumeBind>,
     /// The backend's heartbeat file (`HEARTBEAT_FILE`), which the init
     /// watches (see `Watch`). None: no watchdog (older specs).
     #[serde(default)]
@@ -116,6 +116,15 @@ pub struct LaunchSpec {
     /// envd stands in for this (older) version (see `sandbox::Faithful`).
     #[serde(default)]
     pub envd_version: Option<String>,
+}
+
+/// What the launcher binds: a volume's `data/` at `target`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeBind {
+    pub id: String,
+    pub source: PathBuf,
+    pub target: PathBuf,
+    pub read_only: bool,
 }
 
 impl LaunchSpec {
@@ -680,7 +689,7 @@ fn agent_env(spec: &LaunchSpec, none_dir: Option<&Path>) -> AgentEnv {
         envd_version: spec
             .envd_version
             .as_deref()
-            .map(|v| crate::cube::wire::EnvdVersion::parse(Some(v))),
+            .map(|v| crate::wire::EnvdVersion::parse(Some(v))),
     }
 }
 
@@ -1046,7 +1055,7 @@ fn minimal_etc(src: &Path, dst: &Path, egress: bool) -> anyhow::Result<()> {
 /// that exists must be a directory, never a link (nothing of the sandbox
 /// runs yet, so nothing changes them meanwhile). Read-only if asked;
 /// nosuid and nodev always.
-fn bind_volume(nr: &Path, fd: &OwnedFd, v: &super::volumes::VolumeBind) -> anyhow::Result<()> {
+fn bind_volume(nr: &Path, fd: &OwnedFd, v: &VolumeBind) -> anyhow::Result<()> {
     use anyhow::Context;
     use std::path::Component;
     let mut at = nr.to_path_buf();
@@ -1131,7 +1140,7 @@ pub const NO_MOUNT_SETATTR_ENV: &str = "CUBE_ADAPTER_NO_MOUNT_SETATTR";
 
 /// The mount points at `dir` and below it in this mount namespace, parents
 /// before their children (`/proc/self/mountinfo`'s order).
-pub(crate) fn mounts_at_or_below(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub fn mounts_at_or_below(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let info = std::fs::read_to_string("/proc/self/mountinfo")?;
     Ok(info
         .lines()

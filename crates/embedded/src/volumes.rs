@@ -27,10 +27,10 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use super::sandbox::BackendError;
 use super::tree;
-use crate::cube::wire::{self, CreateVolume, VolumeMount};
-use crate::ids::random_hex;
+use crate::clock::random_hex;
+use crate::error::BackendError;
+use crate::wire::{self, CreateVolume, VolumeMount};
 
 /// The volumes' directory in the state directory.
 pub const DIR: &str = "volumes";
@@ -78,14 +78,8 @@ impl VolumeMeta {
     }
 }
 
-/// What the launcher binds: a volume's `data/` at `target`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct VolumeBind {
-    pub id: String,
-    pub source: PathBuf,
-    pub target: PathBuf,
-    pub read_only: bool,
-}
+/// What the launcher binds (`launch::VolumeBind`).
+pub use crate::launch::VolumeBind;
 
 /// How a volume's files move between slices (see `tree::Reslice`).
 #[derive(Debug, Clone, Copy)]
