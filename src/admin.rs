@@ -18,7 +18,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use crate::auth::users::UserAnswer;
 use crate::auth::{self, Authenticator, OpError, Principal, TokenRecord};
 use crate::store::Store;
-use crate::store::event::Event;
+use crate::store::event::{Action, Event, Outcome};
 use crate::tls::CertInfo;
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -305,35 +305,39 @@ pub enum Actor<'a> {
 /// What an identity request changes, for its audit event: the action, the
 /// affected identity (a token or certificate id, a user's name) and its
 /// tenant when known.
-fn what(req: &Request) -> Option<(&'static str, Option<String>, Option<String>)> {
+fn what(req: &Request) -> Option<(Action, Option<String>, Option<String>)> {
     use crate::auth::users::UserOp;
     Some(match req {
         Request::TokenCreate { principal, .. } => {
-            ("token_create", None, Some(principal.tenant.clone()))
+            (Action::TokenCreate, None, Some(principal.tenant.clone()))
         }
-        Request::TokenRevoke { id } => ("token_revoke", Some(auth::token_id(id).to_string()), None),
+        Request::TokenRevoke { id } => (
+            Action::TokenRevoke,
+            Some(auth::token_id(id).to_string()),
+            None,
+        ),
         Request::CertIdentityCreate { record } => (
-            "cert_identity_create",
+            Action::CertIdentityCreate,
             Some(record.id.clone()),
             Some(record.principal.tenant.clone()),
         ),
         Request::User { op } => match op {
             UserOp::Add { principal, .. } => (
-                "user_add",
+                Action::UserAdd,
                 Some(principal.subject.clone()),
                 Some(principal.tenant.clone()),
             ),
-            UserOp::Passwd { name, .. } => ("user_passwd", Some(name.clone()), None),
+            UserOp::Passwd { name, .. } => (Action::UserPasswd, Some(name.clone()), None),
             UserOp::SetDisabled { name, disabled } => (
                 if *disabled {
-                    "user_disable"
+                    Action::UserDisable
                 } else {
-                    "user_enable"
+                    Action::UserEnable
                 },
                 Some(name.clone()),
                 None,
             ),
-            UserOp::Remove { name } => ("user_remove", Some(name.clone()), None),
+            UserOp::Remove { name } => (Action::UserRemove, Some(name.clone()), None),
             UserOp::List => return None,
         },
         _ => return None,
@@ -349,7 +353,7 @@ fn what(req: &Request) -> Option<(&'static str, Option<String>, Option<String>)>
 pub(crate) fn identity_event(
     j: &crate::audit::Journal,
     actor: Actor<'_>,
-    action: &str,
+    action: Action,
     target: Option<&str>,
     tenant: Option<&str>,
 ) -> Event {
@@ -390,7 +394,7 @@ pub async fn identity(
 ) -> Result<Response, OpError> {
     let what = what(&req);
     // A token's id is made with it: its event is completed there.
-    let ev = match (journal, &what) {
+    let ev = match (journal, what) {
         (Some(j), Some((action, target, tenant))) => Some(identity_event(
             j,
             actor,
@@ -406,7 +410,7 @@ pub async fn identity(
     if let (Err(e), Some(j), Some(mut ev)) = (&r, journal, ev)
         && !REFUSED_IN_TXN.contains(&e.code)
     {
-        ev.outcome = "rejected".into();
+        ev.outcome = Outcome::Rejected;
         ev.error_code = Some(e.code.to_string());
         if let Err(err) = j.record(ev).await {
             tracing::warn!(error = %err, "a refused identity change was not audited");
@@ -642,7 +646,7 @@ mod tests {
                     chain.append(
                         txn,
                         Event {
-                            action: format!("a{i}"),
+                            request_id: Some(format!("a{i}")),
                             ..Default::default()
                         },
                     )?;
@@ -677,7 +681,7 @@ mod tests {
                 match line {
                     Response::AuditEvent { event } if k < want => {
                         assert_eq!(event.seq, first + k);
-                        assert_eq!(event.action, format!("a{}", first + k - 1));
+                        assert_eq!(event.request_id, Some(format!("a{}", first + k - 1)));
                     }
                     Response::AuditCount { count } if k == want => assert_eq!(*count, want),
                     _ => panic!("line {k} of the export from {since}"),

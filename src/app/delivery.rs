@@ -3,6 +3,7 @@
 //! revocations that other replicas made.
 
 use super::Tasks;
+use crate::audit::event::{Action, Outcome};
 use crate::auth::Authenticator;
 use crate::broker::Broker;
 use crate::config::Config;
@@ -82,8 +83,8 @@ async fn audit_blocks(
                 None => return,
             },
         };
-        let mut ev = journal.event("sign_in_throttled");
-        ev.outcome = "rejected".into();
+        let mut ev = journal.event(Action::SignInThrottled);
+        ev.outcome = Outcome::Rejected;
         ev.error_code = Some("sign_in_throttled".into());
         ev.identity_digest = match &b.credential {
             Some(Credential::Token(id)) => Some(journal.digest("token_id", id.as_bytes())),

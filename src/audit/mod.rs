@@ -22,7 +22,7 @@ use std::time::Instant;
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 
-use self::event::{Event, GENESIS};
+use self::event::{Action, Event, GENESIS, Outcome, Phase};
 use crate::store::{Store, StoreError, journal};
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
@@ -84,7 +84,7 @@ pub struct Intent {
 
 impl Intent {
     /// The action the intent is for.
-    pub fn action(&self) -> &str {
+    pub fn action(&self) -> &Action {
         &self.base.action
     }
 }
@@ -204,11 +204,11 @@ impl Journal {
     }
 
     /// A new event with id and timestamp.
-    pub fn event(&self, action: &str) -> Event {
+    pub fn event(&self, action: Action) -> Event {
         Event {
             event_id: new_id(),
             ts: self.clock.text(),
-            action: action.into(),
+            action,
             ..Default::default()
         }
     }
@@ -219,8 +219,8 @@ impl Journal {
         let op = new_id();
         base.operation_id = Some(op.clone());
         let mut ev = base.clone();
-        ev.phase = "intent".into();
-        ev.outcome = "pending".into();
+        ev.phase = Phase::Intent;
+        ev.outcome = Outcome::Pending;
         let op2 = op.clone();
         let r = self
             .store
@@ -250,15 +250,15 @@ impl Journal {
     pub async fn outcome<T: Send + 'static>(
         &self,
         intent: Intent,
-        outcome: &str,
+        outcome: Outcome,
         fill: impl FnOnce(&mut Event),
         state: impl FnOnce(&crate::store::Wx) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, AuditError> {
         let mut ev = intent.base.clone();
         ev.event_id = new_id();
         ev.ts = self.clock.text();
-        ev.phase = "outcome".into();
-        ev.outcome = outcome.into();
+        ev.phase = Phase::Outcome;
+        ev.outcome = outcome.clone();
         let took = intent.started.elapsed();
         ev.duration_ms = Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
         fill(&mut ev);
@@ -291,7 +291,7 @@ impl Journal {
         // that cannot be written.
         let settled = recorded
             && matches!(e, StoreError::Refused(_))
-            && self.settle_unrecorded(&intent, outcome).await.is_ok();
+            && self.settle_unrecorded(&intent, &outcome).await.is_ok();
         if !settled && self.mode == AuditMode::Required {
             self.blocked.store(true, Ordering::SeqCst);
         }
@@ -310,12 +310,12 @@ impl Journal {
     /// nothing but the intent's own fields (which the store took once). An
     /// intent no longer pending (its outcome committed after all) is left
     /// alone.
-    async fn settle_unrecorded(&self, intent: &Intent, meant: &str) -> Result<(), StoreError> {
+    async fn settle_unrecorded(&self, intent: &Intent, meant: &Outcome) -> Result<(), StoreError> {
         let mut ev = intent.base.clone();
         ev.event_id = new_id();
         ev.ts = self.clock.text();
-        ev.phase = "outcome".into();
-        ev.outcome = "uncertain".into();
+        ev.phase = Phase::Outcome;
+        ev.outcome = Outcome::Uncertain;
         ev.error_code = Some(format!("unrecorded:{meant}"));
         let took = intent.started.elapsed();
         ev.duration_ms = Some(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
@@ -333,8 +333,8 @@ impl Journal {
 
     /// A single-step event (a rejection, a read-only action).
     pub async fn record(&self, mut ev: Event) -> Result<(), AuditError> {
-        if ev.phase.is_empty() {
-            ev.phase = "event".into();
+        if ev.phase == Phase::Blank {
+            ev.phase = Phase::Event;
         }
         self.observe(&ev, None);
         let r = self
@@ -473,7 +473,7 @@ impl Journal {
         mut ev: Event,
         persist: impl FnOnce(&crate::store::Wx) -> Result<(), StoreError> + Send + 'static,
     ) -> Result<(), AuditError> {
-        ev.phase = "outcome".into();
+        ev.phase = Phase::Outcome;
         ev.operation_id = Some(operation_id.to_string());
         let op = operation_id.to_string();
         self.store
@@ -520,9 +520,9 @@ pub async fn reconcile(
             .store
             .read_now(|txn| journal::event(txn, seq)?.ok_or(StoreError::NotFound))
             .map_err(|e| e.to_string())?;
-        let mut ev = journal.event("audit_reconcile");
-        ev.phase = "outcome".into();
-        ev.outcome = "reconciled".into();
+        let mut ev = journal.event(Action::AuditReconcile);
+        ev.phase = Phase::Outcome;
+        ev.outcome = Outcome::Reconciled;
         ev.operation_id = Some(op.clone());
         ev.runtime = Some("admin".into());
         ev.lease_ref = intent.lease_ref.clone();
@@ -564,14 +564,14 @@ mod tests {
         let store = Store::open(dir.path()).unwrap();
         let j = Journal::open(store.clone(), AuditMode::Required, vec![7; 32]).unwrap();
 
-        let intent = j.intent(j.event("exec")).await.unwrap();
+        let intent = j.intent(j.event(Action::Exec)).await.unwrap();
         let op = intent.operation_id.clone();
         // A write the store refused and undid alone (what the PostgreSQL
         // store answers for a statement it refuses: its savepoint).
         let r = j
             .outcome(
                 intent,
-                "ok",
+                Outcome::Ok,
                 |_| {},
                 |_| Err::<(), _>(StoreError::Refused("refused".into())),
             )
@@ -589,23 +589,25 @@ mod tests {
             .unwrap();
         assert_eq!(last.operation_id.as_deref(), Some(op.as_str()));
         assert_eq!(
-            (last.phase.as_str(), last.outcome.as_str()),
-            ("outcome", "uncertain")
+            (last.phase, last.outcome),
+            (Phase::Outcome, Outcome::Uncertain)
         );
         assert_eq!(last.error_code.as_deref(), Some("unrecorded:ok"));
         assert_eq!(verify(&store).unwrap().events, 2);
 
         // The next effect goes through as usual.
-        let intent = j.intent(j.event("exec")).await.unwrap();
-        j.outcome(intent, "ok", |_| {}, |_| Ok(())).await.unwrap();
+        let intent = j.intent(j.event(Action::Exec)).await.unwrap();
+        j.outcome(intent, Outcome::Ok, |_| {}, |_| Ok(()))
+            .await
+            .unwrap();
 
         // A state change that failed part way (redb has no per-write undo:
         // what it wrote may stay): not settled, it blocks.
-        let intent = j.intent(j.event("exec")).await.unwrap();
+        let intent = j.intent(j.event(Action::Exec)).await.unwrap();
         let r = j
             .outcome(
                 intent,
-                "ok",
+                Outcome::Ok,
                 |_| {},
                 |_| Err::<(), _>(StoreError::Conflict("half done".into())),
             )
@@ -615,9 +617,9 @@ mod tests {
         j.blocked.store(false, Ordering::SeqCst);
 
         // The store itself fails: the outcome is lost, and that blocks.
-        let intent = j.intent(j.event("exec")).await.unwrap();
+        let intent = j.intent(j.event(Action::Exec)).await.unwrap();
         store.close().await;
-        let r = j.outcome(intent, "ok", |_| {}, |_| Ok(())).await;
+        let r = j.outcome(intent, Outcome::Ok, |_| {}, |_| Ok(())).await;
         assert!(r.is_err());
         assert!(matches!(j.check(), Err(AuditError::Blocked)));
     }

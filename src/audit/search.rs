@@ -212,12 +212,22 @@ pub fn parse_time(s: &str) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audit::event::{Action, Outcome};
     use crate::store::Store;
+
+    /// The five actions the test journal cycles through.
+    const ACTIONS: [Action; 5] = [
+        Action::Exec,
+        Action::Read,
+        Action::Write,
+        Action::List,
+        Action::Stat,
+    ];
 
     /// Which events a query must find.
     type Want = Box<dyn Fn(&Event) -> bool>;
 
-    /// 300 events: tenant i%3, action i%5, outcome ok unless i%7==0, one
+    /// 300 events: tenant i%3, action `ACTIONS[i%5]`, outcome ok unless i%7==0, one
     /// minute apart from 2026-01-01T00:00Z; request id `r{i}`.
     async fn store() -> (tempfile::TempDir, Store, Vec<Event>) {
         let dir = tempfile::tempdir().unwrap();
@@ -225,8 +235,12 @@ mod tests {
         let mut all = vec![];
         for i in 0..300u64 {
             let e = Event {
-                action: format!("a{}", i % 5),
-                outcome: if i % 7 == 0 { "error" } else { "ok" }.into(),
+                action: ACTIONS[i as usize % 5].clone(),
+                outcome: if i % 7 == 0 {
+                    Outcome::Error
+                } else {
+                    Outcome::Ok
+                },
                 tenant_digest: Some(format!("t{}", i % 3)),
                 request_id: Some(format!("r{i}")),
                 ts: rfc(1_767_225_600 + i as i64 * 60),
@@ -295,12 +309,12 @@ mod tests {
             (
                 Query::default()
                     .with(Field::Tenant, "t2")
-                    .with(Field::Action, "a3")
+                    .with(Field::Action, "list")
                     .with(Field::Outcome, "error"),
                 Box::new(|e| {
                     e.tenant_digest.as_deref() == Some("t2")
-                        && e.action == "a3"
-                        && e.outcome == "error"
+                        && e.action == Action::List
+                        && e.outcome == Outcome::Error
                 }),
             ),
             (
@@ -341,8 +355,8 @@ mod tests {
     async fn late_stamped_events_are_found_by_their_time() {
         let (_d, store, _) = store().await;
         let late = Event {
-            action: "late".into(),
-            outcome: "ok".into(),
+            action: Action::Exec,
+            outcome: Outcome::Ok,
             ts: rfc(1_767_225_600 + 5 * 60 + 10),
             ..Default::default()
         };

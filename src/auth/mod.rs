@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest;
 use subtle::ConstantTimeEq;
 
+use crate::store::event::{Outcome, Phase};
 use crate::store::typed::{self, ReadOps};
 use crate::store::{Store, StoreError, tables};
 
@@ -465,8 +466,12 @@ pub(crate) fn append_audit(
     refused: Option<&str>,
 ) -> Result<(), StoreError> {
     if let Some(mut ev) = ev {
-        ev.phase = "event".into();
-        ev.outcome = if refused.is_some() { "rejected" } else { "ok" }.into();
+        ev.phase = Phase::Event;
+        ev.outcome = if refused.is_some() {
+            Outcome::Rejected
+        } else {
+            Outcome::Ok
+        };
         ev.error_code = refused.map(str::to_string);
         chain.append(txn, ev)?;
     }
@@ -1573,17 +1578,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let clock = crate::clock::Clock::System;
-        let ev = |a: &str| {
+        use crate::store::event::Action;
+        let ev = |action: Action| {
             Some(crate::store::event::Event {
-                action: a.into(),
+                action,
                 ..Default::default()
             })
         };
-        let found = revoke_token_audited(&store, "0123456789ab", &clock, ev("token_revoke"));
+        let found = revoke_token_audited(&store, "0123456789ab", &clock, ev(Action::TokenRevoke));
         assert!(!found.await.unwrap());
         let (_t, rec) = new_token(p(&["*"]), None, &clock).unwrap();
         let id = rec.id().to_string();
-        store_token_audited(&store, rec, ev("token_create"))
+        store_token_audited(&store, rec, ev(Action::TokenCreate))
             .await
             .unwrap();
         assert!(revoke_token(&store, &id, &clock).await.unwrap());
@@ -1591,13 +1597,18 @@ mod tests {
             name: "nobody".into(),
             disabled: true,
         };
-        let e = users::user_op_audited(&store, op, &clock, ev("user_disable")).await;
+        let e = users::user_op_audited(&store, op, &clock, ev(Action::UserDisable)).await;
         assert_eq!(e.unwrap_err().code, "user_not_found");
         let mut got = vec![];
         store
             .read_now(|txn| {
                 crate::store::journal::for_each_event(txn, 1, |_, e| {
-                    got.push((e.action, e.outcome, e.error_code, e.phase));
+                    got.push((
+                        e.action.to_string(),
+                        e.outcome.to_string(),
+                        e.error_code,
+                        e.phase.to_string(),
+                    ));
                     Ok(())
                 })
             })

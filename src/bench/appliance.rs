@@ -395,7 +395,8 @@ pub async fn overhead(launcher: &Path, iterations: usize) -> anyhow::Result<Repo
     let mut commits = vec![];
     for i in 0..iterations {
         let ev = crate::audit::event::Event {
-            action: format!("probe{i}"),
+            action: crate::audit::event::Action::Exec,
+            request_id: Some(format!("probe{i}")),
             ..Default::default()
         };
         let t = Instant::now();
@@ -575,7 +576,8 @@ pub async fn audit(writers: &[usize], events_per_writer: usize) -> anyhow::Resul
                 let store = st.clone();
                 async move {
                     let ev = crate::audit::event::Event {
-                        action: format!("w{i}e{j}"),
+                        action: crate::audit::event::Action::Exec,
+                        request_id: Some(format!("w{i}e{j}")),
                         ..Default::default()
                     };
                     store

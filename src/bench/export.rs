@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::Report;
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome, Phase};
 use crate::store::Store;
 
 /// Events per write transaction while filling the journal.
@@ -75,9 +75,13 @@ fn sample_event(i: u64) -> Event {
         event_id: format!("{:032x}", u128::from(i) + (1 << 100)),
         ts: sample_time(i),
         operation_id: Some(hex("operation")),
-        phase: "outcome".into(),
-        action: "exec".into(),
-        outcome: if i.is_multiple_of(7) { "error" } else { "ok" }.into(),
+        phase: Phase::Outcome,
+        action: Action::Exec,
+        outcome: if i.is_multiple_of(7) {
+            Outcome::Error
+        } else {
+            Outcome::Ok
+        },
         runtime: Some("mcp".into()),
         tenant_digest: Some(hex("tenant")),
         identity_digest: Some(hex("identity")),

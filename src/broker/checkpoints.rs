@@ -5,6 +5,7 @@
 use super::dto;
 use super::leases::{Done, Lease, Want, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
+use crate::audit::event::Action;
 use crate::auth::Principal;
 use crate::cube::ErrorKind;
 use crate::store::{self, StoreError};
@@ -42,7 +43,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         l: &Lease,
-        action: &str,
+        action: Action,
     ) -> Result<()> {
         let prof = self.profile(&l.profile);
         if prof.as_ref().is_some_and(|pr| pr.checkpoints_enabled) {
@@ -95,7 +96,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
     ) -> Result<dto::CheckpointList> {
-        let ev = self.event(p, "checkpoint_list", ctx);
+        let ev = self.event(p, Action::CheckpointList, ctx);
         self.authorize(p, "checkpoint:list", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         Ok(dto::CheckpointList {
@@ -135,10 +136,10 @@ impl Broker {
                 format!("name must be 1..={MAX_NAME} characters"),
             ));
         }
-        let ev = self.event(p, "checkpoint_create", ctx);
+        let ev = self.event(p, Action::CheckpointCreate, ctx);
         self.authorize(p, "checkpoint:create", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
-        self.checkpoint_gate(p, ctx, &l, "checkpoint_create")
+        self.checkpoint_gate(p, ctx, &l, Action::CheckpointCreate)
             .await?;
         let (l, lock) = self.relock(p, l).await?;
         let ckpt_ref = new_ref("checkpoint");
@@ -150,7 +151,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "checkpoint_create",
+                Action::CheckpointCreate,
                 |e| e.checkpoint_ref = Some(cr),
                 Some(lock),
                 move |b: Broker, l: Lease, addr| async move {
@@ -190,10 +191,10 @@ impl Broker {
         lease_ref: &str,
         checkpoint_ref: &str,
     ) -> Result<dto::RollbackResponse> {
-        let ev = self.event(p, "checkpoint_rollback", ctx);
+        let ev = self.event(p, Action::CheckpointRollback, ctx);
         self.authorize(p, "checkpoint:rollback", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
-        self.checkpoint_gate(p, ctx, &l, "checkpoint_rollback")
+        self.checkpoint_gate(p, ctx, &l, Action::CheckpointRollback)
             .await?;
         let (l, lock) = self.relock(p, l).await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
@@ -202,7 +203,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "checkpoint_rollback",
+                Action::CheckpointRollback,
                 |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
                 Some(lock),
                 move |_b: Broker, l: Lease, addr| async move {
@@ -237,7 +238,7 @@ impl Broker {
         lease_ref: &str,
         checkpoint_ref: &str,
     ) -> Result<dto::CheckpointDeleted> {
-        let ev = self.event(p, "checkpoint_delete", ctx);
+        let ev = self.event(p, Action::CheckpointDelete, ctx);
         self.authorize(p, "checkpoint:delete", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         let (l, lock) = self.relock(p, l).await?;
@@ -247,7 +248,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "checkpoint_delete",
+                Action::CheckpointDelete,
                 |e| e.checkpoint_ref = Some(checkpoint_ref.to_string()),
                 Some(lock),
                 move |_b: Broker, _l: Lease, addr| async move {
@@ -289,12 +290,13 @@ impl Broker {
                 format!("branch must be 1..={MAX_NAME} characters, not blank"),
             ));
         }
-        let ev = self.event(p, "checkpoint_fork", ctx);
+        let ev = self.event(p, Action::CheckpointFork, ctx);
         self.authorize(p, "checkpoint:fork", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
-        self.checkpoint_gate(p, ctx, &l, "checkpoint_fork").await?;
+        self.checkpoint_gate(p, ctx, &l, Action::CheckpointFork)
+            .await?;
         let c = self.owned_checkpoint(&l, checkpoint_ref)?;
-        let mut ev = self.lease_event(p, "checkpoint_fork", ctx, &l);
+        let mut ev = self.lease_event(p, Action::CheckpointFork, ctx, &l);
         ev.checkpoint_ref = Some(c.checkpoint_ref.clone());
         // The profile as it is configured now, and still the caller's.
         let prof = match self.profile(&l.profile) {

@@ -8,30 +8,11 @@
 
 use http::StatusCode;
 
-/// The audit outcome an effect (a sandbox operation after its committed
-/// intent) records when it fails with a code. A request refused before its
-/// intent is always recorded `rejected` (`Broker::reject`), whatever its
-/// code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Outcome {
-    /// A known refusal: the operation did not happen.
-    Rejected,
-    /// The operation failed.
-    Error,
-    /// The operation may or may not have happened (it timed out).
-    Uncertain,
-}
-
-impl Outcome {
-    /// The `outcome` of the audit record.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Rejected => "rejected",
-            Outcome::Error => "error",
-            Outcome::Uncertain => "uncertain",
-        }
-    }
-}
+/// What an effect (a sandbox operation after its committed intent)
+/// records when it fails with a code: `rejected`, `error` or `uncertain`.
+/// A request refused before its intent is always recorded `rejected`
+/// (`Broker::reject`), whatever its code.
+pub use crate::audit::event::Outcome;
 
 macro_rules! codes {
     ($(

@@ -87,8 +87,10 @@ impl Broker {
                     }
                 }
                 g.open_intents = crate::store::journal::pending(txn)?.len() as u64;
-                g.uncertain_outcomes = crate::store::audit_index::Reader::open(txn)?
-                    .count(crate::store::audit_index::Field::Outcome, "uncertain")?;
+                g.uncertain_outcomes = crate::store::audit_index::Reader::open(txn)?.count(
+                    crate::store::audit_index::Field::Outcome,
+                    crate::audit::event::Outcome::Uncertain.as_str(),
+                )?;
                 Ok(g)
             })
             .await?;

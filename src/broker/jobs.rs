@@ -20,6 +20,7 @@ use serde_json::Value;
 use super::dto::{self, JobAnswer, OutputEncoding};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
+use crate::audit::event::Action;
 use crate::auth::Principal;
 use crate::cube::{ErrorKind, StartOptions};
 use crate::store::{self, StoreError};
@@ -472,9 +473,9 @@ impl Broker {
         cwd: Option<&str>,
     ) -> Result<dto::JobStarted> {
         let cwd = self
-            .command_and_cwd(p, ctx, "job_start", command, cwd)
+            .command_and_cwd(p, ctx, &Action::JobStart, command, cwd)
             .await?;
-        let ev = self.event(p, "job_start", ctx);
+        let ev = self.event(p, Action::JobStart, ctx);
         self.authorize(p, "job:start", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         // One start at a time per lease: the quota check and the record are
@@ -492,7 +493,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "job_start",
+                Action::JobStart,
                 |e| {
                     e.command_digest = Some(digest);
                     e.job_ref = Some(jr);
@@ -606,16 +607,16 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         job_ref: &str,
-        action: &str,
+        action: Action,
         out: (u64, usize),
         err: (u64, usize),
     ) -> Result<(Job, Lease, Probe)> {
         // Status reads need `job:status`; output reads `job:output`.
         let scope = match action {
-            "job_output" | "job_events" => "job:output",
+            Action::JobOutput | Action::JobEvents => "job:output",
             _ => "job:status",
         };
-        let ev = self.event(p, action, ctx);
+        let ev = self.event(p, action.clone(), ctx);
         self.authorize(p, scope, &ev).await?;
         let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
@@ -663,7 +664,7 @@ impl Broker {
         max: usize,
     ) -> Result<JobTail> {
         let max = max.min(MAX_CHUNK);
-        let ev = self.event(p, "job_output", ctx);
+        let ev = self.event(p, Action::JobOutput, ctx);
         self.authorize(p, "job:output", &ev).await?;
         let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
@@ -672,7 +673,7 @@ impl Broker {
                 p,
                 ctx,
                 lease,
-                "job_output",
+                Action::JobOutput,
                 |e| e.job_ref = Some(jr),
                 None,
                 move |b: Broker, _l: Lease, addr| async move {
@@ -714,7 +715,7 @@ impl Broker {
     /// `GET|POST /v1/jobs/{ref}/status`.
     pub async fn job_status(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<JobAnswer> {
         let (job, lease, _) = self
-            .job_read(p, ctx, job_ref, "job_status", (0, 0), (0, 0))
+            .job_read(p, ctx, job_ref, Action::JobStatus, (0, 0), (0, 0))
             .await?;
         Ok(JobAnswer::new(
             &job,
@@ -740,7 +741,7 @@ impl Broker {
                         p,
                         ctx,
                         job_ref,
-                        "job_output",
+                        Action::JobOutput,
                         (0, COMPAT_LIMIT),
                         (0, COMPAT_LIMIT),
                     )
@@ -791,7 +792,7 @@ impl Broker {
                         p,
                         ctx,
                         job_ref,
-                        "job_output",
+                        Action::JobOutput,
                         (c.stdout_offset, c.max_bytes),
                         (c.stderr_offset, c.max_bytes),
                     )
@@ -835,7 +836,7 @@ impl Broker {
 
     /// `POST /v1/jobs/{ref}/cancel`: end the job's process group.
     pub async fn cancel_job(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<JobAnswer> {
-        let ev = self.event(p, "job_cancel", ctx);
+        let ev = self.event(p, Action::JobCancel, ctx);
         self.authorize(p, "job:cancel", &ev).await?;
         let (job, lease) = self.owned_job(p, job_ref, &ev).await?;
         let jr = job.job_ref.clone();
@@ -844,7 +845,7 @@ impl Broker {
                 p,
                 ctx,
                 lease,
-                "job_cancel",
+                Action::JobCancel,
                 |e| e.job_ref = Some(jr),
                 None,
                 move |b: Broker, _l: Lease, addr| async move {
@@ -898,7 +899,7 @@ impl Broker {
         job_ref: &str,
     ) -> Result<dto::JobRecovery> {
         let (job, lease, pr) = self
-            .job_read(p, ctx, job_ref, "job_recover", (0, 0), (0, 0))
+            .job_read(p, ctx, job_ref, Action::JobRecover, (0, 0), (0, 0))
             .await?;
         let a = JobAnswer::new(
             &job,
@@ -974,7 +975,7 @@ impl Broker {
     /// Open a job's event stream: authorize and audit once.
     pub async fn open_job_events(&self, p: &Principal, ctx: &Ctx, job_ref: &str) -> Result<Job> {
         let (job, _, _) = self
-            .job_read(p, ctx, job_ref, "job_events", (0, 0), (0, 0))
+            .job_read(p, ctx, job_ref, Action::JobEvents, (0, 0), (0, 0))
             .await?;
         Ok(job)
     }

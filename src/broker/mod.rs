@@ -27,7 +27,7 @@ pub use self::backends::Backends;
 pub use self::code::{Code, Outcome};
 pub use self::error::{Error, Result};
 use crate::audit::Journal;
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event};
 use crate::auth::Principal;
 use crate::config::{Config, Profile};
 use crate::cube::CubeClient;
@@ -405,7 +405,7 @@ impl Broker {
     }
 
     /// The base audit event for a principal's action.
-    pub(crate) fn event(&self, p: &Principal, action: &str, ctx: &Ctx) -> Event {
+    pub(crate) fn event(&self, p: &Principal, action: Action, ctx: &Ctx) -> Event {
         let j = &self.inner.journal;
         let mut ev = j.event(action);
         ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
@@ -419,7 +419,7 @@ impl Broker {
 
     /// Record a denied request (`rejected`) and return the error.
     pub(crate) async fn reject(&self, mut ev: Event, e: Error) -> Error {
-        ev.outcome = "rejected".into();
+        ev.outcome = Outcome::Rejected;
         ev.error_code = Some(e.code.to_string());
         if let Err(a) = self.inner.journal.record(ev).await {
             return a.into();
@@ -475,13 +475,13 @@ pub(crate) fn failpoint(_name: &str) {}
 /// (`before_outcome:job_start`: the effect done, its outcome not yet
 /// committed).
 #[cfg(any(feature = "failpoints", debug_assertions))]
-pub(crate) fn failpoint_for(point: &str, action: &str) {
+pub(crate) fn failpoint_for(point: &str, action: &Action) {
     failpoint(&format!("{point}:{action}"));
 }
 
 #[cfg(not(any(feature = "failpoints", debug_assertions)))]
 #[inline(always)]
-pub(crate) fn failpoint_for(_point: &str, _action: &str) {}
+pub(crate) fn failpoint_for(_point: &str, _action: &Action) {}
 
 pub(crate) struct LockGuard {
     broker: Broker,

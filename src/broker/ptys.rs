@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use super::dto::{self, PtyAnswer};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
+use crate::audit::event::{Action, Outcome};
 use crate::auth::Principal;
 use crate::cube::envd::decode_data;
 use crate::cube::wire::{ProcessEvent, PtySize};
@@ -278,16 +279,16 @@ impl Broker {
     ) -> Result<PtyAnswer> {
         check_size(rows, cols)?;
         let cwd = match cwd {
-            Some(c) => self.checked_path(p, ctx, "pty_create", c).await?,
+            Some(c) => self.checked_path(p, ctx, &Action::PtyCreate, c).await?,
             None => "/workspace".to_string(),
         };
-        let ev = self.event(p, "pty_create", ctx);
+        let ev = self.event(p, Action::PtyCreate, ctx);
         self.authorize(p, "pty:create", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         if !self.profile(&l.profile).is_some_and(|pr| pr.ptys_enabled) {
             return Err(self
                 .reject(
-                    self.lease_event(p, "pty_create", ctx, &l),
+                    self.lease_event(p, Action::PtyCreate, ctx, &l),
                     Error::new(
                         Code::ActionDenied,
                         format!("PTYs are not enabled for profile {}", l.profile),
@@ -304,7 +305,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "pty_create",
+                Action::PtyCreate,
                 |_| {},
                 Some(lock),
                 move |b: Broker, l: Lease, addr| async move {
@@ -423,7 +424,7 @@ impl Broker {
 
     /// `GET /v1/ptys/{ref}/status`.
     pub async fn pty_status(&self, p: &Principal, ctx: &Ctx, pty_ref: &str) -> Result<PtyAnswer> {
-        let ev = self.event(p, "pty_status", ctx);
+        let ev = self.event(p, Action::PtyStatus, ctx);
         self.authorize(p, "pty:status", &ev).await?;
         let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
         Ok(PtyAnswer::new(
@@ -441,7 +442,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         pty_ref: &str,
-        (action, scope): (&str, &str),
+        (action, scope): (Action, &str),
         input: Option<(u64, String)>,
         run: F,
     ) -> Result<(Pty, Lease)>
@@ -449,7 +450,7 @@ impl Broker {
         F: FnOnce(Broker, Pty, super::leases::Addr) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<Pty>> + Send + 'static,
     {
-        let ev = self.event(p, action, ctx);
+        let ev = self.event(p, action.clone(), ctx);
         self.authorize(p, scope, &ev).await?;
         let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
         let (l, pty) = self
@@ -506,7 +507,7 @@ impl Broker {
                 p,
                 ctx,
                 pty_ref,
-                ("pty_input", "pty:input"),
+                (Action::PtyInput, "pty:input"),
                 Some((n, digest)),
                 move |_b, pty, addr| async move {
                     if !pty.is_running() {
@@ -543,7 +544,7 @@ impl Broker {
                 p,
                 ctx,
                 pty_ref,
-                ("pty_resize", "pty:resize"),
+                (Action::PtyResize, "pty:resize"),
                 None,
                 move |b, mut pty, addr| async move {
                     if !pty.is_running() {
@@ -575,7 +576,7 @@ impl Broker {
                 p,
                 ctx,
                 pty_ref,
-                ("pty_kill", "pty:kill"),
+                (Action::PtyKill, "pty:kill"),
                 None,
                 move |b, mut pty, addr| async move {
                     if !pty.is_running() {
@@ -610,11 +611,11 @@ impl Broker {
         ctx: &Ctx,
         pty_ref: &str,
     ) -> Result<(Pty, String, Option<Arc<Hub>>)> {
-        let ev = self.event(p, "pty_events", ctx);
+        let ev = self.event(p, Action::PtyEvents, ctx);
         self.authorize(p, "pty:events", &ev).await?;
         let (pty, l) = self.owned_pty(p, pty_ref, &ev).await?;
-        let mut ev = self.lease_event(p, "pty_events", ctx, &l);
-        ev.outcome = "ok".into();
+        let mut ev = self.lease_event(p, Action::PtyEvents, ctx, &l);
+        ev.outcome = Outcome::Ok;
         self.inner.journal.record(ev).await?;
         Ok((
             pty.clone(),
@@ -635,11 +636,11 @@ impl Broker {
         max: usize,
         wait: std::time::Duration,
     ) -> Result<dto::PtyOutput> {
-        let ev = self.event(p, "pty_output", ctx);
+        let ev = self.event(p, Action::PtyOutput, ctx);
         self.authorize(p, "pty:events", &ev).await?;
         let (_, l) = self.owned_pty(p, pty_ref, &ev).await?;
-        let mut ev = self.lease_event(p, "pty_output", ctx, &l);
-        ev.outcome = "ok".into();
+        let mut ev = self.lease_event(p, Action::PtyOutput, ctx, &l);
+        ev.outcome = Outcome::Ok;
         self.inner.journal.record(ev).await?;
         let hub = self.inner.ptys.get(pty_ref);
         let chunk = match &hub {

@@ -23,7 +23,7 @@
 
 use super::leases::Lease;
 use super::{Broker, Result};
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome};
 use crate::cube::ErrorKind;
 
 /// What a recovery did.
@@ -46,17 +46,17 @@ impl Broker {
         for (op, intent) in pending {
             let (outcome, persist) = self.resolve_intent(&intent).await;
             match outcome {
-                "ok" => r.done += 1,
-                "error" => r.failed += 1,
+                Outcome::Ok => r.done += 1,
+                Outcome::Error => r.failed += 1,
                 _ => r.uncertain += 1,
             }
             sweep |= matches!(
-                intent.action.as_str(),
-                "acquire" | "checkpoint_fork" | "orphan_kill"
+                intent.action,
+                Action::Acquire | Action::CheckpointFork | Action::OrphanKill
             );
             let j = &self.inner.journal;
-            let mut ev = j.event("audit_recover");
-            ev.outcome = outcome.to_string();
+            let mut ev = j.event(Action::AuditRecover);
+            ev.outcome = outcome.clone();
             ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
             ev.tenant_digest = intent.tenant_digest.clone();
             ev.runtime = intent.runtime.clone();
@@ -84,7 +84,7 @@ impl Broker {
             tracing::warn!(
                 operation = %op,
                 action = %intent.action,
-                outcome,
+                outcome = %outcome,
                 "an intent left by an earlier run is resolved"
             );
         }
@@ -99,17 +99,17 @@ impl Broker {
 
     /// The outcome of one interrupted intent, and what its resolution
     /// writes with it.
-    async fn resolve_intent(&self, intent: &Event) -> (&'static str, Persist) {
-        let kill = match intent.action.as_str() {
-            "release" => intent.release_action.as_deref() != Some("pause"),
-            "gc_release" => true,
-            "orphan_kill" => return ("ok", Persist::Nothing),
-            "acquire" | "checkpoint_fork" => return ("error", Persist::Nothing),
-            "job_start" => return self.adopt_job(intent).await,
+    async fn resolve_intent(&self, intent: &Event) -> (Outcome, Persist) {
+        let kill = match intent.action {
+            Action::Release => intent.release_action.as_deref() != Some("pause"),
+            Action::GcRelease => true,
+            Action::OrphanKill => return (Outcome::Ok, Persist::Nothing),
+            Action::Acquire | Action::CheckpointFork => return (Outcome::Error, Persist::Nothing),
+            Action::JobStart => return self.adopt_job(intent).await,
             _ => false,
         };
         if !kill {
-            return ("uncertain", Persist::Nothing);
+            return (Outcome::Uncertain, Persist::Nothing);
         }
         let lease = match &intent.lease_ref {
             Some(lr) => self.get_lease(lr).await.ok().flatten(),
@@ -117,31 +117,31 @@ impl Broker {
         };
         let Some(l) = lease else {
             // Its lease went with the kill's outcome: the kill was done.
-            return ("ok", Persist::Nothing);
+            return (Outcome::Ok, Persist::Nothing);
         };
         let Ok(cube) = self.client(&l.backend) else {
-            return ("uncertain", Persist::Nothing);
+            return (Outcome::Uncertain, Persist::Nothing);
         };
         match cube.kill(&l.sandbox_id).await {
             Ok(()) => {}
             Err(e) if e.kind == ErrorKind::NotFound => {}
-            Err(_) => return ("uncertain", Persist::Nothing),
+            Err(_) => return (Outcome::Uncertain, Persist::Nothing),
         }
         if self
             .delete_lease_snapshots(&l.lease_ref, &l.backend)
             .await
             .is_err()
         {
-            return ("uncertain", Persist::Nothing);
+            return (Outcome::Uncertain, Persist::Nothing);
         }
         self.release_volume(&l).await;
-        ("ok", Persist::RemoveLease(Box::new(l)))
+        (Outcome::Ok, Persist::RemoveLease(Box::new(l)))
     }
 
     /// A job start the crash interrupted, from its files in the sandbox
     /// (`jobs::ADOPT`).
-    async fn adopt_job(&self, intent: &Event) -> (&'static str, Persist) {
-        const UNKNOWN: (&str, Persist) = ("uncertain", Persist::Nothing);
+    async fn adopt_job(&self, intent: &Event) -> (Outcome, Persist) {
+        const UNKNOWN: (Outcome, Persist) = (Outcome::Uncertain, Persist::Nothing);
         let (Some(jr), Some(lr)) = (&intent.job_ref, &intent.lease_ref) else {
             return UNKNOWN;
         };
@@ -176,7 +176,7 @@ impl Broker {
         let said = String::from_utf8_lossy(&out.stdout);
         let said = said.trim().lines().last().unwrap_or_default();
         if said == "none" {
-            return ("error", Persist::Nothing);
+            return (Outcome::Error, Persist::Nothing);
         }
         let Some(pid) = said
             .strip_prefix("pid ")
@@ -202,7 +202,7 @@ impl Broker {
                 .unwrap_or_default()
                 .max_command_seconds,
         };
-        ("ok", Persist::PutJob(job))
+        (Outcome::Ok, Persist::PutJob(job))
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::dto;
 use super::leases::{Done, Lease, LeaseState};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome};
 use crate::auth::Principal;
 use crate::cube::ErrorKind;
 use crate::store::{self, StoreError};
@@ -56,7 +56,7 @@ pub(crate) const ORPHAN_AGE: i64 = 300;
 impl Broker {
     /// `GET /v1/profiles`: the profiles this caller may acquire with.
     pub async fn list_profiles(&self, p: &Principal, ctx: &Ctx) -> Result<dto::ProfileList> {
-        let ev = self.event(p, "profiles", ctx);
+        let ev = self.event(p, Action::Profiles, ctx);
         self.authorize(p, "lease:acquire", &ev).await?;
         let profiles = self
             .config()
@@ -105,7 +105,7 @@ impl Broker {
                 "seconds must be at least 1",
             ));
         }
-        let ev = self.event(p, "renew", ctx);
+        let ev = self.event(p, Action::Renew, ctx);
         self.authorize(p, "lease:renew", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         let Some(prof) = self.profile(&l.profile) else {
@@ -116,7 +116,7 @@ impl Broker {
         if left <= 0 {
             return Err(self
                 .reject(
-                    self.lease_event(p, "renew", ctx, &l),
+                    self.lease_event(p, Action::Renew, ctx, &l),
                     Error::new(
                         Code::KeepaliveExhausted,
                         format!(
@@ -138,7 +138,7 @@ impl Broker {
                 p,
                 ctx,
                 l,
-                "renew",
+                Action::Renew,
                 |_| {},
                 None,
                 move |_b: Broker, l: Lease, addr| async move {
@@ -172,7 +172,7 @@ impl Broker {
         ctx: &Ctx,
         lease_ref: &str,
     ) -> Result<dto::LeaseRecovery> {
-        let ev = self.event(p, "lease_recover", ctx);
+        let ev = self.event(p, Action::LeaseRecover, ctx);
         self.authorize(p, "lease:status", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         let state = match self.ready_client(&l.backend)?.get(&l.sandbox_id).await {
@@ -196,7 +196,7 @@ impl Broker {
     }
 
     /// An audit event for the appliance's own actions on a lease.
-    fn system_event(&self, action: &str, l: &Lease) -> Event {
+    fn system_event(&self, action: Action, l: &Lease) -> Event {
         let j = &self.inner.journal;
         let mut ev = j.event(action);
         ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
@@ -244,7 +244,7 @@ impl Broker {
         let intent = self
             .inner
             .journal
-            .intent(self.system_event("gc_release", &l))
+            .intent(self.system_event(Action::GcRelease, &l))
             .await?;
         let killed = match cube.kill(&l.sandbox_id).await {
             Ok(()) => Ok(()),
@@ -265,7 +265,12 @@ impl Broker {
         }
         self.inner
             .journal
-            .outcome(intent, "ok", |_| {}, move |txn| remove_lease_state(txn, &l))
+            .outcome(
+                intent,
+                Outcome::Ok,
+                |_| {},
+                move |txn| remove_lease_state(txn, &l),
+            )
             .await?;
         Ok(true)
     }
@@ -380,7 +385,7 @@ impl Broker {
     ) -> Result<()> {
         let cube = self.client(backend_name)?;
         let j = &self.inner.journal;
-        let mut ev = j.event("orphan_kill");
+        let mut ev = j.event(Action::OrphanKill);
         ev.backend = Some(backend_name.to_string());
         ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
         if let Some(b) = base {
@@ -394,11 +399,11 @@ impl Broker {
         match cube.kill(sandbox_id).await {
             Ok(()) => {
                 tracing::warn!(sandbox = %sandbox_id.get(..8).unwrap_or_default(), "killed a sandbox no lease holds");
-                j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                j.outcome(intent, Outcome::Ok, |_| {}, |_| Ok(())).await?;
                 Ok(())
             }
             Err(e) if e.kind == ErrorKind::NotFound => {
-                j.outcome(intent, "ok", |_| {}, |_| Ok(())).await?;
+                j.outcome(intent, Outcome::Ok, |_| {}, |_| Ok(())).await?;
                 Ok(())
             }
             Err(e) => {
@@ -411,7 +416,7 @@ impl Broker {
 
     /// `POST /v1/admin/gc`: run GC now (admin role and `admin:gc`).
     pub async fn admin_gc(&self, p: &Principal, ctx: &Ctx) -> Result<dto::GcResponse> {
-        let ev = self.event(p, "admin_gc", ctx);
+        let ev = self.event(p, Action::AdminGc, ctx);
         if !p.is_admin() {
             return Err(self
                 .reject(
@@ -435,7 +440,7 @@ impl Broker {
         &self,
         l: &Lease,
         secs: u64,
-        action: &str,
+        action: Action,
         profile_secs: u64,
     ) -> Result<()> {
         let intent = self
@@ -455,7 +460,7 @@ impl Broker {
                     .journal
                     .outcome(
                         intent,
-                        "ok",
+                        Outcome::Ok,
                         |_| {},
                         move |txn| set_ttl(txn, &lease_ref, ttl),
                     )
@@ -540,7 +545,7 @@ impl Broker {
                     .max(1)
             };
             if self
-                .set_sandbox_timeout(&l, secs, "keepalive", prof.sandbox_timeout_seconds)
+                .set_sandbox_timeout(&l, secs, Action::Keepalive, prof.sandbox_timeout_seconds)
                 .await
                 .is_ok()
             {

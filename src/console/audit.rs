@@ -24,7 +24,7 @@ use serde::Deserialize;
 use super::ConsoleState;
 use super::pages::{Page, ctx, error_page, html, signed_in};
 use super::session::SignedIn;
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome, Phase};
 use crate::audit::search::{self, Query as Search};
 use crate::audit::{AuditError, Journal};
 use crate::broker::{Code, Error};
@@ -107,15 +107,9 @@ impl Params {
     }
 }
 
-/// Outcomes an event can have (the form's choices).
-pub const OUTCOMES: &[&str] = &[
-    "ok",
-    "rejected",
-    "error",
-    "uncertain",
-    "pending",
-    "reconciled",
-];
+/// Outcomes an event can have (the form's choices): the vocabulary's
+/// words, in its order.
+pub const OUTCOMES: &[&str] = Outcome::WORDS;
 
 /// Why a filter was refused.
 #[derive(Debug)]
@@ -195,7 +189,7 @@ fn build(j: &Journal, who: &SignedIn, p: &Params) -> Result<(Search, Option<u64>
         q = q.with(Field::Identity, &d);
     }
     let outcome = p.outcome.trim();
-    if !outcome.is_empty() && !OUTCOMES.contains(&outcome) {
+    if !outcome.is_empty() && outcome.parse::<Outcome>().is_err() {
         return Err(Bad::Input(format!(
             "outcome must be one of {}",
             OUTCOMES.join(", ")
@@ -226,7 +220,7 @@ fn build(j: &Journal, who: &SignedIn, p: &Params) -> Result<(Search, Option<u64>
 
 /// The person's event for this look at the journal (the filter as a
 /// digest of its query string).
-fn event(st: &ConsoleState, who: &SignedIn, action: &str, p: &Params) -> Event {
+fn event(st: &ConsoleState, who: &SignedIn, action: Action, p: &Params) -> Event {
     let j = st.broker.journal();
     let mut ev = st.broker.event(&who.principal, action, &ctx());
     ev.runtime = Some("console".into());
@@ -266,7 +260,7 @@ async fn refuse(st: &ConsoleState, who: &SignedIn, ev: Event, bad: Bad) -> Respo
 async fn admit(
     st: &ConsoleState,
     headers: &HeaderMap,
-    action: &str,
+    action: Action,
     p: &Params,
 ) -> Result<(SignedIn, Search, Option<u64>), Response> {
     let who = signed_in(st, headers).await?;
@@ -278,8 +272,8 @@ async fn admit(
         Ok(v) => v,
         Err(b) => return Err(refuse(st, &who, ev, b).await),
     };
-    ev.outcome = "ok".into();
-    ev.phase = "event".into();
+    ev.outcome = Outcome::Ok;
+    ev.phase = Phase::Event;
     if let Err(e) = st.broker.journal().record(ev).await {
         // Looking at the journal is audited: a look it cannot record
         // (audit required) does not happen.
@@ -320,13 +314,13 @@ impl From<Event> for Row {
     fn from(e: Event) -> Self {
         Self {
             seq: e.seq,
-            ok: e.outcome == "ok",
+            ok: e.outcome == Outcome::Ok,
             identity: short(&e.identity_digest),
             tenant: short(&e.tenant_digest),
             ts: e.ts,
-            action: e.action,
-            phase: e.phase,
-            outcome: e.outcome,
+            action: e.action.to_string(),
+            phase: e.phase.to_string(),
+            outcome: e.outcome.to_string(),
             runtime: e.runtime.unwrap_or_default(),
             sandbox_ref: e.sandbox_ref.unwrap_or_default(),
             request_id: e.request_id.unwrap_or_default(),
@@ -395,7 +389,7 @@ pub async fn search_page(
     headers: HeaderMap,
     Query(p): Query<Params>,
 ) -> Response {
-    let (who, q, after) = match admit(&st, &headers, "audit_search", &p).await {
+    let (who, q, after) = match admit(&st, &headers, Action::AuditSearch, &p).await {
         Ok(v) => v,
         Err(r) => return r,
     };
@@ -548,7 +542,7 @@ pub async fn export_csv(
 /// store error part way aborts the answer (no clean end: a truncated
 /// export cannot pass for a whole one).
 async fn export(st: ConsoleState, headers: HeaderMap, p: Params, fmt: Format) -> Response {
-    let (_who, q, _after) = match admit(&st, &headers, "audit_export", &p).await {
+    let (_who, q, _after) = match admit(&st, &headers, Action::AuditExport, &p).await {
         Ok(v) => v,
         Err(r) => return r,
     };

@@ -26,6 +26,7 @@ use super::ConsoleState;
 use super::identities::{admin_form, admin_only, make_token, record_refusal, refused};
 use super::pages::{Page, error_page, html, signed_in};
 use super::session::SignedIn;
+use crate::audit::event::Action;
 use crate::auth::{OpError, TokenSpec};
 
 /// This page's routes, merged into the console's router.
@@ -202,7 +203,7 @@ pub struct ConnectForm {
 /// A form refused for its input: recorded as a refused `token_create`
 /// (as the Identities page records its refusals), then the refusal page.
 async fn bad_input(st: &ConsoleState, who: &SignedIn, e: OpError) -> Response {
-    record_refusal(st, who, "token_create", e.code).await;
+    record_refusal(st, who, Action::TokenCreate, e.code).await;
     refused(who, &e)
 }
 
@@ -212,7 +213,7 @@ pub async fn create(
     uri: Uri,
     Form(f): Form<ConnectForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "token_create").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::TokenCreate).await {
         Ok(w) => w,
         Err(r) => return r,
     };

@@ -29,6 +29,7 @@ use super::pages::{
 };
 use super::session::{self, SignedIn};
 use crate::admin::{self, Actor, Request, Response as Answer};
+use crate::audit::event::{self, Action};
 use crate::auth::users::{UserAnswer, UserInfo, UserOp};
 use crate::auth::{OpError, Principal, TokenSpec};
 
@@ -148,7 +149,7 @@ pub(super) async fn admin_form(
     st: &ConsoleState,
     headers: &HeaderMap,
     csrf: &str,
-    action: &str,
+    action: Action,
 ) -> Result<SignedIn, Response> {
     let who = signed_in(st, headers).await?;
     if !session::same(&who.csrf, csrf) {
@@ -413,7 +414,7 @@ pub(super) async fn make_token(
     let principal = match spec.principal() {
         Ok(p) => p,
         Err(e) => {
-            record_refusal(st, who, "token_create", e.code).await;
+            record_refusal(st, who, Action::TokenCreate, e.code).await;
             return Err(e);
         }
     };
@@ -433,14 +434,14 @@ pub(super) async fn make_token(
 }
 
 /// Record a change refused before it reached the handler (bad input).
-pub(super) async fn record_refusal(st: &ConsoleState, who: &SignedIn, action: &str, code: &str) {
+pub(super) async fn record_refusal(st: &ConsoleState, who: &SignedIn, action: Action, code: &str) {
     let j = st.broker.journal();
     let actor = Actor::Console {
         principal: &who.principal,
         session_key: &who.key,
     };
     let mut ev = admin::identity_event(j, actor, action, None, None);
-    ev.outcome = "rejected".into();
+    ev.outcome = event::Outcome::Rejected;
     ev.error_code = Some(code.to_string());
     if let Err(e) = j.record(ev).await {
         tracing::warn!(error = %e, "a refused identity change was not audited");
@@ -452,7 +453,7 @@ pub async fn create_token(
     headers: HeaderMap,
     Form(f): Form<TokenForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "token_create").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::TokenCreate).await {
         Ok(w) => w,
         Err(r) => return r,
     };
@@ -476,7 +477,7 @@ pub async fn revoke(
     Path(id): Path<String>,
     Form(f): Form<ConfirmForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "token_revoke").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::TokenRevoke).await {
         Ok(w) => w,
         Err(r) => return r,
     };
@@ -533,14 +534,14 @@ pub async fn issue_certificate(
     headers: HeaderMap,
     Form(f): Form<TokenForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "cert_identity_create").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::CertIdentityCreate).await {
         Ok(w) => w,
         Err(r) => return r,
     };
     let principal = match f.spec().principal() {
         Ok(p) => p,
         Err(e) => {
-            record_refusal(&st, &who, "cert_identity_create", e.code).await;
+            record_refusal(&st, &who, Action::CertIdentityCreate, e.code).await;
             return refused(&who, &e);
         }
     };
@@ -634,7 +635,7 @@ pub async fn add_person(
     headers: HeaderMap,
     Form(f): Form<PersonForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "user_add").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::UserAdd).await {
         Ok(w) => w,
         Err(r) => return r,
     };
@@ -648,14 +649,14 @@ pub async fn add_person(
     ) {
         Ok(p) => p,
         Err(e) => {
-            record_refusal(&st, &who, "user_add", e.code).await;
+            record_refusal(&st, &who, Action::UserAdd, e.code).await;
             return back(Err(e.code));
         }
     };
     let hash = match new_password(&st, &f.password, &f.password_again).await {
         Ok(h) => h,
         Err(e) => {
-            record_refusal(&st, &who, "user_add", e.code).await;
+            record_refusal(&st, &who, Action::UserAdd, e.code).await;
             return back(Err(e.code));
         }
     };
@@ -684,11 +685,11 @@ async fn set_disabled(
     disabled: bool,
 ) -> Response {
     let action = if disabled {
-        "user_disable"
+        Action::UserDisable
     } else {
-        "user_enable"
+        Action::UserEnable
     };
-    let who = match admin_form(&st, &headers, &csrf, action).await {
+    let who = match admin_form(&st, &headers, &csrf, action.clone()).await {
         Ok(w) => w,
         Err(r) => return r,
     };
@@ -721,7 +722,7 @@ pub async fn disable(
     Form(f): Form<ConfirmForm>,
 ) -> Response {
     if !confirmed(&f.confirm) {
-        let who = match admin_form(&st, &headers, &f.csrf, "user_disable").await {
+        let who = match admin_form(&st, &headers, &f.csrf, Action::UserDisable).await {
             Ok(w) => w,
             Err(r) => return r,
         };
@@ -768,7 +769,7 @@ pub async fn password(
     Path(name): Path<String>,
     Form(f): Form<PasswordForm>,
 ) -> Response {
-    let who = match admin_form(&st, &headers, &f.csrf, "user_passwd").await {
+    let who = match admin_form(&st, &headers, &f.csrf, Action::UserPasswd).await {
         Ok(w) => w,
         Err(r) => return r,
     };
@@ -778,7 +779,7 @@ pub async fn password(
     let hash = match new_password(&st, &f.password, &f.password_again).await {
         Ok(h) => h,
         Err(e) => {
-            record_refusal(&st, &who, "user_passwd", e.code).await;
+            record_refusal(&st, &who, Action::UserPasswd, e.code).await;
             return back(Err(e.code));
         }
     };

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use super::ConsoleState;
 use super::session::{self, Lifetimes, NoSession, SignedIn};
 use crate::audit::AuditError;
+use crate::audit::event::{self, Action};
 use crate::auth::{AuthError, Principal, Role, Source};
 use crate::store::typed::ReadOps;
 use crate::store::{leases, plans, tables, tasks};
@@ -339,10 +340,10 @@ pub async fn overview(State(st): State<ConsoleState>, headers: HeaderMap) -> Res
                 .count();
             // The journal's outcomes are every tenant's: auditors' only.
             let uncertain = if auditor {
-                Some(
-                    crate::store::audit_index::Reader::open(txn)?
-                        .count(crate::store::audit_index::Field::Outcome, "uncertain")?,
-                )
+                Some(crate::store::audit_index::Reader::open(txn)?.count(
+                    crate::store::audit_index::Field::Outcome,
+                    event::Outcome::Uncertain.as_str(),
+                )?)
             } else {
                 None
             };
@@ -462,14 +463,14 @@ pub(super) async fn audit_sign_in(
     let j = st.broker.journal();
     let mut ev = match ok {
         Some((p, key)) => {
-            let mut ev = st.broker.event(p, "console_sign_in", &ctx());
-            ev.outcome = "ok".into();
+            let mut ev = st.broker.event(p, Action::ConsoleSignIn, &ctx());
+            ev.outcome = event::Outcome::Ok;
             ev.session_digest = Some(j.digest("console_session", key.as_bytes()));
             ev
         }
         None => {
-            let mut ev = j.event("console_sign_in");
-            ev.outcome = "rejected".into();
+            let mut ev = j.event(Action::ConsoleSignIn);
+            ev.outcome = event::Outcome::Rejected;
             ev.identity_digest = Some(j.digest("user", name.as_bytes()));
             ev
         }
@@ -637,8 +638,10 @@ pub async fn sign_out(
         return unavailable();
     }
     let j = st.broker.journal();
-    let mut ev = st.broker.event(&who.principal, "console_sign_out", &ctx());
-    ev.outcome = "ok".into();
+    let mut ev = st
+        .broker
+        .event(&who.principal, Action::ConsoleSignOut, &ctx());
+    ev.outcome = event::Outcome::Ok;
     ev.session_digest = Some(j.digest("console_session", who.key.as_bytes()));
     if let Err(e) = j.record(ev).await {
         tracing::warn!(error = %e, "a console sign-out was not audited");

@@ -27,6 +27,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use super::tools::Host;
 use super::{McpServer, Upstream};
 use crate::api::{ApiError, AppState};
+use crate::audit::event::{Action, Outcome};
 use crate::auth::Principal;
 use crate::broker::{Code, Error};
 
@@ -148,8 +149,8 @@ impl Guard {
             return Ok(());
         };
         let j = self.st.broker.journal();
-        let mut ev = j.event("mcp_session_evicted");
-        ev.outcome = "ok".into();
+        let mut ev = j.event(Action::McpSessionEvicted);
+        ev.outcome = Outcome::Ok;
         ev.tenant_digest = Some(j.digest("tenant", p.tenant.as_bytes()));
         ev.identity_digest = Some(j.digest("identity", p.identity_key().as_bytes()));
         ev.session_digest = Some(j.digest("mcp_session", id.as_bytes()));

@@ -434,7 +434,7 @@ pub fn summarize(txn: &impl ReadOps) -> Result<StoreSummary, StoreError> {
     s.audit_last_seq = txn.last_seq()?;
     s.uncertain_outcomes = txn.by_count(&crate::store::audit_index::key(
         crate::store::audit_index::Field::Outcome,
-        "uncertain",
+        crate::store::event::Outcome::Uncertain.as_str(),
     ))?;
     s.pending_intents = txn.pending()?.len() as u64;
     for l in txn.records::<LeaseState>(tables::LEASES)? {

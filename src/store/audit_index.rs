@@ -241,6 +241,7 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::event::{Action, Outcome};
     use crate::store::{Store, codec, tables};
     use redb::{ReadableDatabase, ReadableTable};
 
@@ -249,8 +250,13 @@ mod tests {
 
     fn ev(i: u64) -> Event {
         Event {
-            action: if i.is_multiple_of(2) { "even" } else { "odd" }.into(),
-            outcome: "ok".into(),
+            // `exec` for even `i`, `read` for odd.
+            action: if i.is_multiple_of(2) {
+                Action::Exec
+            } else {
+                Action::Read
+            },
+            outcome: Outcome::Ok,
             tenant_digest: Some(format!("tenant{}", i % 3)),
             request_id: Some(format!("req{i}")),
             ts: format!("2026-01-01T00:{:02}:00Z", i % 60),
@@ -302,7 +308,7 @@ mod tests {
         assert_eq!(by.len(), 40);
         let odd: Vec<u64> = by
             .iter()
-            .filter(|(k, _)| k == &key(Field::Action, "odd"))
+            .filter(|(k, _)| k == &key(Field::Action, "read"))
             .map(|(_, s)| *s)
             .collect();
         assert_eq!(odd, vec![2, 4, 6, 8, 10]);
@@ -365,8 +371,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let e = Event {
-            action: "act".into(),
-            outcome: "ok".into(),
+            action: Action::Status,
+            outcome: Outcome::Ok,
             runtime: Some("rt".into()),
             tenant_digest: Some("td".into()),
             identity_digest: Some("id".into()),
@@ -387,7 +393,7 @@ mod tests {
             (Field::Tenant, "td"),
             (Field::Identity, "id"),
             (Field::Runtime, "rt"),
-            (Field::Action, "act"),
+            (Field::Action, "status"),
             (Field::Outcome, "ok"),
             (Field::SandboxRef, "sb"),
             (Field::RequestId, "rq"),

@@ -10,6 +10,8 @@
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
+pub use super::vocab::{Action, Outcome, Phase, UnknownWord};
+
 /// `prev_hash` of the first event.
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -21,11 +23,12 @@ pub struct Event {
     /// Links an intent, its outcome and reconciliation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation_id: Option<String>,
-    /// `intent`, `outcome` or `event` (a single-step record).
-    pub phase: String,
-    pub action: String,
+    /// `intent`, `outcome` or `event` (a single-step record); blank for
+    /// some task events ([`Phase::Blank`]).
+    pub phase: Phase,
+    pub action: Action,
     /// `pending` (intent), `ok`, `rejected`, `error`, `uncertain`, `reconciled`.
-    pub outcome: String,
+    pub outcome: Outcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -220,7 +223,10 @@ impl Event {
         if let Some(r) = reason {
             *r = reason_kept(r);
         }
-        for v in [event_id, ts, phase, action, outcome, prev_hash, hash] {
+        phase.bound();
+        action.bound();
+        outcome.bound();
+        for v in [event_id, ts, prev_hash, hash] {
             if !fits(v) {
                 *v = unshaped(v);
             }

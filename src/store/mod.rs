@@ -22,6 +22,7 @@ pub mod ptys;
 pub mod tables;
 pub mod tasks;
 pub mod typed;
+pub mod vocab;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -1167,7 +1168,7 @@ mod tests {
             tasks.push(tokio::spawn(async move {
                 for j in 0..8 {
                     let ev = Event {
-                        action: format!("w{i}e{j}"),
+                        request_id: Some(format!("w{i}e{j}")),
                         ..Default::default()
                     };
                     s.write(move |txn, chain| chain.append(txn, ev).map(|_| ()))
@@ -1201,7 +1202,7 @@ mod tests {
             let s = store.clone();
             tokio::spawn(async move {
                 let ev = Event {
-                    action: "queued".into(),
+                    request_id: Some("queued".into()),
                     ..Default::default()
                 };
                 s.write(move |txn, chain| chain.append(txn, ev).map(|_| ()))

@@ -794,7 +794,7 @@ async fn bench_postgres_next_to_redb() {
                 let mut took = vec![];
                 for e in 0..50 {
                     let ev = cube_adapter::audit::event::Event {
-                        action: format!("w{w}e{e}"),
+                        request_id: Some(format!("w{w}e{e}")),
                         ..Default::default()
                     };
                     let t = Instant::now();
@@ -1000,8 +1000,9 @@ async fn a_failing_statement_fails_only_its_own_write() {
     };
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open_postgres(dir.path(), &settings).unwrap();
-    let ev = |action: &str| Event {
-        action: action.into(),
+    // Each event named by its request id.
+    let ev = |name: &str| Event {
+        request_id: Some(name.into()),
         ..Default::default()
     };
     let first = ev("first");
@@ -1090,16 +1091,17 @@ async fn a_failing_statement_fails_only_its_own_write() {
     // The chain: 1 + 7 good events, the refused writes' appends undone.
     let v = cube_adapter::audit::verify(&store).unwrap();
     assert_eq!((v.events, v.last_seq), (8, 8), "{v:?}");
-    let actions: Vec<String> = store
+    let names: Vec<String> = store
         .read_now(|txn| {
             use cube_adapter::store::ReadOps;
             txn.events(1, 100)
         })
         .unwrap()
         .into_iter()
-        .map(|(_, e)| e.action)
+        .filter_map(|(_, e)| e.request_id)
         .collect();
-    assert!(actions.iter().all(|a| !a.starts_with("bad")), "{actions:?}");
+    assert_eq!(names.len(), 8, "{names:?}");
+    assert!(names.iter().all(|a| !a.starts_with("bad")), "{names:?}");
     let has = store
         .read_now(|txn| {
             use cube_adapter::store::ReadOps;
@@ -1140,8 +1142,8 @@ async fn a_replica_that_lost_its_lock_a_moment_ago_keeps_its_intents() {
     let a = Store::open_postgres(da.path(), &settings).unwrap();
     let a_id = a.replica().unwrap().to_string();
     let ev = Event {
-        action: "exec".into(),
-        phase: "intent".into(),
+        action: cube_adapter::audit::event::Action::Exec,
+        phase: cube_adapter::audit::event::Phase::Intent,
         ..Default::default()
     };
     a.write(move |txn, chain| {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use hmac::{Hmac, Mac};
 use tokio::io::AsyncWriteExt;
 
-use crate::audit::event::Event;
+use crate::audit::event::{Event, Outcome};
 use crate::audit::sinks::def::{FileSink, Fsync, HttpSink, SinkDef, SyslogAddress, SyslogSink};
 
 /// A prepared sink: files read, clients built, nothing sent yet.
@@ -499,14 +499,15 @@ impl SyslogOut {
 /// Severity: warning for `error` and `uncertain`, notice for `rejected`,
 /// informational otherwise.
 pub fn rfc5424(facility: u8, hostname: &str, app: &str, pid: u32, ev: &Event) -> String {
-    let severity = match ev.outcome.as_str() {
-        "error" | "uncertain" => 4,
-        "rejected" => 5,
+    let severity = match ev.outcome {
+        Outcome::Error | Outcome::Uncertain => 4,
+        Outcome::Rejected => 5,
         _ => 6,
     };
     let pri = u16::from(facility) * 8 + severity;
     let msgid: String = ev
         .action
+        .as_str()
         .chars()
         .filter(|c| c.is_ascii_graphic())
         .take(32)
@@ -526,14 +527,15 @@ pub fn rfc5424(facility: u8, hostname: &str, app: &str, pid: u32, ev: &Event) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audit::event::Action;
 
     #[test]
     fn a_syslog_message_is_rfc_5424() {
         let ev = Event {
             seq: 7,
             ts: "2026-12-03T10:00:00Z".into(),
-            action: "exec".into(),
-            outcome: "uncertain".into(),
+            action: Action::Exec,
+            outcome: Outcome::Uncertain,
             ..Default::default()
         };
         let m = rfc5424(10, "host", "cube-adapter", 42, &ev);

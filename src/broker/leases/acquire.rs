@@ -36,7 +36,7 @@ impl Broker {
         // else is recorded as its digest and length (`event::unshaped`).
         let known_runtime = RUNTIMES.contains(&runtime);
         let prof = self.profile(&profile_name);
-        let mut ev = self.event(p, "acquire", ctx);
+        let mut ev = self.event(p, Action::Acquire, ctx);
         ev.runtime = Some(if known_runtime {
             runtime.to_string()
         } else {
@@ -433,7 +433,7 @@ impl Broker {
                 .journal
                 .outcome(
                     intent,
-                    "ok",
+                    Outcome::Ok,
                     |e| {
                         // A fork's event keeps its source lease.
                         if forked {
@@ -474,10 +474,10 @@ impl Broker {
         let (ts, unix) = self.now();
         l.last_used_at = ts;
         l.last_used_unix = unix;
-        let mut ev2 = self.lease_event(p, &ev.action, ctx, &l);
-        ev2.outcome = "ok".into();
+        let mut ev2 = self.lease_event(p, ev.action.clone(), ctx, &l);
+        ev2.outcome = Outcome::Ok;
         ev2.reused = Some(true);
-        ev2.phase = "event".into();
+        ev2.phase = Phase::Event;
         ev2.checkpoint_ref = ev.checkpoint_ref.clone();
         ev2.task_ref = ev.task_ref.clone();
         let l2 = l.clone();
@@ -507,7 +507,7 @@ impl Broker {
     /// End a lease whose sandbox is gone, as a kill would (its checkpoints'
     /// snapshots too), audited as `release` with `release_action: gone`.
     async fn retire_gone(&self, p: &Principal, ctx: &Ctx, l: Lease) -> Result<()> {
-        let mut ev = self.lease_event(p, "release", ctx, &l);
+        let mut ev = self.lease_event(p, Action::Release, ctx, &l);
         ev.release_action = Some("gone".to_string());
         let intent = self.inner.journal.intent(ev).await?;
         let b = self.clone();

@@ -16,7 +16,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         lease_ref: &str,
-        action: &str,
+        action: Action,
         scope: &str,
         fill: impl FnOnce(&mut Event),
         run: F,
@@ -26,7 +26,7 @@ impl Broker {
         F: FnOnce(Broker, Lease, Addr) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = Result<Done<T>>> + Send + 'static,
     {
-        let ev = self.event(p, action, ctx);
+        let ev = self.event(p, action.clone(), ctx);
         self.authorize(p, scope, &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         self.effect_on(p, ctx, l, action, fill, None, run).await
@@ -40,7 +40,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
         l: Lease,
-        action: &str,
+        action: Action,
         fill: impl FnOnce(&mut Event),
         hold: Option<crate::broker::LockGuard>,
         run: F,
@@ -145,7 +145,9 @@ impl Broker {
             return;
         };
         let secs = prof.sandbox_timeout_seconds;
-        let r = self.set_sandbox_timeout(l, secs, "keepalive", secs).await;
+        let r = self
+            .set_sandbox_timeout(l, secs, Action::Keepalive, secs)
+            .await;
         if let Err(e) = r {
             tracing::warn!(lease = %l.lease_ref, code = e.code.as_str(), error = %e.message, "could not restore a sandbox's idle timeout");
         }
@@ -178,7 +180,7 @@ impl Broker {
                     .journal
                     .outcome(
                         intent,
-                        "ok",
+                        Outcome::Ok,
                         |e| {
                             e.exit_code = exit;
                             e.bytes = bytes;

@@ -13,7 +13,9 @@ impl Broker {
         cwd: Option<&str>,
         timeout_ms: Option<u64>,
     ) -> Result<dto::ExecResponse> {
-        let cwd = self.command_and_cwd(p, ctx, "exec", command, cwd).await?;
+        let cwd = self
+            .command_and_cwd(p, ctx, &Action::Exec, command, cwd)
+            .await?;
         if timeout_ms == Some(0) {
             return Err(Error::new(
                 Code::InvalidTimeout,
@@ -29,7 +31,7 @@ impl Broker {
                     p,
                     ctx,
                     lease_ref,
-                    "exec",
+                    Action::Exec,
                     "exec:run",
                     |e| e.command_digest = Some(cmd_digest),
                     move |b: Broker, l: Lease, addr| async move {

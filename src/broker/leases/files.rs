@@ -13,20 +13,20 @@ impl Broker {
         op: FileOp,
     ) -> Result<dto::FileAnswer> {
         let (action, scope, path) = match &op {
-            FileOp::Read { path } => ("read", "file:read", path),
-            FileOp::Write { path, .. } => ("write", "file:write", path),
-            FileOp::List { path } => ("list", "file:list", path),
-            FileOp::Stat { path } => ("stat", "file:stat", path),
-            FileOp::Mkdir { path } => ("mkdir", "file:mkdir", path),
-            FileOp::Remove { path } => ("remove", "file:remove", path),
-            FileOp::Move { path, .. } => ("move", "file:move", path),
-            FileOp::Upload { path, .. } => ("artifact_upload", "artifact:upload", path),
-            FileOp::Download { path } => ("artifact_download", "artifact:download", path),
+            FileOp::Read { path } => (Action::Read, "file:read", path),
+            FileOp::Write { path, .. } => (Action::Write, "file:write", path),
+            FileOp::List { path } => (Action::List, "file:list", path),
+            FileOp::Stat { path } => (Action::Stat, "file:stat", path),
+            FileOp::Mkdir { path } => (Action::Mkdir, "file:mkdir", path),
+            FileOp::Remove { path } => (Action::Remove, "file:remove", path),
+            FileOp::Move { path, .. } => (Action::Move, "file:move", path),
+            FileOp::Upload { path, .. } => (Action::ArtifactUpload, "artifact:upload", path),
+            FileOp::Download { path } => (Action::ArtifactDownload, "artifact:download", path),
         };
-        let path = self.checked_path(p, ctx, action, path).await?;
+        let path = self.checked_path(p, ctx, &action, path).await?;
         let dest = match &op {
             FileOp::Move { destination, .. } => {
-                Some(self.checked_path(p, ctx, action, destination).await?)
+                Some(self.checked_path(p, ctx, &action, destination).await?)
             }
             _ => None,
         };

@@ -34,7 +34,7 @@ fn visible_leases(
 impl Broker {
     /// `GET /v1/leases`.
     pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<dto::LeaseList> {
-        let ev = self.event(p, "lease_list", ctx);
+        let ev = self.event(p, Action::LeaseList, ctx);
         self.authorize(p, "lease:list", &ev).await?;
         let admin = p.is_admin();
         let who = p.clone();
@@ -72,7 +72,7 @@ impl Broker {
         ctx: &Ctx,
         limit: usize,
     ) -> Result<(Vec<crate::broker::LiveLease>, bool)> {
-        let ev = self.event(p, "lease_list", ctx);
+        let ev = self.event(p, Action::LeaseList, ctx);
         self.authorize(p, "lease:list", &ev).await?;
         let who = p.clone();
         let with_jobs = p.allows_action("job:status");
@@ -179,7 +179,7 @@ impl Broker {
         lease_ref: &str,
         refresh: bool,
     ) -> Result<dto::LeaseStatus> {
-        let ev = self.event(p, "status", ctx);
+        let ev = self.event(p, Action::Status, ctx);
         self.authorize(p, "lease:status", &ev).await?;
         let mut l = self.owned_lease(p, lease_ref, &ev).await?;
         if refresh {
@@ -244,7 +244,7 @@ impl Broker {
                 ));
             }
         };
-        let ev = self.event(p, "release", ctx);
+        let ev = self.event(p, Action::Release, ctx);
         self.authorize(p, "lease:release", &ev).await?;
         let l = self.owned_lease(p, lease_ref, &ev).await?;
         let lock = self.lock(format!("lease:{}", l.lease_ref)).await?;
@@ -252,7 +252,7 @@ impl Broker {
         let l = self.visible_lease(p, &l.lease_ref).await?;
         // A backend that is down: nothing is done (and no intent left).
         self.ready_client(&l.backend)?;
-        let mut ev = self.lease_event(p, "release", ctx, &l);
+        let mut ev = self.lease_event(p, Action::Release, ctx, &l);
         ev.release_action = Some(action.to_string());
         let intent = self.inner.journal.intent(ev).await?;
         // From here the release runs to its recorded outcome even if the
@@ -311,7 +311,7 @@ impl Broker {
                         .journal
                         .outcome(
                             intent,
-                            "error",
+                            Outcome::Error,
                             |ev| ev.error_code = Some(e.code.to_string()),
                             move |txn| put_lease(txn, &l2),
                         )
@@ -331,7 +331,7 @@ impl Broker {
             .journal
             .outcome(
                 intent,
-                "ok",
+                Outcome::Ok,
                 |_| {},
                 move |txn| {
                     if kill {

@@ -17,7 +17,7 @@ use super::dto;
 use super::paths;
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::Intent;
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome, Phase};
 use crate::auth::Principal;
 use crate::config::RUNTIMES;
 use crate::cube::wire::{CreateSandbox, Lifecycle, NetworkPolicy, VolumeMount};
@@ -278,7 +278,7 @@ impl Broker {
         })
     }
 
-    pub(crate) fn lease_event(&self, p: &Principal, action: &str, ctx: &Ctx, l: &Lease) -> Event {
+    pub(crate) fn lease_event(&self, p: &Principal, action: Action, ctx: &Ctx, l: &Lease) -> Event {
         let mut ev = self.event(p, action, ctx);
         ev.runtime = Some(l.runtime.clone());
         ev.profile = Some(l.profile.clone());
@@ -318,13 +318,13 @@ impl Broker {
         &self,
         p: &Principal,
         ctx: &Ctx,
-        action: &str,
+        action: &Action,
         path: &str,
     ) -> Result<String> {
         match paths::check(path) {
             Ok(norm) => Ok(norm),
             Err(e) => {
-                let mut ev = self.event(p, action, ctx);
+                let mut ev = self.event(p, action.clone(), ctx);
                 ev.path_digest = Some(self.inner.journal.digest("path", path.as_bytes()));
                 Err(self.reject(ev, e).await)
             }
@@ -349,7 +349,7 @@ impl Broker {
         &self,
         p: &Principal,
         ctx: &Ctx,
-        action: &str,
+        action: &Action,
         command: &str,
         cwd: Option<&str>,
     ) -> Result<String> {
@@ -379,7 +379,7 @@ impl Broker {
             .journal
             .outcome(
                 intent,
-                code.outcome().as_str(),
+                code.outcome(),
                 |ev| ev.error_code = Some(code.as_str().to_string()),
                 |_| Ok(()),
             )

@@ -116,7 +116,7 @@ impl Broker {
         ctx: &Ctx,
         f: &TaskFilter,
     ) -> Result<TaskPage> {
-        let mut ev = self.task_event(p, "task_list", ctx);
+        let mut ev = self.task_event(p, Action::TaskList, ctx);
         self.authorize(p, "task:status", &ev).await?;
         if !Self::may_see_plans(p) {
             return Err(self
@@ -235,7 +235,7 @@ impl Broker {
         let Some(page) = page? else {
             return Err(bad("before must be a task reference from the list"));
         };
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         self.inner.journal.record(ev).await?;
         Ok(page)
     }
@@ -307,7 +307,7 @@ impl Broker {
                         let next_is_finalize = next.is_some_and(|e| {
                             e.prev_hash == h2
                                 && e.task_ref.as_deref() == Some(t2.as_str())
-                                && matches!(e.action.as_str(), "task_finalize" | "task_cancel")
+                                && matches!(e.action, Action::TaskFinalize | Action::TaskCancel)
                         });
                         Ok((in_journal, next_is_finalize))
                     })

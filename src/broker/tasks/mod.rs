@@ -28,7 +28,7 @@ use sha2::Digest;
 use super::dto;
 use super::leases::{FileOp, Lease, MAX_COMMAND, new_ref, valid_ref};
 use super::{Broker, Code, Ctx, Error, Result};
-use crate::audit::event::Event;
+use crate::audit::event::{Action, Event, Outcome, Phase};
 use crate::auth::Principal;
 use crate::clock::format_unix;
 use crate::config::TaskTemplate;
@@ -119,7 +119,7 @@ impl Broker {
         sha256_hex(canonical(&v).as_bytes())
     }
 
-    fn task_event(&self, p: &Principal, action: &str, ctx: &Ctx) -> Event {
+    fn task_event(&self, p: &Principal, action: Action, ctx: &Ctx) -> Event {
         let mut ev = self.event(p, action, ctx);
         ev.runtime = Some(TASK_RUNTIME.into());
         ev
@@ -265,14 +265,14 @@ impl Broker {
         let was = plan.state;
         plan.state = PlanState::Expired;
         let j = &self.inner.journal;
-        let mut ev = j.event("task_plan_expired");
-        ev.phase = "event".into();
+        let mut ev = j.event(Action::TaskPlanExpired);
+        ev.phase = Phase::Event;
         ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
         ev.tenant_digest = Some(j.digest("tenant", plan.tenant.as_bytes()));
         if !ctx.request_id.is_empty() {
             ev.request_id = Some(ctx.request_id.clone());
         }
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         ev.plan_ref = Some(plan.plan_ref.clone());
         ev.task_template = Some(plan.template.clone());
         self.save_plan(plan, was, ev).await?;
@@ -329,7 +329,7 @@ impl Broker {
         }
     }
 
-    fn save_task_event(&self, task: &Task, action: &str, ctx: &Ctx, outcome: &str) -> Event {
+    fn save_task_event(&self, task: &Task, action: Action, ctx: &Ctx, outcome: Outcome) -> Event {
         let j = &self.inner.journal;
         let mut ev = j.event(action);
         ev.identity_digest = Some(task.requester.clone());
@@ -338,8 +338,8 @@ impl Broker {
         if !ctx.request_id.is_empty() {
             ev.request_id = Some(ctx.request_id.clone());
         }
-        ev.phase = "event".into();
-        ev.outcome = outcome.into();
+        ev.phase = Phase::Event;
+        ev.outcome = outcome;
         ev.plan_ref = Some(task.plan_ref.clone());
         ev.task_ref = Some(task.task_ref.clone());
         ev.task_template = Some(task.template.clone());
@@ -460,7 +460,7 @@ impl Broker {
         }
         if task.state != before {
             task.updated_at = self.now().0;
-            let ev = self.save_task_event(&task, "task_state", ctx, "ok");
+            let ev = self.save_task_event(&task, Action::TaskState, ctx, Outcome::Ok);
             self.save_task(&task, ev).await?;
         }
         Ok(task)

@@ -174,7 +174,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
     ) -> Result<dto::TaskTemplateList> {
-        let ev = self.task_event(p, "task_templates", ctx);
+        let ev = self.task_event(p, Action::TaskTemplates, ctx);
         self.authorize(p, "task:plan", &ev).await?;
         let task_templates = self
             .config()
@@ -199,7 +199,7 @@ impl Broker {
         parameters: Option<&Value>,
         why: PlanWhy<'_>,
     ) -> Result<dto::PlanAnswer> {
-        let mut ev = self.task_event(p, "task_plan", ctx);
+        let mut ev = self.task_event(p, Action::TaskPlan, ctx);
         self.authorize(p, "task:plan", &ev).await?;
         if !crate::config::valid_profile_name(template) {
             return Err(Error::new(
@@ -410,7 +410,7 @@ impl Broker {
             denial: None,
         };
         let j = &self.inner.journal;
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         ev.plan_ref = Some(plan.plan_ref.clone());
         ev.backend = Some(plan.backend.clone());
         ev.parameters_digest = Some(j.digest("parameters", canon.as_bytes()));
@@ -485,7 +485,7 @@ impl Broker {
         p: &Principal,
         ctx: &Ctx,
     ) -> Result<(Vec<PendingPlan>, Vec<PendingPlan>)> {
-        let ev = self.task_event(p, "task_plan_list", ctx);
+        let ev = self.task_event(p, Action::TaskPlanList, ctx);
         let scope = if p.may_approve() {
             "task:approve"
         } else {
@@ -535,7 +535,7 @@ impl Broker {
         plan_ref: &str,
         with_command: bool,
     ) -> Result<ConsoleReview> {
-        let mut ev = self.task_event(p, "task_plan_review", ctx);
+        let mut ev = self.task_event(p, Action::TaskPlanReview, ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         let scope = if p.may_approve() {
             "task:approve"
@@ -591,7 +591,7 @@ impl Broker {
             (Some(r), true) => self.get_task(r)?.map(|t| (t.state, t.receipt.is_some())),
             _ => None,
         };
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         self.inner.journal.record(ev).await?;
         Ok(ConsoleReview {
             task,
@@ -676,7 +676,15 @@ impl Broker {
             }
         };
         let reason = words(reason, "reason")?;
-        let mut ev = self.task_event(p, if approve { "task_approve" } else { "task_deny" }, ctx);
+        let mut ev = self.task_event(
+            p,
+            if approve {
+                Action::TaskApprove
+            } else {
+                Action::TaskDeny
+            },
+            ctx,
+        );
         if let Some(s) = &ctx.console_session {
             // A person in the console, recorded as such.
             ev.runtime = Some("console".into());
@@ -823,7 +831,7 @@ impl Broker {
             plan.denial_reason_sha256 = reason.as_ref().map(|r| sha256_hex(r.as_bytes()));
             plan.denial = Some(decision);
         }
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         ev.approver_digest = Some(me);
         ev.reason_digest = reason
             .as_ref()
@@ -860,9 +868,9 @@ impl Broker {
             let evs: Vec<Event> = chunk
                 .iter()
                 .map(|pl| {
-                    let mut ev = j.event("task_plan_pruned");
-                    ev.phase = "event".into();
-                    ev.outcome = "ok".into();
+                    let mut ev = j.event(Action::TaskPlanPruned);
+                    ev.phase = Phase::Event;
+                    ev.outcome = Outcome::Ok;
                     ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
                     ev.tenant_digest = Some(j.digest("tenant", pl.tenant.as_bytes()));
                     ev.plan_ref = Some(pl.plan_ref.clone());

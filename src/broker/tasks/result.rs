@@ -25,7 +25,7 @@ impl Broker {
         ctx: &Ctx,
         task_ref: &str,
     ) -> Result<Task> {
-        let mut ev = self.task_event(p, "task_status", ctx);
+        let mut ev = self.task_event(p, Action::TaskStatus, ctx);
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:status", &ev).await?;
         self.visible_task(p, task_ref, false)?;
@@ -42,7 +42,7 @@ impl Broker {
             })
             .await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))??;
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         ev.task_state = Some(task.state.to_string());
         self.inner.journal.record(ev).await?;
         Ok(task)
@@ -77,9 +77,9 @@ impl Broker {
         cancel: bool,
     ) -> Result<dto::TaskAnswer> {
         let (action, scope) = if cancel {
-            ("task_cancel", "task:cancel")
+            (Action::TaskCancel, "task:cancel")
         } else {
-            ("task_finalize", "task:result")
+            (Action::TaskFinalize, "task:result")
         };
         let mut ev = self.task_event(p, action, ctx);
         ev.task_ref = shaped(task_ref, "task");
@@ -185,7 +185,7 @@ impl Broker {
                         .sealer
                         .seal(Value::Object(m.clone()).to_string().as_bytes())?,
                 );
-                let ev2 = self.save_task_event(&task, "task_result", ctx, "ok");
+                let ev2 = self.save_task_event(&task, Action::TaskResult, ctx, Outcome::Ok);
                 self.save_task(&task, ev2).await?;
                 m
             }
@@ -221,7 +221,7 @@ impl Broker {
         if cleanup == "pending" {
             // No receipt until the sandbox is known to be gone.
             task.state = TaskState::CleanupPending;
-            ev.outcome = "error".into();
+            ev.outcome = Outcome::Error;
             ev.error_code = Some("cleanup_pending".into());
             self.save_task(&task, ev).await?;
             return Ok(task);
@@ -261,7 +261,7 @@ impl Broker {
             "created_at": task.created_at,
             "completed_at": task.completed_at,
         });
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         // Signed in the transaction that records the finalize event: the
         // receipt names the journal's head just before it.
         let signer = self.inner.receipts.clone();
@@ -415,7 +415,7 @@ impl Broker {
         ctx: &Ctx,
         task_ref: &str,
     ) -> Result<dto::ReceiptResponse> {
-        let mut ev = self.task_event(p, "task_receipt", ctx);
+        let mut ev = self.task_event(p, Action::TaskReceipt, ctx);
         ev.task_ref = shaped(task_ref, "task");
         self.authorize(p, "task:receipt", &ev).await?;
         let task = self.visible_task(p, task_ref, false)?;
@@ -430,7 +430,7 @@ impl Broker {
                 )
                 .await);
         };
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         self.inner.journal.record(ev).await?;
         Ok(dto::ReceiptResponse {
             receipt: r,

@@ -12,7 +12,7 @@ impl Broker {
         ctx: &Ctx,
         plan_ref: &str,
     ) -> Result<dto::TaskAnswer> {
-        let mut ev = self.task_event(p, "task_submit", ctx);
+        let mut ev = self.task_event(p, Action::TaskSubmit, ctx);
         ev.plan_ref = shaped(plan_ref, "plan");
         self.authorize(p, "task:submit", &ev).await?;
         let plan_lock = self.lock(format!("task-plan:{plan_ref}")).await?;
@@ -26,7 +26,7 @@ impl Broker {
         if let Some(tr) = &plan.task_ref
             && let Some(t) = self.get_task(tr)?
         {
-            ev.outcome = "ok".into();
+            ev.outcome = Outcome::Ok;
             ev.task_ref = Some(t.task_ref.clone());
             ev.reused = Some(true);
             self.inner.journal.record(ev).await?;
@@ -113,7 +113,7 @@ impl Broker {
         let was = plan.state;
         plan.state = PlanState::Submitted;
         plan.task_ref = Some(task.task_ref.clone());
-        ev.outcome = "ok".into();
+        ev.outcome = Outcome::Ok;
         ev.task_ref = Some(task.task_ref.clone());
         ev.approver_digest = task.approver.clone();
         ev.command_digest = Some(self.inner.journal.digest("command", command.as_bytes()));
@@ -213,7 +213,7 @@ impl Broker {
             Ok(job) => {
                 task.job_ref = Some(job);
                 task.state = TaskState::Running;
-                let ev = self.save_task_event(&task, "task_started", ctx, "ok");
+                let ev = self.save_task_event(&task, Action::TaskStarted, ctx, Outcome::Ok);
                 self.save_task(&task, ev).await?;
                 Ok(task)
             }
@@ -221,7 +221,7 @@ impl Broker {
                 task.state = TaskState::SetupFailed;
                 task.setup_error = Some(setup_error(&e));
                 task.cleanup = Some(self.kill_task_lease(&tp, ctx, &task).await.into());
-                let mut ev = self.save_task_event(&task, "task_setup", ctx, "error");
+                let mut ev = self.save_task_event(&task, Action::TaskSetup, ctx, Outcome::Error);
                 ev.error_code = Some(e.code.to_string());
                 self.save_task(&task, ev).await?;
                 Err(e)
