@@ -88,7 +88,9 @@ fn masks(cfg: &Config, state: &Path) -> Vec<PathBuf> {
 /// namespace with its subordinate ids first (`embedded::subids`), so that
 /// each sandbox gets ids of its own. Call single-threaded, before any
 /// runtime. Err: it cannot go on (the namespace was entered, unmapped).
-pub fn enter_subordinate_ids(isolation: crate::embedded::launch::Isolation) -> Result<(), String> {
+pub fn enter_subordinate_ids(
+    isolation: crate::embedded::launch::Isolation,
+) -> Result<(), crate::embedded::subids::EnterError> {
     use crate::embedded::subids::{self, Entered, PER_SANDBOX};
     if isolation != crate::embedded::launch::Isolation::Namespaces {
         return Ok(());

@@ -12,6 +12,8 @@
 pub mod event {
     pub use crate::store::event::*;
 }
+#[cfg(test)]
+mod journal_words;
 pub mod search;
 pub mod sinks;
 

@@ -97,7 +97,7 @@ impl McpServer {
         &self,
         req: &Request,
         ctx: &RequestContext<RoleServer>,
-    ) -> Result<(u16, Value), String> {
+    ) -> Result<(u16, Value), Unreachable> {
         match self.upstream.as_ref() {
             Upstream::Local(router) => {
                 use tower::ServiceExt;
@@ -106,14 +106,14 @@ impl McpServer {
                 let parts = ctx
                     .extensions
                     .get::<axum::http::request::Parts>()
-                    .ok_or("the MCP request carried no HTTP request")?;
+                    .ok_or(Unreachable::NoHttpRequest)?;
                 let auth = parts
                     .headers
                     .get(axum::http::header::AUTHORIZATION)
                     .cloned();
                 let cert = parts.extensions.get::<crate::auth::PeerCert>().cloned();
                 if auth.is_none() && cert.is_none() {
-                    return Err("the MCP request carried no identity".into());
+                    return Err(Unreachable::NoIdentity);
                 }
                 let mut b = axum::http::Request::builder()
                     .method(req.method)
@@ -134,12 +134,12 @@ impl McpServer {
                     }
                     None => Body::empty(),
                 };
-                let r = b.body(body).map_err(|e| e.to_string())?;
-                let resp = router.clone().oneshot(r).await.map_err(|e| e.to_string())?;
+                let r = b.body(body).map_err(Unreachable::Request)?;
+                let Ok(resp) = router.clone().oneshot(r).await;
                 let status = resp.status().as_u16();
                 let bytes = axum::body::to_bytes(resp.into_body(), MAX_ANSWER)
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(Unreachable::Body)?;
                 let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
                 Ok((status, v))
             }
@@ -158,23 +158,16 @@ impl McpServer {
                 if let Some(v) = &req.body {
                     b = b.json(v);
                 }
-                let resp = b
-                    .send()
-                    .await
-                    .map_err(|e| format!("the appliance did not answer: {e}"))?;
+                let resp = b.send().await.map_err(Unreachable::NoAnswer)?;
                 let status = resp.status().as_u16();
                 if resp.content_length().is_some_and(|n| n > MAX_ANSWER as u64) {
-                    return Err("the appliance's answer is too large".into());
+                    return Err(Unreachable::TooLarge);
                 }
                 let mut resp = resp;
                 let mut bytes = Vec::new();
-                while let Some(c) = resp
-                    .chunk()
-                    .await
-                    .map_err(|e| format!("the appliance's answer broke off: {e}"))?
-                {
+                while let Some(c) = resp.chunk().await.map_err(Unreachable::BrokeOff)? {
                     if bytes.len() + c.len() > MAX_ANSWER {
-                        return Err("the appliance's answer is too large".into());
+                        return Err(Unreachable::TooLarge);
                     }
                     bytes.extend_from_slice(&c);
                 }
@@ -240,7 +233,7 @@ impl McpServer {
         let v = match self.send(&req, ctx).await {
             Ok((200, v)) => v,
             Ok((_, v)) => return Err(refusal(&v)),
-            Err(m) => return Err(tool_error(UNAVAILABLE, &m)),
+            Err(m) => return Err(tool_error(UNAVAILABLE, &m.to_string())),
         };
         let Some(profile) = v
             .get("profiles")
@@ -328,6 +321,26 @@ fn refusal(v: &Value) -> CallToolResult {
     tool_error(code, message)
 }
 
+/// Why a tool's `/v1` request got no answer (`tool_error` `unavailable`).
+#[derive(Debug, thiserror::Error)]
+pub enum Unreachable {
+    #[error("the MCP request carried no HTTP request")]
+    NoHttpRequest,
+    #[error("the MCP request carried no identity")]
+    NoIdentity,
+    #[error("{0}")]
+    Request(#[source] axum::http::Error),
+    /// The in-process router's body could not be read (over `MAX_ANSWER`).
+    #[error("{0}")]
+    Body(#[source] axum::Error),
+    #[error("the appliance did not answer: {0}")]
+    NoAnswer(#[source] reqwest::Error),
+    #[error("the appliance's answer is too large")]
+    TooLarge,
+    #[error("the appliance's answer broke off: {0}")]
+    BrokeOff(#[source] reqwest::Error),
+}
+
 /// A tool error the model can act on: the appliance's code and message
 /// (passed through as the appliance sent it, which may be a newer one).
 fn tool_error(code: &str, message: &str) -> CallToolResult {
@@ -396,11 +409,11 @@ impl ServerHandler for McpServer {
         }
         let req = match tools::request(request.name.as_ref(), &args, &host) {
             Ok(r) => r,
-            Err(m) => return Ok(tool_error(Code::InvalidRequest.as_str(), &m).into()),
+            Err(m) => return Ok(tool_error(Code::InvalidRequest.as_str(), &m.to_string()).into()),
         };
         let (status, v) = match self.send(&req, &context).await {
             Ok(x) => x,
-            Err(m) => return Ok(tool_error(UNAVAILABLE, &m).into()),
+            Err(m) => return Ok(tool_error(UNAVAILABLE, &m.to_string()).into()),
         };
         if (200..300).contains(&status) {
             // Structured content must be an object; anything else is text.

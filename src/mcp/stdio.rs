@@ -56,26 +56,107 @@ fn is_loopback(u: &url::Url) -> bool {
     }
 }
 
+/// What is wrong with the settings of `cube-adapter mcp` (exit 2), or
+/// what stops it once they are right (exit 1). `from` names where a value
+/// came from: a flag, a variable, the default.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("{0} is empty")]
+    EmptyFlag(&'static str),
+    #[error("{from} is not a URL ({source}): {raw}")]
+    NotAUrl {
+        from: &'static str,
+        raw: String,
+        source: url::ParseError,
+    },
+    #[error(
+        "refusing plain HTTP to {0}: only a loopback address may be reached without TLS \
+         (use https://, and --ca-file for the appliance's CA)"
+    )]
+    PlainHttp(String),
+    #[error("{from} must be https:// (or http:// to loopback), not {scheme}://")]
+    Scheme { from: &'static str, scheme: String },
+    #[error("{0} must not carry credentials; use --token-file")]
+    Credentials(&'static str),
+    #[error("{0} takes no query or fragment (the profile is --profile)")]
+    QueryOrFragment(&'static str),
+    #[error("--client-cert and --client-key go together")]
+    CertFlagsApart,
+    #[error(
+        "CUBE_ADAPTER_TOKEN and CUBE_ADAPTER_TOKEN_FILE are both set in the \
+         environment and name two tokens: unset one of them (an exported \
+         CUBE_ADAPTER_TOKEN reaches this command through the host), or give \
+         --token-file FILE, which wins over both"
+    )]
+    TwoTokens,
+    #[error(
+        "CUBE_ADAPTER_CLIENT_CERT_FILE and CUBE_ADAPTER_CLIENT_KEY_FILE go \
+         together (or give --client-cert and --client-key)"
+    )]
+    CertVariablesApart,
+    #[error("the token holds characters no HTTP header may carry")]
+    TokenNotAHeader,
+    #[error("a client certificate is only sent over https://")]
+    CertOverHttp,
+    #[error(
+        "no identity: give --token-file FILE (or set CUBE_ADAPTER_TOKEN or \
+         CUBE_ADAPTER_TOKEN_FILE) or a client certificate"
+    )]
+    NoIdentity,
+    #[error("{0} is for https:// URLs")]
+    CaOverHttp(&'static str),
+    #[error("{from} must be one of {} (not {runtime})", crate::config::RUNTIMES.join(", "))]
+    Runtime { from: &'static str, runtime: String },
+    #[error("cannot read {from} {}: {source}", path.display())]
+    ReadToken {
+        from: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{from} {} is empty", path.display())]
+    EmptyToken { from: &'static str, path: PathBuf },
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("TLS settings: {0}")]
+    Tls(#[source] crate::tls::TlsError),
+    #[error("HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("MCP over stdio: {0}")]
+    Serve(String),
+}
+
 /// A token read from `file`, named `what` in messages.
-fn read_token(file: &std::path::Path, what: &str) -> Result<Secret, String> {
-    let t = std::fs::read_to_string(file)
-        .map_err(|e| format!("cannot read {what} {}: {e}", file.display()))?;
+fn read_token(file: &std::path::Path, what: &'static str) -> Result<Secret, SettingsError> {
+    let t = std::fs::read_to_string(file).map_err(|source| SettingsError::ReadToken {
+        from: what,
+        path: file.to_path_buf(),
+        source,
+    })?;
     let t = t.trim().to_string();
     if t.is_empty() {
-        return Err(format!("{what} {} is empty", file.display()));
+        return Err(SettingsError::EmptyToken {
+            from: what,
+            path: file.to_path_buf(),
+        });
     }
     Ok(Secret::new(t))
 }
 
 impl Settings {
     /// Read and check the settings from the environment alone (`var`).
-    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, SettingsError> {
         Self::resolve(&Flags::default(), var)
     }
 
     /// Read and check the settings: `flags` first, then `var` (the
     /// environment) for what no flag names.
-    pub fn resolve(flags: &Flags, var: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+    pub fn resolve(
+        flags: &Flags,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, SettingsError> {
         let get = |k: &str| var(k).filter(|v| !v.trim().is_empty());
         for (name, empty) in [
             (
@@ -120,7 +201,7 @@ impl Settings {
             ),
         ] {
             if empty {
-                return Err(format!("{name} is empty"));
+                return Err(SettingsError::EmptyFlag(name));
             }
         }
         // Where each setting came from, for the messages.
@@ -129,33 +210,31 @@ impl Settings {
             (None, Some(u)) => (u, "CUBE_ADAPTER_URL"),
             (None, None) => (DEFAULT_URL.to_string(), "the default URL"),
         };
-        let url =
-            url::Url::parse(&raw).map_err(|e| format!("{url_src} is not a URL ({e}): {raw}"))?;
+        let url = url::Url::parse(&raw).map_err(|source| SettingsError::NotAUrl {
+            from: url_src,
+            raw: raw.clone(),
+            source,
+        })?;
         match url.scheme() {
             "https" => {}
             "http" if is_loopback(&url) => {}
             "http" => {
-                return Err(format!(
-                    "refusing plain HTTP to {}: only a loopback address may be reached without TLS \
-                     (use https://, and --ca-file for the appliance's CA)",
-                    url.host_str().unwrap_or("?")
+                return Err(SettingsError::PlainHttp(
+                    url.host_str().unwrap_or("?").to_string(),
                 ));
             }
             other => {
-                return Err(format!(
-                    "{url_src} must be https:// (or http:// to loopback), not {other}://"
-                ));
+                return Err(SettingsError::Scheme {
+                    from: url_src,
+                    scheme: other.to_string(),
+                });
             }
         }
         if !url.username().is_empty() || url.password().is_some() {
-            return Err(format!(
-                "{url_src} must not carry credentials; use --token-file"
-            ));
+            return Err(SettingsError::Credentials(url_src));
         }
         if url.query().is_some() || url.fragment().is_some() {
-            return Err(format!(
-                "{url_src} takes no query or fragment (the profile is --profile)"
-            ));
+            return Err(SettingsError::QueryOrFragment(url_src));
         }
         let identity_flags =
             flags.token_file.is_some() || flags.client_cert.is_some() || flags.client_key.is_some();
@@ -169,20 +248,12 @@ impl Settings {
             let cert = match (&flags.client_cert, &flags.client_key) {
                 (Some(c), Some(k)) => Some((c.clone(), k.clone())),
                 (None, None) => None,
-                _ => return Err("--client-cert and --client-key go together".into()),
+                _ => return Err(SettingsError::CertFlagsApart),
             };
             (token, cert)
         } else {
             let token = match (get("CUBE_ADAPTER_TOKEN"), get("CUBE_ADAPTER_TOKEN_FILE")) {
-                (Some(_), Some(_)) => {
-                    return Err(
-                        "CUBE_ADAPTER_TOKEN and CUBE_ADAPTER_TOKEN_FILE are both set in the \
-                         environment and name two tokens: unset one of them (an exported \
-                         CUBE_ADAPTER_TOKEN reaches this command through the host), or give \
-                         --token-file FILE, which wins over both"
-                            .into(),
-                    );
-                }
+                (Some(_), Some(_)) => return Err(SettingsError::TwoTokens),
                 (Some(t), None) => Some(Secret::new(t.trim())),
                 (None, Some(f)) => Some(read_token(
                     std::path::Path::new(&f),
@@ -196,30 +267,20 @@ impl Settings {
             ) {
                 (Some(c), Some(k)) => Some((PathBuf::from(c), PathBuf::from(k))),
                 (None, None) => None,
-                _ => {
-                    return Err(
-                        "CUBE_ADAPTER_CLIENT_CERT_FILE and CUBE_ADAPTER_CLIENT_KEY_FILE go \
-                         together (or give --client-cert and --client-key)"
-                            .into(),
-                    );
-                }
+                _ => return Err(SettingsError::CertVariablesApart),
             };
             (token, cert)
         };
         if let Some(t) = &token
             && reqwest::header::HeaderValue::from_str(&format!("Bearer {}", t.expose())).is_err()
         {
-            return Err("the token holds characters no HTTP header may carry".into());
+            return Err(SettingsError::TokenNotAHeader);
         }
         if client_cert.is_some() && url.scheme() != "https" {
-            return Err("a client certificate is only sent over https://".into());
+            return Err(SettingsError::CertOverHttp);
         }
         if token.is_none() && client_cert.is_none() {
-            return Err(
-                "no identity: give --token-file FILE (or set CUBE_ADAPTER_TOKEN or \
-                 CUBE_ADAPTER_TOKEN_FILE) or a client certificate"
-                    .into(),
-            );
+            return Err(SettingsError::NoIdentity);
         }
         let (ca_file, ca_src) = match (&flags.ca_file, get("CUBE_ADAPTER_CA_FILE")) {
             (Some(f), _) => (Some(f.clone()), "--ca-file"),
@@ -227,7 +288,7 @@ impl Settings {
             (None, None) => (None, ""),
         };
         if ca_file.is_some() && url.scheme() != "https" {
-            return Err(format!("{ca_src} is for https:// URLs"));
+            return Err(SettingsError::CaOverHttp(ca_src));
         }
         let (runtime, runtime_src) = match (&flags.runtime, get("CUBE_ADAPTER_RUNTIME")) {
             (Some(r), _) => (Some(r.trim().to_string()), "--runtime"),
@@ -237,10 +298,10 @@ impl Settings {
         if let Some(r) = &runtime
             && !crate::config::RUNTIMES.contains(&r.as_str())
         {
-            return Err(format!(
-                "{runtime_src} must be one of {} (not {r})",
-                crate::config::RUNTIMES.join(", ")
-            ));
+            return Err(SettingsError::Runtime {
+                from: runtime_src,
+                runtime: r.clone(),
+            });
         }
         let profile = flags
             .profile
@@ -257,9 +318,13 @@ impl Settings {
     }
 
     /// The HTTP client these settings call for.
-    pub fn client(&self) -> Result<reqwest::Client, String> {
-        let read =
-            |p: &PathBuf| std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+    pub fn client(&self) -> Result<reqwest::Client, SettingsError> {
+        let read = |p: &PathBuf| {
+            std::fs::read(p).map_err(|source| SettingsError::Read {
+                path: p.clone(),
+                source,
+            })
+        };
         // Straight to the appliance: no proxy from the environment (it
         // would see the token, and plain HTTP is allowed only because the
         // appliance is on loopback), no redirects; `localhost` is pinned to
@@ -291,15 +356,15 @@ impl Settings {
                 ca.as_deref(),
                 id.as_ref().map(|(c, k)| (c.as_slice(), k.as_slice())),
             )
-            .map_err(|e| format!("TLS settings: {e}"))?;
+            .map_err(SettingsError::Tls)?;
             b = b.tls_backend_preconfigured(tls);
         }
-        b.build().map_err(|e| format!("HTTP client: {e}"))
+        b.build().map_err(SettingsError::Client)
     }
 }
 
 /// Serve the tools on stdin/stdout until the host closes them.
-pub async fn run(s: Settings) -> Result<(), String> {
+pub async fn run(s: Settings) -> Result<(), SettingsError> {
     let http = s.client()?;
     let server = McpServer::new(
         Upstream::Remote {
@@ -312,11 +377,11 @@ pub async fn run(s: Settings) -> Result<(), String> {
     let running = server
         .serve(rmcp::transport::stdio())
         .await
-        .map_err(|e| format!("MCP over stdio: {e}"))?;
+        .map_err(|e| SettingsError::Serve(e.to_string()))?;
     running
         .waiting()
         .await
-        .map_err(|e| format!("MCP over stdio: {e}"))?;
+        .map_err(|e| SettingsError::Serve(e.to_string()))?;
     Ok(())
 }
 
@@ -409,7 +474,7 @@ mod tests {
             ),
             (vec![("CUBE_ADAPTER_TOKEN", "bad\ntoken")], "characters"),
         ] {
-            let e = ok(&p).unwrap_err();
+            let e = ok(&p).unwrap_err().to_string();
             assert!(e.contains(want), "{p:?}: {e}");
         }
     }
@@ -508,7 +573,9 @@ mod tests {
                 "--url is empty",
             ),
         ] {
-            let e = Settings::resolve(&flags, env(&[("CUBE_ADAPTER_TOKEN", "t")])).unwrap_err();
+            let e = Settings::resolve(&flags, env(&[("CUBE_ADAPTER_TOKEN", "t")]))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(want), "{flags:?}: {e}");
         }
         // Two identity variables conflict: the message names both and the way out.
@@ -516,7 +583,8 @@ mod tests {
             ("CUBE_ADAPTER_TOKEN", "t"),
             ("CUBE_ADAPTER_TOKEN_FILE", "/t"),
         ]))
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("CUBE_ADAPTER_TOKEN and CUBE_ADAPTER_TOKEN_FILE")
                 && e.contains("--token-file"),

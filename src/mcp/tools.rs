@@ -421,17 +421,30 @@ pub struct Request {
     pub body: Option<Value>,
 }
 
+/// Why a tool call makes no request: a message for the model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadCall {
+    #[error("{0} must be a string")]
+    NotAString(String),
+    #[error("{0} is required")]
+    Missing(String),
+    #[error("{key} is not a {prefix}_… reference")]
+    NotARef { key: String, prefix: &'static str },
+    #[error("no tool named {0}")]
+    NoSuchTool(String),
+}
+
 /// The request a tool call makes, or a message for the model.
-pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Request, String> {
-    let s = |k: &str| -> Result<String, String> {
+pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Request, BadCall> {
+    let s = |k: &str| -> Result<String, BadCall> {
         match args.get(k) {
             Some(Value::String(v)) => Ok(v.clone()),
-            Some(_) => Err(format!("{k} must be a string")),
-            None => Err(format!("{k} is required")),
+            Some(_) => Err(BadCall::NotAString(k.to_string())),
+            None => Err(BadCall::Missing(k.to_string())),
         }
     };
     // A reference that goes into the URL path: only the shape it must have.
-    let r = |k: &str, prefix: &str| -> Result<String, String> {
+    let r = |k: &str, prefix: &'static str| -> Result<String, BadCall> {
         let v = s(k)?;
         let ok = v
             .strip_prefix(prefix)
@@ -440,7 +453,10 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
         if ok {
             Ok(v)
         } else {
-            Err(format!("{k} is not a {prefix}_… reference"))
+            Err(BadCall::NotARef {
+                key: k.to_string(),
+                prefix,
+            })
         }
     };
     // The body: the given fields except the ones in the path.
@@ -612,7 +628,7 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
         ),
         "cube_pty_status" => get(format!("/v1/ptys/{}/status", r("pty_ref", "pty")?)),
         "cube_pty_kill" => post(format!("/v1/ptys/{}/kill", r("pty_ref", "pty")?), json!({})),
-        other => return Err(format!("no tool named {other}")),
+        other => return Err(BadCall::NoSuchTool(other.to_string())),
     })
 }
 

@@ -31,14 +31,23 @@ fn tool(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Why this process cannot make sandbox disks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unavailable {
+    #[error("per-sandbox disks need the backend to run as root on the host")]
+    NotRoot,
+    #[error("per-sandbox disks need {0} (e2fsprogs, mount)")]
+    Missing(&'static str),
+}
+
 /// Whether this process can make sandbox disks (root, and the tools).
-pub fn available() -> Result<(), String> {
+pub fn available() -> Result<(), Unavailable> {
     if !nix::unistd::geteuid().is_root() || super::subids::in_user_namespace() {
-        return Err("per-sandbox disks need the backend to run as root on the host".into());
+        return Err(Unavailable::NotRoot);
     }
     for t in ["mkfs.ext4", "mount"] {
         if tool(t).is_none() {
-            return Err(format!("per-sandbox disks need {t} (e2fsprogs, mount)"));
+            return Err(Unavailable::Missing(t));
         }
     }
     Ok(())

@@ -46,18 +46,51 @@ pub struct Dest {
     pub ports: Option<(u16, u16)>,
 }
 
+/// A destination this backend cannot filter by, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadDest {
+    #[error(
+        "{0:?}: IPv6 destinations are not supported by the embedded backend \
+         (its sandboxes have IPv4 only)"
+    )]
+    Ipv6(String),
+    #[error("{dest:?}: {ports}")]
+    Ports { dest: String, ports: BadPorts },
+    #[error("{0:?}: the prefix length must be 0 to 32")]
+    Prefix(String),
+    #[error(
+        "{0:?}: domain names are not supported by the embedded backend; \
+         name addresses or CIDRs"
+    )]
+    DomainName(String),
+    #[error("{0:?} is not an IPv4 address or CIDR")]
+    NotAnAddress(String),
+}
+
+/// A port or range of ports that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadPorts {
+    #[error("{0:?} is not a port (1 to 65535)")]
+    NotAPort(String),
+    #[error("the port range {0}-{1} is empty")]
+    Empty(u16, u16),
+}
+
 impl Dest {
     /// `ADDR`, `ADDR/PREFIX`, either followed by `:PORT` or `:LOW-HIGH`.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, BadDest> {
         let t = s.trim();
         if t.contains("::") || t.starts_with('[') || t.matches(':').count() > 1 {
-            return Err(format!(
-                "{s:?}: IPv6 destinations are not supported by the embedded backend \
-                 (its sandboxes have IPv4 only)"
-            ));
+            return Err(BadDest::Ipv6(s.to_string()));
         }
         let (net, ports) = match t.split_once(':') {
-            Some((n, p)) => (n, Some(parse_ports(p).map_err(|e| format!("{s:?}: {e}"))?)),
+            Some((n, p)) => (
+                n,
+                Some(parse_ports(p).map_err(|ports| BadDest::Ports {
+                    dest: s.to_string(),
+                    ports,
+                })?),
+            ),
             None => (t, None),
         };
         let (a, prefix) = match net.split_once('/') {
@@ -66,18 +99,15 @@ impl Dest {
                 p.parse::<u8>()
                     .ok()
                     .filter(|p| *p <= 32)
-                    .ok_or_else(|| format!("{s:?}: the prefix length must be 0 to 32"))?,
+                    .ok_or_else(|| BadDest::Prefix(s.to_string()))?,
             ),
             None => (net, 32),
         };
         let addr: Ipv4Addr = a.parse().map_err(|_| {
             if a.chars().any(|c| c.is_ascii_alphabetic()) {
-                format!(
-                    "{s:?}: domain names are not supported by the embedded backend; \
-                     name addresses or CIDRs"
-                )
+                BadDest::DomainName(s.to_string())
             } else {
-                format!("{s:?} is not an IPv4 address or CIDR")
+                BadDest::NotAnAddress(s.to_string())
             }
         })?;
         let mask = if prefix == 0 {
@@ -107,18 +137,18 @@ impl Dest {
     }
 }
 
-fn parse_ports(p: &str) -> Result<(u16, u16), String> {
+fn parse_ports(p: &str) -> Result<(u16, u16), BadPorts> {
     let port = |x: &str| {
         x.parse::<u16>()
             .ok()
             .filter(|n| *n > 0)
-            .ok_or_else(|| format!("{x:?} is not a port (1 to 65535)"))
+            .ok_or_else(|| BadPorts::NotAPort(x.to_string()))
     };
     match p.split_once('-') {
         Some((a, b)) => {
             let (a, b) = (port(a)?, port(b)?);
             if a > b {
-                return Err(format!("the port range {a}-{b} is empty"));
+                return Err(BadPorts::Empty(a, b));
             }
             Ok((a, b))
         }
@@ -147,7 +177,7 @@ impl Egress {
         internet: bool,
         allow_out: &[String],
         deny_out: &[String],
-    ) -> Result<Option<Self>, String> {
+    ) -> Result<Option<Self>, BadDest> {
         let allow = allow_out
             .iter()
             .map(|s| Dest::parse(s))
@@ -231,25 +261,37 @@ fn find_tool(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The egress programs missing on this host.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sandboxes with network access need {} on the host", self.names())]
+pub struct MissingTools {
+    pub pasta: bool,
+    pub nft: bool,
+}
+
+impl MissingTools {
+    fn names(&self) -> String {
+        let mut missing = vec![];
+        if self.pasta {
+            missing.push("pasta (Debian package passt)");
+        }
+        if self.nft {
+            missing.push("nft (Debian package nftables)");
+        }
+        missing.join(" and ")
+    }
+}
+
 impl Tools {
-    pub fn find() -> Result<Self, String> {
+    pub fn find() -> Result<Self, MissingTools> {
         let pasta = find_tool("pasta");
         let nft = find_tool("nft");
         match (pasta, nft) {
             (Some(pasta), Some(nft)) => Ok(Self { pasta, nft }),
-            (p, n) => {
-                let mut missing = vec![];
-                if p.is_none() {
-                    missing.push("pasta (Debian package passt)");
-                }
-                if n.is_none() {
-                    missing.push("nft (Debian package nftables)");
-                }
-                Err(format!(
-                    "sandboxes with network access need {} on the host",
-                    missing.join(" and ")
-                ))
-            }
+            (p, n) => Err(MissingTools {
+                pasta: p.is_none(),
+                nft: n.is_none(),
+            }),
         }
     }
 }
@@ -475,7 +517,7 @@ mod tests {
             ("10.0.0", "not an IPv4"),
         ] {
             let e = Dest::parse(bad).unwrap_err();
-            assert!(e.contains(says), "{bad}: {e}");
+            assert!(e.to_string().contains(says), "{bad}: {e}");
         }
     }
 

@@ -1256,16 +1256,28 @@ fn setup_dev(dev: &Path, shm_mb: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Why a sandbox's namespaces cannot be made here.
+#[derive(Debug, thiserror::Error)]
+pub enum NoNamespaces {
+    /// The probe said why (`probe_main`'s message).
+    #[error("{0}")]
+    Refused(String),
+    #[error("cannot run the namespace probe: {0}")]
+    Run(#[source] std::io::Error),
+}
+
 /// Probe whether this host lets us create the namespaces a sandbox needs:
 /// run a throw-away child that unshares them and maps root.
-pub fn probe_namespaces_with(launcher: &Path) -> Result<(), String> {
+pub fn probe_namespaces_with(launcher: &Path) -> Result<(), NoNamespaces> {
     let out = std::process::Command::new(launcher)
         .arg("__probe-namespaces")
         .output();
     match out {
         Ok(o) if o.status.success() => Ok(()),
-        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
-        Err(e) => Err(format!("cannot run the namespace probe: {e}")),
+        Ok(o) => Err(NoNamespaces::Refused(
+            String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        )),
+        Err(e) => Err(NoNamespaces::Run(e)),
     }
 }
 

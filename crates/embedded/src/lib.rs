@@ -51,6 +51,15 @@ pub use self::sandbox::{Settings, TemplateConfig};
 /// Largest control-plane request body.
 const MAX_API_BODY: usize = 1024 * 1024;
 
+/// Why the backend cannot open.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Namespaces(#[from] launch::NoNamespaces),
+    #[error(transparent)]
+    State(#[from] BackendError),
+}
+
 #[derive(Clone)]
 pub struct Backend {
     pub manager: Arc<Manager>,
@@ -60,11 +69,11 @@ pub struct Backend {
 impl Backend {
     /// Open the state directory (re-adopting live sandboxes). With namespace
     /// isolation, refuses to start when namespaces cannot be created.
-    pub fn open(settings: Settings, api_key: Option<String>) -> Result<Self, String> {
+    pub fn open(settings: Settings, api_key: Option<String>) -> Result<Self, OpenError> {
         if settings.isolation == Isolation::Namespaces {
             launch::probe_namespaces_with(&settings.launcher)?;
         }
-        let manager = Manager::open(settings).map_err(|e| e.to_string())?;
+        let manager = Manager::open(settings)?;
         Ok(Self {
             manager,
             api_key: api_key.map(Arc::from),

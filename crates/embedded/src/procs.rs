@@ -17,6 +17,15 @@ use nix::sys::signal::Signal;
 use super::cgroup::Groups;
 use super::launch::{self, InitInfo};
 
+/// Why a sandbox could not be held still (`Tree::hold`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotHeld {
+    #[error("the sandbox's own processes did not stop")]
+    OursRunning,
+    #[error("{0} process(es) of the sandbox could not be stopped")]
+    Left(usize),
+}
+
 /// How many freeze-kill-check rounds [`hold`] tries before it gives up.
 const HOLD_ROUNDS: usize = 10;
 
@@ -161,7 +170,7 @@ impl Tree {
     /// can fork), kills the rest and stops ours, thaws (the killed die, ours
     /// stop), then checks: only ours left, and every thread of them stopped.
     /// Fails, with the sandbox running again, when rounds run out.
-    pub async fn hold(&self) -> Result<Held, String> {
+    pub async fn hold(&self) -> Result<Held, NotHeld> {
         let ours = self.scan(Tree::ours).await;
         let mut left = vec![];
         for _ in 0..HOLD_ROUNDS {
@@ -205,12 +214,9 @@ impl Tree {
         let held = Held { ours };
         held.release();
         Err(if left.is_empty() {
-            "the sandbox's own processes did not stop".to_string()
+            NotHeld::OursRunning
         } else {
-            format!(
-                "{} process(es) of the sandbox could not be stopped",
-                left.len()
-            )
+            NotHeld::Left(left.len())
         })
     }
 }

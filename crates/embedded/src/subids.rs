@@ -113,7 +113,53 @@ pub enum Entered {
     /// In a user namespace of its own, with this many subordinate ids.
     Mapped(u32),
     /// Left as it was, for this reason: sandboxes share its one uid.
-    Unchanged(String),
+    Unchanged(Unchanged),
+}
+
+/// Why the process stays as it was (sandboxes share its one uid and gid).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unchanged {
+    #[error("entering a user namespace needs a single-threaded process")]
+    Threads,
+    #[error("uid {0} has no account name")]
+    NoAccount(u32),
+    #[error(
+        "{0} has no subordinate uids and gids in /etc/subuid and /etc/subgid \
+         (at least {min} each)",
+        min = 2 * PER_SANDBOX - 1
+    )]
+    NoRanges(String),
+    #[error("newuidmap and newgidmap (Debian's uidmap) are needed")]
+    NoHelpers,
+    #[error("no_new_privs is set (systemd: NoNewPrivileges=yes)")]
+    NoNewPrivs,
+    #[error(
+        "newuidmap and newgidmap need {} in the bounding set (systemd: \
+         CapabilityBoundingSet=)", .0.join(", ")
+    )]
+    Bounding(Vec<&'static str>),
+    #[error("cannot create a user namespace: {0}")]
+    Unshare(nix::Error),
+}
+
+/// Why the process cannot go on: it may be in a namespace of its own with
+/// no ids mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum EnterError {
+    #[error("{0}")]
+    System(#[from] nix::Error),
+    #[error(
+        "{} or {} refused to map {user}'s subordinate ids (under systemd, the \
+         embedded drop-in lets them: NoNewPrivileges=no, CapabilityBoundingSet=CAP_SETUID \
+         CAP_SETGID CAP_DAC_OVERRIDE CAP_SYS_ADMIN)",
+        newuidmap.display(),
+        newgidmap.display()
+    )]
+    Refused {
+        newuidmap: PathBuf,
+        newgidmap: PathBuf,
+        user: String,
+    },
 }
 
 /// What `newuidmap` and `newgidmap` (setuid root) need in the bounding set
@@ -132,7 +178,7 @@ pub const HELPER_CAPS: &[(u32, &str)] = &[
 
 /// Whether the setuid helpers could gain what they need here: no
 /// `no_new_privs`, `HELPER_CAPS` in the bounding set.
-fn helpers_can_gain_privileges() -> Result<(), String> {
+fn helpers_can_gain_privileges() -> Result<(), Unchanged> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |k: &str| {
         status
@@ -140,7 +186,7 @@ fn helpers_can_gain_privileges() -> Result<(), String> {
             .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
     };
     if field("NoNewPrivs:").as_deref() == Some("1") {
-        return Err("no_new_privs is set (systemd: NoNewPrivileges=yes)".into());
+        return Err(Unchanged::NoNewPrivs);
     }
     let bnd = field("CapBnd:")
         .and_then(|v| u64::from_str_radix(&v, 16).ok())
@@ -151,11 +197,7 @@ fn helpers_can_gain_privileges() -> Result<(), String> {
         .map(|(_, name)| *name)
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "newuidmap and newgidmap need {} in the bounding set (systemd: \
-             CapabilityBoundingSet=)",
-            missing.join(", ")
-        ));
+        return Err(Unchanged::Bounding(missing));
     }
     Ok(())
 }
@@ -164,7 +206,7 @@ fn helpers_can_gain_privileges() -> Result<(), String> {
 /// its subordinate ids are mapped from 1 up. Call single-threaded, before
 /// any runtime starts. Err(why): the namespace was entered but the ids
 /// could not be mapped, and the process cannot go on.
-pub fn enter() -> Result<Entered, String> {
+pub fn enter() -> Result<Entered, EnterError> {
     match prepare() {
         Ok(Some(p)) => p.run(),
         Ok(None) => Ok(Entered::Root),
@@ -182,7 +224,7 @@ struct Plan {
     newgidmap: PathBuf,
 }
 
-fn prepare() -> Result<Option<Plan>, String> {
+fn prepare() -> Result<Option<Plan>, Unchanged> {
     let uid = nix::unistd::geteuid();
     let gid = nix::unistd::getegid();
     if uid.is_root() {
@@ -195,26 +237,22 @@ fn prepare() -> Result<Option<Plan>, String> {
                 .find_map(|l| l.strip_prefix("Threads:").map(|n| n.trim().to_string()))
         });
     if threads.as_deref() != Some("1") {
-        return Err("entering a user namespace needs a single-threaded process".into());
+        return Err(Unchanged::Threads);
     }
     let name = nix::unistd::User::from_uid(uid)
         .ok()
         .flatten()
         .map(|u| u.name)
-        .ok_or_else(|| format!("uid {uid} has no account name"))?;
+        .ok_or(Unchanged::NoAccount(uid.as_raw()))?;
     let read = |f: &str| std::fs::read_to_string(f).unwrap_or_default();
     let (Some(uids), Some(gids)) = (
         find(&read("/etc/subuid"), &name, uid.as_raw()),
         find(&read("/etc/subgid"), &name, gid.as_raw()),
     ) else {
-        return Err(format!(
-            "{name} has no subordinate uids and gids in /etc/subuid and /etc/subgid \
-             (at least {} each)",
-            2 * PER_SANDBOX - 1
-        ));
+        return Err(Unchanged::NoRanges(name));
     };
     let (Some(newuidmap), Some(newgidmap)) = (tool("newuidmap"), tool("newgidmap")) else {
-        return Err("newuidmap and newgidmap (Debian's uidmap) are needed".into());
+        return Err(Unchanged::NoHelpers);
     };
     helpers_can_gain_privileges()?;
     Ok(Some(Plan {
@@ -229,13 +267,13 @@ fn prepare() -> Result<Option<Plan>, String> {
 }
 
 impl Plan {
-    fn run(&self) -> Result<Entered, String> {
+    fn run(&self) -> Result<Entered, EnterError> {
         use nix::sys::wait::{WaitStatus, waitpid};
 
         use super::sys::{self, Forked};
-        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| e.to_string())?;
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let me = nix::unistd::getpid();
-        let helper = match sys::fork_single_threaded().map_err(|e| e.to_string())? {
+        let helper = match sys::fork_single_threaded()? {
             Forked::Child => {
                 drop(w);
                 let mut b = [0u8; 1];
@@ -261,20 +299,15 @@ impl Plan {
         drop(w);
         let mapped = matches!(waitpid(helper, None), Ok(WaitStatus::Exited(_, 0)));
         if let Err(e) = unshared {
-            return Ok(Entered::Unchanged(format!(
-                "cannot create a user namespace: {e}"
-            )));
+            return Ok(Entered::Unchanged(Unchanged::Unshare(e)));
         }
         if !mapped {
             // Unmapped, in a namespace of our own: nothing here could work.
-            return Err(format!(
-                "{} or {} refused to map {}'s subordinate ids (under systemd, the \
-             embedded drop-in lets them: NoNewPrivileges=no, CapabilityBoundingSet=CAP_SETUID \
-             CAP_SETGID CAP_DAC_OVERRIDE CAP_SYS_ADMIN)",
-                self.newuidmap.display(),
-                self.newgidmap.display(),
-                self.name
-            ));
+            return Err(EnterError::Refused {
+                newuidmap: self.newuidmap.clone(),
+                newgidmap: self.newgidmap.clone(),
+                user: self.name.clone(),
+            });
         }
         Ok(Entered::Mapped(self.uids.count.min(self.gids.count)))
     }

@@ -44,9 +44,20 @@ pub const MINIMAL_TEMPLATE: &str = "minimal";
 /// Names the built-in templates have.
 pub const BUILT_IN: &[&str] = &[MINIMAL_TEMPLATE, HOST_TEMPLATE];
 
+/// A template name this backend cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadName {
+    #[error(
+        "template name '{0}' must be 1 to 63 of a-z, 0-9, '.', '_', '-', starting with a letter or digit"
+    )]
+    Malformed(String),
+    #[error("'{0}' is a built-in template")]
+    BuiltIn(String),
+}
+
 /// A template name: 1 to 63 of `a-z 0-9 . _ -`, starting with a letter or
 /// digit, not a built-in one.
-pub fn check_id(id: &str) -> Result<(), String> {
+pub fn check_id(id: &str) -> Result<(), BadName> {
     let ok = !id.is_empty()
         && id.len() <= 63
         && id
@@ -57,12 +68,10 @@ pub fn check_id(id: &str) -> Result<(), String> {
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
     if !ok {
-        return Err(format!(
-            "template name '{id}' must be 1 to 63 of a-z, 0-9, '.', '_', '-', starting with a letter or digit"
-        ));
+        return Err(BadName::Malformed(id.to_string()));
     }
     if BUILT_IN.contains(&id) {
-        return Err(format!("'{id}' is a built-in template"));
+        return Err(BadName::BuiltIn(id.to_string()));
     }
     Ok(())
 }

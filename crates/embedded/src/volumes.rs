@@ -138,7 +138,7 @@ fn uuid_like() -> String {
 /// What a valid create asks for: the id (= name) and the size.
 fn check_create(
     req: &CreateVolume,
-    images: &Result<(), String>,
+    images: &Result<(), super::disk::Unavailable>,
 ) -> Result<(String, Option<u64>), BackendError> {
     let id = if req.name.is_empty() {
         uuid_like()
@@ -159,8 +159,7 @@ fn check_create(
         Some(mb) => {
             if let Err(why) = images {
                 return Err(BackendError::BadRequest(format!(
-                    "volume sizes need the backend to run as root ({why}); \
-                     create the volume without sizeMB"
+                    "volume sizes: {why}; create the volume without sizeMB"
                 )));
             }
             if !(super::disk::MIN_MB..=MAX_MB).contains(&mb) {
@@ -344,7 +343,7 @@ impl Volumes {
     pub fn create(
         &self,
         req: &CreateVolume,
-        images: &Result<(), String>,
+        images: &Result<(), super::disk::Unavailable>,
     ) -> Result<VolumeMeta, BackendError> {
         let (id, size_mb) = check_create(req, images)?;
         let dir = self.vol_dir(&id);
@@ -535,7 +534,7 @@ mod tests {
     #[test]
     fn names_sizes_and_ids() {
         let yes = Ok(());
-        let no = Err("not root".to_string());
+        let no = Err(super::super::disk::Unavailable::NotRoot);
         let req = |name: &str, size: Option<u64>| CreateVolume {
             name: name.into(),
             driver: None,
@@ -565,11 +564,13 @@ mod tests {
             name: "v".into(),
             ..Default::default()
         };
-        let m = v.create(&req, &Err("no".into())).unwrap();
+        let m = v
+            .create(&req, &Err(super::super::disk::Unavailable::NotRoot))
+            .unwrap();
         assert_eq!(m.wire().token, "");
         assert!(t.path().join("volumes/v/data").is_dir());
         assert!(matches!(
-            v.create(&req, &Err("no".into())),
+            v.create(&req, &Err(super::super::disk::Unavailable::NotRoot)),
             Err(BackendError::Conflict(_))
         ));
         // Read back by a new backend; an unfinished one is removed.

@@ -93,10 +93,10 @@ impl Manager {
                 ..e.clone()
             }),
             _ => Egress::from_request(internet, allow.unwrap_or(&[]), deny.unwrap_or(&[]))
-                .map_err(BackendError::BadRequest)?,
+                .map_err(|e| BackendError::BadRequest(e.to_string()))?,
         };
         if egress.is_some() {
-            crate::egress::Tools::find().map_err(BackendError::Unsupported)?;
+            crate::egress::Tools::find().map_err(|e| BackendError::Unsupported(e.to_string()))?;
         }
         Ok(egress)
     }

@@ -231,7 +231,7 @@ pub struct Manager {
     /// When ownerless sandboxes were last looked for (unix ms; 0: never).
     last_sweep_ms: std::sync::atomic::AtomicI64,
     /// Whether sandboxes can have disks of their own (`disk::available`).
-    disks: Result<(), String>,
+    disks: Result<(), crate::disk::Unavailable>,
     /// Where sandboxes' ids come from (`subids::id_space`): the first id of
     /// the first sandbox's slice (0: `uid_base`, under the host's root) and
     /// how many slices there are (None: no bound); None: one id for all.

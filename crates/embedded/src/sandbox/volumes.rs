@@ -128,11 +128,7 @@ impl Manager {
     /// `POST /volumes`.
     pub async fn create_volume(&self, req: CreateVolume) -> Result<wire::Volume, BackendError> {
         let v = self.volumes.clone();
-        let images = self.disks.clone().map_err(|_| {
-            "volume sizes need the backend to run as root on the host (with mkfs.ext4 and \
-             mount); create the volume without sizeMB"
-                .to_string()
-        });
+        let images = self.disks.clone();
         tokio::task::spawn_blocking(move || v.create(&req, &images))
             .await
             .map_err(|e| internal("create volume", e))?
