@@ -443,8 +443,7 @@ async fn answer(
             principal,
             description,
         } => {
-            let (token, rec) =
-                auth::new_token(principal, description, authn.clock()).map_err(OpError::failed)?;
+            let (token, rec) = auth::new_token(principal, description, authn.clock());
             let ev = match (ev, journal) {
                 (Some(mut ev), Some(j)) => {
                     ev.note_digest = Some(j.digest("identity_target", rec.id().as_bytes()));

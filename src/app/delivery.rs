@@ -26,9 +26,11 @@ pub(super) fn start(
         tasks.drained("approval notifier", task);
     }
     let sinks = broker.journal().sinks();
+    // As a message: its text already says its source, which `{:#}` would
+    // print again.
     let prepared = sinks
         .prepare(&cfg.audit.sinks)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        .map_err(anyhow::Error::msg)?;
     // Not under `tasks.stop`: the sinks go on delivering while the other
     // tasks end, and are stopped after them (`Step::StopSinks`).
     for c in sinks.start(prepared, tokio_util::sync::CancellationToken::new()) {

@@ -56,7 +56,9 @@ pub(super) fn tls(cfg: &Config, o: &Opened, addr: SocketAddr) -> anyhow::Result<
             let pem = std::fs::read(&c.ca_file).map_err(|e| {
                 anyhow::anyhow!("auth.client_ca: ca_file {}: {e}", c.ca_file.display())
             })?;
-            let map = crate::auth::client_ca::CompanyCa::new(c).map_err(|e| anyhow::anyhow!(e))?;
+            // As a message: its text already says its source, which
+            // `{:#}` would print again.
+            let map = crate::auth::client_ca::CompanyCa::new(c).map_err(anyhow::Error::msg)?;
             Some((pem, Arc::new(map)))
         }
         None => None,
@@ -146,14 +148,15 @@ pub(super) async fn callers(
     }
     if !cfg.auth.oidc.is_empty() {
         let v = Arc::new(
-            crate::auth::oidc::Verifier::new(&cfg.auth.oidc).map_err(|e| anyhow::anyhow!(e))?,
+            // As a message: its text already says its source.
+            crate::auth::oidc::Verifier::new(&cfg.auth.oidc).map_err(anyhow::Error::msg)?,
         );
         v.prefetch();
         authn = authn.with_oidc(v);
     }
     let console_oidc = match &cfg.console.oidc {
         Some(o) => Some(Arc::new(
-            crate::auth::oidc::CodeFlow::new(o).map_err(|e| anyhow::anyhow!(e))?,
+            crate::auth::oidc::CodeFlow::new(o).map_err(anyhow::Error::msg)?,
         )),
         None => None,
     };

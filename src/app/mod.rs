@@ -183,11 +183,13 @@ async fn broker(
     backends: crate::broker::Backends,
 ) -> anyhow::Result<Broker> {
     let hs_key = match &cfg.receipts.hmac_key_file {
-        Some(f) => crate::broker::receipts::read_hs_key(f).map_err(|e| anyhow::anyhow!(e))?,
+        // As messages: their text already says their source, which `{:#}`
+        // would print again.
+        Some(f) => crate::broker::receipts::read_hs_key(f).map_err(anyhow::Error::msg)?,
         None => crate::broker::receipts::derived_hs_key(&o.key),
     };
     let signer = crate::broker::receipts::Signer::load_or_create(&o.state, &o.store.sealer, hs_key)
-        .map_err(|e| anyhow::anyhow!(e))?;
+        .map_err(anyhow::Error::msg)?;
     let broker = Broker::new(
         cfg.clone(),
         o.store.clone(),

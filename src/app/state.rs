@@ -91,8 +91,7 @@ pub(crate) async fn bootstrap_admin(
         task: None,
         issuer: None,
     };
-    let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()), clock)
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()), clock);
     auth::store_token(store, rec).await?;
     crate::tls::write_private(file, format!("{token}\n").as_bytes(), 0o600)?;
     Ok(Some(file.to_path_buf()))

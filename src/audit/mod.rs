@@ -370,10 +370,11 @@ pub struct Verified {
     pub pending: usize,
 }
 
-/// Check every event's hash and the links between them.
-pub fn verify(store: &Store) -> Result<Verified, String> {
-    let (events, last_seq, head) = store.read_now(verify_chain).map_err(|e| e.to_string())?;
-    let pending = pending(store).map_err(|e| e.to_string())?.len();
+/// Check every event's hash and the links between them (a broken link
+/// is `StoreError::Corrupt`, saying where).
+pub fn verify(store: &Store) -> Result<Verified, StoreError> {
+    let (events, last_seq, head) = store.read_now(verify_chain)?;
+    let pending = pending(store)?.len();
     Ok(Verified {
         events,
         last_seq,
@@ -417,23 +418,22 @@ pub fn verify_chain(txn: &impl crate::store::ReadOps) -> Result<(u64, u64, Strin
 /// Events with `seq >= since`, in order, in one read transaction (the
 /// CLI on a stopped store; the running service reads in batches,
 /// [`search::forward`] with an empty query). Each event is handed to `out` as it is read: memory
-/// stays flat however long the journal.
+/// stays flat however long the journal. A failure of `out` is
+/// `StoreError::Io`.
 pub fn export(
     store: &Store,
     since: u64,
     mut out: impl FnMut(&Event) -> std::io::Result<()>,
-) -> Result<u64, String> {
-    store
-        .read_now(|txn| {
-            let mut n = 0;
-            journal::for_each_event(txn, since, |_, ev| {
-                out(&ev).map_err(|e| StoreError::Io(e.to_string()))?;
-                n += 1;
-                Ok(())
-            })?;
-            Ok(n)
-        })
-        .map_err(|e| e.to_string())
+) -> Result<u64, StoreError> {
+    store.read_now(|txn| {
+        let mut n = 0;
+        journal::for_each_event(txn, since, |_, ev| {
+            out(&ev).map_err(|e| StoreError::Io(e.to_string()))?;
+            n += 1;
+            Ok(())
+        })?;
+        Ok(n)
+    })
 }
 
 /// One exported event as `audit export` prints it: one JSON object, keys
@@ -498,14 +498,24 @@ impl Journal {
     }
 }
 
+/// Why `audit reconcile` stopped.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ReconcileError {
+    /// The operation id given has no pending intent.
+    #[error("no pending intent with operation id {operation_id}")]
+    NotPending { operation_id: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// Resolve pending intents (offline): each gets a `reconciled` outcome
 /// carrying a digest of the operator's note, and leaves the pending set.
 pub async fn reconcile(
     journal: &Journal,
     only: Option<&str>,
     note: &str,
-) -> Result<Vec<String>, String> {
-    let all = pending(&journal.store).map_err(|e| e.to_string())?;
+) -> Result<Vec<String>, ReconcileError> {
+    let all = pending(&journal.store)?;
     let chosen: Vec<(String, u64)> = all
         .into_iter()
         .filter(|(op, _)| only.is_none_or(|o| o == op))
@@ -513,15 +523,16 @@ pub async fn reconcile(
     if let Some(o) = only
         && chosen.is_empty()
     {
-        return Err(format!("no pending intent with operation id {o}"));
+        return Err(ReconcileError::NotPending {
+            operation_id: o.to_string(),
+        });
     }
     let note_digest = journal.digest("note", note.as_bytes());
     let mut done = vec![];
     for (op, seq) in chosen {
         let intent: Event = journal
             .store
-            .read_now(|txn| journal::event(txn, seq)?.ok_or(StoreError::NotFound))
-            .map_err(|e| e.to_string())?;
+            .read_now(|txn| journal::event(txn, seq)?.ok_or(StoreError::NotFound))?;
         let mut ev = journal.event(Action::AuditReconcile);
         ev.phase = Phase::Outcome;
         ev.outcome = Outcome::Reconciled;
@@ -538,8 +549,7 @@ pub async fn reconcile(
                 chain.append(txn, ev)?;
                 journal::remove_pending(txn, &op2)
             })
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         done.push(op);
     }
     if pending(&journal.store)

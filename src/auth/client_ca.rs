@@ -36,11 +36,23 @@ pub struct CompanyCa {
     identities: HashMap<String, Arc<Principal>>,
 }
 
+/// An `[auth.client_ca]` identity that does not make a principal, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("auth.client_ca: {subject}: {source}")]
+pub struct ClientCaError {
+    pub subject: String,
+    #[source]
+    pub source: OpError,
+}
+
 impl CompanyCa {
-    pub fn new(cfg: &ClientCaSection) -> Result<Self, String> {
+    pub fn new(cfg: &ClientCaSection) -> Result<Self, ClientCaError> {
         let mut identities = HashMap::new();
         for i in &cfg.identities {
-            let p = principal(i).map_err(|e| format!("auth.client_ca: {}: {e}", i.subject))?;
+            let p = principal(i).map_err(|source| ClientCaError {
+                subject: i.subject.clone(),
+                source,
+            })?;
             identities.insert(i.subject.clone(), Arc::new(p));
         }
         Ok(Self {

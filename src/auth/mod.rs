@@ -57,17 +57,20 @@ impl Role {
     }
 }
 
+/// A role name that is none of ours.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown role '{0}' (agent, approver, auditor, admin)")]
+pub struct UnknownRole(pub String);
+
 impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownRole;
+    fn from_str(s: &str) -> Result<Self, UnknownRole> {
         match s {
             "agent" | "runtime" => Ok(Role::Agent),
             "approver" => Ok(Role::Approver),
             "auditor" => Ok(Role::Auditor),
             "admin" => Ok(Role::Admin),
-            other => Err(format!(
-                "unknown role '{other}' (agent, approver, auditor, admin)"
-            )),
+            other => Err(UnknownRole(other.to_string())),
         }
     }
 }
@@ -402,12 +405,12 @@ impl NewToken {
 }
 
 /// Make a new token: the plaintext (shown once) and what `store_token`
-/// keeps of it.
+/// keeps of it. Nothing here can fail.
 pub fn new_token(
     principal: Principal,
     description: Option<String>,
     clock: &crate::clock::Clock,
-) -> Result<(String, NewToken), String> {
+) -> (String, NewToken) {
     let id = crate::ids::random_hex(6);
     let secret: [u8; 32] = rand::random();
     let token = format!(
@@ -415,7 +418,7 @@ pub fn new_token(
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
     );
     let created_at = clock.text();
-    Ok((
+    (
         token.clone(),
         NewToken {
             record: TokenRecord {
@@ -429,7 +432,7 @@ pub fn new_token(
             },
             token,
         },
-    ))
+    )
 }
 
 /// An identity change's audit event, appended in the same transaction as
@@ -612,6 +615,8 @@ impl std::fmt::Display for OpError {
     }
 }
 
+impl std::error::Error for OpError {}
+
 impl From<OpError> for String {
     fn from(e: OpError) -> Self {
         e.message
@@ -661,11 +666,11 @@ fn valid_word(w: &str) -> bool {
 
 /// Parse role names (none: `default`), sorted, without repeats.
 pub fn parse_roles(names: &[String], default: Role) -> Result<Vec<Role>, OpError> {
-    let roles: Result<Vec<Role>, String> = names.iter().map(|r| r.parse()).collect();
+    let roles: Result<Vec<Role>, UnknownRole> = names.iter().map(|r| r.parse()).collect();
     let mut roles = match roles {
         Ok(r) if r.is_empty() => vec![default],
         Ok(r) => r,
-        Err(e) => return Err(OpError::new("invalid_role", e)),
+        Err(e) => return Err(OpError::new("invalid_role", e.to_string())),
     };
     roles.sort();
     roles.dedup();
@@ -794,41 +799,61 @@ fn valid_tenant(t: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b))
 }
 
+/// Why a reference principals file (`CUBE_ADAPTER_TOKENS_FILE`) was
+/// refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensFileError {
+    #[error("tokens file is not JSON: {0}")]
+    NotJson(#[source] serde_json::Error),
+    #[error("tokens file must be a list or an object")]
+    NotListOrObject,
+    /// An entry is not the reference's shape.
+    #[error("tokens file entry: {0}")]
+    Entry(#[source] serde_json::Error),
+    /// An entry of the list form names no token.
+    #[error("tokens file entry without a token")]
+    NoToken,
+    #[error("a token for tenant {tenant} is shorter than 24 characters")]
+    ShortToken { tenant: String },
+    #[error("invalid tenant_id '{tenant}'")]
+    InvalidTenant { tenant: String },
+    #[error(transparent)]
+    Role(#[from] UnknownRole),
+}
+
 /// Parse a reference principals file: a list of entries, or a map
 /// token → entry.
-pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| format!("tokens file is not JSON: {e}"))?;
+pub fn load_tokens_file(text: &str) -> Result<Vec<(String, Principal)>, TokensFileError> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(TokensFileError::NotJson)?;
     let entries: Vec<(String, FileEntry)> = match v {
         serde_json::Value::Array(items) => items
             .into_iter()
             .map(|i| {
-                let e: FileEntry =
-                    serde_json::from_value(i).map_err(|e| format!("tokens file entry: {e}"))?;
-                let t = e.token.clone().ok_or("tokens file entry without a token")?;
+                let e: FileEntry = serde_json::from_value(i).map_err(TokensFileError::Entry)?;
+                let t = e.token.clone().ok_or(TokensFileError::NoToken)?;
                 Ok((t, e))
             })
-            .collect::<Result<_, String>>()?,
+            .collect::<Result<_, TokensFileError>>()?,
         serde_json::Value::Object(map) => map
             .into_iter()
             .map(|(t, i)| {
-                let e: FileEntry =
-                    serde_json::from_value(i).map_err(|e| format!("tokens file entry: {e}"))?;
+                let e: FileEntry = serde_json::from_value(i).map_err(TokensFileError::Entry)?;
                 Ok((t, e))
             })
-            .collect::<Result<_, String>>()?,
-        _ => return Err("tokens file must be a list or an object".into()),
+            .collect::<Result<_, TokensFileError>>()?,
+        _ => return Err(TokensFileError::NotListOrObject),
     };
     let mut out = vec![];
     for (token, e) in entries {
         if token.len() < 24 {
-            return Err(format!(
-                "a token for tenant {} is shorter than 24 characters",
-                e.tenant_id
-            ));
+            return Err(TokensFileError::ShortToken {
+                tenant: e.tenant_id,
+            });
         }
         if !valid_tenant(&e.tenant_id) {
-            return Err(format!("invalid tenant_id '{}'", e.tenant_id));
+            return Err(TokensFileError::InvalidTenant {
+                tenant: e.tenant_id,
+            });
         }
         let roles = e
             .roles
@@ -1587,7 +1612,7 @@ mod tests {
         };
         let found = revoke_token_audited(&store, "0123456789ab", &clock, ev(Action::TokenRevoke));
         assert!(!found.await.unwrap());
-        let (_t, rec) = new_token(p(&["*"]), None, &clock).unwrap();
+        let (_t, rec) = new_token(p(&["*"]), None, &clock);
         let id = rec.id().to_string();
         store_token_audited(&store, rec, ev(Action::TokenCreate))
             .await
@@ -1686,7 +1711,19 @@ mod tests {
             r#"{"bbbbbbbbbbbbbbbbbbbbbbbbbbbb":{"tenant_id":"x","roles":["runtime","approver"]}}"#;
         let v = load_tokens_file(map).unwrap();
         assert_eq!(v[0].1.roles, [Role::Agent, Role::Approver]);
-        assert!(load_tokens_file(r#"[{"token":"short","tenant_id":"x"}]"#).is_err());
+        let e = |text: &str| load_tokens_file(text).err().map(|e| e.to_string());
+        assert_eq!(
+            e(r#"[{"token":"short","tenant_id":"x"}]"#).as_deref(),
+            Some("a token for tenant x is shorter than 24 characters")
+        );
+        assert_eq!(
+            e(r#"{"bbbbbbbbbbbbbbbbbbbbbbbbbbbb":{"tenant_id":"x","roles":"root"}}"#).as_deref(),
+            Some("unknown role 'root' (agent, approver, auditor, admin)")
+        );
+        assert_eq!(
+            e("1").as_deref(),
+            Some("tokens file must be a list or an object")
+        );
         assert!(
             load_tokens_file(
                 r#"[{"token":"cccccccccccccccccccccccccccc","tenant_id":"x","bogus":1}]"#
@@ -1697,7 +1734,7 @@ mod tests {
 
     #[test]
     fn token_shape() {
-        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
+        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System);
         let (id, _) = parse_token(&t).unwrap();
         assert_eq!(id, new.id());
         let key = [7u8; 32];
@@ -1725,7 +1762,7 @@ mod tests {
         let a = Authenticator::new(store.clone(), vec![], vec![], 2);
         let b = Authenticator::new(store.clone(), vec![], vec![], 2);
         assert!(!b.sync_revocations().await.unwrap(), "the first look notes");
-        let (t, new) = new_token(p(&["*"]), None, &clock).unwrap();
+        let (t, new) = new_token(p(&["*"]), None, &clock);
         let id = new.id().to_string();
         store_token(&store, new).await.unwrap();
         assert!(a.authenticate(&t, None).await.is_ok());
@@ -1762,7 +1799,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let authn = Authenticator::new(store.clone(), vec![], vec![], 2);
-        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System).unwrap();
+        let (t, new) = new_token(p(&["*"]), None, &crate::clock::Clock::System);
         store_token(&store, new).await.unwrap();
         let rec = &list_tokens(&store).unwrap()[0];
         assert!(rec.hash.starts_with(KEYED_PREFIX), "{}", rec.hash);

@@ -16,6 +16,7 @@
 //! the reference adapter maps them (docs/operations.md, "OIDC").
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -83,6 +84,84 @@ fn refused(why: impl Into<String>) -> Refused {
     Refused(why.into())
 }
 
+/// Why an issuer (`[[auth.oidc]]`) or the console's sign-in
+/// (`[console.oidc]`) cannot be set up: a start or reload refuses it.
+#[derive(Debug, thiserror::Error)]
+pub enum OidcError {
+    #[error("auth.oidc {issuer}: ca_file {}: {source}", path.display())]
+    CaFile {
+        issuer: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("auth.oidc {issuer}: TLS: {source}")]
+    Tls {
+        issuer: String,
+        #[source]
+        source: crate::tls::TlsError,
+    },
+    #[error("auth.oidc {issuer}: HTTP client: {source}")]
+    Client {
+        issuer: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("console.oidc: client_secret_file {}: {source}", path.display())]
+    SecretFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("console.oidc: client_secret_file is empty")]
+    EmptySecret,
+}
+
+/// Why an issuer's discovery document or keys could not be had: logged
+/// (the keys fetched before stay in use), or said to a person whose
+/// sign-in cannot start or finish.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The request or its body failed.
+    #[error("GET {url}: {source}")]
+    Fetch {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("GET {url}: HTTP {status}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+    },
+    #[error("GET {url}: more than {MAX_JWKS} bytes")]
+    TooLarge { url: String },
+    #[error("GET {url}: not JSON: {source}")]
+    NotJson {
+        url: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The discovery document's `issuer` is not the one configured.
+    #[error("{url} names another issuer")]
+    OtherIssuer { url: String },
+    #[error("the provider's discovery document has no {name}")]
+    NoEndpoint { name: &'static str },
+    /// An endpoint the discovery document names is not one we fetch
+    /// (`settings::check_fetch_url`'s words).
+    #[error("{name}: {why}")]
+    BadEndpoint { name: &'static str, why: String },
+    #[error("the discovery document has no jwks_uri")]
+    NoJwksUri,
+    /// `jwks_uri` is not one we fetch (`settings::check_fetch_url`'s words).
+    #[error("the discovery document: jwks_uri: {why}")]
+    BadJwksUri { why: String },
+    #[error("{url}: no keys")]
+    NoKeys { url: String },
+    #[error("{url}: no signing key for the allowed algorithms")]
+    NoSigningKey { url: String },
+}
+
 /// A verified token: its principal and when it expires (unix seconds).
 pub struct Verified {
     pub principal: Principal,
@@ -109,17 +188,23 @@ struct Issuer {
 impl Verifier {
     /// The verifier for `issuers` (already validated by `config check`),
     /// or why it cannot be built (an unreadable CA file).
-    pub fn new(issuers: &[OidcIssuer]) -> Result<Self, String> {
+    pub fn new(issuers: &[OidcIssuer]) -> Result<Self, OidcError> {
         let mut out = vec![];
         for cfg in issuers {
             let ca = match &cfg.ca_file {
-                Some(f) => Some(std::fs::read(f).map_err(|e| {
-                    format!("auth.oidc {}: ca_file {}: {e}", cfg.issuer, f.display())
+                Some(f) => Some(std::fs::read(f).map_err(|source| OidcError::CaFile {
+                    issuer: cfg.issuer.clone(),
+                    path: f.clone(),
+                    source,
                 })?),
                 None => None,
             };
-            let tls = crate::tls::client_config(ca.as_deref(), None)
-                .map_err(|e| format!("auth.oidc {}: TLS: {e}", cfg.issuer))?;
+            let tls = crate::tls::client_config(ca.as_deref(), None).map_err(|source| {
+                OidcError::Tls {
+                    issuer: cfg.issuer.clone(),
+                    source,
+                }
+            })?;
             let http = reqwest::Client::builder()
                 .tls_backend_preconfigured(tls)
                 .http1_only()
@@ -129,7 +214,10 @@ impl Verifier {
                 .timeout(FETCH_TIMEOUT)
                 .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
                 .build()
-                .map_err(|e| format!("auth.oidc {}: HTTP client: {e}", cfg.issuer))?;
+                .map_err(|source| OidcError::Client {
+                    issuer: cfg.issuer.clone(),
+                    source,
+                })?;
             out.push(Arc::new(Issuer {
                 algorithms: cfg.algorithms.iter().filter_map(|a| algorithm(a)).collect(),
                 cfg: cfg.clone(),
@@ -279,26 +367,38 @@ impl Issuer {
         }
     }
 
-    async fn get_json(&self, url: &str) -> Result<Value, String> {
+    async fn get_json(&self, url: &str) -> Result<Value, ProviderError> {
+        let fetch = |source| ProviderError::Fetch {
+            url: url.to_string(),
+            source,
+        };
         let r = self
             .http
             .get(url)
             .header(reqwest::header::ACCEPT, "application/json")
             .send()
             .await
-            .map_err(|e| format!("GET {url}: {e}"))?;
+            .map_err(fetch)?;
         if !r.status().is_success() {
-            return Err(format!("GET {url}: HTTP {}", r.status()));
+            return Err(ProviderError::Status {
+                url: url.to_string(),
+                status: r.status(),
+            });
         }
-        let body = r.bytes().await.map_err(|e| format!("GET {url}: {e}"))?;
+        let body = r.bytes().await.map_err(fetch)?;
         if body.len() > MAX_JWKS {
-            return Err(format!("GET {url}: more than {MAX_JWKS} bytes"));
+            return Err(ProviderError::TooLarge {
+                url: url.to_string(),
+            });
         }
-        serde_json::from_slice(&body).map_err(|e| format!("GET {url}: not JSON: {e}"))
+        serde_json::from_slice(&body).map_err(|source| ProviderError::NotJson {
+            url: url.to_string(),
+            source,
+        })
     }
 
     /// The issuer's discovery document (fetched once, when it is right).
-    async fn discovery(&self) -> Result<&Value, String> {
+    async fn discovery(&self) -> Result<&Value, ProviderError> {
         self.discovery
             .get_or_try_init(|| async {
                 let url = format!(
@@ -307,7 +407,7 @@ impl Issuer {
                 );
                 let doc = self.get_json(&url).await?;
                 if doc.get("issuer").and_then(Value::as_str) != Some(self.cfg.issuer.as_str()) {
-                    return Err(format!("{url} names another issuer"));
+                    return Err(ProviderError::OtherIssuer { url });
                 }
                 Ok(doc)
             })
@@ -316,37 +416,40 @@ impl Issuer {
 
     /// An endpoint the discovery document names (`https://`, or `http://`
     /// on loopback).
-    async fn endpoint(&self, name: &str) -> Result<String, String> {
+    async fn endpoint(&self, name: &'static str) -> Result<String, ProviderError> {
         let doc = self.discovery().await?;
         let u = doc
             .get(name)
             .and_then(Value::as_str)
-            .ok_or_else(|| format!("the provider's discovery document has no {name}"))?;
-        super::settings::check_fetch_url(u).map_err(|e| format!("{name}: {e}"))?;
+            .ok_or(ProviderError::NoEndpoint { name })?;
+        // `check_fetch_url` (settings) says why in words.
+        super::settings::check_fetch_url(u).map_err(|e| ProviderError::BadEndpoint {
+            name,
+            why: e.to_string(),
+        })?;
         Ok(u.to_string())
     }
 
-    async fn jwks_url(&self) -> Result<String, String> {
+    async fn jwks_url(&self) -> Result<String, ProviderError> {
         if let Some(u) = &self.cfg.jwks_url {
             return Ok(u.clone());
         }
         let doc = self.discovery().await?;
-        let url = "the discovery document";
         let jwks = doc
             .get("jwks_uri")
             .and_then(Value::as_str)
-            .ok_or_else(|| format!("{url} has no jwks_uri"))?;
-        super::settings::check_fetch_url(jwks).map_err(|e| format!("{url}: jwks_uri: {e}"))?;
+            .ok_or(ProviderError::NoJwksUri)?;
+        super::settings::check_fetch_url(jwks)
+            .map_err(|e| ProviderError::BadJwksUri { why: e.to_string() })?;
         Ok(jwks.to_string())
     }
 
-    async fn fetch(&self) -> Result<HashMap<String, DecodingKey>, String> {
+    async fn fetch(&self) -> Result<HashMap<String, DecodingKey>, ProviderError> {
         let url = self.jwks_url().await?;
         let doc = self.get_json(&url).await?;
-        let listed = doc
-            .get("keys")
-            .and_then(Value::as_array)
-            .ok_or_else(|| format!("{url}: no keys"))?;
+        let Some(listed) = doc.get("keys").and_then(Value::as_array) else {
+            return Err(ProviderError::NoKeys { url });
+        };
         let mut keys = HashMap::new();
         for k in listed {
             // A key of a kind this build does not know is skipped, not fatal.
@@ -358,7 +461,7 @@ impl Issuer {
             }
         }
         if keys.is_empty() {
-            return Err(format!("{url}: no signing key for the allowed algorithms"));
+            return Err(ProviderError::NoSigningKey { url });
         }
         Ok(keys)
     }
@@ -520,18 +623,16 @@ fn s256(v: &str) -> String {
 
 impl CodeFlow {
     /// The flow of `[console.oidc]`, its client secret read from its file.
-    pub fn new(cfg: &super::settings::ConsoleOidc) -> Result<Self, String> {
+    pub fn new(cfg: &super::settings::ConsoleOidc) -> Result<Self, OidcError> {
         let secret = std::fs::read_to_string(&cfg.client_secret_file)
-            .map_err(|e| {
-                format!(
-                    "console.oidc: client_secret_file {}: {e}",
-                    cfg.client_secret_file.display()
-                )
+            .map_err(|source| OidcError::SecretFile {
+                path: cfg.client_secret_file.clone(),
+                source,
             })?
             .trim()
             .to_string();
         if secret.is_empty() {
-            return Err("console.oidc: client_secret_file is empty".into());
+            return Err(OidcError::EmptySecret);
         }
         let mut key = [0u8; 32];
         for (k, r) in key.iter_mut().zip(crate::ids::random_bytes(32)) {
@@ -861,6 +962,24 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.0.contains("\"globex\" is not one"), "{e}");
+    }
+
+    /// The words a fetch failure is logged and shown with.
+    #[test]
+    fn provider_errors_say_what_failed() {
+        let url = "https://idp.example/jwks".to_string();
+        assert_eq!(
+            ProviderError::TooLarge { url: url.clone() }.to_string(),
+            "GET https://idp.example/jwks: more than 1048576 bytes"
+        );
+        assert_eq!(
+            ProviderError::NoSigningKey { url }.to_string(),
+            "https://idp.example/jwks: no signing key for the allowed algorithms"
+        );
+        assert_eq!(
+            ProviderError::BadJwksUri { why: "x".into() }.to_string(),
+            "the discovery document: jwks_uri: x"
+        );
     }
 
     #[test]

@@ -93,30 +93,49 @@ pub fn valid_name(n: &str) -> bool {
         && c.all(|x| x.is_ascii_lowercase() || x.is_ascii_digit() || "._-".contains(x))
 }
 
+/// Why a password could not be hashed, or a hash is not one we take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PasswordError {
+    #[error("a password needs at least {MIN_PASSWORD} characters")]
+    TooShort,
+    /// Salting or hashing failed (argon2's own words).
+    #[error(transparent)]
+    Hash(#[from] argon2::password_hash::Error),
+    #[error("not a PHC password hash")]
+    NotPhc,
+    #[error("password hashes must be argon2id")]
+    NotArgon2id,
+    /// The parameters in the hash do not parse.
+    #[error("argon2 parameters: {0}")]
+    Params(#[source] argon2::password_hash::Error),
+    /// Weaker than the defaults, or heavier than a sign-in can afford.
+    #[error(
+        "argon2 parameters out of bounds (at least the defaults, at most 256 MiB, 16 passes, 8 lanes)"
+    )]
+    OutOfBounds,
+}
+
 /// Hash a password for a user record (the CLI does this).
-pub fn hash_password(password: &str) -> Result<String, String> {
+pub fn hash_password(password: &str) -> Result<String, PasswordError> {
     if password.chars().count() < MIN_PASSWORD {
-        return Err(format!(
-            "a password needs at least {MIN_PASSWORD} characters"
-        ));
+        return Err(PasswordError::TooShort);
     }
     let salt_bytes: [u8; 16] = rand::random();
-    let salt = SaltString::encode_b64(&salt_bytes).map_err(|e| e.to_string())?;
-    argon2::Argon2::default()
-        .hash_password(password.as_bytes(), &salt)
-        .map(|h| h.to_string())
-        .map_err(|e| e.to_string())
+    let salt = SaltString::encode_b64(&salt_bytes)?;
+    Ok(argon2::Argon2::default()
+        .hash_password(password.as_bytes(), &salt)?
+        .to_string())
 }
 
 /// A hash the CLI made: argon2id with parameters no weaker than the
 /// defaults and no heavier than a sign-in can afford (a hash arrives over
 /// the admin socket; a huge memory cost would be paid at every sign-in).
-pub fn check_hash(hash: &str) -> Result<(), String> {
-    let h = argon2::PasswordHash::new(hash).map_err(|_| "not a PHC password hash".to_string())?;
+pub fn check_hash(hash: &str) -> Result<(), PasswordError> {
+    let h = argon2::PasswordHash::new(hash).map_err(|_| PasswordError::NotPhc)?;
     if h.algorithm.as_str() != "argon2id" {
-        return Err("password hashes must be argon2id".into());
+        return Err(PasswordError::NotArgon2id);
     }
-    let p = argon2::Params::try_from(&h).map_err(|e| format!("argon2 parameters: {e}"))?;
+    let p = argon2::Params::try_from(&h).map_err(PasswordError::Params)?;
     let d = argon2::Params::default();
     let ok = (d.m_cost()..=262_144).contains(&p.m_cost())
         && (d.t_cost()..=16).contains(&p.t_cost())
@@ -124,7 +143,7 @@ pub fn check_hash(hash: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err("argon2 parameters out of bounds (at least the defaults, at most 256 MiB, 16 passes, 8 lanes)".into())
+        Err(PasswordError::OutOfBounds)
     }
 }
 
@@ -211,7 +230,7 @@ pub async fn user_op_audited(
             Ok(UserAnswer::Users(v))
         }
         UserOp::Add { principal, hash } => {
-            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e))?;
+            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e.to_string()))?;
             let name = principal.subject.clone();
             if !valid_name(&name) {
                 return Err(OpError::new(
@@ -249,7 +268,7 @@ pub async fn user_op_audited(
             }
         }
         UserOp::Passwd { name, hash } => {
-            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e))?;
+            check_hash(&hash).map_err(|e| OpError::new("invalid_password_hash", e.to_string()))?;
             change(store, &name, ev, move |u| {
                 u.hash = hash;
                 u.password_changed_at = now;
@@ -327,14 +346,21 @@ mod tests {
     fn names_and_passwords() {
         assert!(valid_name("alice") && valid_name("a.b-c_1"));
         assert!(!valid_name("Alice") && !valid_name("1a") && !valid_name("a b") && !valid_name(""));
-        assert!(hash_password("short").is_err());
+        assert_eq!(
+            hash_password("short").unwrap_err().to_string(),
+            "a password needs at least 12 characters"
+        );
         let h = hash_password("correct horse battery").unwrap();
         assert!(h.starts_with("$argon2id$") && !h.contains("horse"));
         assert_eq!(check_hash(&h), Ok(()));
-        assert!(
-            check_hash("$argon2id$v=19$m=8,t=1,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA").is_err()
+        assert_eq!(
+            check_hash("$argon2id$v=19$m=8,t=1,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA"),
+            Err(PasswordError::OutOfBounds)
         );
-        assert!(check_hash("plain").is_err());
+        assert_eq!(
+            check_hash("plain").unwrap_err().to_string(),
+            "not a PHC password hash"
+        );
     }
 
     #[test]

@@ -68,16 +68,69 @@ pub fn derived_hs_key(appliance_key: &[u8]) -> Vec<u8> {
     m.finalize().into_bytes().to_vec()
 }
 
+/// Why a receipt key (the HS256 key file, the Ed25519 key pair, a public
+/// key file) could not be read or made.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: a receipt HMAC key must be at least 32 bytes", path.display())]
+    ShortHmacKey { path: PathBuf },
+    /// The sealed private key does not open under the store key.
+    #[error("{}: {source}", path.display())]
+    Unseal {
+        path: PathBuf,
+        #[source]
+        source: crate::secrets::SecretsError,
+    },
+    #[error("could not generate the receipt signing key")]
+    Generate,
+    #[error("seal the receipt key: {0}")]
+    Seal(#[source] crate::secrets::SecretsError),
+    /// The private or the public key file could not be written.
+    #[error(transparent)]
+    Write(#[from] crate::tls::TlsError),
+    #[error("{}: not an Ed25519 key", path.display())]
+    NotEd25519 { path: PathBuf },
+    #[error("{}: no public_key field", path.display())]
+    NoPublicKeyField { path: PathBuf },
+    #[error("{}: not a base64url Ed25519 public key", path.display())]
+    NotBase64 { path: PathBuf },
+    #[error("{}: an Ed25519 public key is 32 bytes", path.display())]
+    PublicKeyLength { path: PathBuf },
+}
+
+/// A failed read of `path`, for `map_err`.
+fn read_error(path: &Path) -> impl FnOnce(std::io::Error) -> KeyError {
+    let path = path.to_path_buf();
+    move |source| KeyError::Read { path, source }
+}
+
+/// Why a document is not a receipt that can be checked.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiptError {
+    /// Not JSON, or JSON with a key twice (`parse_strict`).
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("ambiguous: both a receipt and a payload at the top level")]
+    Ambiguous,
+    #[error("not a receipt: no payload object")]
+    NoPayload,
+}
+
 /// A configured HS256 key file: at least 32 bytes (surrounding whitespace
 /// ignored).
-pub fn read_hs_key(path: &Path) -> Result<Vec<u8>, String> {
-    let raw = std::fs::read(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+pub fn read_hs_key(path: &Path) -> Result<Vec<u8>, KeyError> {
+    let raw = std::fs::read(path).map_err(read_error(path))?;
     let key = raw.trim_ascii().to_vec();
     if key.len() < 32 {
-        return Err(format!(
-            "{}: a receipt HMAC key must be at least 32 bytes",
-            path.display()
-        ));
+        return Err(KeyError::ShortHmacKey {
+            path: path.to_path_buf(),
+        });
     }
     Ok(key)
 }
@@ -85,31 +138,34 @@ pub fn read_hs_key(path: &Path) -> Result<Vec<u8>, String> {
 impl Signer {
     /// Load the Ed25519 key from `state` (sealed under the store key),
     /// creating it on first use, and write the public key beside it.
-    pub fn load_or_create(state: &Path, sealer: &Sealer, hs_key: Vec<u8>) -> Result<Self, String> {
+    pub fn load_or_create(
+        state: &Path,
+        sealer: &Sealer,
+        hs_key: Vec<u8>,
+    ) -> Result<Self, KeyError> {
         let path = state.join(KEY_FILE);
         let pkcs8 = match std::fs::read_to_string(&path) {
             Ok(sealed) => sealer
                 .open(sealed.trim())
-                .map_err(|e| format!("{}: {e}", path.display()))?,
+                .map_err(|source| KeyError::Unseal {
+                    path: path.clone(),
+                    source,
+                })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let doc = Ed25519KeyPair::generate_pkcs8(&ring::rand::SystemRandom::new())
-                    .map_err(|_| "could not generate the receipt signing key".to_string())?;
-                let sealed = sealer
-                    .seal(doc.as_ref())
-                    .map_err(|e| format!("seal the receipt key: {e}"))?;
-                crate::tls::write_private(&path, format!("{sealed}\n").as_bytes(), 0o600)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|_| KeyError::Generate)?;
+                let sealed = sealer.seal(doc.as_ref()).map_err(KeyError::Seal)?;
+                crate::tls::write_private(&path, format!("{sealed}\n").as_bytes(), 0o600)?;
                 doc.as_ref().to_vec()
             }
-            Err(e) => return Err(format!("read {}: {e}", path.display())),
+            Err(e) => return Err(read_error(&path)(e)),
         };
         let ed = Ed25519KeyPair::from_pkcs8(&pkcs8)
-            .map_err(|_| format!("{}: not an Ed25519 key", path.display()))?;
+            .map_err(|_| KeyError::NotEd25519 { path: path.clone() })?;
         let public = format!("{}\n", B64URL.encode(ed.public_key().as_ref()));
         let pub_path = state.join(PUBLIC_FILE);
         if std::fs::read_to_string(&pub_path).ok().as_deref() != Some(public.as_str()) {
-            crate::tls::write_private(&pub_path, public.as_bytes(), 0o644)
-                .map_err(|e| e.to_string())?;
+            crate::tls::write_private(&pub_path, public.as_bytes(), 0o644)?;
         }
         Ok(Self {
             hs_key: hs_key.into(),
@@ -136,7 +192,7 @@ impl Signer {
     /// Check a receipt with this appliance's own keys: what
     /// `receipt verify --state-dir` finds on the appliance (both
     /// signatures), and each signature on its own.
-    pub fn check(&self, doc: &Value) -> Result<(Verdict, Vec<SignatureCheck>), String> {
+    pub fn check(&self, doc: &Value) -> Result<(Verdict, Vec<SignatureCheck>), ReceiptError> {
         examine(doc, Some(self.ed.public_key().as_ref()), Some(&self.hs_key))
     }
 
@@ -164,7 +220,7 @@ impl Signer {
 
 /// JSON with every key once: a receipt with a key twice could be read one
 /// way by the verifier and another way by whoever trusts it.
-pub fn parse_strict(bytes: &[u8]) -> Result<Value, String> {
+pub fn parse_strict(bytes: &[u8]) -> Result<Value, ReceiptError> {
     use serde::de::{self, Deserialize, MapAccess, SeqAccess, Visitor};
 
     struct Strict(Value);
@@ -222,9 +278,7 @@ pub fn parse_strict(bytes: &[u8]) -> Result<Value, String> {
             d.deserialize_any(V).map(Strict)
         }
     }
-    serde_json::from_slice::<Strict>(bytes)
-        .map(|s| s.0)
-        .map_err(|e| e.to_string())
+    Ok(serde_json::from_slice::<Strict>(bytes)?.0)
 }
 
 /// What `receipt verify` found.
@@ -246,24 +300,22 @@ pub fn verify(
     doc: &Value,
     public_key: Option<&[u8]>,
     hs_key: Option<&[u8]>,
-) -> Result<Verdict, String> {
+) -> Result<Verdict, ReceiptError> {
     examine(doc, public_key, hs_key).map(|(v, _)| v)
 }
 
 /// The receipt object (bare, or the `receipt` of an appliance response) and
 /// its payload.
-fn receipt_parts(doc: &Value) -> Result<(&Value, &Value), String> {
+fn receipt_parts(doc: &Value) -> Result<(&Value, &Value), ReceiptError> {
     let r = match doc.get("receipt") {
-        Some(_) if doc.get("payload").is_some() => {
-            return Err("ambiguous: both a receipt and a payload at the top level".into());
-        }
+        Some(_) if doc.get("payload").is_some() => return Err(ReceiptError::Ambiguous),
         Some(r) if r.is_object() => r,
         _ => doc,
     };
     let payload = r
         .get("payload")
         .filter(|p| p.is_object())
-        .ok_or("not a receipt: no payload object")?;
+        .ok_or(ReceiptError::NoPayload)?;
     Ok((r, payload))
 }
 
@@ -277,7 +329,7 @@ fn examine(
     doc: &Value,
     public_key: Option<&[u8]>,
     hs_key: Option<&[u8]>,
-) -> Result<(Verdict, Vec<SignatureCheck>), String> {
+) -> Result<(Verdict, Vec<SignatureCheck>), ReceiptError> {
     let (r, payload) = receipt_parts(doc)?;
     let msg = canonical(payload);
     let text = |s: &Value, k: &str| s.get(k).and_then(Value::as_str).unwrap_or("").to_string();
@@ -367,32 +419,34 @@ pub fn check_each(
     doc: &Value,
     public_key: Option<&[u8]>,
     hs_key: Option<&[u8]>,
-) -> Result<Vec<SignatureCheck>, String> {
+) -> Result<Vec<SignatureCheck>, ReceiptError> {
     examine(doc, public_key, hs_key).map(|(_, each)| each)
 }
 
 /// The raw public key from a `receipt-ed25519.pub` file (base64url, or the
 /// `public_key` field of `GET /v1/receipts/public-key`'s JSON).
-pub fn read_public_key(path: &Path) -> Result<Vec<u8>, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+pub fn read_public_key(path: &Path) -> Result<Vec<u8>, KeyError> {
+    let text = std::fs::read_to_string(path).map_err(read_error(path))?;
     let t = text.trim();
     let b64 = match serde_json::from_str::<Value>(t) {
         Ok(v) => v
             .get("public_key")
             .and_then(Value::as_str)
             .map(str::to_string)
-            .ok_or_else(|| format!("{}: no public_key field", path.display()))?,
+            .ok_or_else(|| KeyError::NoPublicKeyField {
+                path: path.to_path_buf(),
+            })?,
         Err(_) => t.to_string(),
     };
     let k = B64URL
         .decode(b64.trim_end_matches('='))
-        .map_err(|_| format!("{}: not a base64url Ed25519 public key", path.display()))?;
+        .map_err(|_| KeyError::NotBase64 {
+            path: path.to_path_buf(),
+        })?;
     if k.len() != 32 {
-        return Err(format!(
-            "{}: an Ed25519 public key is 32 bytes",
-            path.display()
-        ));
+        return Err(KeyError::PublicKeyLength {
+            path: path.to_path_buf(),
+        });
     }
     Ok(k)
 }
@@ -412,36 +466,37 @@ pub fn verify_command(
     config: Option<&Path>,
     hmac_key_file: Option<&Path>,
 ) -> i32 {
-    let usage = |m: String| {
+    let usage = |m: &dyn std::fmt::Display| {
         eprintln!("error: {m}");
         2
     };
-    let doc: Value = match std::fs::read(file)
-        .map_err(|e| format!("read {}: {e}", file.display()))
-        .and_then(|b| parse_strict(&b).map_err(|e| format!("{}: {e}", file.display())))
-    {
+    let bytes = match std::fs::read(file) {
+        Ok(b) => b,
+        Err(e) => return usage(&format_args!("read {}: {e}", file.display())),
+    };
+    let doc: Value = match parse_strict(&bytes) {
         Ok(v) => v,
-        Err(m) => return usage(m),
+        Err(e) => return usage(&format_args!("{}: {e}", file.display())),
     };
     let mut pk = None;
     let mut hs = None;
     if let Some(f) = public_key {
         match read_public_key(f) {
             Ok(k) => pk = Some(k),
-            Err(m) => return usage(m),
+            Err(e) => return usage(&e),
         }
     }
     if let Some(f) = hmac_key_file {
         match read_hs_key(f) {
             Ok(k) => hs = Some(k),
-            Err(m) => return usage(m),
+            Err(e) => return usage(&e),
         }
     }
     if let Some(d) = state_dir {
         if pk.is_none() {
             match read_public_key(&public_key_path(d)) {
                 Ok(k) => pk = Some(k),
-                Err(m) => return usage(m),
+                Err(e) => return usage(&e),
             }
         }
         if hs.is_none() {
@@ -464,8 +519,7 @@ pub fn verify_command(
     }
     if pk.is_none() && hs.is_none() {
         return usage(
-            "give --public-key (the appliance's receipt-ed25519.pub), --state-dir or --hmac-key-file"
-                .into(),
+            &"give --public-key (the appliance's receipt-ed25519.pub), --state-dir or --hmac-key-file",
         );
     }
     match verify(&doc, pk.as_deref(), hs.as_deref()) {
@@ -473,7 +527,7 @@ pub fn verify_command(
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             if v.valid { 0 } else { 1 }
         }
-        Err(m) => usage(m),
+        Err(e) => usage(&e),
     }
 }
 
@@ -514,9 +568,34 @@ mod tests {
         let text = r.to_string();
         let dup = text.replacen("{\"payload\":{", "{\"payload\":{\"state\":\"failed\",", 1);
         assert_ne!(dup, text);
-        assert!(parse_strict(dup.as_bytes()).unwrap_err().contains("twice"));
+        assert!(
+            parse_strict(dup.as_bytes())
+                .unwrap_err()
+                .to_string()
+                .contains("twice")
+        );
         assert_eq!(parse_strict(text.as_bytes()).unwrap(), r);
-        assert!(verify(&json!({"receipt": r, "payload": {}}), Some(&pk), None).is_err());
+        assert_eq!(
+            verify(&json!({"receipt": r, "payload": {}}), Some(&pk), None)
+                .unwrap_err()
+                .to_string(),
+            "ambiguous: both a receipt and a payload at the top level"
+        );
+        assert_eq!(
+            verify(&json!({"x": 1}), Some(&pk), None)
+                .unwrap_err()
+                .to_string(),
+            "not a receipt: no payload object"
+        );
+        let short = dir.path().join("short.key");
+        std::fs::write(&short, "too short\n").unwrap();
+        assert_eq!(
+            read_hs_key(&short).unwrap_err().to_string(),
+            format!(
+                "{}: a receipt HMAC key must be at least 32 bytes",
+                short.display()
+            )
+        );
         // One by one: both hold; a key not given is not checked; a change
         // breaks each; the signer's own check agrees with `verify`.
         let each = check_each(&r, Some(&pk), Some(&[7; 32])).unwrap();

@@ -108,9 +108,9 @@ pub fn verify(args: AuditVerifyArgs) -> Exit {
                 return Exit::State;
             }
         },
-        Ok(Access::Store(store)) => {
-            crate::audit::verify(&store).map(|v| serde_json::to_value(v).unwrap_or_default())
-        }
+        Ok(Access::Store(store)) => crate::audit::verify(&store)
+            .map(|v| serde_json::to_value(v).unwrap_or_default())
+            .map_err(|e| e.to_string()),
     };
     match r {
         Ok(v) => {

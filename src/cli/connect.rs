@@ -958,7 +958,7 @@ fn new_token(state: &Path, spec: auth::TokenSpec, description: String) -> Result
             let rt = tokio_runtime().map_err(|c| Refusal(c, "no token was made".into()))?;
             rt.block_on(async {
                 let (token, rec) =
-                    auth::new_token(principal, Some(description), &crate::clock::Clock::System)?;
+                    auth::new_token(principal, Some(description), &crate::clock::Clock::System);
                 auth::store_token(&store, rec)
                     .await
                     .map_err(|e| e.to_string())?;

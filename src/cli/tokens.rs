@@ -136,7 +136,7 @@ pub fn create(req: TokenCreateArgs) -> Exit {
             };
             let r = rt.block_on(async {
                 let (token, rec) =
-                    auth::new_token(principal, req.description, &crate::clock::Clock::System)?;
+                    auth::new_token(principal, req.description, &crate::clock::Clock::System);
                 auth::store_token(&store, rec)
                     .await
                     .map_err(|e| e.to_string())?;

@@ -19,7 +19,7 @@
 pub mod def;
 mod outputs;
 
-pub use outputs::{SIGNATURE_HEADER, rfc5424, signature};
+pub use outputs::{OutputError, SIGNATURE_HEADER, rfc5424, signature};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -112,6 +112,22 @@ struct Running {
     workers: BTreeMap<String, Worker>,
 }
 
+/// Why sinks could not be prepared: a start or a reload refuses them.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The definitions do not hold together (`def::validate`, whose
+    /// errors are still words).
+    #[error("{0}")]
+    Invalid(String),
+    /// One sink's files or client.
+    #[error("audit sink '{name}': {source}")]
+    Sink {
+        name: String,
+        #[source]
+        source: OutputError,
+    },
+}
+
 /// Sinks checked and built, ready to replace the running ones
 /// (`Sinks::prepare`, then `Sinks::apply`: a refused reload changes
 /// nothing).
@@ -135,8 +151,8 @@ impl Sinks {
 
     /// Check and build `defs` (files read, clients made); the sinks whose
     /// definition is unchanged keep running as they are.
-    pub fn prepare(&self, defs: &[SinkDef]) -> Result<Prepared, String> {
-        crate::audit::sinks::def::validate(defs)?;
+    pub fn prepare(&self, defs: &[SinkDef]) -> Result<Prepared, SinkError> {
+        crate::audit::sinks::def::validate(defs).map_err(|e| SinkError::Invalid(e.to_string()))?;
         let r = self.running();
         let mut start = vec![];
         let mut keep = vec![];
@@ -487,7 +503,7 @@ impl Run {
                     if self.progress.consecutive.load(Ordering::Relaxed) == 0 {
                         tracing::warn!(sink = %name, error = %e, "audit sink delivery failed; retrying with backoff");
                     }
-                    self.failed(&e);
+                    self.failed(&e.to_string());
                     if self.pause(&mut backoff, max_backoff).await {
                         break;
                     }

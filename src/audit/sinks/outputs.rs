@@ -11,6 +11,7 @@ use hmac::{Hmac, Mac};
 use tokio::io::AsyncWriteExt;
 
 use crate::audit::event::{Event, Outcome};
+use crate::audit::sinks::SinkError;
 use crate::audit::sinks::def::{FileSink, Fsync, HttpSink, SinkDef, SyslogAddress, SyslogSink};
 
 /// A prepared sink: files read, clients built, nothing sent yet.
@@ -32,27 +33,137 @@ impl std::fmt::Debug for Output {
     }
 }
 
+/// Why a sink could not be prepared (its files, its client) or a
+/// delivery failed. Its text goes into `status` (`last_error`), the logs
+/// and the console as it is.
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    /// A file or directory operation (`create`, `open`, `write`, `stat`,
+    /// `remove`, `rename`) on `path`.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file sink lost its file and could not open it again.
+    #[error("the file is not open")]
+    NotOpen,
+    /// A file the sink's definition names (`ca_file`, `hmac_key_file`, …).
+    #[error("cannot read {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A secret file holds less than it must.
+    #[error("{what} {} must hold at least {min} bytes", path.display())]
+    ShortSecret {
+        what: &'static str,
+        path: PathBuf,
+        min: usize,
+    },
+    #[error("token_file is not UTF-8")]
+    TokenNotUtf8,
+    #[error("url: {0}")]
+    Url(#[source] url::ParseError),
+    #[error("TLS: {0}")]
+    Tls(#[source] crate::tls::TlsError),
+    #[error("HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// A syslog address that does not parse (`SyslogAddress::parse`'s
+    /// words).
+    #[error("{0}")]
+    Address(String),
+    #[error("facility '{0}'")]
+    Facility(String),
+    /// An event as JSON (never, in practice).
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// The blocking write's task ended without an answer.
+    #[error(transparent)]
+    Join(#[from] tokio::task::JoinError),
+    #[error("standard output: {0}")]
+    Stdout(#[source] std::io::Error),
+    /// An HTTP request that got no answer; says why in a few words, not
+    /// reqwest's message, which names the whole URL: the host is enough.
+    #[error("POST to {host}: {}", post_failure(.source))]
+    Post {
+        host: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    /// HTTP 413: the receiver refuses the content.
+    #[error("{REFUSED}POST to {host}: HTTP 413 (too large)")]
+    TooLarge { host: String },
+    #[error("POST to {host}: HTTP {status}")]
+    Status { host: String, status: u16 },
+    /// The syslog socket could not be made.
+    #[error("{0}")]
+    Socket(#[source] std::io::Error),
+    #[error("connect {to}: {source}")]
+    Connect {
+        to: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A datagram too long for the socket: the receiver refuses the
+    /// content.
+    #[error("{REFUSED}send event {seq}: {source}")]
+    DatagramTooLong {
+        seq: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("send: {0}")]
+    Send(#[source] std::io::Error),
+    #[error("not connected")]
+    NotConnected,
+}
+
+impl OutputError {
+    /// Whether the receiver refused the content, so that no retry of the
+    /// same batch can help.
+    fn refused(&self) -> bool {
+        matches!(self, Self::TooLarge { .. } | Self::DatagramTooLong { .. })
+    }
+}
+
+/// A POST that got no answer, in a few words.
+fn post_failure(e: &reqwest::Error) -> &'static str {
+    if e.is_timeout() {
+        "no answer in time"
+    } else if e.is_connect() {
+        "cannot connect"
+    } else {
+        "request failed"
+    }
+}
+
 impl Output {
     /// Read the files a sink names and build its client; an error names
     /// the sink and what is wrong (a start or reload refuses it).
-    pub fn prepare(def: &SinkDef) -> Result<Self, String> {
-        let what = format!("audit sink '{}'", def.name());
+    pub fn prepare(def: &SinkDef) -> Result<Self, SinkError> {
+        let named = |source| SinkError::Sink {
+            name: def.name().to_string(),
+            source,
+        };
         Ok(match def {
             SinkDef::File(f) => Self::File(Arc::new(std::sync::Mutex::new(
-                FileOut::open(f).map_err(|e| format!("{what}: {e}"))?,
+                FileOut::open(f).map_err(named)?,
             ))),
             SinkDef::Stdout(_) => Self::Stdout,
-            SinkDef::Http(h) => Self::Http(HttpOut::new(h).map_err(|e| format!("{what}: {e}"))?),
-            SinkDef::Syslog(s) => {
-                Self::Syslog(SyslogOut::new(s).map_err(|e| format!("{what}: {e}"))?)
-            }
+            SinkDef::Http(h) => Self::Http(HttpOut::new(h).map_err(named)?),
+            SinkDef::Syslog(s) => Self::Syslog(SyslogOut::new(s).map_err(named)?),
         })
     }
 
     /// Deliver `events` (in `seq` order) whole, or fail.
     pub async fn deliver(&mut self, events: &[Event]) -> Result<(), Failure> {
         self.deliver_all(events).await.map_err(|e| {
-            if e.starts_with(REFUSED) {
+            if e.refused() {
                 Failure::Refused(e)
             } else {
                 Failure::Retry(e)
@@ -60,7 +171,7 @@ impl Output {
         })
     }
 
-    async fn deliver_all(&mut self, events: &[Event]) -> Result<(), String> {
+    async fn deliver_all(&mut self, events: &[Event]) -> Result<(), OutputError> {
         match self {
             Self::File(f) => {
                 let body = json_lines(events);
@@ -68,13 +179,12 @@ impl Output {
                 tokio::task::spawn_blocking(move || {
                     f.lock().unwrap_or_else(|p| p.into_inner()).append(&body)
                 })
-                .await
-                .map_err(|e| e.to_string())?
+                .await?
             }
             Self::Stdout => {
                 let mut body = Vec::with_capacity(events.len() * 512);
                 for ev in events {
-                    let mut v = serde_json::to_value(ev).map_err(|e| e.to_string())?;
+                    let mut v = serde_json::to_value(ev)?;
                     if let Some(o) = v.as_object_mut() {
                         o.insert("stream".into(), "cube-adapter-audit".into());
                     }
@@ -85,9 +195,8 @@ impl Output {
                     let mut out = std::io::stdout().lock();
                     out.write_all(&body).and_then(|()| out.flush())
                 })
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("standard output: {e}"))
+                .await?
+                .map_err(OutputError::Stdout)
             }
             Self::Http(h) => h.post(events).await,
             Self::Syslog(s) => s.send(events).await,
@@ -96,15 +205,15 @@ impl Output {
 }
 
 /// Why a delivery failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Failure {
     /// Try again later: the receiver is down, slow, or the disk full.
-    Retry(String),
+    Retry(OutputError),
     /// The receiver will never take this content as it is (a datagram too
     /// long for the socket, HTTP 413): retrying the same batch cannot
     /// help, so the sink splits it, and quarantines an event that fails
     /// alone.
-    Refused(String),
+    Refused(OutputError),
 }
 
 /// How a failure message starts when the receiver refused the content.
@@ -130,7 +239,7 @@ pub struct FileOut {
 }
 
 impl FileOut {
-    fn open(def: &FileSink) -> Result<Self, String> {
+    fn open(def: &FileSink) -> Result<Self, OutputError> {
         let mut f = Self {
             path: def.path.clone(),
             file: None,
@@ -142,13 +251,13 @@ impl FileOut {
         Ok(f)
     }
 
-    fn reopen(&mut self) -> Result<(), String> {
+    fn reopen(&mut self) -> Result<(), OutputError> {
         use std::os::unix::fs::OpenOptionsExt;
         if let Some(dir) = self.path.parent()
             && !dir.as_os_str().is_empty()
             && !dir.exists()
         {
-            std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(io("create", dir))?;
         }
         let created = !self.path.exists();
         let file = std::fs::OpenOptions::new()
@@ -156,7 +265,7 @@ impl FileOut {
             .create(true)
             .mode(0o600)
             .open(&self.path)
-            .map_err(|e| format!("open {}: {e}", self.path.display()))?;
+            .map_err(io("open", &self.path))?;
         if created {
             sync_dir(&self.path);
         }
@@ -167,7 +276,7 @@ impl FileOut {
     /// Append `body` (whole lines), rotating first when it would pass
     /// `max_bytes`. A failed write is cut back to where the file ended, so
     /// a retry never follows half a line.
-    fn append(&mut self, body: &[u8]) -> Result<(), String> {
+    fn append(&mut self, body: &[u8]) -> Result<(), OutputError> {
         if self.file.is_none() {
             self.reopen()?;
         }
@@ -177,7 +286,7 @@ impl FileOut {
         }
         let len = self.current_len()?;
         let Some(file) = self.file.as_mut() else {
-            return Err("the file is not open".into());
+            return Err(OutputError::NotOpen);
         };
         let r = file.write_all(body).and_then(|()| match self.fsync {
             Fsync::Batch => file.sync_data(),
@@ -190,22 +299,22 @@ impl FileOut {
                 // Whatever is there, a fresh open finds it at the next try.
                 self.file = None;
             }
-            return Err(format!("write {}: {e}", self.path.display()));
+            return Err(io("write", &self.path)(e));
         }
         Ok(())
     }
 
-    fn current_len(&mut self) -> Result<u64, String> {
+    fn current_len(&mut self) -> Result<u64, OutputError> {
         let Some(file) = self.file.as_ref() else {
             return Ok(0);
         };
         file.metadata()
             .map(|m| m.len())
-            .map_err(|e| format!("stat {}: {e}", self.path.display()))
+            .map_err(io("stat", &self.path))
     }
 
     /// `PATH` → `PATH.1` → … → `PATH.keep` (the oldest falls off).
-    fn rotate(&mut self) -> Result<(), String> {
+    fn rotate(&mut self) -> Result<(), OutputError> {
         self.file = None;
         let name = |n: u32| {
             let mut p = self.path.clone().into_os_string();
@@ -213,23 +322,26 @@ impl FileOut {
             PathBuf::from(p)
         };
         if self.keep == 0 {
-            std::fs::remove_file(&self.path)
-                .map_err(|e| format!("remove {}: {e}", self.path.display()))?;
+            std::fs::remove_file(&self.path).map_err(io("remove", &self.path))?;
         } else {
             let _ = std::fs::remove_file(name(self.keep));
             for n in (1..self.keep).rev() {
                 let from = name(n);
                 if from.exists() {
-                    std::fs::rename(&from, name(n + 1))
-                        .map_err(|e| format!("rename {}: {e}", from.display()))?;
+                    std::fs::rename(&from, name(n + 1)).map_err(io("rename", &from))?;
                 }
             }
-            std::fs::rename(&self.path, name(1))
-                .map_err(|e| format!("rename {}: {e}", self.path.display()))?;
+            std::fs::rename(&self.path, name(1)).map_err(io("rename", &self.path))?;
         }
         sync_dir(&self.path);
         self.reopen()
     }
+}
+
+/// An I/O error of `op` on `path`, for `map_err`.
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> OutputError {
+    let path = path.to_path_buf();
+    move |source| OutputError::Io { op, path, source }
 }
 
 fn sync_dir(p: &Path) {
@@ -249,18 +361,24 @@ fn sync_dir(p: &Path) {
 struct FileSecret(Arc<[u8]>);
 
 impl FileSecret {
-    fn read(path: &Path, what: &str, min: usize) -> Result<Self, String> {
-        let raw = std::fs::read(path)
-            .map_err(|e| format!("cannot read {what} {}: {e}", path.display()))?;
+    fn read(path: &Path, what: &'static str, min: usize) -> Result<Self, OutputError> {
+        let raw = std::fs::read(path).map_err(read(what, path))?;
         let s = raw.trim_ascii();
         if s.len() < min {
-            return Err(format!(
-                "{what} {} must hold at least {min} bytes",
-                path.display()
-            ));
+            return Err(OutputError::ShortSecret {
+                what,
+                path: path.to_path_buf(),
+                min,
+            });
         }
         Ok(Self(s.into()))
     }
+}
+
+/// A failed read of the file `what` names, for `map_err`.
+fn read(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> OutputError {
+    let path = path.to_path_buf();
+    move |source| OutputError::Read { what, path, source }
 }
 
 /// The HTTP sink's client.
@@ -276,21 +394,16 @@ pub struct HttpOut {
 pub const SIGNATURE_HEADER: &str = "X-Cube-Adapter-Signature";
 
 impl HttpOut {
-    fn new(def: &HttpSink) -> Result<Self, String> {
-        let url = reqwest::Url::parse(&def.url).map_err(|e| format!("url: {e}"))?;
+    fn new(def: &HttpSink) -> Result<Self, OutputError> {
+        let url = reqwest::Url::parse(&def.url).map_err(OutputError::Url)?;
         let ca = match &def.ca_file {
-            Some(f) => Some(
-                std::fs::read(f)
-                    .map_err(|e| format!("cannot read ca_file {}: {e}", f.display()))?,
-            ),
+            Some(f) => Some(std::fs::read(f).map_err(read("ca_file", f))?),
             None => None,
         };
         let identity = match (&def.client_cert_file, &def.client_key_file) {
             (Some(c), Some(k)) => Some((
-                std::fs::read(c)
-                    .map_err(|e| format!("cannot read client_cert_file {}: {e}", c.display()))?,
-                std::fs::read(k)
-                    .map_err(|e| format!("cannot read client_key_file {}: {e}", k.display()))?,
+                std::fs::read(c).map_err(read("client_cert_file", c))?,
+                std::fs::read(k).map_err(read("client_key_file", k))?,
             )),
             _ => None,
         };
@@ -298,7 +411,7 @@ impl HttpOut {
             ca.as_deref(),
             identity.as_ref().map(|(c, k)| (c.as_slice(), k.as_slice())),
         )
-        .map_err(|e| format!("TLS: {e}"))?;
+        .map_err(OutputError::Tls)?;
         let timeout = Duration::from_secs(def.timeout_seconds);
         let http = reqwest::Client::builder()
             .tls_backend_preconfigured(tls)
@@ -309,7 +422,7 @@ impl HttpOut {
             .timeout(timeout)
             .user_agent(concat!("cube-adapter/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| format!("HTTP client: {e}"))?;
+            .map_err(OutputError::Client)?;
         Ok(Self {
             http,
             url,
@@ -327,7 +440,7 @@ impl HttpOut {
         })
     }
 
-    async fn post(&self, events: &[Event]) -> Result<(), String> {
+    async fn post(&self, events: &[Event]) -> Result<(), OutputError> {
         let body = json_lines(events);
         let (first, last) = match (events.first(), events.last()) {
             (Some(a), Some(b)) => (a.seq, b.seq),
@@ -343,28 +456,28 @@ impl HttpOut {
             req = req.header(SIGNATURE_HEADER, signature(&k.0, &body));
         }
         if let Some(t) = &self.token {
-            let t = std::str::from_utf8(&t.0).map_err(|_| "token_file is not UTF-8".to_string())?;
+            let t = std::str::from_utf8(&t.0).map_err(|_| OutputError::TokenNotUtf8)?;
             req = req.bearer_auth(t);
         }
         let host = self.url.host_str().unwrap_or_default().to_string();
-        let r = req.body(body).send().await.map_err(|e| {
-            // reqwest's message names the URL; the host is enough.
-            let why = if e.is_timeout() {
-                "no answer in time"
-            } else if e.is_connect() {
-                "cannot connect"
-            } else {
-                "request failed"
-            };
-            format!("POST to {host}: {why}")
-        })?;
+        let r = req
+            .body(body)
+            .send()
+            .await
+            .map_err(|source| OutputError::Post {
+                host: host.clone(),
+                source,
+            })?;
         let status = r.status();
         if status.is_success() {
             Ok(())
         } else if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
-            Err(format!("{REFUSED}POST to {host}: HTTP 413 (too large)"))
+            Err(OutputError::TooLarge { host })
         } else {
-            Err(format!("POST to {host}: HTTP {}", status.as_u16()))
+            Err(OutputError::Status {
+                host,
+                status: status.as_u16(),
+            })
         }
     }
 }
@@ -397,7 +510,7 @@ enum SyslogConn {
 }
 
 impl SyslogOut {
-    fn new(def: &SyslogSink) -> Result<Self, String> {
+    fn new(def: &SyslogSink) -> Result<Self, OutputError> {
         let hostname = nix::unistd::gethostname()
             .ok()
             .and_then(|h| h.into_string().ok())
@@ -406,19 +519,23 @@ impl SyslogOut {
             })
             .unwrap_or_else(|| "-".into());
         Ok(Self {
-            address: SyslogAddress::parse(&def.address)?,
+            // `SyslogAddress::parse` (def) says why in words.
+            address: SyslogAddress::parse(&def.address)
+                .map_err(|e| OutputError::Address(e.to_string()))?,
             facility: crate::audit::sinks::def::facility_code(&def.facility)
-                .ok_or_else(|| format!("facility '{}'", def.facility))?,
+                .ok_or_else(|| OutputError::Facility(def.facility.clone()))?,
             app_name: def.app_name.clone(),
             hostname,
             conn: None,
         })
     }
 
-    async fn connect(&self) -> Result<SyslogConn, String> {
+    async fn connect(&self) -> Result<SyslogConn, OutputError> {
+        let connect = |to: String| move |source| OutputError::Connect { to, source };
         match &self.address {
             SyslogAddress::Unix(p) => {
-                let d = tokio::net::UnixDatagram::unbound().map_err(|e| e.to_string())?;
+                let d = tokio::net::UnixDatagram::unbound().map_err(OutputError::Socket)?;
+                let to = p.display().to_string();
                 match d.connect(p) {
                     Ok(()) => Ok(SyslogConn::Datagram(d)),
                     // A stream socket (rsyslog's imuxsock can be either).
@@ -426,19 +543,19 @@ impl SyslogOut {
                         tokio::net::UnixStream::connect(p)
                             .await
                             .map(SyslogConn::UnixStream)
-                            .map_err(|e| format!("connect {}: {e}", p.display()))
+                            .map_err(connect(to))
                     }
-                    Err(e) => Err(format!("connect {}: {e}", p.display())),
+                    Err(e) => Err(connect(to)(e)),
                 }
             }
             SyslogAddress::Tcp(hp) => tokio::net::TcpStream::connect(hp.as_str())
                 .await
                 .map(SyslogConn::Tcp)
-                .map_err(|e| format!("connect {hp}: {e}")),
+                .map_err(connect(hp.clone())),
         }
     }
 
-    async fn send(&mut self, events: &[Event]) -> Result<(), String> {
+    async fn send(&mut self, events: &[Event]) -> Result<(), OutputError> {
         if self.conn.is_none() {
             self.conn = Some(self.connect().await?);
         }
@@ -449,7 +566,7 @@ impl SyslogOut {
         r
     }
 
-    async fn send_on(&mut self, events: &[Event]) -> Result<(), String> {
+    async fn send_on(&mut self, events: &[Event]) -> Result<(), OutputError> {
         let pid = std::process::id();
         let mut frames: Vec<u8> = vec![];
         for ev in events {
@@ -458,9 +575,12 @@ impl SyslogOut {
                 Some(SyslogConn::Datagram(d)) => {
                     d.send(msg.as_bytes()).await.map_err(|e| {
                         if e.raw_os_error() == Some(libc::EMSGSIZE) {
-                            format!("{REFUSED}send event {}: {e}", ev.seq)
+                            OutputError::DatagramTooLong {
+                                seq: ev.seq,
+                                source: e,
+                            }
                         } else {
-                            format!("send: {e}")
+                            OutputError::Send(e)
                         }
                     })?;
                 }
@@ -473,21 +593,17 @@ impl SyslogOut {
                     frames.extend_from_slice(format!("{} ", msg.len()).as_bytes());
                     frames.extend_from_slice(msg.as_bytes());
                 }
-                None => return Err("not connected".into()),
+                None => return Err(OutputError::NotConnected),
             }
         }
         match self.conn.as_mut() {
             Some(SyslogConn::UnixStream(s)) => {
-                s.write_all(&frames)
-                    .await
-                    .map_err(|e| format!("send: {e}"))?;
-                s.flush().await.map_err(|e| format!("send: {e}"))
+                s.write_all(&frames).await.map_err(OutputError::Send)?;
+                s.flush().await.map_err(OutputError::Send)
             }
             Some(SyslogConn::Tcp(s)) => {
-                s.write_all(&frames)
-                    .await
-                    .map_err(|e| format!("send: {e}"))?;
-                s.flush().await.map_err(|e| format!("send: {e}"))
+                s.write_all(&frames).await.map_err(OutputError::Send)?;
+                s.flush().await.map_err(OutputError::Send)
             }
             _ => Ok(()),
         }
@@ -545,6 +661,35 @@ mod tests {
             "{m}"
         );
         assert!(m.ends_with('}'));
+    }
+
+    /// What `status` shows: the words of before, and "refused: " where the
+    /// receiver refuses the content.
+    #[test]
+    fn output_errors_keep_their_words() {
+        let e = OutputError::TooLarge { host: "h".into() };
+        assert!(e.refused());
+        assert_eq!(e.to_string(), "refused: POST to h: HTTP 413 (too large)");
+        let e = OutputError::Status {
+            host: "h".into(),
+            status: 503,
+        };
+        assert!(!e.refused());
+        assert_eq!(e.to_string(), "POST to h: HTTP 503");
+        let e = OutputError::DatagramTooLong {
+            seq: 7,
+            source: std::io::Error::from_raw_os_error(libc::EMSGSIZE),
+        };
+        assert!(e.refused());
+        assert!(e.to_string().starts_with("refused: send event 7: "), "{e}");
+        let e = FileSecret::read(Path::new("/nonexistent/k"), "hmac_key_file", 32)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.starts_with("cannot read hmac_key_file /nonexistent/k: "),
+            "{e}"
+        );
     }
 
     #[test]
