@@ -312,7 +312,7 @@ impl Metric {
     }
 
     /// Every series of a family, its label values under `names`.
-    pub fn from_family<const N: usize, M>(
+    pub fn with_family<const N: usize, M>(
         mut self,
         family: &Family<N, M>,
         names: [&str; N],

@@ -752,7 +752,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
             "cube_adapter_http_request_duration_seconds",
             "HTTP requests by route template, method and status class: time to the response head",
         )
-        .from_family(
+        .with_family(
             &st.metrics.http.requests,
             ["route", "method", "status_class"],
             hist,
@@ -765,7 +765,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
             "cube_adapter_operations_total",
             "Audited operations (outcome and single-step events) by action, outcome, runtime and profile",
         )
-        .from_family(
+        .with_family(
             &am.operations,
             ["action", "outcome", "runtime", "profile"],
             count,
@@ -776,7 +776,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
             "cube_adapter_operation_duration_seconds",
             "Sandbox effects from intent to outcome, by action, outcome and backend",
         )
-        .from_family(&am.effects, ["action", "outcome", "backend"], hist),
+        .with_family(&am.effects, ["action", "outcome", "backend"], hist),
     );
     let sm = j.store().metrics();
     out.push(
@@ -842,7 +842,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
     // Garbage collection.
     let gc = b.gc_metrics();
     out.push(
-        Metric::counter("cube_adapter_gc_runs_total", "GC passes by result").from_family(
+        Metric::counter("cube_adapter_gc_runs_total", "GC passes by result").with_family(
             &gc.runs,
             ["result"],
             count,
@@ -853,7 +853,7 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
             "cube_adapter_gc_actions_total",
             "What GC did: idle leases collected or failed, orphaned sandboxes killed or failed, plans pruned",
         )
-        .from_family(&gc.actions, ["outcome"], count),
+        .with_family(&gc.actions, ["outcome"], count),
     );
     // Readiness, certificates, the process.
     let ready = st.metrics.ready.load(Ordering::Relaxed);
