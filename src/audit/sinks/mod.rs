@@ -136,7 +136,7 @@ impl Sinks {
     /// Check and build `defs` (files read, clients made); the sinks whose
     /// definition is unchanged keep running as they are.
     pub fn prepare(&self, defs: &[SinkDef]) -> Result<Prepared, String> {
-        crate::audit::sinks::def::validate(defs)?;
+        crate::audit::sinks::def::validate(defs).map_err(|e| e.to_string())?;
         let r = self.running();
         let mut start = vec![];
         let mut keep = vec![];

@@ -406,7 +406,7 @@ impl SyslogOut {
             })
             .unwrap_or_else(|| "-".into());
         Ok(Self {
-            address: SyslogAddress::parse(&def.address)?,
+            address: SyslogAddress::parse(&def.address).map_err(|e| e.to_string())?,
             facility: crate::audit::sinks::def::facility_code(&def.facility)
                 .ok_or_else(|| format!("facility '{}'", def.facility))?,
             app_name: def.app_name.clone(),
