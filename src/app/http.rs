@@ -53,7 +53,8 @@ pub(super) async fn start(p: Parts<'_>, tasks: &mut Tasks) -> anyhow::Result<Htt
         broker: broker.clone(),
         auth: authn.clone(),
         metrics: Arc::new(api::Metrics::new(
-            cfg.metrics.token().map_err(|e| anyhow::anyhow!(e))?,
+            // As a message: it names its cause already (no chain to repeat it).
+            cfg.metrics.token().map_err(|e| anyhow::anyhow!("{e}"))?,
             Some(tls.ca.dir.clone()),
         )),
     };

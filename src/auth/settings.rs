@@ -56,30 +56,27 @@ pub struct ClientCaIdentity {
 }
 
 impl ClientCaSection {
-    pub(crate) fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), SettingsError> {
+        let err = |e| Err(SettingsError::ClientCa(e));
         if !["cn", "san_uri", "san_email"].contains(&self.subject.as_str()) {
-            return Err(format!(
-                "auth.client_ca: subject must be cn, san_uri or san_email (got {:?})",
-                self.subject
-            ));
+            return err(ClientCaError::Subject(self.subject.clone()));
         }
         for r in &self.revoked {
             if r.len() != 64 || !r.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(format!(
-                    "auth.client_ca: revoked {r:?} is not a SHA-256 fingerprint (64 hex digits)"
-                ));
+                return err(ClientCaError::Revoked(r.clone()));
             }
         }
         let mut seen = std::collections::BTreeSet::new();
         for i in &self.identities {
             if !seen.insert(i.subject.as_str()) {
-                return Err(format!(
-                    "auth.client_ca: identity {:?} is listed twice",
-                    i.subject
-                ));
+                return err(ClientCaError::Twice(i.subject.clone()));
             }
-            super::client_ca::principal(i)
-                .map_err(|e| format!("auth.client_ca: identity {:?}: {e}", i.subject))?;
+            if let Err(why) = super::client_ca::principal(i) {
+                return err(ClientCaError::Identity {
+                    subject: i.subject.clone(),
+                    why,
+                });
+            }
         }
         Ok(())
     }
@@ -177,23 +174,27 @@ impl Default for ClaimNames {
 
 /// A URL the appliance fetches from: `https://`, or `http://` to a
 /// loopback address only; with a host, without a user or fragment.
-pub fn check_fetch_url(u: &str) -> Result<(), String> {
-    let url = url::Url::parse(u).map_err(|e| format!("{u:?} is not a URL ({e})"))?;
+pub fn check_fetch_url(u: &str) -> Result<(), FetchUrlError> {
+    let url = url::Url::parse(u).map_err(|source| FetchUrlError::NotUrl {
+        url: u.to_string(),
+        source,
+    })?;
     match url.scheme() {
         "https" => {}
         "http" if loopback_host(&url) => {}
-        "http" => {
-            return Err(format!(
-                "{u} must be https:// (plain http:// only to a loopback address)"
-            ));
+        "http" => return Err(FetchUrlError::PlainHttp(u.to_string())),
+        other => {
+            return Err(FetchUrlError::Scheme {
+                url: u.to_string(),
+                scheme: other.to_string(),
+            });
         }
-        other => return Err(format!("{u} must be https:// (got {other}://)")),
     }
     if url.host_str().is_none_or(str::is_empty) {
-        return Err(format!("{u} has no host"));
+        return Err(FetchUrlError::NoHost(u.to_string()));
     }
     if !url.username().is_empty() || url.password().is_some() || url.fragment().is_some() {
-        return Err(format!("{u} must not carry a user, password or fragment"));
+        return Err(FetchUrlError::Credentials(u.to_string()));
     }
     Ok(())
 }
@@ -301,29 +302,32 @@ impl ConsoleOidc {
         allows_tenant(self.tenant.as_deref(), &self.tenants, tenant)
     }
 
-    pub(crate) fn validate(&self) -> Result<(), String> {
-        let at = |e: String| format!("console.oidc: {e}");
-        self.id_token_issuer()
-            .validate()
-            .map_err(|e| at(e.replace("auth.oidc ", "")))?;
-        check_fetch_url(&self.redirect_url).map_err(|e| at(format!("redirect_url: {e}")))?;
+    pub(crate) fn validate(&self) -> Result<(), SettingsError> {
+        let err = |e| Err(SettingsError::ConsoleOidc(e));
+        if let Err(source) = self.id_token_issuer().check() {
+            return err(ConsoleOidcError::Issuer {
+                issuer: self.issuer.clone(),
+                source,
+            });
+        }
+        if let Err(e) = check_fetch_url(&self.redirect_url) {
+            return err(ConsoleOidcError::RedirectUrl(e));
+        }
         if !self.redirect_url.ends_with("/console/oidc/callback") {
-            return Err(at(
-                "redirect_url must be the console's address + /console/oidc/callback".into(),
-            ));
+            return err(ConsoleOidcError::Callback);
         }
         if self.client_id.trim().is_empty() {
-            return Err(at("client_id is required".into()));
+            return err(ConsoleOidcError::NoClientId);
         }
         if self.approver.is_empty() && self.auditor.is_empty() && self.admin.is_empty() {
-            return Err(at(
-                "name the roles_claim values of approvers, auditors or admins (approver, auditor, admin)".into(),
-            ));
+            return err(ConsoleOidcError::NoRoles);
         }
-        check_tenants(self.tenant.as_deref(), &self.tenants).map_err(at)?;
+        if let Err(e) = check_tenants(self.tenant.as_deref(), &self.tenants) {
+            return err(ConsoleOidcError::Tenants(e));
+        }
         for n in [&self.name_claim, &self.tenant_claim, &self.roles_claim] {
             if n.trim().is_empty() {
-                return Err(at("claim names must not be empty".into()));
+                return err(ConsoleOidcError::EmptyClaim);
             }
         }
         Ok(())
@@ -344,46 +348,45 @@ impl OidcIssuer {
     }
 
     /// The issuer's own settings (not whether another has its name).
-    pub(crate) fn validate(&self) -> Result<(), String> {
-        let at = |e: String| format!("auth.oidc {}: {e}", self.issuer);
-        check_fetch_url(&self.issuer).map_err(at)?;
+    pub(crate) fn validate(&self) -> Result<(), SettingsError> {
+        self.check().map_err(|source| SettingsError::Oidc {
+            issuer: self.issuer.clone(),
+            source,
+        })
+    }
+
+    /// [`Self::validate`], without naming the issuer (`[console.oidc]`
+    /// names it its own way).
+    fn check(&self) -> Result<(), IssuerError> {
+        check_fetch_url(&self.issuer)?;
         if self.issuer.contains('?') {
-            return Err(at("the issuer has no query".into()));
+            return Err(IssuerError::Query);
         }
         if self.audience.trim().is_empty() {
-            return Err(at("audience is required".into()));
+            return Err(IssuerError::NoAudience);
         }
         if self.algorithms.is_empty() {
-            return Err(at("algorithms must name at least one".into()));
+            return Err(IssuerError::NoAlgorithm);
         }
-        for a in &self.algorithms {
-            if super::oidc::algorithm(a).is_none() {
-                return Err(at(format!(
-                    "algorithm {a:?} is not allowed (asymmetric only: {})",
-                    super::oidc::ALGORITHMS
-                        .iter()
-                        .map(|(n, _)| *n)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )));
-            }
+        if let Some(a) = self
+            .algorithms
+            .iter()
+            .find(|a| super::oidc::algorithm(a).is_none())
+        {
+            return Err(IssuerError::Algorithm(a.clone()));
         }
         if let Some(j) = &self.jwks_url {
-            check_fetch_url(j).map_err(|e| at(format!("jwks_url: {e}")))?;
+            check_fetch_url(j).map_err(IssuerError::JwksUrl)?;
         }
         if self.leeway_seconds > 300 {
-            return Err(at("leeway_seconds must be at most 300".into()));
+            return Err(IssuerError::Leeway);
         }
-        check_tenants(self.tenant.as_deref(), &self.tenants).map_err(at)?;
+        check_tenants(self.tenant.as_deref(), &self.tenants)?;
         if self.allowed_roles.is_empty() {
-            return Err(at(
-                "allowed_roles must name at least one role (agent, approver, auditor, admin)"
-                    .into(),
-            ));
+            return Err(IssuerError::NoRole);
         }
         for r in &self.allowed_roles {
-            r.parse::<super::Role>()
-                .map_err(|e| at(format!("allowed_roles: {e}")))?;
+            r.parse::<super::Role>().map_err(IssuerError::Role)?;
         }
         let c = &self.claims;
         for n in [
@@ -395,7 +398,7 @@ impl OidcIssuer {
             &c.task_templates,
         ] {
             if n.trim().is_empty() {
-                return Err(at("claim names must not be empty".into()));
+                return Err(IssuerError::EmptyClaim);
             }
         }
         Ok(())
@@ -408,18 +411,13 @@ fn allows_tenant(fixed: Option<&str>, list: &[String], tenant: &str) -> bool {
 }
 
 /// One of `tenant` and `tenants` is set, and each names a valid tenant.
-fn check_tenants(fixed: Option<&str>, list: &[String]) -> Result<(), String> {
+fn check_tenants(fixed: Option<&str>, list: &[String]) -> Result<(), TenantsError> {
     if fixed.is_none() && list.is_empty() {
-        return Err(
-            "name the tenants this issuer's tokens may act for: `tenant = \"…\"` (one, also for tokens without a tenant claim) or `tenants = [\"…\"]`; the tenant claim alone is not trusted"
-                .into(),
-        );
+        return Err(TenantsError::Unnamed);
     }
     for t in fixed.into_iter().chain(list.iter().map(String::as_str)) {
         if !super::valid_tenant_name(t) {
-            return Err(format!(
-                "tenant {t:?} must be 1-128 characters of [A-Za-z0-9_.:-]"
-            ));
+            return Err(TenantsError::Invalid(t.to_string()));
         }
     }
     Ok(())
@@ -433,4 +431,135 @@ pub(crate) fn loopback_host(u: &url::Url) -> bool {
         Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
         None => false,
     }
+}
+
+/// Why `[auth]` or `[console.oidc]` settings are refused (config
+/// validation says it as it is).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingsError {
+    /// `[auth.client_ca]`.
+    #[error("auth.client_ca: {0}")]
+    ClientCa(#[source] ClientCaError),
+    /// One `[[auth.oidc]]` issuer.
+    #[error("auth.oidc {issuer}: {source}")]
+    Oidc { issuer: String, source: IssuerError },
+    /// `[console.oidc]`.
+    #[error("console.oidc: {0}")]
+    ConsoleOidc(#[source] ConsoleOidcError),
+}
+
+/// What is wrong in `[auth.client_ca]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientCaError {
+    /// `subject` names no field a certificate is mapped by.
+    #[error("subject must be cn, san_uri or san_email (got {0:?})")]
+    Subject(String),
+    /// An entry of `revoked` is not a fingerprint.
+    #[error("revoked {0:?} is not a SHA-256 fingerprint (64 hex digits)")]
+    Revoked(String),
+    /// Two identities for one subject.
+    #[error("identity {0:?} is listed twice")]
+    Twice(String),
+    /// An identity that is no principal, and why (`auth::client_ca`).
+    #[error("identity {subject:?}: {why}")]
+    Identity {
+        subject: String,
+        why: super::OpError,
+    },
+}
+
+/// What is wrong in an OIDC issuer's settings (`[[auth.oidc]]`, and the
+/// issuer `[console.oidc]` trusts for its ID tokens).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IssuerError {
+    /// The issuer is not a URL the appliance fetches from.
+    #[error(transparent)]
+    Url(#[from] FetchUrlError),
+    #[error("the issuer has no query")]
+    Query,
+    #[error("audience is required")]
+    NoAudience,
+    #[error("algorithms must name at least one")]
+    NoAlgorithm,
+    /// A symmetric or unknown algorithm.
+    #[error(
+        "algorithm {0:?} is not allowed (asymmetric only: {list})",
+        list = allowed_algorithms()
+    )]
+    Algorithm(String),
+    #[error("jwks_url: {0}")]
+    JwksUrl(#[source] FetchUrlError),
+    #[error("leeway_seconds must be at most 300")]
+    Leeway,
+    #[error(transparent)]
+    Tenants(#[from] TenantsError),
+    #[error("allowed_roles must name at least one role (agent, approver, auditor, admin)")]
+    NoRole,
+    /// An entry of `allowed_roles` that is no role.
+    #[error("allowed_roles: {0}")]
+    Role(#[source] super::UnknownRole),
+    #[error("claim names must not be empty")]
+    EmptyClaim,
+}
+
+/// The algorithms an issuer may use, for messages.
+fn allowed_algorithms() -> String {
+    super::oidc::ALGORITHMS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What is wrong in `[console.oidc]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConsoleOidcError {
+    /// The provider as an issuer of ID tokens.
+    #[error("{issuer}: {source}")]
+    Issuer { issuer: String, source: IssuerError },
+    #[error("redirect_url: {0}")]
+    RedirectUrl(#[source] FetchUrlError),
+    #[error("redirect_url must be the console's address + /console/oidc/callback")]
+    Callback,
+    #[error("client_id is required")]
+    NoClientId,
+    #[error(
+        "name the roles_claim values of approvers, auditors or admins (approver, auditor, admin)"
+    )]
+    NoRoles,
+    #[error(transparent)]
+    Tenants(#[from] TenantsError),
+    #[error("claim names must not be empty")]
+    EmptyClaim,
+}
+
+/// Why a URL the appliance would fetch from is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchUrlError {
+    #[error("{url:?} is not a URL ({source})")]
+    NotUrl {
+        url: String,
+        source: url::ParseError,
+    },
+    /// `http://` to a host that is not loopback.
+    #[error("{0} must be https:// (plain http:// only to a loopback address)")]
+    PlainHttp(String),
+    #[error("{url} must be https:// (got {scheme}://)")]
+    Scheme { url: String, scheme: String },
+    #[error("{0} has no host")]
+    NoHost(String),
+    #[error("{0} must not carry a user, password or fragment")]
+    Credentials(String),
+}
+
+/// Why the tenants an issuer's tokens may act for are refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantsError {
+    /// Neither `tenant` nor `tenants`: the token would choose.
+    #[error(
+        "name the tenants this issuer's tokens may act for: `tenant = \"…\"` (one, also for tokens without a tenant claim) or `tenants = [\"…\"]`; the tenant claim alone is not trusted"
+    )]
+    Unnamed,
+    #[error("tenant {0:?} must be 1-128 characters of [A-Za-z0-9_.:-]")]
+    Invalid(String),
 }

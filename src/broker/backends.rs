@@ -57,6 +57,18 @@ pub struct Backend {
     failed_probes: std::sync::atomic::AtomicU32,
 }
 
+/// Why a `[backends.NAME]` section gives no client.
+#[derive(Debug, thiserror::Error)]
+pub enum SectionError {
+    #[error("read {}: {source}", path.display())]
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Client(#[from] crate::cube::CubeError),
+}
+
 impl Backend {
     pub fn new(name: &str, kind: Kind, client: CubeClient, description: String) -> Arc<Self> {
         Arc::new(Self {
@@ -76,13 +88,19 @@ impl Backend {
     pub fn from_section(
         name: &str,
         b: &crate::config::BackendSection,
-    ) -> std::result::Result<Arc<Self>, String> {
+    ) -> std::result::Result<Arc<Self>, SectionError> {
         use crate::cube::{BackendConfig, Secret};
         let read = |f: &std::path::Path| {
-            std::fs::read(f).map_err(|e| format!("read {}: {e}", f.display()))
+            std::fs::read(f).map_err(|source| SectionError::Read {
+                path: f.to_path_buf(),
+                source,
+            })
         };
         let text = |f: &std::path::Path| {
-            std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))
+            std::fs::read_to_string(f).map_err(|source| SectionError::Read {
+                path: f.to_path_buf(),
+                source,
+            })
         };
         let mut bc = BackendConfig::new(name, b.api_url.clone());
         bc.proxy_url = b.proxy_url.clone();
@@ -98,7 +116,7 @@ impl Backend {
             bc.client_cert_pem = Some(read(c)?);
             bc.client_key_pem = Some(Secret::new(text(k)?));
         }
-        let client = CubeClient::new(bc).map_err(|e| e.to_string())?;
+        let client = CubeClient::new(bc)?;
         Ok(Self::new(
             name,
             Kind::CubeSandbox,

@@ -47,12 +47,24 @@ pub(crate) struct Policy {
     pub schemas: HashMap<String, Arc<crate::config::tasks::Compiled>>,
 }
 
+/// A task template whose schemas or risk patterns do not compile.
+#[derive(Debug, thiserror::Error)]
+#[error("task {task}: {source}")]
+pub struct PolicyError {
+    pub task: String,
+    #[source]
+    pub source: crate::config::tasks::CompileError,
+}
+
 /// Compile every template's schemas (they were checked when the
 /// configuration loaded).
-fn compile_policy(cfg: Arc<Config>) -> std::result::Result<Policy, String> {
+fn compile_policy(cfg: Arc<Config>) -> std::result::Result<Policy, PolicyError> {
     let mut schemas = HashMap::new();
     for (name, t) in &cfg.tasks {
-        let c = t.compile().map_err(|e| format!("task {name}: {e}"))?;
+        let c = t.compile().map_err(|source| PolicyError {
+            task: name.clone(),
+            source,
+        })?;
         schemas.insert(name.clone(), Arc::new(c));
     }
     Ok(Policy { cfg, schemas })
@@ -284,7 +296,7 @@ impl Broker {
 
     /// Check what a reload would apply (profiles, task templates, plan
     /// retention): `Err` says why it cannot be, and nothing changes.
-    pub fn prepare_reload(&self, cfg: &Config) -> std::result::Result<PreparedPolicy, String> {
+    pub fn prepare_reload(&self, cfg: &Config) -> std::result::Result<PreparedPolicy, PolicyError> {
         compile_policy(Arc::new(cfg.clone())).map(PreparedPolicy)
     }
 

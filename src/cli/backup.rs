@@ -283,7 +283,7 @@ pub fn restore(args: RestoreArgs) -> Exit {
                 return Err(format!("the archive has no {k}"));
             }
         }
-        let found = crate::ops::check_copy(&db)?;
+        let found = crate::ops::check_copy(&db).map_err(|e| e.to_string())?;
         if (found.audit_events, &found.audit_head) != (m.audit_events, &m.audit_head) {
             return Err(format!(
                 "the journal has {} events (head {}), the manifest says {} ({})",

@@ -108,7 +108,7 @@ pub fn import(a: ConfigImportArgs) -> Exit {
             );
             return Exit::Usage;
         }
-        Err(WriteError::Io(e)) => {
+        Err(e @ WriteError::Io { .. }) => {
             eprintln!("error: {e}");
             return Exit::Store;
         }

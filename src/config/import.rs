@@ -135,7 +135,7 @@ pub struct EnvVar {
 /// values in single quotes (literal) or double quotes (`\n`, `\t`, `\r`,
 /// `\"`, `\\`, `\$` escapes; both may span lines), unquoted values trimmed
 /// and ended by ` #` (a comment). Nothing is expanded.
-pub fn parse_env(text: &str) -> Result<Vec<EnvVar>, String> {
+pub fn parse_env(text: &str) -> Result<Vec<EnvVar>, EnvFileError> {
     let mut out = vec![];
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = text.lines().enumerate();
@@ -150,11 +150,14 @@ pub fn parse_env(text: &str) -> Result<Vec<EnvVar>, String> {
             _ => line,
         };
         let Some((k, v)) = line.split_once('=') else {
-            return Err(format!("line {n}: not KEY=VALUE"));
+            return Err(EnvFileError::NotKeyValue { line: n });
         };
         let key = k.trim();
         if !valid_env_key(key) {
-            return Err(format!("line {n}: {key:?} is not a variable name"));
+            return Err(EnvFileError::BadName {
+                line: n,
+                key: key.to_string(),
+            });
         }
         let start = v.trim_start();
         let value = match start.chars().next() {
@@ -164,7 +167,10 @@ pub fn parse_env(text: &str) -> Result<Vec<EnvVar>, String> {
                     if let Some((val, rest)) = close_quote(&buf, q) {
                         let rest = rest.trim();
                         if !rest.is_empty() && !rest.starts_with('#') {
-                            return Err(format!("line {n}: {key}: text after the closing quote"));
+                            return Err(EnvFileError::AfterQuote {
+                                line: n,
+                                key: key.to_string(),
+                            });
                         }
                         break val;
                     }
@@ -173,7 +179,12 @@ pub fn parse_env(text: &str) -> Result<Vec<EnvVar>, String> {
                             buf.push('\n');
                             buf.push_str(more);
                         }
-                        None => return Err(format!("line {n}: {key}: the quote is never closed")),
+                        None => {
+                            return Err(EnvFileError::Unclosed {
+                                line: n,
+                                key: key.to_string(),
+                            });
+                        }
                     }
                 }
             }
@@ -334,22 +345,32 @@ fn why_not(k: &str, v: &str) -> String {
 
 // ------------------------------------------------------------------ YAML
 
-fn read_text(p: &Path) -> Result<String, String> {
-    std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+fn read_text(p: &Path) -> Result<String, ImportError> {
+    std::fs::read_to_string(p).map_err(|source| ImportError::Read {
+        path: p.to_path_buf(),
+        source,
+    })
 }
 
 /// A YAML file as JSON values; an error names the file and the line.
-fn read_yaml(p: &Path) -> Result<Value, String> {
+fn read_yaml(p: &Path) -> Result<Value, ImportError> {
     let text = read_text(p)?;
-    serde_norway::from_str::<Value>(&text).map_err(|e| {
-        let msg = e.to_string();
-        match e.location() {
-            Some(l) if !msg.contains("line") => {
-                format!("{}:{}:{}: {msg}", p.display(), l.line(), l.column())
-            }
-            _ => format!("{}: {msg}", p.display()),
-        }
+    serde_norway::from_str::<Value>(&text).map_err(|source| ImportError::Yaml {
+        path: p.to_path_buf(),
+        source,
     })
+}
+
+/// A YAML error as [`ImportError::Yaml`] says it: the file, and the line
+/// and column where the parser's own words do not name them.
+fn yaml_message(p: &Path, e: &serde_norway::Error) -> String {
+    let msg = e.to_string();
+    match e.location() {
+        Some(l) if !msg.contains("line") => {
+            format!("{}:{}:{}: {msg}", p.display(), l.line(), l.column())
+        }
+        _ => format!("{}: {msg}", p.display()),
+    }
 }
 
 /// Where the keys of a YAML document are: each key's path (its parents'
@@ -417,14 +438,14 @@ fn file_line(shown: &str, line: Option<usize>) -> String {
     }
 }
 
-fn object<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, String> {
+fn object<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, ImportError> {
     v.as_object()
-        .ok_or_else(|| format!("{at} must be a mapping"))
+        .ok_or_else(|| ImportError::value(at, ValueProblem::Mapping))
 }
 
 /// The reference's `_positive_int`: an integer (or a string of one) of at
 /// least `min`.
-fn int(v: &Value, at: &str, min: i64) -> Result<i64, String> {
+fn int(v: &Value, at: &str, min: i64) -> Result<i64, ImportError> {
     let n = match v {
         Value::Number(n) => n
             .as_i64()
@@ -434,19 +455,19 @@ fn int(v: &Value, at: &str, min: i64) -> Result<i64, String> {
     };
     match n {
         Some(n) if n >= min => Ok(n),
-        Some(_) => Err(format!("{at} must be at least {min}")),
-        None => Err(format!("{at} must be an integer")),
+        Some(_) => Err(ImportError::value(at, ValueProblem::AtLeast(min))),
+        None => Err(ImportError::value(at, ValueProblem::Integer)),
     }
 }
 
 /// A real boolean (the reference refuses the string "false" too).
-fn boolean(v: &Value, at: &str) -> Result<bool, String> {
+fn boolean(v: &Value, at: &str) -> Result<bool, ImportError> {
     v.as_bool()
-        .ok_or_else(|| format!("{at} must be a boolean (true or false), not {v}"))
+        .ok_or_else(|| ImportError::value(at, ValueProblem::Boolean(v.clone())))
 }
 
 /// A list of non-empty strings, or a comma-separated string.
-fn strings(v: &Value, at: &str) -> Result<Vec<String>, String> {
+fn strings(v: &Value, at: &str) -> Result<Vec<String>, ImportError> {
     match v {
         Value::Null => Ok(vec![]),
         Value::String(s) => Ok(s
@@ -459,28 +480,33 @@ fn strings(v: &Value, at: &str) -> Result<Vec<String>, String> {
             .iter()
             .map(|x| match x.as_str() {
                 Some(s) if !s.is_empty() => Ok(s.to_string()),
-                _ => Err(format!("{at} must hold non-empty strings")),
+                _ => Err(ImportError::value(at, ValueProblem::NonEmptyStrings)),
             })
             .collect(),
-        _ => Err(format!("{at} must be a list of strings")),
+        _ => Err(ImportError::value(at, ValueProblem::Strings)),
     }
 }
 
-fn string(v: &Value, at: &str) -> Result<String, String> {
+fn string(v: &Value, at: &str) -> Result<String, ImportError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Number(n) => Ok(n.to_string()),
-        _ => Err(format!("{at} must be a string")),
+        _ => Err(ImportError::value(at, ValueProblem::String)),
     }
 }
 
-/// `${ENV:NAME}` leaves (profile `network`): resolved from the env file.
-fn env_ref(s: &str, env: &Env) -> Result<String, String> {
+/// `${ENV:NAME}` leaves (profile `network`, the key `at`): resolved from
+/// the env file.
+fn env_ref(s: &str, env: &Env, at: &str) -> Result<String, ImportError> {
     match s.strip_prefix("${ENV:").and_then(|r| r.strip_suffix('}')) {
-        Some(name) if valid_env_key(name) => env
-            .peek(name)
-            .map(str::to_string)
-            .ok_or_else(|| format!("${{ENV:{name}}}: the env file does not set {name}")),
+        Some(name) if valid_env_key(name) => {
+            env.peek(name)
+                .map(str::to_string)
+                .ok_or_else(|| ImportError::EnvRef {
+                    at: at.to_string(),
+                    name: name.to_string(),
+                })
+        }
         _ => Ok(s.to_string()),
     }
 }
@@ -512,7 +538,7 @@ impl Doc {
     }
 
     /// `value` at `path` (`["profiles", "x"]` gives `[profiles.x]`).
-    fn put(&mut self, path: &[&str], value: toml::Value) -> Result<(), String> {
+    fn put(&mut self, path: &[&str], value: toml::Value) -> Result<(), ImportError> {
         let mut v = value;
         for seg in path.iter().rev() {
             let mut t = toml::Table::new();
@@ -520,10 +546,12 @@ impl Doc {
             v = toml::Value::Table(t);
         }
         let toml::Value::Table(t) = v else {
-            return Err("nothing to write".into());
+            return Err(ImportError::NothingToWrite);
         };
-        let text = toml::to_string_pretty(&t)
-            .map_err(|e| format!("{}: cannot be written as TOML: {e}", path.join(".")))?;
+        let text = toml::to_string_pretty(&t).map_err(|source| ImportError::Toml {
+            at: path.join("."),
+            source,
+        })?;
         self.text.push_str(&text);
         Ok(())
     }
@@ -586,7 +614,7 @@ const TASK_FIELDS: &[&str] = &[
 /// config names its files there), stamped `now`. Nothing is written.
 /// An error: a file that cannot be read, or that the reference itself would
 /// refuse (bad YAML, a bad value), with the file and where.
-pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, String> {
+pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, ImportError> {
     let mut b = Build {
         env: Env::default(),
         out_dir,
@@ -642,9 +670,12 @@ impl Build<'_> {
         self.out_dir.join(name).display().to_string()
     }
 
-    fn read_env(&mut self, p: &Path) -> Result<(), String> {
+    fn read_env(&mut self, p: &Path) -> Result<(), ImportError> {
         let text = read_text(p)?;
-        let vars = parse_env(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+        let vars = parse_env(&text).map_err(|source| ImportError::EnvFile {
+            path: p.to_path_buf(),
+            source,
+        })?;
         for v in vars {
             if let Some((_, old)) = self.env.vars.insert(v.key.clone(), (v.value, v.line)) {
                 self.rep.notes.push(format!(
@@ -666,7 +697,7 @@ impl Build<'_> {
     }
 
     /// `listen`: `CUBE_ADAPTER_BIND` and `CUBE_ADAPTER_PORT`.
-    fn listen(&mut self) -> Result<(), String> {
+    fn listen(&mut self) -> Result<(), ImportError> {
         let bind = self.env.take("CUBE_ADAPTER_BIND");
         let port = self.env.take("CUBE_ADAPTER_PORT");
         let host = match bind.as_deref() {
@@ -674,13 +705,19 @@ impl Build<'_> {
             Some(h) => h,
         };
         let port_s = port.as_deref().unwrap_or("18080");
-        let port_n: u16 = port_s
-            .parse()
-            .map_err(|_| format!("CUBE_ADAPTER_PORT={port_s} is not a port number"))?;
+        let port_n: u16 = port_s.parse().map_err(|_| ImportError::NotA {
+            var: "CUBE_ADAPTER_PORT",
+            value: port_s.to_string(),
+            what: "a port number",
+        })?;
         let ip: IpAddr = host
             .trim_matches(['[', ']'])
             .parse()
-            .map_err(|_| format!("CUBE_ADAPTER_BIND={host} is not an IP address"))?;
+            .map_err(|_| ImportError::NotA {
+                var: "CUBE_ADAPTER_BIND",
+                value: host.to_string(),
+                what: "an IP address",
+            })?;
         let listen = SocketAddr::new(ip, port_n);
         let from = match (&bind, &port) {
             (None, None) => "the reference's default (127.0.0.1:18080)",
@@ -706,7 +743,7 @@ impl Build<'_> {
     }
 
     /// `gc_interval_seconds`: `CUBE_ADAPTER_GC_INTERVAL`.
-    fn gc(&mut self) -> Result<(), String> {
+    fn gc(&mut self) -> Result<(), ImportError> {
         if let Some(v) = self.env.take("CUBE_ADAPTER_GC_INTERVAL") {
             let n = int(&Value::String(v), "CUBE_ADAPTER_GC_INTERVAL", 0)?;
             self.top.push(Piece {
@@ -775,7 +812,7 @@ impl Build<'_> {
     }
 
     /// `tokens_file`: the principals, checked and copied as they are.
-    fn principals(&mut self, flag: &Option<PathBuf>) -> Result<(), String> {
+    fn principals(&mut self, flag: &Option<PathBuf>) -> Result<(), ImportError> {
         let Some((p, named)) = source(
             flag,
             &mut self.env,
@@ -786,11 +823,16 @@ impl Build<'_> {
         else {
             return Ok(());
         };
-        let bytes = std::fs::read(&p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
-        let text =
-            std::str::from_utf8(&bytes).map_err(|_| format!("{}: not UTF-8 text", p.display()))?;
+        let bytes = std::fs::read(&p).map_err(|source| ImportError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        let text = std::str::from_utf8(&bytes).map_err(|_| ImportError::NotUtf8(p.clone()))?;
         let loaded =
-            crate::auth::load_tokens_file(text).map_err(|e| format!("{}: {e}", p.display()))?;
+            crate::auth::load_tokens_file(text).map_err(|source| ImportError::Principals {
+                path: p.clone(),
+                source,
+            })?;
         let n = loaded.len();
         self.tenants
             .extend(loaded.into_iter().map(|(_, principal)| principal.tenant));
@@ -820,14 +862,15 @@ impl Build<'_> {
     /// `[audit] mode`: `CUBE_ADAPTER_AUDIT_MODE`; `[[audit.sinks]]`:
     /// `CUBE_ADAPTER_AUDIT_SINKS` with `CUBE_ADAPTER_AUDIT_LOG` (file) and
     /// `CUBE_ADAPTER_AUDIT_HTTP_URL`/`_TOKEN` (http).
-    fn audit(&mut self) -> Result<(), String> {
+    fn audit(&mut self) -> Result<(), ImportError> {
         let mut t = toml::Table::new();
         let mut comment = vec![];
         if let Some(m) = self.env.take("CUBE_ADAPTER_AUDIT_MODE") {
             if !["required", "best_effort"].contains(&m.as_str()) {
-                return Err(format!(
-                    "CUBE_ADAPTER_AUDIT_MODE={m}: must be required or best_effort"
-                ));
+                return Err(ImportError::Invalid {
+                    at: format!("CUBE_ADAPTER_AUDIT_MODE={m}"),
+                    why: "must be required or best_effort".into(),
+                });
             }
             t.insert("mode".into(), tstr(m.clone()));
             comment.push("[audit] mode: CUBE_ADAPTER_AUDIT_MODE.".to_string());
@@ -853,7 +896,7 @@ impl Build<'_> {
 
     /// The reference's sinks (`file`, `stdout`, `http`; `file` when
     /// `CUBE_ADAPTER_AUDIT_SINKS` is unset, as there).
-    fn audit_sinks(&mut self) -> Result<Vec<toml::Value>, String> {
+    fn audit_sinks(&mut self) -> Result<Vec<toml::Value>, ImportError> {
         let named = self.env.take("CUBE_ADAPTER_AUDIT_SINKS");
         let log = self.env.take("CUBE_ADAPTER_AUDIT_LOG");
         let url = self.env.take("CUBE_ADAPTER_AUDIT_HTTP_URL");
@@ -906,10 +949,12 @@ impl Build<'_> {
                 "stdout" => {}
                 "http" => {
                     let Some(u) = &url else {
-                        return Err("CUBE_ADAPTER_AUDIT_SINKS names http but CUBE_ADAPTER_AUDIT_HTTP_URL is unset".into());
+                        return Err(ImportError::HttpSinkWithoutUrl);
                     };
-                    let parsed = reqwest::Url::parse(u)
-                        .map_err(|e| format!("CUBE_ADAPTER_AUDIT_HTTP_URL: {e}"))?;
+                    let parsed = reqwest::Url::parse(u).map_err(|source| ImportError::Url {
+                        at: "CUBE_ADAPTER_AUDIT_HTTP_URL".into(),
+                        source,
+                    })?;
                     let loopback = parsed.host_str().is_some_and(|h| {
                         h == "localhost"
                             || h.trim_matches(['[', ']'])
@@ -917,10 +962,13 @@ impl Build<'_> {
                                 .is_ok_and(|ip| ip.is_loopback())
                     });
                     if parsed.scheme() != "https" && !loopback {
-                        return Err(format!(
-                            "CUBE_ADAPTER_AUDIT_HTTP_URL ({}): audit events leave the host over https only (http is allowed to a loopback collector)",
-                            shown_value("CUBE_ADAPTER_AUDIT_HTTP_URL", u).unwrap_or_default()
-                        ));
+                        return Err(ImportError::Invalid {
+                            at: format!(
+                                "CUBE_ADAPTER_AUDIT_HTTP_URL ({})",
+                                shown_value("CUBE_ADAPTER_AUDIT_HTTP_URL", u).unwrap_or_default()
+                            ),
+                            why: "audit events leave the host over https only (http is allowed to a loopback collector)".into(),
+                        });
                     }
                     t.insert("url".into(), tstr(u.clone()));
                     // The reference POSTed each event on its own.
@@ -946,9 +994,12 @@ impl Build<'_> {
                     );
                 }
                 other => {
-                    return Err(format!(
-                        "CUBE_ADAPTER_AUDIT_SINKS: unknown sink {other:?} (the reference knows file, stdout and http)"
-                    ));
+                    return Err(ImportError::Invalid {
+                        at: "CUBE_ADAPTER_AUDIT_SINKS".into(),
+                        why: format!(
+                            "unknown sink {other:?} (the reference knows file, stdout and http)"
+                        ),
+                    });
                 }
             }
             out.push(toml::Value::Table(t));
@@ -982,7 +1033,7 @@ impl Build<'_> {
 
     /// `[receipts] hmac_key_file`: the receipt key, else the key the
     /// reference fell back to for receipts.
-    fn receipts(&mut self) -> Result<(), String> {
+    fn receipts(&mut self) -> Result<(), ImportError> {
         let key = match self.env.take("CUBE_ADAPTER_RECEIPT_HMAC_KEY") {
             Some(k) => Some(("CUBE_ADAPTER_RECEIPT_HMAC_KEY", k)),
             None => self
@@ -994,9 +1045,10 @@ impl Build<'_> {
             return Ok(());
         };
         if k.trim().len() < 32 {
-            return Err(format!(
-                "{var}: a receipt key must be at least 32 characters"
-            ));
+            return Err(ImportError::Invalid {
+                at: var.into(),
+                why: "a receipt key must be at least 32 characters".into(),
+            });
         }
         self.files.push(OutFile {
             name: RECEIPT_KEY_FILE,
@@ -1027,7 +1079,7 @@ impl Build<'_> {
     }
 
     /// `[[auth.oidc]]`: on in the reference with a JWKS URL only.
-    fn oidc(&mut self) -> Result<(), String> {
+    fn oidc(&mut self) -> Result<(), ImportError> {
         let Some(jwks) = self.env.take("CUBE_ADAPTER_OIDC_JWKS_URL") else {
             return Ok(());
         };
@@ -1035,10 +1087,7 @@ impl Build<'_> {
             self.env.take("CUBE_ADAPTER_OIDC_ISSUER"),
             self.env.take("CUBE_ADAPTER_OIDC_AUDIENCE"),
         ) else {
-            return Err(
-                "CUBE_ADAPTER_OIDC_JWKS_URL needs CUBE_ADAPTER_OIDC_ISSUER and CUBE_ADAPTER_OIDC_AUDIENCE (the reference refuses it too)"
-                    .into(),
-            );
+            return Err(ImportError::OidcIncomplete);
         };
         let mut t = toml::Table::new();
         t.insert("issuer".into(), tstr(issuer));
@@ -1081,15 +1130,12 @@ impl Build<'_> {
     }
 
     /// The shared token: an environment variable of the service, in `env`.
-    fn shared_token(&mut self) -> Result<(), String> {
+    fn shared_token(&mut self) -> Result<(), ImportError> {
         let Some(tok) = self.env.take("CUBE_ADAPTER_TOKEN") else {
             return Ok(());
         };
         if tok.len() < 24 {
-            return Err(
-                "CUBE_ADAPTER_TOKEN must be at least 24 characters (the reference and the appliance both refuse a shorter one)"
-                    .into(),
-            );
+            return Err(ImportError::ShortToken);
         }
         self.files.push(OutFile {
             name: ENV_FILE,
@@ -1115,7 +1161,7 @@ impl Build<'_> {
         flag: &Option<PathBuf>,
         template: Option<&str>,
         has_backend: bool,
-    ) -> Result<Vec<String>, String> {
+    ) -> Result<Vec<String>, ImportError> {
         const FROM_ENV: [(&str, &str); 2] = [
             ("CUBE_ADAPTER_SANDBOX_TIMEOUT", "sandbox_timeout_seconds"),
             ("CUBE_ADAPTER_MAX_COMMAND_SECONDS", "max_command_seconds"),
@@ -1243,7 +1289,7 @@ impl Build<'_> {
         &mut self,
         flag: &Option<PathBuf>,
         profiles: &[String],
-    ) -> Result<(), String> {
+    ) -> Result<(), ImportError> {
         let Some((p, named)) = source(
             flag,
             &mut self.env,
@@ -1278,7 +1324,7 @@ impl Build<'_> {
     }
 
     /// `config.toml` first, then the other files.
-    fn finish(self, now: &str) -> Result<Plan, String> {
+    fn finish(self, now: &str) -> Result<Plan, ImportError> {
         let Build {
             top,
             sections,
@@ -1327,7 +1373,7 @@ type Mapping = Map<String, Value>;
 /// A profiles file: `{defaults, profiles}` or a bare map of profiles; and
 /// where a profile's key is (`profiles.NAME.KEY`, else `defaults.KEY`, else
 /// the profile's own line).
-fn read_profiles(p: &Path) -> Result<(Mapping, Mapping, ProfileLines), String> {
+fn read_profiles(p: &Path) -> Result<(Mapping, Mapping, ProfileLines), ImportError> {
     let doc = read_yaml(p)?;
     let lines = KeyLines::of(&read_text(p)?);
     let shown = p.display().to_string();
@@ -1337,9 +1383,11 @@ fn read_profiles(p: &Path) -> Result<(Mapping, Mapping, ProfileLines), String> {
             .keys()
             .find(|k| !["defaults", "profiles"].contains(&k.as_str()))
         {
-            return Err(format!(
-                "{shown}: unknown top-level key '{k}' (defaults and profiles only; the reference refuses it too)"
-            ));
+            return Err(ImportError::UnknownKey {
+                file: shown,
+                key: k.clone(),
+                known: "defaults and profiles",
+            });
         }
         let d = match top.get("defaults") {
             None | Some(Value::Null) => Map::new(),
@@ -1355,7 +1403,7 @@ fn read_profiles(p: &Path) -> Result<(Mapping, Mapping, ProfileLines), String> {
         (Map::new(), top.clone(), false)
     };
     if profiles.is_empty() {
-        return Err(format!("{shown}: defines no profile"));
+        return Err(ImportError::NoProfile(shown));
     }
     Ok((defaults, profiles, ProfileLines { lines, wrapped }))
 }
@@ -1392,7 +1440,7 @@ fn source(
     var: &str,
     flag_name: &str,
     rep: &mut Report,
-) -> Result<Option<(PathBuf, String)>, String> {
+) -> Result<Option<(PathBuf, String)>, ImportError> {
     let at = env.at(var);
     let from_env = env.take(var);
     if let Some(f) = flag {
@@ -1409,10 +1457,11 @@ fn source(
     };
     let p = env.resolve(&v);
     if !p.exists() {
-        return Err(format!(
-            "{at}: {} does not exist here; give {flag_name} FILE",
-            p.display()
-        ));
+        return Err(ImportError::NoSuchFile {
+            at,
+            path: p,
+            flag: flag_name.to_string(),
+        });
     }
     Ok(Some((p, var.to_string())))
 }
@@ -1437,7 +1486,7 @@ fn backend(
     out_dir: &Path,
     rep: &mut Report,
     files: &mut Vec<OutFile>,
-) -> Result<Option<Piece>, String> {
+) -> Result<Option<Piece>, ImportError> {
     let Some(api) = env.take("CUBE_API_URL") else {
         rep.notes.push(
             "no CUBE_API_URL: no backend is written; the appliance runs its embedded backend (sandboxes on this host)"
@@ -1455,7 +1504,10 @@ fn backend(
         }
         return Ok(None);
     };
-    let u = url::Url::parse(&api).map_err(|e| format!("CUBE_API_URL={api}: {e}"))?;
+    let u = url::Url::parse(&api).map_err(|source| ImportError::Url {
+        at: format!("CUBE_API_URL={api}"),
+        source,
+    })?;
     let loopback = |u: &url::Url| match u.host() {
         Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
         Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
@@ -1481,8 +1533,11 @@ fn backend(
             let port = env
                 .take("CUBE_PROXY_PORT_HTTP")
                 .unwrap_or_else(|| "80".into());
-            port.parse::<u16>()
-                .map_err(|_| format!("CUBE_PROXY_PORT_HTTP={port} is not a port number"))?;
+            port.parse::<u16>().map_err(|_| ImportError::NotA {
+                var: "CUBE_PROXY_PORT_HTTP",
+                value: port.clone(),
+                what: "a port number",
+            })?;
             let dial = if ip.contains(':') && !ip.starts_with('[') {
                 format!("[{ip}]:{port}")
             } else {
@@ -1545,7 +1600,7 @@ fn backend(
     // What the loader will say, said here with the variables' names.
     v.clone()
         .try_into::<super::BackendDef>()
-        .map_err(|e| format!("CUBE_API_URL and the SDK's variables: {e}"))?;
+        .map_err(ImportError::Backend)?;
     Ok(Some(Piece {
         comment,
         path: vec!["backends".into(), "default".into()],
@@ -1563,7 +1618,7 @@ fn profile(
     env: &Env,
     has_backend: bool,
     rep: &mut Report,
-) -> Result<(Piece, bool), String> {
+) -> Result<(Piece, bool), ImportError> {
     let at = |k: &str| format!("{}: profile {name}: {k}", file_line(shown, line(k)));
     let mut t = toml::Table::new();
     let mut comment = vec![format!("[profiles.{name}]: from {shown}.")];
@@ -1593,7 +1648,10 @@ fn profile(
             "allowed_runtimes" => {
                 let rs = strings(v, &at(k))?;
                 if let Some(r) = rs.iter().find(|r| !super::RUNTIMES.contains(&r.as_str())) {
-                    return Err(format!("{}: unknown runtime '{r}'", at(k)));
+                    return Err(ImportError::Invalid {
+                        at: at(k),
+                        why: format!("unknown runtime '{r}'"),
+                    });
                 }
                 // Empty: the reference's default, all of them.
                 if !rs.is_empty() {
@@ -1611,10 +1669,10 @@ fn profile(
                     Some(x) => string(x, &at("lifecycle.on_timeout"))?,
                 };
                 if !["pause", "kill"].contains(&on.as_str()) {
-                    return Err(format!(
-                        "{}: must be pause or kill",
-                        at("lifecycle.on_timeout")
-                    ));
+                    return Err(ImportError::Invalid {
+                        at: at("lifecycle.on_timeout"),
+                        why: "must be pause or kill".into(),
+                    });
                 }
                 let resume = match m.get("auto_resume") {
                     None => true,
@@ -1651,9 +1709,10 @@ fn profile(
                         }
                         "allow_out" | "allowOut" | "deny_out" | "denyOut" => {
                             let key = if nk.starts_with("allow") { "allow_out" } else { "deny_out" };
-                            let list = strings(nv, &at(&format!("network.{nk}")))?
+                            let nat = at(&format!("network.{nk}"));
+                            let list = strings(nv, &nat)?
                                 .iter()
-                                .map(|s| env_ref(s, env).map_err(|e| format!("{}: {e}", at(&format!("network.{nk}")))))
+                                .map(|s| env_ref(s, env, &nat))
                                 .collect::<Result<Vec<_>, _>>()?;
                             n.insert(key.into(), tlist(&list));
                         }
@@ -1714,7 +1773,10 @@ fn profile(
     // What the loader will say, said here with the file's name.
     toml::Value::Table(t.clone())
         .try_into::<super::Profile>()
-        .map_err(|e| format!("{}: profile {name}: {e}", file_line(shown, line(""))))?;
+        .map_err(|source| ImportError::Profile {
+            at: format!("{}: profile {name}", file_line(shown, line(""))),
+            source,
+        })?;
     rep.carried(
         format!("{shown}: profile {name}"),
         format!("[profiles.{name}]"),
@@ -1735,7 +1797,7 @@ fn workspace(
     name: &str,
     shown: &str,
     rep: &mut Report,
-) -> Result<Option<toml::Table>, String> {
+) -> Result<Option<toml::Table>, ImportError> {
     let m = match v {
         Value::Null => return Ok(None),
         v => object(v, at)?,
@@ -1747,9 +1809,10 @@ fn workspace(
             "mode" => {
                 let s = string(x, &a)?;
                 if !["ephemeral", "existing-volume", "per-session-volume"].contains(&s.as_str()) {
-                    return Err(format!(
-                        "{a}: must be ephemeral, existing-volume or per-session-volume"
-                    ));
+                    return Err(ImportError::Invalid {
+                        at: a,
+                        why: "must be ephemeral, existing-volume or per-session-volume".into(),
+                    });
                 }
                 if s == "per-session-volume" {
                     rep.notes.push(format!(
@@ -1788,7 +1851,7 @@ fn tasks(
     profiles: &[String],
     sections: &mut Vec<Piece>,
     rep: &mut Report,
-) -> Result<usize, String> {
+) -> Result<usize, ImportError> {
     let shown = p.display().to_string();
     let doc = read_yaml(p)?;
     let lines = KeyLines::of(&read_text(p)?);
@@ -1797,9 +1860,11 @@ fn tasks(
         .keys()
         .find(|k| !["defaults", "tasks"].contains(&k.as_str()))
     {
-        return Err(format!(
-            "{shown}: unknown top-level key '{k}' (defaults and tasks only; the reference refuses it too)"
-        ));
+        return Err(ImportError::UnknownKey {
+            file: shown,
+            key: k.clone(),
+            known: "defaults and tasks",
+        });
     }
     let defaults = match top.get("defaults") {
         None | Some(Value::Null) => Map::new(),
@@ -1807,7 +1872,7 @@ fn tasks(
     };
     let list = match top.get("tasks") {
         Some(t @ Value::Object(m)) if !m.is_empty() => object(t, &shown)?,
-        _ => return Err(format!("{shown}: defines no task (tasks: {{name: {{…}}}})")),
+        _ => return Err(ImportError::NoTask(shown)),
     };
     let known: BTreeSet<&str> = profiles.iter().map(String::as_str).collect();
     let mut n = 0;
@@ -1835,14 +1900,16 @@ fn tasks(
         if let Some(Value::String(d)) = merged.get_mut("description") {
             *d = d.trim().to_string();
         }
-        let t: TaskTemplate =
-            serde_json::from_value(Value::Object(merged)).map_err(|e| format!("{at}: {e}"))?;
+        let t: TaskTemplate = serde_json::from_value(Value::Object(merged))
+            .map_err(|source| ImportError::Task { at, source })?;
         if !known.contains(t.profile.as_str()) {
-            return Err(format!(
-                "{}: task {name}: profile '{}' is not defined (the reference refuses it too)",
-                file_line(&shown, line("profile")),
-                t.profile
-            ));
+            return Err(ImportError::Invalid {
+                at: format!("{}: task {name}", file_line(&shown, line("profile"))),
+                why: format!(
+                    "profile '{}' is not defined (the reference refuses it too)",
+                    t.profile
+                ),
+            });
         }
         let value = match toml::Value::try_from(&t) {
             Ok(v) => v,
@@ -1868,14 +1935,170 @@ fn tasks(
     Ok(n)
 }
 
+// ------------------------------------------------------------------ errors
+
+/// Why [`plan`] refuses: a file that cannot be read, or a value the
+/// reference itself would refuse (or this appliance does), with the file
+/// and where. Nothing is written then.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("cannot read {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The principals file.
+    #[error("{}: not UTF-8 text", .0.display())]
+    NotUtf8(PathBuf),
+    /// A YAML file that does not parse.
+    #[error("{}", yaml_message(.path, .source))]
+    Yaml {
+        path: PathBuf,
+        source: serde_norway::Error,
+    },
+    /// The env file.
+    #[error("{}: {source}", .path.display())]
+    EnvFile { path: PathBuf, source: EnvFileError },
+    /// The principals file does not load.
+    #[error("{}: {source}", .path.display())]
+    Principals {
+        path: PathBuf,
+        source: crate::auth::TokensFileError,
+    },
+    /// A file the env file names (`at`: the variable and its line) that
+    /// is not here; `flag` gives another.
+    #[error("{at}: {} does not exist here; give {flag} FILE", .path.display())]
+    NoSuchFile {
+        at: String,
+        path: PathBuf,
+        flag: String,
+    },
+    /// A variable that is not what it must be (a port, an address).
+    #[error("{var}={value} is not {what}")]
+    NotA {
+        var: &'static str,
+        value: String,
+        what: &'static str,
+    },
+    /// A URL that does not parse (`at`: the variable).
+    #[error("{at}: {source}")]
+    Url { at: String, source: url::ParseError },
+    /// A value of the wrong kind: `at` is the variable, or the file, line
+    /// and key.
+    #[error("{at} {problem}")]
+    Value {
+        at: String,
+        #[source]
+        problem: ValueProblem,
+    },
+    /// A value the reference would refuse too, or this appliance does.
+    #[error("{at}: {why}")]
+    Invalid { at: String, why: String },
+    /// `${ENV:NAME}` in a profile (`at`), the env file not setting NAME.
+    #[error("{at}: ${{ENV:{name}}}: the env file does not set {name}")]
+    EnvRef { at: String, name: String },
+    /// A top-level key other than `known` in a YAML file.
+    #[error("{file}: unknown top-level key '{key}' ({known} only; the reference refuses it too)")]
+    UnknownKey {
+        file: String,
+        key: String,
+        known: &'static str,
+    },
+    #[error("{0}: defines no profile")]
+    NoProfile(String),
+    #[error("{0}: defines no task (tasks: {{name: {{…}}}})")]
+    NoTask(String),
+    #[error("CUBE_ADAPTER_AUDIT_SINKS names http but CUBE_ADAPTER_AUDIT_HTTP_URL is unset")]
+    HttpSinkWithoutUrl,
+    #[error(
+        "CUBE_ADAPTER_OIDC_JWKS_URL needs CUBE_ADAPTER_OIDC_ISSUER and CUBE_ADAPTER_OIDC_AUDIENCE (the reference refuses it too)"
+    )]
+    OidcIncomplete,
+    #[error(
+        "CUBE_ADAPTER_TOKEN must be at least 24 characters (the reference and the appliance both refuse a shorter one)"
+    )]
+    ShortToken,
+    /// What the loader would say of the `[backends.default]` written.
+    #[error("CUBE_API_URL and the SDK's variables: {0}")]
+    Backend(#[source] toml::de::Error),
+    /// What the loader would say of a profile written (`at`: where).
+    #[error("{at}: {source}")]
+    Profile { at: String, source: toml::de::Error },
+    /// A task template that is not one (`at`: where).
+    #[error("{at}: {source}")]
+    Task {
+        at: String,
+        source: serde_json::Error,
+    },
+    /// A piece of `config.toml` TOML cannot hold (`at`: its key).
+    #[error("{at}: cannot be written as TOML: {source}")]
+    Toml {
+        at: String,
+        source: toml::ser::Error,
+    },
+    /// A piece with no key (a bug).
+    #[error("nothing to write")]
+    NothingToWrite,
+}
+
+impl ImportError {
+    /// [`ImportError::Value`].
+    fn value(at: &str, problem: ValueProblem) -> Self {
+        Self::Value {
+            at: at.to_string(),
+            problem,
+        }
+    }
+}
+
+/// What a value of the reference's files or variables must be and is not.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ValueProblem {
+    #[error("must be a mapping")]
+    Mapping,
+    #[error("must be an integer")]
+    Integer,
+    #[error("must be at least {0}")]
+    AtLeast(i64),
+    /// Anything but `true` or `false` (the string "false" too).
+    #[error("must be a boolean (true or false), not {0}")]
+    Boolean(Value),
+    #[error("must hold non-empty strings")]
+    NonEmptyStrings,
+    #[error("must be a list of strings")]
+    Strings,
+    #[error("must be a string")]
+    String,
+}
+
+/// Why an env file is refused, by its line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvFileError {
+    #[error("line {line}: not KEY=VALUE")]
+    NotKeyValue { line: usize },
+    #[error("line {line}: {key:?} is not a variable name")]
+    BadName { line: usize, key: String },
+    #[error("line {line}: {key}: text after the closing quote")]
+    AfterQuote { line: usize, key: String },
+    #[error("line {line}: {key}: the quote is never closed")]
+    Unclosed { line: usize, key: String },
+}
+
 // ------------------------------------------------------------------ write, check
 
 /// Why [`write`] wrote nothing or not everything.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum WriteError {
     /// These exist and `force` was not given: nothing was written.
+    #[error("files already exist: nothing was written")]
     Exists(Vec<PathBuf>),
-    Io(String),
+    /// The directory (`what`: `create`) or a file (`write`).
+    #[error("cannot {what} {}: {source}", .path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Write the plan's files into `dir` (made if missing), each whole or not
@@ -1893,18 +2116,24 @@ pub fn write(plan: &Plan, dir: &Path, force: bool) -> Result<Vec<PathBuf>, Write
             return Err(WriteError::Exists(existing));
         }
     }
-    std::fs::create_dir_all(dir)
-        .map_err(|e| WriteError::Io(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir).map_err(|source| WriteError::Io {
+        what: "create",
+        path: dir.to_path_buf(),
+        source,
+    })?;
     for (f, p) in plan.files.iter().zip(&targets) {
-        crate::secrets::write_private(p, &f.data, f.mode)
-            .map_err(|e| WriteError::Io(format!("cannot write {}: {e}", p.display())))?;
+        crate::secrets::write_private(p, &f.data, f.mode).map_err(|source| WriteError::Io {
+            what: "write",
+            path: p.clone(),
+            source,
+        })?;
     }
     Ok(targets)
 }
 
 /// The loader `config check` uses, on the written file, with no
 /// environment and no flags: the configuration, and its warnings.
-pub fn check(config: &Path) -> Result<(Config, Vec<String>), String> {
+pub fn check(config: &Path) -> Result<(Config, Vec<String>), super::ConfigError> {
     Config::load(Some(config), &[], &Flags::default())
 }
 
@@ -1983,21 +2212,25 @@ mod tests {
         assert!(
             parse_env("A=1\nnot a line\n")
                 .unwrap_err()
+                .to_string()
                 .starts_with("line 2:")
         );
         assert!(
             parse_env("1A=x\n")
                 .unwrap_err()
+                .to_string()
                 .contains("not a variable name")
         );
         assert!(
             parse_env("A=\"open\n")
                 .unwrap_err()
+                .to_string()
                 .contains("never closed")
         );
         assert!(
             parse_env("A='x' y\n")
                 .unwrap_err()
+                .to_string()
                 .contains("after the closing quote")
         );
         // A BOM, CRLF line ends, a tab after export.

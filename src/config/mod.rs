@@ -125,9 +125,12 @@ impl Default for ConnectionsSection {
 }
 
 impl ConnectionsSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if self.max_total == 0 || self.max_per_address == 0 {
-            return Err("connections: max_total and max_per_address must be at least 1".into());
+            return Err(ConfigError::invalid(
+                "connections",
+                "max_total and max_per_address must be at least 1",
+            ));
         }
         for (k, v) in [
             (
@@ -139,9 +142,13 @@ impl ConnectionsSection {
         ] {
             // A day at most: longer is no timeout, and keeps deadlines in range.
             if !(1..=86_400).contains(&v) {
-                return Err(format!(
-                    "connections: {k} must be between 1 and 86400 (got {v})"
-                ));
+                return Err(ConfigError::Range {
+                    at: "connections",
+                    key: k,
+                    min: 1,
+                    max: 86_400,
+                    got: v,
+                });
             }
         }
         Ok(())
@@ -167,13 +174,16 @@ impl Default for McpSection {
 }
 
 impl McpSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         // A minute at least (hosts pause between turns), a day at most.
         if !(60..=86_400).contains(&self.session_idle_timeout_seconds) {
-            return Err(format!(
-                "mcp: session_idle_timeout_seconds must be between 60 and 86400 (got {})",
-                self.session_idle_timeout_seconds
-            ));
+            return Err(ConfigError::Range {
+                at: "mcp",
+                key: "session_idle_timeout_seconds",
+                min: 60,
+                max: 86_400,
+                got: self.session_idle_timeout_seconds,
+            });
         }
         Ok(())
     }
@@ -198,7 +208,7 @@ pub struct AuthSection {
 }
 
 impl AuthSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         if let Some(c) = &self.client_ca {
             c.validate()?;
         }
@@ -206,7 +216,10 @@ impl AuthSection {
         for o in &self.oidc {
             o.validate()?;
             if !seen.insert(o.issuer.as_str()) {
-                return Err(format!("auth.oidc {}: configured twice", o.issuer));
+                return Err(ConfigError::Conflict {
+                    at: format!("auth.oidc {}", o.issuer),
+                    why: "configured twice".into(),
+                });
             }
         }
         Ok(())
@@ -345,66 +358,38 @@ impl std::fmt::Debug for NotifySection {
 
 impl NotifySection {
     /// The shape (no file is read): the URL, the base URL, the ranges.
-    fn validate(&self) -> Result<(), String> {
-        let u = url::Url::parse(&self.url)
-            .map_err(|e| format!("console.notify: url is not a URL ({e})"))?;
+    fn validate(&self) -> Result<(), NotifyError> {
+        let u = url::Url::parse(&self.url).map_err(NotifyError::Url)?;
         match u.scheme() {
             "https" => {}
             "http" if crate::auth::settings::loopback_host(&u) => {}
-            "http" => {
-                return Err(
-                    "console.notify: url must be https:// (plain http:// only to a loopback address)"
-                        .into(),
-                );
-            }
-            other => {
-                return Err(format!(
-                    "console.notify: url must be https:// (got {other}://)"
-                ));
-            }
+            "http" => return Err(NotifyError::PlainHttp),
+            other => return Err(NotifyError::Scheme(other.to_string())),
         }
         if u.host().is_none() {
-            return Err("console.notify: url has no host".into());
+            return Err(NotifyError::NoHost);
         }
         if !u.username().is_empty() || u.password().is_some() {
-            return Err("console.notify: url must not carry a user or password".into());
+            return Err(NotifyError::Credentials);
         }
         if let Some(c) = &self.console_url {
-            let b = url::Url::parse(c)
-                .map_err(|e| format!("console.notify: console_url is not a URL ({e})"))?;
+            let b = url::Url::parse(c).map_err(NotifyError::ConsoleUrl)?;
             if !matches!(b.scheme(), "https" | "http") || b.host().is_none() {
-                return Err(
-                    "console.notify: console_url must be an http(s) URL with a host, e.g. https://adapter.example:18080"
-                        .into(),
-                );
+                return Err(NotifyError::ConsoleUrlShape);
             }
             if b.query().is_some() || b.fragment().is_some() {
-                return Err("console.notify: console_url must not have a query or fragment".into());
+                return Err(NotifyError::ConsoleUrlQuery);
             }
         }
-        if !(1..=10).contains(&self.max_attempts) {
-            return Err(format!(
-                "console.notify: max_attempts must be between 1 and 10 (got {})",
-                self.max_attempts
-            ));
-        }
-        if !(10..=60_000).contains(&self.retry_initial_ms) {
-            return Err(format!(
-                "console.notify: retry_initial_ms must be between 10 and 60000 (got {})",
-                self.retry_initial_ms
-            ));
-        }
-        if !(1..=60).contains(&self.timeout_seconds) {
-            return Err(format!(
-                "console.notify: timeout_seconds must be between 1 and 60 (got {})",
-                self.timeout_seconds
-            ));
-        }
-        if !(1..=10_000).contains(&self.queue) {
-            return Err(format!(
-                "console.notify: queue must be between 1 and 10000 (got {})",
-                self.queue
-            ));
+        for (key, min, max, got) in [
+            ("max_attempts", 1, 10, u64::from(self.max_attempts)),
+            ("retry_initial_ms", 10, 60_000, self.retry_initial_ms),
+            ("timeout_seconds", 1, 60, self.timeout_seconds),
+            ("queue", 1, 10_000, self.queue as u64),
+        ] {
+            if !(min..=max).contains(&got) {
+                return Err(NotifyError::Range { key, min, max, got });
+            }
         }
         Ok(())
     }
@@ -414,62 +399,61 @@ impl NotifySection {
     /// `url` (trusting `ca_file` if configured, else the public web PKI).
     /// Checked at config load too, so that `config check` and a start say
     /// what is wrong.
-    pub fn client(&self) -> Result<(Option<Vec<u8>>, rustls::ClientConfig), String> {
+    pub fn client(&self) -> Result<(Option<Vec<u8>>, rustls::ClientConfig), NotifyError> {
         let secret = self.read_secret()?;
         let tls = match &self.ca_file {
             Some(f) => {
-                let pem = std::fs::read(f).map_err(|e| {
-                    format!("console.notify: cannot read ca_file {}: {e}", f.display())
+                let pem = std::fs::read(f).map_err(|source| NotifyError::ReadCa {
+                    path: f.clone(),
+                    source,
                 })?;
-                crate::tls::client_config(Some(&pem), None).map_err(|e| {
-                    format!(
-                        "console.notify: ca_file {} holds no usable CA certificate: {e}",
-                        f.display()
-                    )
+                crate::tls::client_config(Some(&pem), None).map_err(|source| NotifyError::Ca {
+                    path: f.clone(),
+                    source,
                 })?
             }
-            None => crate::tls::client_config(None, None)
-                .map_err(|e| format!("console.notify: TLS: {e}"))?,
+            None => crate::tls::client_config(None, None).map_err(NotifyError::Tls)?,
         };
         Ok((secret, tls))
     }
 
     /// The shared secret from `secret_file`, if one is configured.
-    fn read_secret(&self) -> Result<Option<Vec<u8>>, String> {
+    fn read_secret(&self) -> Result<Option<Vec<u8>>, NotifyError> {
         let Some(f) = &self.secret_file else {
             return Ok(None);
         };
-        let raw = std::fs::read(f).map_err(|e| {
-            format!(
-                "console.notify: cannot read secret_file {}: {e}",
-                f.display()
-            )
+        let raw = std::fs::read(f).map_err(|source| NotifyError::ReadSecret {
+            path: f.clone(),
+            source,
         })?;
         let s = raw.trim_ascii().to_vec();
         if s.len() < 16 {
-            return Err(format!(
-                "console.notify: secret_file {} must hold at least 16 bytes",
-                f.display()
-            ));
+            return Err(NotifyError::ShortSecret(f.clone()));
         }
         Ok(Some(s))
     }
 }
 
 impl ConsoleSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         // At least a minute (the idle clock is kept to the minute), at most
         // a day idle and a week in all.
         if !(60..=86_400).contains(&self.idle_timeout_seconds) {
-            return Err(format!(
-                "console: idle_timeout_seconds must be between 60 and 86400 (got {})",
-                self.idle_timeout_seconds
-            ));
+            return Err(ConfigError::Range {
+                at: "console",
+                key: "idle_timeout_seconds",
+                min: 60,
+                max: 86_400,
+                got: self.idle_timeout_seconds,
+            });
         }
         if !(self.idle_timeout_seconds..=604_800).contains(&self.absolute_timeout_seconds) {
-            return Err(format!(
-                "console: absolute_timeout_seconds must be between idle_timeout_seconds ({}) and 604800 (got {})",
-                self.idle_timeout_seconds, self.absolute_timeout_seconds
+            return Err(ConfigError::invalid(
+                "console",
+                format!(
+                    "absolute_timeout_seconds must be between idle_timeout_seconds ({}) and 604800 (got {})",
+                    self.idle_timeout_seconds, self.absolute_timeout_seconds
+                ),
             ));
         }
         if let Some(n) = &self.notify {
@@ -480,10 +464,10 @@ impl ConsoleSection {
         if let Some(o) = &self.oidc {
             o.validate()?;
         } else if !self.local_users {
-            return Err(
-                "console: local_users = false leaves no way to sign in without [console.oidc]"
-                    .into(),
-            );
+            return Err(ConfigError::Missing {
+                at: "console".into(),
+                why: "local_users = false leaves no way to sign in without [console.oidc]".into(),
+            });
         }
         Ok(())
     }
@@ -535,29 +519,37 @@ impl Default for StoreSection {
 }
 
 impl StoreSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), ConfigError> {
         match self.kind {
             StoreKind::Redb => {
                 if self.url.is_some() || self.password_file.is_some() || self.ca_file.is_some() {
-                    return Err(
-                        "store: url, password_file and ca_file are for kind = \"postgres\"".into(),
-                    );
+                    return Err(ConfigError::Conflict {
+                        at: "store".into(),
+                        why: "url, password_file and ca_file are for kind = \"postgres\"".into(),
+                    });
                 }
             }
             StoreKind::Postgres => {
                 let Some(url) = &self.url else {
-                    return Err("store: kind = \"postgres\" needs url".into());
+                    return Err(ConfigError::Missing {
+                        at: "store".into(),
+                        why: "kind = \"postgres\" needs url".into(),
+                    });
                 };
                 if url.trim().is_empty() {
-                    return Err("store: url is empty".into());
+                    return Err(ConfigError::Missing {
+                        at: "store".into(),
+                        why: "url is empty".into(),
+                    });
                 }
                 // The URL parses, and its `sslmode` is allowed for its
                 // hosts (no plain text off this machine).
-                crate::store::pg::conn::check_url(url).map_err(|e| format!("store: url: {e}"))?;
+                crate::store::pg::conn::check_url(url).map_err(ConfigError::StoreUrl)?;
                 if self.pool_size == 0 || self.connect_timeout_seconds == 0 {
-                    return Err(
-                        "store: pool_size and connect_timeout_seconds must be at least 1".into(),
-                    );
+                    return Err(ConfigError::invalid(
+                        "store",
+                        "pool_size and connect_timeout_seconds must be at least 1",
+                    ));
                 }
             }
         }
@@ -593,24 +585,20 @@ pub struct MetricsSection {
 impl MetricsSection {
     /// The token, read from `token_file` (never logged: errors name the
     /// file, not its content).
-    pub fn token(&self) -> Result<Option<Vec<u8>>, String> {
+    pub fn token(&self) -> Result<Option<Vec<u8>>, TokenFileError> {
         let Some(f) = &self.token_file else {
             return Ok(None);
         };
-        let raw =
-            std::fs::read(f).map_err(|e| format!("metrics: token_file {}: {e}", f.display()))?;
+        let raw = std::fs::read(f).map_err(|source| TokenFileError::Read {
+            path: f.clone(),
+            source,
+        })?;
         let t = raw.trim_ascii().to_vec();
         if t.len() < 16 {
-            return Err(format!(
-                "metrics: token_file {} must hold at least 16 bytes",
-                f.display()
-            ));
+            return Err(TokenFileError::Short(f.clone()));
         }
         if t.iter().any(|b| !b.is_ascii_graphic()) {
-            return Err(format!(
-                "metrics: token_file {} must hold one token of printable characters, no spaces",
-                f.display()
-            ));
+            return Err(TokenFileError::NotToken(f.clone()));
         }
         Ok(Some(t))
     }
@@ -730,22 +718,20 @@ pub struct EmbeddedBackend {
 }
 
 impl BackendSection {
-    fn validate(&self) -> Result<(), String> {
+    fn validate(&self) -> Result<(), BackendSectionError> {
         if self.client_cert_file.is_some() != self.client_key_file.is_some() {
-            return Err("backend: client_cert_file and client_key_file go together".into());
+            return Err(BackendSectionError::HalfClientCert);
         }
         let Some(p) = &self.proxy_url else {
-            return Err(format!(
-                "backend: proxy_url is required: CubeProxy's address, not CubeAPI's (CubeAPI serves no data plane), e.g. proxy_url = \"https://{}\" or proxy_url = {{ url = \"https://{}\", dial = \"10.0.0.5:443\" }}",
-                self.domain, self.domain
-            ));
+            return Err(BackendSectionError::NoProxyUrl {
+                domain: self.domain.clone(),
+            });
         };
         if p.url().trim_end_matches('/') == self.api_url.trim_end_matches('/') && p.dial().is_none()
         {
-            return Err(format!(
-                "backend: proxy_url is the CubeAPI URL ({}); CubeProxy is a separate address",
-                self.api_url
-            ));
+            return Err(BackendSectionError::ProxyIsApi {
+                api_url: self.api_url.clone(),
+            });
         }
         crate::cube::CubeClient::check_urls(
             &self.api_url,
@@ -753,7 +739,7 @@ impl BackendSection {
             &self.domain,
             self.insecure_plain_http,
         )
-        .map_err(|e| format!("backend: {}", e.message))?;
+        .map_err(BackendSectionError::Urls)?;
         Ok(())
     }
 }
@@ -943,8 +929,14 @@ impl Workspace {
         }
     }
 
-    fn validate(&self, profile: &str) -> Result<(), String> {
-        let e = |m: String| Err(format!("profile {profile}: workspace.{m}"));
+    fn validate(&self, profile: &str) -> Result<(), ConfigError> {
+        let at = || format!("profile {profile}");
+        let e = |m: String| {
+            Err(ConfigError::Invalid {
+                at: at(),
+                why: format!("workspace.{m}"),
+            })
+        };
         let volume_name_ok = |n: &str| {
             !n.is_empty()
                 && n.len() <= 128
@@ -969,7 +961,12 @@ impl Workspace {
                         "volume_id {v:?} must match ^[A-Za-z0-9_-]{{1,128}}$"
                     ));
                 }
-                None => return e("volume_id is required with mode existing-volume".into()),
+                None => {
+                    return Err(ConfigError::Missing {
+                        at: at(),
+                        why: "workspace.volume_id is required with mode existing-volume".into(),
+                    });
+                }
             },
             WorkspaceMode::PerSessionVolume => {
                 if let Some(v) = &self.volume_name
@@ -980,12 +977,18 @@ impl Workspace {
                     ));
                 }
                 if self.volume_id.is_some() {
-                    return e("volume_id belongs to mode existing-volume".into());
+                    return Err(ConfigError::Conflict {
+                        at: at(),
+                        why: "workspace.volume_id belongs to mode existing-volume".into(),
+                    });
                 }
             }
         }
         if self.mode != WorkspaceMode::PerSessionVolume && self.size_mb > 0 {
-            return e("size_mb applies to mode per-session-volume only".into());
+            return Err(ConfigError::Conflict {
+                at: at(),
+                why: "workspace.size_mb applies to mode per-session-volume only".into(),
+            });
         }
         Ok(())
     }
@@ -1065,18 +1068,24 @@ impl Default for ProfileNetwork {
 }
 
 impl ProfileNetwork {
-    fn validate(&self, profile: &str, embedded: bool) -> Result<(), String> {
+    fn validate(&self, profile: &str, embedded: bool) -> Result<(), ConfigError> {
         for (key, list) in [("allow_out", &self.allow_out), ("deny_out", &self.deny_out)] {
             for e in list {
                 let bad = e.trim().is_empty() || e.chars().any(char::is_whitespace);
                 if bad {
-                    return Err(format!(
-                        "profile {profile}: network.{key} entry {e:?} is empty or has spaces"
-                    ));
+                    return Err(ConfigError::Invalid {
+                        at: format!("profile {profile}"),
+                        why: format!("network.{key} entry {e:?} is empty or has spaces"),
+                    });
                 }
                 if embedded {
-                    crate::embedded::egress::Dest::parse(e)
-                        .map_err(|m| format!("profile {profile}: network.{key}: {m}"))?;
+                    crate::embedded::egress::Dest::parse(e).map_err(|source| {
+                        ConfigError::Egress {
+                            profile: profile.to_string(),
+                            key,
+                            source,
+                        }
+                    })?;
                 }
             }
         }
@@ -1157,7 +1166,7 @@ impl Config {
         file: Option<&Path>,
         env: &[(String, String)],
         flags: &Flags,
-    ) -> Result<(Self, Vec<String>), String> {
+    ) -> Result<(Self, Vec<String>), ConfigError> {
         let mut warnings = vec![];
         let path = file
             .map(Path::to_path_buf)
@@ -1167,8 +1176,10 @@ impl Config {
         let mut explicit_templates = std::collections::BTreeSet::new();
         let mut cfg = match std::fs::read_to_string(&path) {
             Ok(text) => {
-                let cfg = toml::from_str::<Config>(&text)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let cfg = toml::from_str::<Config>(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source,
+                })?;
                 if let Ok(raw) = toml::from_str::<toml::Table>(&text)
                     && let Some(toml::Value::Table(ps)) = raw.get("profiles")
                 {
@@ -1183,7 +1194,7 @@ impl Config {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && file.is_none() => {
                 Config::default()
             }
-            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+            Err(source) => return Err(ConfigError::Read { path, source }),
         };
         let mut bind: Option<String> = None;
         let mut port: Option<String> = None;
@@ -1193,7 +1204,12 @@ impl Config {
                 continue;
             };
             match name {
-                "LISTEN" => cfg.listen = v.parse().map_err(|e| format!("{k}: {e}"))?,
+                "LISTEN" => {
+                    cfg.listen = v.parse().map_err(|source| ConfigError::EnvAddress {
+                        var: k.clone(),
+                        source,
+                    })?
+                }
                 "BIND" => bind = Some(v.clone()),
                 "PORT" => port = Some(v.clone()),
                 "STATE_DIR" => cfg.state_dir = PathBuf::from(v),
@@ -1202,7 +1218,11 @@ impl Config {
                         "required" => AuditMode::Required,
                         "best_effort" => AuditMode::BestEffort,
                         other => {
-                            return Err(format!("{k}: '{other}' is not required or best_effort"));
+                            return Err(ConfigError::EnvValue {
+                                var: k.clone(),
+                                value: other.to_string(),
+                                expected: "required or best_effort",
+                            });
                         }
                     }
                 }
@@ -1229,10 +1249,12 @@ impl Config {
             let (Some(issuer), Some(audience)) =
                 (oidc.get("OIDC_ISSUER"), oidc.get("OIDC_AUDIENCE"))
             else {
-                return Err(
-                    "CUBE_ADAPTER_OIDC_*: both CUBE_ADAPTER_OIDC_ISSUER and CUBE_ADAPTER_OIDC_AUDIENCE are required"
-                        .into(),
-                );
+                return Err(ConfigError::Missing {
+                    at: "CUBE_ADAPTER_OIDC_*".into(),
+                    why:
+                        "both CUBE_ADAPTER_OIDC_ISSUER and CUBE_ADAPTER_OIDC_AUDIENCE are required"
+                            .into(),
+                });
             };
             let mut claims = ClaimNames::default();
             if let Some(t) = oidc.get("OIDC_TENANT_CLAIM") {
@@ -1282,9 +1304,13 @@ impl Config {
         if bind.is_some() || port.is_some() {
             let host = bind.unwrap_or_else(|| cfg.listen.ip().to_string());
             let port = port.unwrap_or_else(|| cfg.listen.port().to_string());
-            cfg.listen = format!("{host}:{port}")
-                .parse()
-                .map_err(|e| format!("CUBE_ADAPTER_BIND/PORT: {e}"))?;
+            cfg.listen =
+                format!("{host}:{port}")
+                    .parse()
+                    .map_err(|source| ConfigError::EnvAddress {
+                        var: "CUBE_ADAPTER_BIND/PORT".into(),
+                        source,
+                    })?;
         }
         if let Some(d) = &flags.state_dir {
             cfg.state_dir = d.clone();
@@ -1353,82 +1379,97 @@ impl Config {
         })
     }
 
-    fn validate_backends(&self) -> Result<(), String> {
+    fn validate_backends(&self) -> Result<(), ConfigError> {
         if self.backend.is_some() && !self.backends.is_empty() {
-            return Err(
-                "[backend] and [backends.*] together: move [backend] to [backends.default] (kind = \"cubesandbox\")"
-                    .into(),
-            );
+            return Err(ConfigError::BothBackendForms);
         }
         let mut embedded = vec![];
         for (name, d) in &self.backends {
             if !valid_profile_name(name) {
-                return Err(format!(
-                    "backend name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
-                ));
+                return Err(ConfigError::Name {
+                    what: "backend",
+                    name: name.clone(),
+                });
             }
             match d {
                 BackendDef::Cubesandbox(b) => {
-                    b.validate().map_err(|e| format!("backends.{name}: {e}"))?
+                    b.validate().map_err(|source| ConfigError::Backends {
+                        name: name.clone(),
+                        source,
+                    })?
                 }
                 BackendDef::Embedded(_) => embedded.push(name.as_str()),
             }
         }
         if embedded.len() > 1 {
-            return Err(format!(
-                "backends: at most one embedded backend (found {})",
-                embedded.join(", ")
-            ));
+            return Err(ConfigError::Conflict {
+                at: "backends".into(),
+                why: format!(
+                    "at most one embedded backend (found {})",
+                    embedded.join(", ")
+                ),
+            });
         }
         let defs = self.backend_defs();
         for (name, p) in &self.profiles {
             match self.profile_backend(p) {
                 Some(b) if defs.contains_key(b) => {}
                 Some(b) => {
-                    return Err(format!(
-                        "profile {name}: backend '{b}' is not configured (backends: {})",
-                        defs.keys().cloned().collect::<Vec<_>>().join(", ")
-                    ));
+                    return Err(ConfigError::Invalid {
+                        at: format!("profile {name}"),
+                        why: format!(
+                            "backend '{b}' is not configured (backends: {})",
+                            defs.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    });
                 }
                 None => {
-                    return Err(format!(
-                        "profile {name}: name its backend (one of {}); with several backends and none named default, every profile names one",
-                        defs.keys().cloned().collect::<Vec<_>>().join(", ")
-                    ));
+                    return Err(ConfigError::Missing {
+                        at: format!("profile {name}"),
+                        why: format!(
+                            "name its backend (one of {}); with several backends and none named default, every profile names one",
+                            defs.keys().cloned().collect::<Vec<_>>().join(", ")
+                        ),
+                    });
                 }
             }
         }
         Ok(())
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.insecure_plain_http && !self.listen.ip().is_loopback() {
-            return Err(format!(
-                "insecure_plain_http is only allowed on a loopback address (listen = {})",
-                self.listen
-            ));
+            return Err(ConfigError::PlainHttp {
+                listen: self.listen,
+            });
         }
         sinks::validate(&self.audit.sinks)?;
         for (name, p) in &self.profiles {
             if !valid_profile_name(name) {
-                return Err(format!(
-                    "profile name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
-                ));
+                return Err(ConfigError::Name {
+                    what: "profile",
+                    name: name.clone(),
+                });
             }
+            let at = || format!("profile {name}");
             if p.template.is_empty() {
-                return Err(format!("profile {name}: template is required"));
+                return Err(ConfigError::Missing {
+                    at: at(),
+                    why: "template is required".into(),
+                });
             }
             for r in &p.allowed_runtimes {
                 if !RUNTIMES.contains(&r.as_str()) {
-                    return Err(format!(
-                        "profile {name}: unknown runtime '{r}' (one of {})",
-                        RUNTIMES.join(", ")
-                    ));
+                    return Err(ConfigError::Invalid {
+                        at: at(),
+                        why: format!("unknown runtime '{r}' (one of {})", RUNTIMES.join(", ")),
+                    });
                 }
             }
             if !["pause", "kill"].contains(&p.lifecycle.on_timeout.as_str()) {
-                return Err(format!(
-                    "profile {name}: lifecycle.on_timeout must be pause or kill"
+                return Err(ConfigError::invalid(
+                    at(),
+                    "lifecycle.on_timeout must be pause or kill",
                 ));
             }
             p.workspace.validate(name)?;
@@ -1438,14 +1479,18 @@ impl Config {
                 .is_some_and(|d| d.is_embedded());
             p.network.validate(name, embedded)?;
             if p.disk_mb > 0 && p.disk_mb < crate::embedded::disk::MIN_MB {
-                return Err(format!(
-                    "profile {name}: disk_mb must be 0 (the backend's default) or at least {}",
-                    crate::embedded::disk::MIN_MB
-                ));
+                return Err(ConfigError::Invalid {
+                    at: at(),
+                    why: format!(
+                        "disk_mb must be 0 (the backend's default) or at least {}",
+                        crate::embedded::disk::MIN_MB
+                    ),
+                });
             }
             if p.sandbox_timeout_seconds == 0 || p.max_command_seconds == 0 {
-                return Err(format!(
-                    "profile {name}: timeouts must be at least 1 second"
+                return Err(ConfigError::invalid(
+                    at(),
+                    "timeouts must be at least 1 second",
                 ));
             }
         }
@@ -1464,46 +1509,256 @@ impl Config {
             if let Some(p) = self.profiles.get(&t.profile)
                 && p.workspace.is_shared()
             {
-                return Err(format!(
-                    "task {name}: profile {}: its workspace ({}) is shared with other sandboxes; \
-                     trusted tasks need a workspace of their own: use mode ephemeral, or \
-                     per-session-volume without volume_name (docs/tasks.md, \"Workspaces\")",
-                    t.profile,
-                    p.workspace.sharing()
-                ));
+                return Err(ConfigError::SharedWorkspace {
+                    task: name.clone(),
+                    profile: t.profile.clone(),
+                    sharing: p.workspace.sharing(),
+                });
             }
         }
         if let Some(b) = &self.backend {
             b.validate()?;
         }
         if self.embedded.disk_mb > 0 && self.embedded.disk_mb < crate::embedded::disk::MIN_MB {
-            return Err(format!(
-                "[embedded] disk_mb must be 0 (no disk of their own) or at least {}",
-                crate::embedded::disk::MIN_MB
-            ));
+            return Err(ConfigError::EmbeddedDisk {
+                min: crate::embedded::disk::MIN_MB,
+            });
         }
         for t in &self.embedded.templates {
             // The built-in ones would win silently.
             if ["minimal", "host"].contains(&t.id.as_str()) {
-                return Err(format!(
-                    "embedded.templates: '{}' is a built-in template; give yours another name",
-                    t.id
-                ));
+                return Err(ConfigError::Conflict {
+                    at: "embedded.templates".into(),
+                    why: format!("'{}' is a built-in template; give yours another name", t.id),
+                });
             }
         }
         if self.embedded.faithful_pause_ms > 600_000 {
-            return Err("embedded.faithful_pause_ms must be at most 600000 (10 minutes)".into());
+            return Err(ConfigError::FaithfulPause);
         }
         Ok(())
     }
 }
 
-fn parse_bool(k: &str, v: &str) -> Result<bool, String> {
+fn parse_bool(k: &str, v: &str) -> Result<bool, ConfigError> {
     match v {
         "1" | "true" => Ok(true),
         "0" | "false" => Ok(false),
-        other => Err(format!("{k}: '{other}' is not a boolean (true/false/1/0)")),
+        other => Err(ConfigError::EnvValue {
+            var: k.to_string(),
+            value: other.to_string(),
+            expected: "a boolean (true/false/1/0)",
+        }),
     }
+}
+
+/// Why a configuration is refused, by [`Config::load`] (the file, the
+/// environment) or [`Config::validate`] (the values). `Display` is what
+/// `config check`, a start and a reload say.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The file is not TOML, or not these settings (an unknown key, a
+    /// string for a boolean).
+    #[error("{}: {source}", .path.display())]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    /// A `CUBE_ADAPTER_*` variable that makes the listen address.
+    #[error("{var}: {source}")]
+    EnvAddress {
+        var: String,
+        source: std::net::AddrParseError,
+    },
+    /// A `CUBE_ADAPTER_*` variable whose value is none of those expected.
+    #[error("{var}: '{value}' is not {expected}")]
+    EnvValue {
+        var: String,
+        value: String,
+        expected: &'static str,
+    },
+    /// A setting whose value is wrong: `at` says where as the message
+    /// names it (`connections`, `profile dev`), `why` what is wrong.
+    #[error("{at}: {why}")]
+    Invalid { at: String, why: String },
+    /// A number out of its range.
+    #[error("{at}: {key} must be between {min} and {max} (got {got})")]
+    Range {
+        at: &'static str,
+        key: &'static str,
+        min: u64,
+        max: u64,
+        got: u64,
+    },
+    /// Something the settings at `at` need is not there.
+    #[error("{at}: {why}")]
+    Missing { at: String, why: String },
+    /// Settings that do not go together.
+    #[error("{at}: {why}")]
+    Conflict { at: String, why: String },
+    /// A profile's or backend's name (`what`) that is not a name.
+    #[error("{what} name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$")]
+    Name { what: &'static str, name: String },
+    /// Plain HTTP off loopback.
+    #[error("insecure_plain_http is only allowed on a loopback address (listen = {listen})")]
+    PlainHttp { listen: SocketAddr },
+    #[error(
+        "[backend] and [backends.*] together: move [backend] to [backends.default] (kind = \"cubesandbox\")"
+    )]
+    BothBackendForms,
+    /// `[backend]`.
+    #[error(transparent)]
+    Backend(#[from] BackendSectionError),
+    /// `[backends.NAME]`, a CubeSandbox one.
+    #[error("backends.{name}: {source}")]
+    Backends {
+        name: String,
+        source: BackendSectionError,
+    },
+    /// A profile's `network` entry the embedded backend cannot apply.
+    #[error("profile {profile}: network.{key}: {source}")]
+    Egress {
+        profile: String,
+        key: &'static str,
+        source: crate::embedded::egress::BadDest,
+    },
+    /// A trusted task on a profile whose workspace other leases mount.
+    #[error(
+        "task {task}: profile {profile}: its workspace ({sharing}) is shared with other sandboxes; \
+         trusted tasks need a workspace of their own: use mode ephemeral, or \
+         per-session-volume without volume_name (docs/tasks.md, \"Workspaces\")"
+    )]
+    SharedWorkspace {
+        task: String,
+        profile: String,
+        sharing: String,
+    },
+    #[error("[embedded] disk_mb must be 0 (no disk of their own) or at least {min}")]
+    EmbeddedDisk { min: u64 },
+    #[error("embedded.faithful_pause_ms must be at most 600000 (10 minutes)")]
+    FaithfulPause,
+    /// `[store] url` (the store's own check).
+    #[error("store: url: {0}")]
+    StoreUrl(#[source] crate::store::StoreError),
+    /// `[[audit.sinks]]`.
+    #[error(transparent)]
+    Sinks(#[from] sinks::SinkError),
+    /// `[auth]`, `[console.oidc]`.
+    #[error(transparent)]
+    Auth(#[from] crate::auth::settings::SettingsError),
+    /// `[console.notify]`.
+    #[error(transparent)]
+    Notify(#[from] NotifyError),
+    /// `[metrics] token_file`.
+    #[error(transparent)]
+    Metrics(#[from] TokenFileError),
+    /// `[tasks.NAME]`.
+    #[error(transparent)]
+    Task(#[from] tasks::TemplateError),
+}
+
+impl ConfigError {
+    /// [`ConfigError::Invalid`].
+    fn invalid(at: impl Into<String>, why: impl Into<String>) -> Self {
+        Self::Invalid {
+            at: at.into(),
+            why: why.into(),
+        }
+    }
+}
+
+/// What is wrong in a CubeSandbox backend's settings (`[backend]`,
+/// `[backends.NAME]`).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BackendSectionError {
+    #[error("backend: client_cert_file and client_key_file go together")]
+    HalfClientCert,
+    /// No CubeProxy address (`domain`: for the example).
+    #[error(
+        "backend: proxy_url is required: CubeProxy's address, not CubeAPI's (CubeAPI serves no data plane), e.g. proxy_url = \"https://{domain}\" or proxy_url = {{ url = \"https://{domain}\", dial = \"10.0.0.5:443\" }}"
+    )]
+    NoProxyUrl { domain: String },
+    #[error("backend: proxy_url is the CubeAPI URL ({api_url}); CubeProxy is a separate address")]
+    ProxyIsApi { api_url: String },
+    /// CubeAPI's or CubeProxy's URL, as the client checks them.
+    #[error("backend: {}", .0.message)]
+    Urls(#[source] crate::cube::CubeError),
+}
+
+/// What is wrong in `[console.notify]`: its shape, or the files it names.
+#[derive(Debug, thiserror::Error)]
+pub enum NotifyError {
+    #[error("console.notify: url is not a URL ({0})")]
+    Url(#[source] url::ParseError),
+    /// `http://` to a host that is not loopback.
+    #[error("console.notify: url must be https:// (plain http:// only to a loopback address)")]
+    PlainHttp,
+    #[error("console.notify: url must be https:// (got {0}://)")]
+    Scheme(String),
+    #[error("console.notify: url has no host")]
+    NoHost,
+    #[error("console.notify: url must not carry a user or password")]
+    Credentials,
+    #[error("console.notify: console_url is not a URL ({0})")]
+    ConsoleUrl(#[source] url::ParseError),
+    #[error(
+        "console.notify: console_url must be an http(s) URL with a host, e.g. https://adapter.example:18080"
+    )]
+    ConsoleUrlShape,
+    #[error("console.notify: console_url must not have a query or fragment")]
+    ConsoleUrlQuery,
+    /// A number out of its range.
+    #[error("console.notify: {key} must be between {min} and {max} (got {got})")]
+    Range {
+        key: &'static str,
+        min: u64,
+        max: u64,
+        got: u64,
+    },
+    #[error("console.notify: cannot read ca_file {}: {source}", .path.display())]
+    ReadCa {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("console.notify: ca_file {} holds no usable CA certificate: {source}", .path.display())]
+    Ca {
+        path: PathBuf,
+        source: crate::tls::TlsError,
+    },
+    /// The TLS client (the public web PKI).
+    #[error("console.notify: TLS: {0}")]
+    Tls(#[source] crate::tls::TlsError),
+    #[error("console.notify: cannot read secret_file {}: {source}", .path.display())]
+    ReadSecret {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("console.notify: secret_file {} must hold at least 16 bytes", .0.display())]
+    ShortSecret(PathBuf),
+}
+
+/// Why `[metrics] token_file` gives no token (never its content).
+#[derive(Debug, thiserror::Error)]
+pub enum TokenFileError {
+    #[error("metrics: token_file {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("metrics: token_file {} must hold at least 16 bytes", .0.display())]
+    Short(PathBuf),
+    /// Spaces or control characters inside.
+    #[error(
+        "metrics: token_file {} must hold one token of printable characters, no spaces",
+        .0.display()
+    )]
+    NotToken(PathBuf),
 }
 
 #[cfg(test)]
@@ -1523,7 +1778,7 @@ mod tests {
             "postgres://cube@db.example/cube?sslmode=disable",
             "postgres://cube@10.1.2.3:5432/cube?sslmode=prefer",
         ] {
-            let e = store(url).validate().unwrap_err();
+            let e = store(url).validate().unwrap_err().to_string();
             assert!(e.starts_with("store: url:") && e.contains("refused"), "{e}");
         }
         for url in [
@@ -1580,7 +1835,7 @@ mod tests {
                 "twice",
             ),
         ] {
-            let e = load(&bad, &[]).unwrap_err();
+            let e = load(&bad, &[]).unwrap_err().to_string();
             assert!(e.contains(why), "{why}: {e}");
         }
         // http on loopback is fine (a provider on the same host).
@@ -1597,7 +1852,7 @@ mod tests {
             ("CUBE_ADAPTER_OIDC_ROLES_CLAIM", "groups"),
         ];
         // The reference's variables alone name no tenants: refused.
-        let e = load("", &reference).unwrap_err();
+        let e = load("", &reference).unwrap_err().to_string();
         assert!(e.contains("name the tenants"), "{e}");
         let mut with = reference.to_vec();
         with.push(("CUBE_ADAPTER_OIDC_TENANTS", "acme, globex"));
@@ -1620,7 +1875,8 @@ mod tests {
             "",
             &[("CUBE_ADAPTER_OIDC_ISSUER", "https://idp.example.test")],
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("AUDIENCE"), "{e}");
     }
 
@@ -1652,6 +1908,7 @@ mod tests {
         assert!(
             Config::load(Some(&f), &[], &Flags::default())
                 .unwrap_err()
+                .to_string()
                 .contains("bogus")
         );
         std::fs::write(&f, "[profiles.x]\ncheckpoints_enabled = \"false\"\n").unwrap();
@@ -1660,6 +1917,7 @@ mod tests {
         assert!(
             Config::load(Some(&f), &[], &Flags::default())
                 .unwrap_err()
+                .to_string()
                 .contains("loopback")
         );
         std::fs::write(
@@ -1685,7 +1943,9 @@ mod tests {
             ("max_idle = 1", "max_idle"),
         ] {
             std::fs::write(&f, format!("[connections]\n{bad}\n")).unwrap();
-            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            let e = Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
         // A configured template may not take a built-in one's name.
@@ -1695,7 +1955,9 @@ mod tests {
                 format!("[[embedded.templates]]\nid = \"{name}\"\nrootfs = \"/srv/x\"\n"),
             )
             .unwrap();
-            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            let e = Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("built-in template"), "{name}: {e}");
         }
         assert!(
@@ -1790,7 +2052,9 @@ mod tests {
             ),
         ] {
             std::fs::write(&f, &body).unwrap();
-            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            let e = Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(why), "{body}: {e}");
         }
     }
@@ -1825,7 +2089,9 @@ mod tests {
             ("idle = 1", "idle"),
         ] {
             std::fs::write(&f, format!("[console]\n{bad}\n")).unwrap();
-            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            let e = Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
     }
@@ -1846,7 +2112,9 @@ mod tests {
             "idle = 1",
         ] {
             std::fs::write(&f, format!("[mcp]\n{bad}\n")).unwrap();
-            let e = Config::load(Some(&f), &[], &Flags::default()).unwrap_err();
+            let e = Config::load(Some(&f), &[], &Flags::default())
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(bad.split(' ').next().unwrap()), "{bad}: {e}");
         }
     }
@@ -1879,7 +2147,7 @@ api_url = "https://prod.example:3000"
 proxy_url = { url = "https://cube.app", dial = "10.0.0.5:443" }
 "#;
         // Several, none named default: a profile must name its own.
-        let e = load(two).unwrap_err();
+        let e = load(two).unwrap_err().to_string();
         assert!(e.contains("name its backend"), "{e}");
         let (c, _) = load(&format!(
             "{two}
@@ -1903,7 +2171,8 @@ template = \"tpl-prod\"
 backend = \"nowhere\"
 "
         ))
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("backend 'nowhere' is not configured"), "{e}");
         let e = load(
             "[backends.a]
@@ -1913,7 +2182,8 @@ proxy_url = \"https://p.example\"
 bogus = 1
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("bogus"), "{e}");
         let e = load(
             "[backends.a]
@@ -1922,14 +2192,16 @@ kind = \"embedded\"
 kind = \"embedded\"
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("at most one embedded"), "{e}");
         let e = load(
             "[backends.a]
 kind = \"kvm\"
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("kvm"), "{e}");
         let e = load(
             "[backend]
@@ -1939,7 +2211,8 @@ proxy_url = \"https://p.example\"
 kind = \"embedded\"
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("[backend] and [backends.*] together"), "{e}");
         // One backend of any name serves profiles that name none.
         let (c, _) = load(
@@ -1958,7 +2231,8 @@ kind = \"embedded\"
 mode = \"existing-volume\"
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("volume_id is required"), "{e}");
         let e = load(
             "[profiles.w.workspace]
@@ -1966,7 +2240,8 @@ mode = \"per-session-volume\"
 mount_path = \"work\"
 ",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("mount_path must be an absolute path"), "{e}");
         let (c, _) = load(
             "[profiles.w.workspace]
@@ -2024,7 +2299,7 @@ size_mb = 64
                 "volume_name \"shared\"",
             ),
         ] {
-            let e = load(bad).unwrap_err();
+            let e = load(bad).unwrap_err().to_string();
             assert!(
                 e.contains("task job: profile tp") && e.contains(why) && e.contains("shared"),
                 "{e}"
@@ -2040,29 +2315,32 @@ size_mb = 64
             std::fs::write(&f, body).unwrap();
             Config::load(Some(&f), &[], &Flags::default())
         };
-        let e = load("[backend]\napi_url = \"https://cubeapi.example:3000\"\n").unwrap_err();
+        let e = load("[backend]\napi_url = \"https://cubeapi.example:3000\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("proxy_url is required"), "{e}");
         let e = load(
             "[backend]\napi_url = \"https://cubeapi.example:3000\"\nproxy_url = \"https://cubeapi.example:3000/\"\n",
         )
-        .unwrap_err();
+        .unwrap_err().to_string();
         assert!(e.contains("is the CubeAPI URL"), "{e}");
         // Plain http to CubeAPI needs the opt-in.
         let e = load(
             "[backend]\napi_url = \"http://10.0.0.5:3000\"\nproxy_url = \"https://cube.app\"\n",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("insecure_plain_http"), "{e}");
         // The dial form must name the sandbox domain and a host:port.
         let e = load(
             "[backend]\napi_url = \"https://a.example\"\nproxy_url = { url = \"https://other.example\", dial = \"10.0.0.5:443\" }\n",
         )
-        .unwrap_err();
+        .unwrap_err().to_string();
         assert!(e.contains("must name the sandbox domain"), "{e}");
         let e = load(
             "[backend]\napi_url = \"https://a.example\"\nproxy_url = { url = \"https://cube.app\", dial = \"10.0.0.5:x\" }\n",
         )
-        .unwrap_err();
+        .unwrap_err().to_string();
         assert!(e.contains("host:port"), "{e}");
         let (c, _) = load(
             "[backend]\napi_url = \"http://10.0.0.5:3000\"\ninsecure_plain_http = true\nproxy_url = { url = \"https://cube.app\", dial = \"10.0.0.5:443\" }\n",

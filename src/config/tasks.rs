@@ -192,18 +192,18 @@ struct Placeholder<'a> {
 
 /// The placeholder of an element (`None`: a literal), or why the element
 /// is malformed (an unclosed `${`, an empty name, two placeholders).
-fn placeholder(arg: &str) -> Result<Option<Placeholder<'_>>, String> {
+fn placeholder(arg: &str) -> Result<Option<Placeholder<'_>>, PlaceholderError> {
     let Some((prefix, rest)) = arg.split_once("${") else {
         return Ok(None);
     };
     let Some((name, suffix)) = rest.split_once('}') else {
-        return Err("an unclosed \"${\"".into());
+        return Err(PlaceholderError::Unclosed);
     };
     if name.is_empty() || name.contains('{') {
-        return Err("a placeholder is \"${name}\"".into());
+        return Err(PlaceholderError::Malformed);
     }
     if suffix.contains("${") {
-        return Err("at most one placeholder per element".into());
+        return Err(PlaceholderError::Several);
     }
     Ok(Some(Placeholder {
         prefix,
@@ -213,18 +213,22 @@ fn placeholder(arg: &str) -> Result<Option<Placeholder<'_>>, String> {
 }
 
 /// Reject references that leave the schema document.
-fn local_refs_only(v: &Value, at: &str) -> Result<(), String> {
+fn local_refs_only(v: &Value, at: &str) -> Result<(), SchemaError> {
     match v {
         Value::Object(m) => {
             for (k, x) in m {
                 match (k.as_str(), x) {
                     ("$ref", Value::String(r)) if !r.starts_with('#') => {
-                        return Err(format!(
-                            "{at}: $ref '{r}' leaves the schema (only #… references are allowed)"
-                        ));
+                        return Err(SchemaError::ExternalRef {
+                            at: at.to_string(),
+                            reference: r.clone(),
+                        });
                     }
                     ("$dynamicRef" | "$recursiveRef", Value::String(_)) => {
-                        return Err(format!("{at}: {k} is not allowed"));
+                        return Err(SchemaError::DynamicRef {
+                            at: at.to_string(),
+                            keyword: k.clone(),
+                        });
                     }
                     _ => local_refs_only(x, at)?,
                 }
@@ -237,17 +241,22 @@ fn local_refs_only(v: &Value, at: &str) -> Result<(), String> {
 }
 
 /// A valid Draft 2020-12 schema that compiles here (no external references).
-pub fn check_schema(schema: &Value, at: &str) -> Result<jsonschema::Validator, String> {
+pub fn check_schema(schema: &Value, at: &str) -> Result<jsonschema::Validator, SchemaError> {
     local_refs_only(schema, at)?;
-    jsonschema::draft202012::meta::validate(schema)
-        .map_err(|e| format!("{at}: not a valid JSON Schema (Draft 2020-12): {e}"))?;
+    jsonschema::draft202012::meta::validate(schema).map_err(|e| SchemaError::NotSchema {
+        at: at.to_string(),
+        source: Box::new(e.to_owned()),
+    })?;
     // Offline: nothing outside the schema is ever fetched, whatever the
     // crate's features.
     jsonschema::options()
         .with_draft(jsonschema::Draft::Draft202012)
         .offline()
         .build(schema)
-        .map_err(|e| format!("{at}: {e}"))
+        .map_err(|e| SchemaError::Compile {
+            at: at.to_string(),
+            source: Box::new(e),
+        })
 }
 
 /// A template's schemas, compiled once (at start).
@@ -260,15 +269,12 @@ pub struct Compiled {
 }
 
 /// A risk rule's pattern, compiled (at most 1 MiB of automaton).
-fn risk_pattern(p: &str) -> Result<regex::Regex, String> {
-    regex::RegexBuilder::new(p)
-        .size_limit(1 << 20)
-        .build()
-        .map_err(|e| format!("pattern: {e}"))
+fn risk_pattern(p: &str) -> Result<regex::Regex, regex::Error> {
+    regex::RegexBuilder::new(p).size_limit(1 << 20).build()
 }
 
 impl TaskTemplate {
-    pub fn compile(&self) -> Result<Compiled, String> {
+    pub fn compile(&self) -> Result<Compiled, CompileError> {
         Ok(Compiled {
             parameters: check_schema(&self.parameters, "parameters")?,
             outputs: self
@@ -285,34 +291,38 @@ impl TaskTemplate {
                 .risk
                 .iter()
                 .map(|r| r.pattern.as_deref().map(risk_pattern).transpose())
-                .collect::<Result<_, _>>()?,
+                .collect::<Result<_, _>>()
+                .map_err(CompileError::Pattern)?,
         })
     }
 
     /// Everything that must hold before the template may be used.
-    pub fn validate(&self, name: &str, profiles: &[&str]) -> Result<(), String> {
-        let at = format!("task {name}");
+    pub fn validate(&self, name: &str, profiles: &[&str]) -> Result<(), TemplateError> {
         if !super::valid_profile_name(name) {
-            return Err(format!(
-                "task template name '{name}' must match ^[a-z][a-z0-9-]{{0,62}}$"
-            ));
+            return Err(TemplateError::Name(name.to_string()));
         }
+        self.check(profiles)
+            .map_err(|problem| TemplateError::Invalid {
+                task: name.to_string(),
+                problem,
+            })
+    }
+
+    /// [`Self::validate`]'s checks of the template, its name aside.
+    fn check(&self, profiles: &[&str]) -> Result<(), TemplateProblem> {
+        use TemplateProblem as P;
         if self.description.trim().is_empty() || self.description.len() > MAX_DESCRIPTION {
-            return Err(format!(
-                "{at}: description is required (at most {MAX_DESCRIPTION} bytes)"
-            ));
+            return Err(P::Description);
         }
         if !profiles.contains(&self.profile.as_str()) {
-            return Err(format!("{at}: profile '{}' is not defined", self.profile));
+            return Err(P::Profile(self.profile.clone()));
         }
         if self.parameters.get("type") != Some(&json!("object"))
             || self.parameters.get("additionalProperties") != Some(&json!(false))
         {
-            return Err(format!(
-                "{at}: parameters must be a closed object schema (type = \"object\", additionalProperties = false)"
-            ));
+            return Err(P::NotClosed);
         }
-        check_schema(&self.parameters, &format!("{at}: parameters"))?;
+        check_schema(&self.parameters, "parameters")?;
         let declared: Vec<&str> = self
             .parameters
             .get("properties")
@@ -320,110 +330,75 @@ impl TaskTemplate {
             .map(|m| m.keys().map(String::as_str).collect())
             .unwrap_or_default();
         if self.command.argv.is_empty() {
-            return Err(format!("{at}: command.argv must not be empty"));
+            return Err(P::EmptyArgv);
         }
         for a in &self.command.argv {
             if a.is_empty() {
-                return Err(format!("{at}: command.argv has an empty element"));
+                return Err(P::EmptyArg);
             }
             match placeholder(a) {
                 Ok(Some(p)) if declared.contains(&p.name) => {}
-                Ok(Some(p)) => {
-                    return Err(format!(
-                        "{at}: command.argv uses ${{{}}}, which parameters do not declare",
-                        p.name
-                    ));
-                }
+                Ok(Some(p)) => return Err(P::Undeclared(p.name.to_string())),
                 Err(why) => {
-                    return Err(format!("{at}: command.argv element '{a}': {why}"));
+                    return Err(P::Element {
+                        arg: a.clone(),
+                        why,
+                    });
                 }
                 Ok(None) => {}
             }
         }
-        for n in &self.allow_leading_dash {
-            if !declared.contains(&n.as_str()) {
-                return Err(format!(
-                    "{at}: allow_leading_dash names '{n}', which parameters do not declare"
-                ));
-            }
+        if let Some(n) = self
+            .allow_leading_dash
+            .iter()
+            .find(|n| !declared.contains(&n.as_str()))
+        {
+            return Err(P::LeadingDash(n.clone()));
         }
-        super::paths::check(&self.command.cwd).map_err(|e| format!("{at}: command.cwd: {e}"))?;
+        super::paths::check(&self.command.cwd).map_err(P::Cwd)?;
         if self.approvals_required == 0 || self.approvals_required > MAX_APPROVALS {
-            return Err(format!(
-                "{at}: approvals_required must be 1..={MAX_APPROVALS}"
-            ));
+            return Err(P::Approvals);
         }
         if self.approvals_required > 1 && !self.approval_required {
-            return Err(format!(
-                "{at}: approvals_required = {} needs approval_required = true",
-                self.approvals_required
-            ));
+            return Err(P::ApprovalsWithout(self.approvals_required));
         }
         for r in &self.risk {
-            let rat = format!("{at}: risk rule for '{}'", r.parameter);
-            if !declared.contains(&r.parameter.as_str()) {
-                return Err(format!("{rat}: parameters do not declare it"));
-            }
-            if r.note.trim().is_empty() || r.note.len() > MAX_RISK_NOTE {
-                return Err(format!(
-                    "{rat}: note is required (at most {MAX_RISK_NOTE} bytes)"
-                ));
-            }
-            if r.pattern.is_none() && r.above.is_none() && r.below.is_none() {
-                return Err(format!("{rat}: give pattern, above or below"));
-            }
-            if let Some(p) = &r.pattern {
-                risk_pattern(p).map_err(|e| format!("{rat}: {e}"))?;
-            }
+            r.check(&declared).map_err(|problem| P::Risk {
+                parameter: r.parameter.clone(),
+                problem,
+            })?;
         }
         for a in &self.approvers {
             if a.trim().is_empty() || a.len() > 128 || a.trim() != a {
-                return Err(format!(
-                    "{at}: approvers names subjects (1 to 128 bytes, no surrounding spaces)"
-                ));
+                return Err(P::Approvers);
             }
         }
         if !self.approvers.is_empty() && self.approvals_required as usize > self.approvers.len() {
-            return Err(format!(
-                "{at}: approvals_required = {} but approvers names only {}",
-                self.approvals_required,
-                self.approvers.len()
-            ));
+            return Err(P::TooFewApprovers {
+                required: self.approvals_required,
+                named: self.approvers.len(),
+            });
         }
         if !self.approvers.is_empty() && !self.approval_required {
-            return Err(format!("{at}: approvers needs approval_required = true"));
+            return Err(P::ApproversWithout);
         }
         if self.parameters_ascii_only && self.allow_bidi_controls {
-            return Err(format!(
-                "{at}: parameters_ascii_only and allow_bidi_controls contradict each other"
-            ));
+            return Err(P::Contradiction);
         }
         if self.plan_ttl_seconds == 0 || self.plan_ttl_seconds > MAX_PLAN_TTL {
-            return Err(format!("{at}: plan_ttl_seconds must be 1..={MAX_PLAN_TTL}"));
+            return Err(P::PlanTtl);
         }
         let mut names = vec![];
         for o in &self.outputs {
-            let oat = format!("{at}: output {}", o.name);
             if !super::valid_profile_name(&o.name) {
-                return Err(format!(
-                    "{at}: output name '{}' must match ^[a-z][a-z0-9-]{{0,62}}$",
-                    o.name
-                ));
+                return Err(P::OutputName(o.name.clone()));
             }
-            if names.contains(&o.name.as_str()) {
-                return Err(format!("{oat}: the name is used twice"));
-            }
+            let twice = names.contains(&o.name.as_str());
             names.push(o.name.as_str());
-            super::paths::check(&o.path).map_err(|e| format!("{oat}: {e}"))?;
-            if o.max_bytes == 0 || o.max_bytes > MAX_OUTPUT_BYTES {
-                return Err(format!("{oat}: max_bytes must be 1..={MAX_OUTPUT_BYTES}"));
-            }
-            if let Some(s) = &o.schema {
-                if o.format != OutputFormat::Json {
-                    return Err(format!("{oat}: a schema needs format = \"json\""));
-                }
-                check_schema(s, &format!("{oat}: schema"))?;
-            }
+            o.check(twice).map_err(|problem| P::Output {
+                name: o.name.clone(),
+                problem,
+            })?;
         }
         Ok(())
     }
@@ -517,7 +492,7 @@ impl TaskTemplate {
     /// element is shell-quoted. Null, arrays and objects cannot stand for an
     /// argument; a value that would start an argument with `-` is refused
     /// unless `allow_leading_dash` names its parameter.
-    pub fn render(&self, params: &Value) -> Result<String, String> {
+    pub fn render(&self, params: &Value) -> Result<String, RenderError> {
         let mut out = Vec::with_capacity(self.command.argv.len());
         for a in &self.command.argv {
             let s = match placeholder(a)? {
@@ -531,9 +506,7 @@ impl TaskTemplate {
                         && v.starts_with('-')
                         && !self.allow_leading_dash.iter().any(|n| n == p)
                     {
-                        return Err(format!(
-                            "{p}: must not start with '-' here (it would be read as an option)"
-                        ));
+                        return Err(RenderError::LeadingDash(p.to_string()));
                     }
                     format!("{prefix}{v}{suffix}")
                 }
@@ -545,18 +518,230 @@ impl TaskTemplate {
     }
 
     /// A parameter's value as an argument.
-    fn value(params: &Value, p: &str) -> Result<String, String> {
+    fn value(params: &Value, p: &str) -> Result<String, RenderError> {
         Ok(match params.get(p) {
             Some(Value::String(s)) if s.contains('\0') => {
-                return Err(format!("{p}: must not contain NUL"));
+                return Err(RenderError::Nul(p.to_string()));
             }
             Some(Value::String(s)) => s.clone(),
             Some(Value::Bool(b)) => b.to_string(),
             Some(Value::Number(n)) => n.to_string(),
-            Some(_) => return Err(format!("{p}: must be a string, number or boolean")),
-            None => return Err(format!("{p}: is required by the command")),
+            Some(_) => return Err(RenderError::NotScalar(p.to_string())),
+            None => return Err(RenderError::Missing(p.to_string())),
         })
     }
+}
+
+impl RiskRule {
+    /// The rule's own settings; `declared`: the template's parameters.
+    fn check(&self, declared: &[&str]) -> Result<(), RiskProblem> {
+        if !declared.contains(&self.parameter.as_str()) {
+            return Err(RiskProblem::Undeclared);
+        }
+        if self.note.trim().is_empty() || self.note.len() > MAX_RISK_NOTE {
+            return Err(RiskProblem::Note);
+        }
+        if self.pattern.is_none() && self.above.is_none() && self.below.is_none() {
+            return Err(RiskProblem::NoTest);
+        }
+        if let Some(p) = &self.pattern {
+            risk_pattern(p).map_err(RiskProblem::Pattern)?;
+        }
+        Ok(())
+    }
+}
+
+impl TaskOutput {
+    /// The output's own settings; `twice`: an earlier output has its name.
+    fn check(&self, twice: bool) -> Result<(), OutputProblem> {
+        if twice {
+            return Err(OutputProblem::Twice);
+        }
+        super::paths::check(&self.path)?;
+        if self.max_bytes == 0 || self.max_bytes > MAX_OUTPUT_BYTES {
+            return Err(OutputProblem::MaxBytes);
+        }
+        if let Some(s) = &self.schema {
+            if self.format != OutputFormat::Json {
+                return Err(OutputProblem::NotJson);
+            }
+            check_schema(s, "schema")?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a task template is refused when the configuration loads.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// A name that is not a profile-style name.
+    #[error("task template name '{0}' must match ^[a-z][a-z0-9-]{{0,62}}$")]
+    Name(String),
+    /// The template named `task` cannot be used safely.
+    #[error("task {task}: {problem}")]
+    Invalid {
+        task: String,
+        #[source]
+        problem: TemplateProblem,
+    },
+}
+
+/// What is wrong in a task template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateProblem {
+    #[error("description is required (at most {max} bytes)", max = MAX_DESCRIPTION)]
+    Description,
+    /// Its profile is not configured.
+    #[error("profile '{0}' is not defined")]
+    Profile(String),
+    #[error(
+        "parameters must be a closed object schema (type = \"object\", additionalProperties = false)"
+    )]
+    NotClosed,
+    /// The parameters' schema (`at`: `parameters`).
+    #[error(transparent)]
+    Schema(#[from] SchemaError),
+    #[error("command.argv must not be empty")]
+    EmptyArgv,
+    #[error("command.argv has an empty element")]
+    EmptyArg,
+    /// A placeholder of a parameter the schema does not declare.
+    #[error("command.argv uses ${{{0}}}, which parameters do not declare")]
+    Undeclared(String),
+    /// A malformed element of `argv`.
+    #[error("command.argv element '{arg}': {why}")]
+    Element {
+        arg: String,
+        #[source]
+        why: PlaceholderError,
+    },
+    #[error("allow_leading_dash names '{0}', which parameters do not declare")]
+    LeadingDash(String),
+    #[error("command.cwd: {0}")]
+    Cwd(#[source] super::paths::PathError),
+    #[error("approvals_required must be 1..={max}", max = MAX_APPROVALS)]
+    Approvals,
+    #[error("approvals_required = {0} needs approval_required = true")]
+    ApprovalsWithout(u32),
+    /// A `[[tasks.NAME.risk]]` rule, by its parameter.
+    #[error("risk rule for '{parameter}': {problem}")]
+    Risk {
+        parameter: String,
+        #[source]
+        problem: RiskProblem,
+    },
+    #[error("approvers names subjects (1 to 128 bytes, no surrounding spaces)")]
+    Approvers,
+    #[error("approvals_required = {required} but approvers names only {named}")]
+    TooFewApprovers { required: u32, named: usize },
+    #[error("approvers needs approval_required = true")]
+    ApproversWithout,
+    #[error("parameters_ascii_only and allow_bidi_controls contradict each other")]
+    Contradiction,
+    #[error("plan_ttl_seconds must be 1..={max}", max = MAX_PLAN_TTL)]
+    PlanTtl,
+    #[error("output name '{0}' must match ^[a-z][a-z0-9-]{{0,62}}$")]
+    OutputName(String),
+    /// An output, by its name.
+    #[error("output {name}: {problem}")]
+    Output {
+        name: String,
+        #[source]
+        problem: OutputProblem,
+    },
+}
+
+/// What is wrong in a risk rule.
+#[derive(Debug, thiserror::Error)]
+pub enum RiskProblem {
+    #[error("parameters do not declare it")]
+    Undeclared,
+    #[error("note is required (at most {max} bytes)", max = MAX_RISK_NOTE)]
+    Note,
+    #[error("give pattern, above or below")]
+    NoTest,
+    #[error("pattern: {0}")]
+    Pattern(#[source] regex::Error),
+}
+
+/// What is wrong in a declared output.
+#[derive(Debug, thiserror::Error)]
+pub enum OutputProblem {
+    #[error("the name is used twice")]
+    Twice,
+    #[error(transparent)]
+    Path(#[from] super::paths::PathError),
+    #[error("max_bytes must be 1..={max}", max = MAX_OUTPUT_BYTES)]
+    MaxBytes,
+    #[error("a schema needs format = \"json\"")]
+    NotJson,
+    /// Its schema (`at`: `schema`).
+    #[error(transparent)]
+    Schema(#[from] SchemaError),
+}
+
+/// Why a JSON Schema is refused; `at` says whose, as messages name it.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    /// A reference that leaves the document.
+    #[error("{at}: $ref '{reference}' leaves the schema (only #… references are allowed)")]
+    ExternalRef { at: String, reference: String },
+    /// `$dynamicRef` or `$recursiveRef`.
+    #[error("{at}: {keyword} is not allowed")]
+    DynamicRef { at: String, keyword: String },
+    /// Not a Draft 2020-12 schema.
+    #[error("{at}: not a valid JSON Schema (Draft 2020-12): {source}")]
+    NotSchema {
+        at: String,
+        source: Box<jsonschema::ValidationError<'static>>,
+    },
+    /// A schema that does not compile here.
+    #[error("{at}: {source}")]
+    Compile {
+        at: String,
+        source: Box<jsonschema::ValidationError<'static>>,
+    },
+}
+
+/// Why a template's schemas or risk patterns do not compile (they were
+/// checked when the configuration loaded).
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// The parameters' (`at`: `parameters`) or an output's (`output`).
+    #[error(transparent)]
+    Schema(#[from] SchemaError),
+    #[error("pattern: {0}")]
+    Pattern(#[source] regex::Error),
+}
+
+/// Why an `argv` element's placeholder is malformed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceholderError {
+    #[error("an unclosed \"${{\"")]
+    Unclosed,
+    #[error("a placeholder is \"${{name}}\"")]
+    Malformed,
+    #[error("at most one placeholder per element")]
+    Several,
+}
+
+/// Why parameters cannot make the command (400 `invalid_parameters`);
+/// each names the parameter.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// A malformed element (refused at load: only if the check is skipped).
+    #[error(transparent)]
+    Placeholder(#[from] PlaceholderError),
+    /// A value that would start an argument with `-`.
+    #[error("{0}: must not start with '-' here (it would be read as an option)")]
+    LeadingDash(String),
+    #[error("{0}: must not contain NUL")]
+    Nul(String),
+    /// Null, an array or an object.
+    #[error("{0}: must be a string, number or boolean")]
+    NotScalar(String),
+    #[error("{0}: is required by the command")]
+    Missing(String),
 }
 
 /// Python's `shlex.quote`, so that rendered commands (and their digests)
@@ -666,7 +851,7 @@ mod tests {
                 note: "destructive".into(),
             },
         ];
-        assert_eq!(t.validate("train", &["offline-code"]), Ok(()));
+        t.validate("train", &["offline-code"]).unwrap();
         let c = t.compile().unwrap();
         assert!(t.risks(&c, &json!({"epochs": 3, "name": "x"})).is_empty());
         let r = t.risks(
@@ -681,6 +866,7 @@ mod tests {
         assert!(
             bad.validate("train", &["offline-code"])
                 .unwrap_err()
+                .to_string()
                 .contains("pattern")
         );
         let mut bad = t.clone();
@@ -689,16 +875,18 @@ mod tests {
         assert!(
             bad.validate("train", &["offline-code"])
                 .unwrap_err()
+                .to_string()
                 .contains("approvers names only 1")
         );
         bad.approvals_required = 1;
-        assert_eq!(bad.validate("train", &["offline-code"]), Ok(()));
+        bad.validate("train", &["offline-code"]).unwrap();
         assert_ne!(bad.digest("train"), t.digest("train"));
         let mut bad = t.clone();
         bad.risk[0].parameter = "nope".into();
         assert!(
             bad.validate("train", &["offline-code"])
                 .unwrap_err()
+                .to_string()
                 .contains("do not declare")
         );
     }
@@ -706,11 +894,11 @@ mod tests {
     #[test]
     fn validation() {
         let p = ["offline-code"];
-        assert_eq!(template().validate("train", &p), Ok(()));
+        template().validate("train", &p).unwrap();
         // Attached to literal text is fine; one placeholder per element.
         let mut t = template();
         t.command.argv[2] = "--e=${epochs}".into();
-        assert_eq!(t.validate("train", &p), Ok(()));
+        t.validate("train", &p).unwrap();
         for (bad, why) in [
             ("--e=${epochs}${name}", "at most one placeholder"),
             ("--e=${epochs", "unclosed"),
@@ -718,7 +906,7 @@ mod tests {
         ] {
             let mut t = template();
             t.command.argv[2] = bad.into();
-            let e = t.validate("train", &p).unwrap_err();
+            let e = t.validate("train", &p).unwrap_err().to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
         let mut t = template();
@@ -726,6 +914,7 @@ mod tests {
         assert!(
             t.validate("train", &p)
                 .unwrap_err()
+                .to_string()
                 .contains("allow_leading_dash")
         );
         let mut t = template();
@@ -733,6 +922,7 @@ mod tests {
         assert!(
             t.validate("train", &p)
                 .unwrap_err()
+                .to_string()
                 .contains("do not declare")
         );
         let mut t = template();
@@ -740,6 +930,7 @@ mod tests {
         assert!(
             t.validate("train", &p)
                 .unwrap_err()
+                .to_string()
                 .contains("closed object")
         );
         let mut t = template();
@@ -747,11 +938,17 @@ mod tests {
         assert!(
             t.validate("train", &p)
                 .unwrap_err()
+                .to_string()
                 .contains("leaves the schema")
         );
         let mut t = template();
         t.parameters["properties"]["x"] = json!({"type": "strong"});
-        assert!(t.validate("train", &p).unwrap_err().contains("JSON Schema"));
+        assert!(
+            t.validate("train", &p)
+                .unwrap_err()
+                .to_string()
+                .contains("JSON Schema")
+        );
         let mut t = template();
         t.profile = "nope".into();
         assert!(t.validate("train", &p).is_err());
@@ -778,7 +975,10 @@ mod tests {
     #[test]
     fn leading_dashes_start_no_option() {
         let t = template();
-        let e = t.render(&json!({"epochs": 3, "name": "-rf"})).unwrap_err();
+        let e = t
+            .render(&json!({"epochs": 3, "name": "-rf"}))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("name: must not start with '-'"), "{e}");
         assert!(t.render(&json!({"epochs": -3, "name": "x"})).is_err());
         let mut t = template();

@@ -151,7 +151,7 @@ pub fn start(
     };
     let url = reqwest::Url::parse(&n.url)
         .map_err(|e| format!("console.notify: url is not a URL ({e})"))?;
-    let (secret, tls) = n.client()?;
+    let (secret, tls) = n.client().map_err(|e| e.to_string())?;
     let http = reqwest::Client::builder()
         .tls_backend_preconfigured(tls)
         .http1_only()

@@ -63,7 +63,7 @@ fn plan_backends(
     broker: &crate::broker::Broker,
     running: &Config,
     new: &Config,
-) -> Result<BackendPlan, String> {
+) -> Result<BackendPlan, OpsError> {
     use crate::config::BackendDef;
     let run_defs = running.backend_defs();
     let new_defs = new.backend_defs();
@@ -79,8 +79,13 @@ fn plan_backends(
                 plan.defs.insert(n.clone(), r.clone());
             }
             (None | Some(BackendDef::Cubesandbox(_)), BackendDef::Cubesandbox(sec)) => {
-                let b = crate::broker::backends::Backend::from_section(n, sec)
-                    .map_err(|e| format!("backends.{n}: {e}"))?;
+                let b =
+                    crate::broker::backends::Backend::from_section(n, sec).map_err(|source| {
+                        OpsError::Backend {
+                            name: n.clone(),
+                            source,
+                        }
+                    })?;
                 plan.add.push(b);
                 plan.defs.insert(n.clone(), d.clone());
             }
@@ -91,15 +96,14 @@ fn plan_backends(
             (None, BackendDef::Embedded(_)) => plan.later.push(format!("backends.{n}")),
         }
     }
-    let counts = broker
-        .lease_counts()
-        .map_err(|e| format!("backends: {e}"))?;
+    let counts = broker.lease_counts().map_err(OpsError::LeaseCounts)?;
     for n in run_defs.keys().filter(|n| !new_defs.contains_key(*n)) {
         let live = counts.get(n).copied().unwrap_or(0);
         if live > 0 {
-            return Err(format!(
-                "backend '{n}' has {live} live lease(s): release or kill them (or let GC collect them) before removing it, or keep it in the configuration"
-            ));
+            return Err(OpsError::BackendInUse {
+                name: n.clone(),
+                leases: live,
+            });
         }
         if let Some(d) = run_defs.get(n).filter(|d| d.is_embedded()) {
             // Its server runs until a restart.
@@ -198,10 +202,10 @@ impl Reloader {
     }
 
     /// The certificate being served (from its file).
-    pub fn current_cert(&self) -> Result<CertInfo, String> {
+    pub fn current_cert(&self) -> Result<CertInfo, OpsError> {
         let p = self.ca.dir.join("server.pem");
-        let pem = std::fs::read(&p).map_err(|e| format!("read {}: {e}", p.display()))?;
-        crate::tls::cert_info(&pem).map_err(|e| e.to_string())
+        let pem = std::fs::read(&p).map_err(OpsError::file("read", &p))?;
+        Ok(crate::tls::cert_info(&pem)?)
     }
 
     /// Re-read the configuration and the server certificate (reissued when
@@ -264,7 +268,7 @@ impl Reloader {
         let backends = match &self.broker {
             Some(b) => match plan_backends(b, &running, &new) {
                 Ok(x) => Some(x),
-                Err(e) => return self.refused(e),
+                Err(e) => return self.refused(e.to_string()),
             },
             None => None,
         };
@@ -369,16 +373,13 @@ impl Reloader {
     }
 
     /// Issue a new server certificate for the running names and serve it.
-    pub fn renew(&self) -> Result<CertInfo, String> {
+    pub fn renew(&self) -> Result<CertInfo, OpsError> {
         let names = crate::tls::server_names(&self.running().server_names, self.addr);
-        let (cert, key) = self
-            .ca
-            .reissue_server("server", &names)
-            .map_err(|e| e.to_string())?;
-        let pem = std::fs::read(&cert).map_err(|e| format!("read {}: {e}", cert.display()))?;
-        let key = self.ca.read_key(&key).map_err(|e| e.to_string())?;
-        let ck = crate::tls::certified_key(&pem, key.as_bytes()).map_err(|e| e.to_string())?;
-        let info = crate::tls::cert_info(&pem).map_err(|e| e.to_string())?;
+        let (cert, key) = self.ca.reissue_server("server", &names)?;
+        let pem = std::fs::read(&cert).map_err(OpsError::file("read", &cert))?;
+        let key = self.ca.read_key(&key)?;
+        let ck = crate::tls::certified_key(&pem, key.as_bytes())?;
+        let info = crate::tls::cert_info(&pem)?;
         self.cert.swap(ck);
         tracing::info!(not_after = %info.not_after, "server certificate renewed");
         Ok(info)
@@ -482,7 +483,7 @@ impl crate::admin::Service for Service {
 }
 
 impl Service {
-    async fn answer(&self, req: Request) -> Result<Response, String> {
+    async fn answer(&self, req: Request) -> Result<Response, OpsError> {
         Ok(match req {
             Request::Status => Response::Status {
                 status: self.status().await,
@@ -490,17 +491,13 @@ impl Service {
             Request::Reload => {
                 let r = self.reloader.clone();
                 Response::Reload {
-                    report: tokio::task::spawn_blocking(move || r.reload())
-                        .await
-                        .map_err(|e| e.to_string())?,
+                    report: tokio::task::spawn_blocking(move || r.reload()).await?,
                 }
             }
             Request::CertRenew => {
                 let r = self.reloader.clone();
                 Response::Certificate {
-                    info: tokio::task::spawn_blocking(move || r.renew())
-                        .await
-                        .map_err(|e| e.to_string())??,
+                    info: tokio::task::spawn_blocking(move || r.renew()).await??,
                 }
             }
             Request::Backup => {
@@ -510,7 +507,7 @@ impl Service {
                     manifest: s.manifest,
                 }
             }
-            _ => return Err("not a request about the service".into()),
+            _ => return Err(OpsError::NotForService),
         })
     }
 
@@ -612,7 +609,7 @@ impl Service {
 async fn backend_status(
     b: &crate::broker::backends::Backend,
     templates: Vec<String>,
-    network: Vec<(String, std::result::Result<String, String>)>,
+    network: Vec<(String, std::result::Result<String, NetworkMissing>)>,
 ) -> (Value, bool) {
     let mut checks = BTreeMap::new();
     // The first-connection checklist (docs/operations.md, "Connecting
@@ -695,7 +692,7 @@ async fn backend_status(
     for (profile, r) in network {
         check(
             format!("profile {profile}: what its sandboxes' network needs (pasta, nft)"),
-            r,
+            r.map_err(|e| e.to_string()),
         );
     }
     (
@@ -747,14 +744,9 @@ pub(crate) fn sha256_file(p: &Path) -> std::io::Result<String> {
 /// a crash at that moment would leave it). Writers wait for the copy (a
 /// few hundred MB/s). The copy is then opened on its own, which replays
 /// redb's crash recovery, closed cleanly, and its audit chain is verified.
-pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
+pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, OpsError> {
     if store.postgres().is_some() {
-        return Err(
-            "the store is in PostgreSQL: back the database up with its own tools \
-                    (pg_dump, or continuous archiving), and each replica's state directory \
-                    with them (docs/operations.md, \"Several replicas\")"
-                .into(),
-        );
+        return Err(OpsError::Postgres);
     }
     let id = crate::ids::random_hex(6);
     let dir = state.join(format!("backup-{id}"));
@@ -763,7 +755,7 @@ pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&dir)
-            .map_err(|e| format!("create {}: {e}", dir.display()))?;
+            .map_err(OpsError::file("create", &dir))?;
     }
     let src = store.path().to_path_buf();
     let dst = dir.join("state.redb");
@@ -776,9 +768,9 @@ pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
     let result = match copied {
         Ok(_) => tokio::task::spawn_blocking(move || check_copy(&dst))
             .await
-            .map_err(|e| e.to_string())
+            .map_err(OpsError::from)
             .and_then(|r| r),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.into()),
     };
     match result {
         Ok(manifest) => Ok(Snapshot { dir, manifest }),
@@ -790,24 +782,23 @@ pub async fn snapshot(store: &Store, state: &Path) -> Result<Snapshot, String> {
 }
 
 /// Open a copied store on its own (recovery), verify its chain, close it.
-pub fn check_copy(path: &Path) -> Result<Manifest, String> {
+pub fn check_copy(path: &Path) -> Result<Manifest, OpsError> {
     // A small page cache: reading the whole chain of a large copy must not
     // grow the running service by the size of the file (redb's default
     // cache is 1 GiB, and the memory stays with the process).
     let db = redb::Database::builder()
         .set_cache_size(4 * 1024 * 1024)
         .create(path)
-        .map_err(|e| format!("open the copy: {e}"))?;
+        .map_err(OpsError::OpenCopy)?;
     let (summary, (events, _, head)) = {
         use redb::ReadableDatabase;
-        let txn = db.begin_read().map_err(|e| e.to_string())?;
-        let s = summarize(&txn).map_err(|e| e.to_string())?;
-        let c =
-            crate::audit::verify_chain(&txn).map_err(|e| format!("the copy's audit chain: {e}"))?;
+        let txn = db.begin_read()?;
+        let s = summarize(&txn)?;
+        let c = crate::audit::verify_chain(&txn).map_err(OpsError::CopyChain)?;
         (s, c)
     };
-    db.close().map_err(|e| format!("close the copy: {e}"))?;
-    let bytes = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
+    db.close().map_err(OpsError::CloseCopy)?;
+    let bytes = std::fs::metadata(path)?.len();
     Ok(Manifest {
         format: 1,
         version: env!("CARGO_PKG_VERSION").into(),
@@ -816,7 +807,7 @@ pub fn check_copy(path: &Path) -> Result<Manifest, String> {
         audit_events: events,
         audit_head: head,
         state_redb_bytes: bytes,
-        state_redb_sha256: sha256_file(path).map_err(|e| e.to_string())?,
+        state_redb_sha256: sha256_file(path)?,
     })
 }
 
@@ -868,18 +859,17 @@ pub fn loose_files(config_file: &Path, cfg: &Config) -> Vec<String> {
 /// Before `serve` starts: refuse a set-uid or set-gid start, keep the
 /// process out of core dumps and same-user ptrace (its memory holds the
 /// keys), and name files others can read.
-pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String> {
+pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, OpsError> {
     use nix::unistd::{getegid, geteuid, getgid, getuid};
     if getuid() != geteuid() || getgid() != getegid() {
-        return Err(format!(
-            "refusing to run with real uid/gid {}/{} and effective {}/{} (set-uid or set-gid): run it as the service user",
-            getuid(),
-            getgid(),
-            geteuid(),
-            getegid()
-        ));
+        return Err(OpsError::SetId {
+            uid: getuid(),
+            gid: getgid(),
+            euid: geteuid(),
+            egid: getegid(),
+        });
     }
-    nix::sys::prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    nix::sys::prctl::set_dumpable(false).map_err(OpsError::Dumpable)?;
     let mut warnings = loose_files(config_file, cfg);
     warnings.extend(
         network_checks(cfg)
@@ -893,7 +883,7 @@ pub fn preflight(config_file: &Path, cfg: &Config) -> Result<Vec<String>, String
 /// access: whether this host has what that needs (`pasta`, `nft`), or what
 /// is missing. For `config check`, `status` and the start-up log: without
 /// them, every acquire of the profile fails (502 `network_unavailable`).
-pub fn network_checks(cfg: &Config) -> Vec<(String, std::result::Result<String, String>)> {
+pub fn network_checks(cfg: &Config) -> Vec<(String, std::result::Result<String, NetworkMissing>)> {
     let Some((embedded, _)) = cfg.embedded_backend() else {
         return vec![];
     };
@@ -904,9 +894,9 @@ pub fn network_checks(cfg: &Config) -> Vec<(String, std::result::Result<String, 
         .map(|(name, _)| {
             let r = match &tools {
                 Ok(t) => Ok(format!("{} and {}", t.pasta.display(), t.nft.display())),
-                Err(missing) => Err(format!(
-                    "{missing}: its acquires fail (502 network_unavailable) until then"
-                )),
+                Err(missing) => Err(NetworkMissing {
+                    missing: missing.clone(),
+                }),
             };
             (name.clone(), r)
         })
@@ -916,15 +906,129 @@ pub fn network_checks(cfg: &Config) -> Vec<(String, std::result::Result<String, 
 /// The reference-format principals of `tokens_file` (none without one).
 pub fn tokens_file_principals(
     cfg: &Config,
-) -> Result<Vec<(String, crate::auth::Principal)>, String> {
+) -> Result<Vec<(String, crate::auth::Principal)>, OpsError> {
     match &cfg.tokens_file {
         Some(f) => {
-            let text =
-                std::fs::read_to_string(f).map_err(|e| format!("read {}: {e}", f.display()))?;
-            crate::auth::load_tokens_file(&text).map_err(|e| format!("{}: {e}", f.display()))
+            let text = std::fs::read_to_string(f).map_err(OpsError::file("read", f))?;
+            crate::auth::load_tokens_file(&text).map_err(|source| OpsError::Principals {
+                path: f.clone(),
+                source,
+            })
         }
         None => Ok(vec![]),
     }
+}
+
+/// Why an operation on the appliance (a reload's backends, a certificate,
+/// a backup, a start's preflight, a migration) failed. `Display` is what
+/// the operator reads.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// A CubeSandbox backend whose client cannot be made.
+    #[error("backends.{name}: {source}")]
+    Backend {
+        name: String,
+        source: crate::broker::backends::SectionError,
+    },
+    /// The live leases per backend cannot be counted.
+    #[error("backends: {0}")]
+    LeaseCounts(#[source] crate::broker::Error),
+    /// A backend a reload would remove still has leases.
+    #[error(
+        "backend '{name}' has {leases} live lease(s): release or kill them (or let GC collect them) before removing it, or keep it in the configuration"
+    )]
+    BackendInUse { name: String, leases: usize },
+    /// A file or directory (`what`: `read`, `create`).
+    #[error("{what} {}: {source}", .path.display())]
+    File {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A file of the copy (its size, its digest).
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// The CA or the server certificate.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A blocking task that did not finish.
+    #[error(transparent)]
+    Join(#[from] tokio::task::JoinError),
+    /// An admin request `ops::Service` does not answer.
+    #[error("not a request about the service")]
+    NotForService,
+    /// A backup of a PostgreSQL store (its own tools do that).
+    #[error(
+        "the store is in PostgreSQL: back the database up with its own tools \
+         (pg_dump, or continuous archiving), and each replica's state directory \
+         with them (docs/operations.md, \"Several replicas\")"
+    )]
+    Postgres,
+    #[error("open the copy: {0}")]
+    OpenCopy(#[source] redb::DatabaseError),
+    #[error(transparent)]
+    ReadCopy(#[from] redb::TransactionError),
+    #[error("the copy's audit chain: {0}")]
+    CopyChain(#[source] StoreError),
+    #[error("close the copy: {0}")]
+    CloseCopy(#[source] redb::DatabaseError),
+    /// A set-uid or set-gid start.
+    #[error(
+        "refusing to run with real uid/gid {uid}/{gid} and effective {euid}/{egid} (set-uid or set-gid): run it as the service user"
+    )]
+    SetId {
+        uid: nix::unistd::Uid,
+        gid: nix::unistd::Gid,
+        euid: nix::unistd::Uid,
+        egid: nix::unistd::Gid,
+    },
+    #[error("prctl(PR_SET_DUMPABLE): {0}")]
+    Dumpable(#[source] nix::Error),
+    /// The principals file does not load.
+    #[error("{}: {source}", .path.display())]
+    Principals {
+        path: PathBuf,
+        source: crate::auth::TokensFileError,
+    },
+    /// The redb store's chain, before a migration.
+    #[error("the redb store's audit chain does not verify: {0}")]
+    SourceChain(#[source] StoreError),
+    #[error("commit the copy: {0}")]
+    Commit(#[source] StoreError),
+    /// The migrated chain, read back from the database.
+    #[error("the copy's audit chain does not verify in the database: {0}")]
+    TargetChain(#[source] StoreError),
+    /// The migrated chain is not the one copied.
+    #[error(
+        "the copy's chain differs: {db_events} events up to {db_last_seq} (head {db_head}) in the database, \
+         {events} up to {last_seq} (head {head}) in the redb store"
+    )]
+    ChainDiffers {
+        events: u64,
+        last_seq: u64,
+        head: String,
+        db_events: u64,
+        db_last_seq: u64,
+        db_head: String,
+    },
+}
+
+impl OpsError {
+    /// [`OpsError::File`], for `map_err`.
+    fn file(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.to_path_buf();
+        move |source| Self::File { what, path, source }
+    }
+}
+
+/// What this host lacks for a profile's sandboxes' network: `missing`
+/// in the embedded backend's words (`egress::Tools::find`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{missing}: its acquires fail (502 network_unavailable) until then")]
+pub struct NetworkMissing {
+    pub missing: crate::embedded::egress::MissingTools,
 }
 
 #[cfg(test)]
@@ -1010,14 +1114,14 @@ pub struct Migrated {
 pub fn migrate_to_postgres(
     store: &Store,
     settings: &crate::store::pg::Settings,
-) -> Result<Migrated, String> {
+) -> Result<Migrated, OpsError> {
     use crate::store::pg::{self, PgTx, copy};
     let (events, last_seq, head) = store
         .read_now(crate::audit::verify_chain)
-        .map_err(|e| format!("the redb store's audit chain does not verify: {e}"))?;
-    let db = pg::Pg::connect(settings).map_err(|e| e.to_string())?;
-    pg::migrate(&db).map_err(|e| e.to_string())?;
-    let tx = PgTx::write(db.conn().map_err(|e| e.to_string())?);
+        .map_err(OpsError::SourceChain)?;
+    let db = pg::Pg::connect(settings)?;
+    pg::migrate(&db)?;
+    let tx = PgTx::write(db.conn()?);
     let copied = (|| {
         tx.lock_chain()?;
         if !copy::is_empty(&tx)? {
@@ -1038,23 +1142,25 @@ pub fn migrate_to_postgres(
     })();
     let copied = match copied {
         Ok(c) => {
-            tx.finish(true)
-                .map_err(|e| format!("commit the copy: {e}"))?;
+            tx.finish(true).map_err(OpsError::Commit)?;
             c
         }
         Err(e) => {
             let _ = tx.finish(false);
-            return Err(e.to_string());
+            return Err(e.into());
         }
     };
-    let rx = crate::store::Rx::Pg(PgTx::read(db.conn().map_err(|e| e.to_string())?));
-    let (e2, l2, h2) = crate::audit::verify_chain(&rx)
-        .map_err(|e| format!("the copy's audit chain does not verify in the database: {e}"))?;
+    let rx = crate::store::Rx::Pg(PgTx::read(db.conn()?));
+    let (e2, l2, h2) = crate::audit::verify_chain(&rx).map_err(OpsError::TargetChain)?;
     if (e2, l2, &h2) != (events, last_seq, &head) {
-        return Err(format!(
-            "the copy's chain differs: {e2} events up to {l2} (head {h2}) in the database, \
-             {events} up to {last_seq} (head {head}) in the redb store"
-        ));
+        return Err(OpsError::ChainDiffers {
+            events,
+            last_seq,
+            head,
+            db_events: e2,
+            db_last_seq: l2,
+            db_head: h2,
+        });
     }
     Ok(Migrated {
         events,

@@ -495,9 +495,9 @@ fn a_bad_token_file_is_refused_without_its_content() {
     std::fs::write(&short, "s3cret").unwrap();
     let mut c = cube_adapter::config::Config::default();
     c.metrics.token_file = Some(short.clone());
-    let e = c.validate().unwrap_err();
+    let e = c.validate().unwrap_err().to_string();
     assert!(e.contains("short.token") && !e.contains("s3cret"), "{e}");
     c.metrics.token_file = Some(dir.path().join("absent.token"));
-    let e = c.validate().unwrap_err();
+    let e = c.validate().unwrap_err().to_string();
     assert!(e.contains("absent.token"), "{e}");
 }

@@ -1245,7 +1245,7 @@ async fn trusted_tasks_refuse_shared_workspaces() {
     let mut c = Config::default();
     configure(&mut c);
     c.profiles.get_mut("trusted").unwrap().workspace = shared.clone();
-    let e = c.validate().unwrap_err();
+    let e = c.validate().unwrap_err().to_string();
     assert!(
         e.contains("profile trusted") && e.contains("team-shared") && e.contains("shared"),
         "{e}"

@@ -190,10 +190,10 @@ pub enum SyslogAddress {
 }
 
 impl SyslogAddress {
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, AddressError> {
         if let Some(p) = s.strip_prefix("unix:") {
             if p.is_empty() {
-                return Err("unix: needs a socket path".into());
+                return Err(AddressError::NoSocketPath);
             }
             return Ok(Self::Unix(PathBuf::from(p)));
         }
@@ -202,13 +202,11 @@ impl SyslogAddress {
                 .rsplit_once(':')
                 .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
             if !ok {
-                return Err(format!("tcp:{hp}: expected tcp:HOST:PORT"));
+                return Err(AddressError::Tcp(hp.to_string()));
             }
             return Ok(Self::Tcp(hp.to_string()));
         }
-        Err(format!(
-            "address '{s}': expected unix:/path/to/socket or tcp:HOST:PORT"
-        ))
+        Err(AddressError::Unknown(s.to_string()))
     }
 }
 
@@ -251,39 +249,42 @@ impl SinkDef {
 
     /// The checks that need no file or network (those come when the sink
     /// is prepared, at start and at each reload).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SinkError> {
         let name = self.name();
-        let what = format!("audit sink '{name}'");
         if name.is_empty()
             || name.len() > 32
             || !name
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
         {
-            return Err(format!(
-                "audit sink name '{name}' must be 1 to 32 of a-z, 0-9, - and _"
-            ));
+            return Err(SinkError::Name(name.to_string()));
         }
+        self.check().map_err(|problem| SinkError::Invalid {
+            sink: name.to_string(),
+            problem,
+        })
+    }
+
+    /// [`Self::validate`]'s checks of the settings, the name aside.
+    fn check(&self) -> Result<(), SinkProblem> {
         if !(1..=MAX_BATCH).contains(&self.batch()) {
-            return Err(format!("{what}: batch must be 1 to {MAX_BATCH}"));
+            return Err(SinkProblem::Batch);
         }
         match self {
             Self::File(f) => {
                 if f.path.as_os_str().is_empty() || !f.path.is_absolute() {
-                    return Err(format!("{what}: path must be an absolute path"));
+                    return Err(SinkProblem::RelativePath);
                 }
                 if f.max_bytes != 0 && f.max_bytes < 4096 {
-                    return Err(format!(
-                        "{what}: max_bytes must be 0 (never rotate) or at least 4096"
-                    ));
+                    return Err(SinkProblem::MaxBytes);
                 }
                 if f.keep > 1000 {
-                    return Err(format!("{what}: keep must be at most 1000"));
+                    return Err(SinkProblem::Keep);
                 }
             }
             Self::Stdout(_) => {}
             Self::Http(h) => {
-                let u = url::Url::parse(&h.url).map_err(|e| format!("{what}: url: {e}"))?;
+                let u = url::Url::parse(&h.url).map_err(SinkProblem::Url)?;
                 match u.scheme() {
                     "https" => {}
                     "http" => {
@@ -294,48 +295,37 @@ impl SinkDef {
                             None => false,
                         };
                         if !loopback {
-                            return Err(format!(
-                                "{what}: plain http is only allowed to a loopback collector; use https"
-                            ));
+                            return Err(SinkProblem::PlainHttp);
                         }
                     }
-                    s => return Err(format!("{what}: url scheme '{s}' (https or http)")),
+                    s => return Err(SinkProblem::Scheme(s.to_string())),
                 }
                 if !u.username().is_empty() || u.password().is_some() {
-                    return Err(format!(
-                        "{what}: no credentials in the url (use token_file or a client certificate)"
-                    ));
+                    return Err(SinkProblem::Credentials);
                 }
                 if h.client_cert_file.is_some() != h.client_key_file.is_some() {
-                    return Err(format!(
-                        "{what}: client_cert_file and client_key_file go together"
-                    ));
+                    return Err(SinkProblem::HalfClientCert);
                 }
                 if !(1..=300).contains(&h.timeout_seconds) {
-                    return Err(format!("{what}: timeout_seconds must be 1 to 300"));
+                    return Err(SinkProblem::Timeout);
                 }
                 if !(1..=3600).contains(&h.max_backoff_seconds) {
-                    return Err(format!("{what}: max_backoff_seconds must be 1 to 3600"));
+                    return Err(SinkProblem::MaxBackoff);
                 }
             }
             Self::Syslog(s) => {
-                SyslogAddress::parse(&s.address).map_err(|e| format!("{what}: {e}"))?;
+                SyslogAddress::parse(&s.address)?;
                 if facility_code(&s.facility).is_none() {
-                    return Err(format!(
-                        "{what}: facility '{}' (kern, user, daemon, auth, syslog, authpriv, local0 … local7)",
-                        s.facility
-                    ));
+                    return Err(SinkProblem::Facility(s.facility.clone()));
                 }
                 if s.app_name.is_empty()
                     || s.app_name.len() > 48
                     || !s.app_name.bytes().all(|b| (33..=126).contains(&b))
                 {
-                    return Err(format!(
-                        "{what}: app_name must be 1 to 48 printable ASCII characters"
-                    ));
+                    return Err(SinkProblem::AppName);
                 }
                 if !(1..=3600).contains(&s.max_backoff_seconds) {
-                    return Err(format!("{what}: max_backoff_seconds must be 1 to 3600"));
+                    return Err(SinkProblem::MaxBackoff);
                 }
             }
         }
@@ -344,13 +334,79 @@ impl SinkDef {
 }
 
 /// Every sink's own checks, and names used once.
-pub fn validate(sinks: &[SinkDef]) -> Result<(), String> {
+pub fn validate(sinks: &[SinkDef]) -> Result<(), SinkError> {
     let mut seen = std::collections::BTreeSet::new();
     for s in sinks {
         s.validate()?;
         if !seen.insert(s.name()) {
-            return Err(format!("audit sink name '{}' is used twice", s.name()));
+            return Err(SinkError::Twice(s.name().to_string()));
         }
     }
     Ok(())
+}
+
+/// Why `[[audit.sinks]]` are refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SinkError {
+    /// A name that is not 1 to 32 of a-z, 0-9, - and _.
+    #[error("audit sink name '{0}' must be 1 to 32 of a-z, 0-9, - and _")]
+    Name(String),
+    /// Two sinks of one name (the name keys each sink's cursor).
+    #[error("audit sink name '{0}' is used twice")]
+    Twice(String),
+    /// A setting of the sink named `sink`.
+    #[error("audit sink '{sink}': {problem}")]
+    Invalid {
+        sink: String,
+        #[source]
+        problem: SinkProblem,
+    },
+}
+
+/// What is wrong in one sink's settings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SinkProblem {
+    #[error("batch must be 1 to {max}", max = MAX_BATCH)]
+    Batch,
+    #[error("path must be an absolute path")]
+    RelativePath,
+    #[error("max_bytes must be 0 (never rotate) or at least 4096")]
+    MaxBytes,
+    #[error("keep must be at most 1000")]
+    Keep,
+    #[error("url: {0}")]
+    Url(#[source] url::ParseError),
+    /// `http://` to a collector that is not loopback.
+    #[error("plain http is only allowed to a loopback collector; use https")]
+    PlainHttp,
+    #[error("url scheme '{0}' (https or http)")]
+    Scheme(String),
+    #[error("no credentials in the url (use token_file or a client certificate)")]
+    Credentials,
+    #[error("client_cert_file and client_key_file go together")]
+    HalfClientCert,
+    #[error("timeout_seconds must be 1 to 300")]
+    Timeout,
+    #[error("max_backoff_seconds must be 1 to 3600")]
+    MaxBackoff,
+    /// A syslog `address` of neither form.
+    #[error(transparent)]
+    Address(#[from] AddressError),
+    #[error("facility '{0}' (kern, user, daemon, auth, syslog, authpriv, local0 … local7)")]
+    Facility(String),
+    #[error("app_name must be 1 to 48 printable ASCII characters")]
+    AppName,
+}
+
+/// Why a syslog address is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddressError {
+    #[error("unix: needs a socket path")]
+    NoSocketPath,
+    /// `tcp:` without `HOST:PORT`.
+    #[error("tcp:{0}: expected tcp:HOST:PORT")]
+    Tcp(String),
+    /// Neither `unix:` nor `tcp:`.
+    #[error("address '{0}': expected unix:/path/to/socket or tcp:HOST:PORT")]
+    Unknown(String),
 }

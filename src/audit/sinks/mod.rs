@@ -115,10 +115,9 @@ struct Running {
 /// Why sinks could not be prepared: a start or a reload refuses them.
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    /// The definitions do not hold together (`def::validate`, whose
-    /// errors are still words).
-    #[error("{0}")]
-    Invalid(String),
+    /// The definitions do not hold together (`def::validate`).
+    #[error(transparent)]
+    Invalid(#[from] def::SinkError),
     /// One sink's files or client.
     #[error("audit sink '{name}': {source}")]
     Sink {
@@ -152,7 +151,7 @@ impl Sinks {
     /// Check and build `defs` (files read, clients made); the sinks whose
     /// definition is unchanged keep running as they are.
     pub fn prepare(&self, defs: &[SinkDef]) -> Result<Prepared, SinkError> {
-        crate::audit::sinks::def::validate(defs).map_err(|e| SinkError::Invalid(e.to_string()))?;
+        crate::audit::sinks::def::validate(defs)?;
         let r = self.running();
         let mut start = vec![];
         let mut keep = vec![];

@@ -73,10 +73,9 @@ pub enum OutputError {
     Tls(#[source] crate::tls::TlsError),
     #[error("HTTP client: {0}")]
     Client(#[source] reqwest::Error),
-    /// A syslog address that does not parse (`SyslogAddress::parse`'s
-    /// words).
-    #[error("{0}")]
-    Address(String),
+    /// A syslog address that does not parse (`SyslogAddress::parse`).
+    #[error(transparent)]
+    Address(#[from] crate::audit::sinks::def::AddressError),
     #[error("facility '{0}'")]
     Facility(String),
     /// An event as JSON (never, in practice).
@@ -519,9 +518,7 @@ impl SyslogOut {
             })
             .unwrap_or_else(|| "-".into());
         Ok(Self {
-            // `SyslogAddress::parse` (def) says why in words.
-            address: SyslogAddress::parse(&def.address)
-                .map_err(|e| OutputError::Address(e.to_string()))?,
+            address: SyslogAddress::parse(&def.address)?,
             facility: crate::audit::sinks::def::facility_code(&def.facility)
                 .ok_or_else(|| OutputError::Facility(def.facility.clone()))?,
             app_name: def.app_name.clone(),

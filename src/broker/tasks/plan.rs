@@ -322,7 +322,7 @@ impl Broker {
             Ok(c) => c,
             Err(m) => {
                 return Err(self
-                    .reject(ev, Error::new(Code::InvalidParameters, m))
+                    .reject(ev, Error::new(Code::InvalidParameters, m.to_string()))
                     .await);
             }
         };

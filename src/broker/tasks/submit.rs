@@ -78,7 +78,7 @@ impl Broker {
             .map_err(|_| Error::new(Code::AuditUnavailable, "a stored plan is corrupt"))?;
         let command = t
             .render(&params)
-            .map_err(|m| Error::new(Code::InvalidParameters, m))?;
+            .map_err(|m| Error::new(Code::InvalidParameters, m.to_string()))?;
         if sha256_hex(command.as_bytes()) != plan.command_sha256 {
             return Err(self.reject(ev, Self::changed()).await);
         }
