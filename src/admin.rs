@@ -541,10 +541,8 @@ fn read_export(
     store: &Store,
     since: u64,
     tx: &tokio::sync::mpsc::Sender<Vec<u8>>,
-) -> Result<(), String> {
-    let to = store
-        .read_now(crate::audit::last_seq)
-        .map_err(|e| e.to_string())?;
+) -> Result<(), crate::store::StoreError> {
+    let to = store.read_now(crate::audit::last_seq)?;
     let mut from = since;
     let mut count = 0u64;
     let all = crate::audit::search::Query::default();
@@ -562,8 +560,7 @@ fn read_export(
                     count += 1;
                     Ok(())
                 })
-            })
-            .map_err(|e| e.to_string())?;
+            })?;
         if !chunk.is_empty() && tx.blocking_send(chunk).is_err() {
             return Ok(());
         }
