@@ -548,19 +548,18 @@ fn read_export(
     let all = crate::audit::search::Query::default();
     loop {
         let mut chunk = Vec::with_capacity(EXPORT_BATCH * 512);
-        let next = store
-            .read_now(|txn| {
-                crate::audit::search::forward(txn, &all, from, to, EXPORT_BATCH, |ev| {
-                    let line = Response::AuditEvent {
-                        event: Box::new(ev),
-                    };
-                    serde_json::to_writer(&mut chunk, &line)
-                        .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
-                    chunk.push(b'\n');
-                    count += 1;
-                    Ok(())
-                })
-            })?;
+        let next = store.read_now(|txn| {
+            crate::audit::search::forward(txn, &all, from, to, EXPORT_BATCH, |ev| {
+                let line = Response::AuditEvent {
+                    event: Box::new(ev),
+                };
+                serde_json::to_writer(&mut chunk, &line)
+                    .map_err(|e| crate::store::StoreError::Corrupt(e.to_string()))?;
+                chunk.push(b'\n');
+                count += 1;
+                Ok(())
+            })
+        })?;
         if !chunk.is_empty() && tx.blocking_send(chunk).is_err() {
             return Ok(());
         }

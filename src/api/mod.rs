@@ -5,10 +5,10 @@
 //! included, carries them; panics become a 500 envelope. Authentication is
 //! an extractor on every `/v1` handler.
 
-pub mod jobs;
-pub mod leases;
-pub mod ptys;
-pub mod tasks;
+pub(crate) mod jobs;
+pub(crate) mod leases;
+pub(crate) mod ptys;
+pub(crate) mod tasks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

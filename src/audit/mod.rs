@@ -14,8 +14,8 @@ pub mod event {
 }
 #[cfg(test)]
 mod journal_words;
-pub mod search;
-pub mod sinks;
+pub(crate) mod search;
+pub(crate) mod sinks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -30,11 +30,11 @@ use crate::store::typed::{self, ReadOps};
 use crate::store::{Store, StoreError, tables};
 
 mod argon;
-pub mod client_ca;
-pub mod oidc;
-pub mod settings;
-pub mod throttle;
-pub mod users;
+pub(crate) mod client_ca;
+pub(crate) mod oidc;
+pub(crate) mod settings;
+pub(crate) mod throttle;
+pub(crate) mod users;
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]

@@ -15,10 +15,10 @@ use crate::cube::wire::CreateSandbox;
 use crate::cube::{BackendConfig, CubeClient, Secret, StartOptions};
 use crate::embedded::{Backend, Isolation, Limits, Settings};
 
-pub mod appliance;
-pub mod console;
+pub(crate) mod appliance;
+pub(crate) mod console;
 pub mod export;
-pub mod identities;
+pub(crate) mod identities;
 
 /// `VmRSS` and its peak `VmHWM` of a process, in KiB (0 when unreadable).
 pub fn memory_kib(pid: u32) -> (u64, u64) {

@@ -3,20 +3,20 @@
 //! committed audit intent and followed by its outcome, which is written in
 //! the same transaction as the state change it causes.
 
-pub mod backends;
-pub mod checkpoints;
-pub mod code;
-pub mod dto;
-pub mod error;
-pub mod gauges;
-pub mod jobs;
-pub mod leases;
-pub mod paths;
-pub mod ptys;
+pub(crate) mod backends;
+pub(crate) mod checkpoints;
+pub(crate) mod code;
+pub(crate) mod dto;
+pub(crate) mod error;
+pub(crate) mod gauges;
+pub(crate) mod jobs;
+pub(crate) mod leases;
+pub(crate) mod paths;
+pub(crate) mod ptys;
 pub mod receipts;
-pub mod recovery;
+pub(crate) mod recovery;
 pub mod tasks;
-pub mod upkeep;
+pub(crate) mod upkeep;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -52,7 +52,7 @@ mod bench;
 mod common;
 mod config;
 /// `pub`: the console's "Connect an agent" page shares its generator.
-pub mod connect;
+pub(crate) mod connect;
 mod mcp;
 mod ops;
 mod sandboxes;

@@ -108,17 +108,6 @@ pub struct Plan {
     pub report: Report,
 }
 
-impl Plan {
-    /// The text of `config.toml`.
-    pub fn config_text(&self) -> &str {
-        self.files
-            .iter()
-            .find(|f| f.name == CONFIG_FILE)
-            .and_then(|f| std::str::from_utf8(&f.data).ok())
-            .unwrap_or_default()
-    }
-}
-
 // ------------------------------------------------------------------ .env
 
 /// One `KEY=VALUE` of an env file.

@@ -8,11 +8,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub mod import;
-pub mod paths;
+pub(crate) mod import;
+pub(crate) mod paths;
 /// `[[audit.sinks]]` (defined with the sinks, below this layer).
 pub use crate::audit::sinks::def as sinks;
-pub mod tasks;
+pub(crate) mod tasks;
 
 pub use self::tasks::TaskTemplate;
 use crate::audit::AuditMode;

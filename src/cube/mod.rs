@@ -2,8 +2,8 @@
 //! data plane reached through CubeProxy by `Host`). One code path for real
 //! clusters and for the embedded backend.
 
-pub mod client;
-pub mod envd;
+pub(crate) mod client;
+pub(crate) mod envd;
 /// The wire types, shared with the embedded backend (`cube_embedded::wire`).
 pub use cube_embedded::wire;
 

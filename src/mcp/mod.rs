@@ -8,8 +8,8 @@
 //! carrying its code and message.
 
 pub mod http;
-pub mod stdio;
-pub mod tools;
+pub(crate) mod stdio;
+pub(crate) mod tools;
 
 use std::sync::Arc;
 

@@ -147,6 +147,7 @@ fn read_token(file: &std::path::Path, what: &'static str) -> Result<Secret, Sett
 
 impl Settings {
     /// Read and check the settings from the environment alone (`var`).
+    #[cfg(test)]
     pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Self, SettingsError> {
         Self::resolve(&Flags::default(), var)
     }

@@ -8,21 +8,21 @@
 //! twice. Point lookups run inline (`read_now`: a few microseconds from the
 //! page cache); scans run on the blocking pool (`read`).
 
-pub mod audit_index;
-pub mod checkpoints;
-pub mod codec;
-pub mod console;
-pub mod event;
-pub mod jobs;
+pub(crate) mod audit_index;
+pub(crate) mod checkpoints;
+pub(crate) mod codec;
+pub(crate) mod console;
+pub(crate) mod event;
+pub(crate) mod jobs;
 pub mod journal;
-pub mod leases;
+pub(crate) mod leases;
 pub mod pg;
-pub mod plans;
-pub mod ptys;
+pub(crate) mod plans;
+pub(crate) mod ptys;
 pub mod tables;
-pub mod tasks;
+pub(crate) mod tasks;
 pub mod typed;
-pub mod vocab;
+pub(crate) mod vocab;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -10,21 +10,21 @@
 #![allow(clippy::result_large_err)]
 
 pub mod cgroup;
-pub mod clock;
+pub(crate) mod clock;
 pub mod disk;
 pub mod egress;
-pub mod envd;
-pub mod error;
+pub(crate) mod envd;
+pub(crate) mod error;
 pub mod launch;
-pub mod procs;
-pub mod proxy;
+pub(crate) mod procs;
+pub(crate) mod proxy;
 pub mod sandbox;
-pub mod seccomp;
+pub(crate) mod seccomp;
 pub mod subids;
 pub mod sys;
 pub mod templates;
-pub mod tree;
-pub mod volumes;
+pub(crate) mod tree;
+pub(crate) mod volumes;
 pub mod wire;
 
 use std::sync::Arc;

@@ -19,7 +19,7 @@
 pub mod def;
 mod outputs;
 
-pub use outputs::{OutputError, SIGNATURE_HEADER, rfc5424, signature};
+pub use outputs::OutputError;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
