@@ -20,7 +20,7 @@ pub(super) fn start(
     tasks: &mut Tasks,
 ) -> anyhow::Result<()> {
     if let Some((n, task)) = crate::console::notify::start(cfg, listen, tasks.stop.clone())
-        .map_err(|e| anyhow::anyhow!(e))?
+        .map_err(anyhow::Error::msg)?
     {
         broker.set_plan_listener(n);
         tasks.drained("approval notifier", task);

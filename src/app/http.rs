@@ -54,7 +54,7 @@ pub(super) async fn start(p: Parts<'_>, tasks: &mut Tasks) -> anyhow::Result<Htt
         auth: authn.clone(),
         metrics: Arc::new(api::Metrics::new(
             // As a message: it names its cause already (no chain to repeat it).
-            cfg.metrics.token().map_err(|e| anyhow::anyhow!("{e}"))?,
+            cfg.metrics.token().map_err(anyhow::Error::msg)?,
             Some(tls.ca.dir.clone()),
         )),
     };

@@ -138,7 +138,7 @@ pub(super) async fn callers(
         ));
     }
     // As a message: it names its cause already (no chain to repeat it).
-    let file = crate::ops::tokens_file_principals(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let file = crate::ops::tokens_file_principals(cfg).map_err(anyhow::Error::msg)?;
     // Sign-in blocks (repeated failures) are audited, one event per block.
     let (block_tx, blocks) = tokio::sync::mpsc::channel(256);
     let mut authn = Authenticator::new(o.store.clone(), shared, file, cfg.hashing_slots)
