@@ -169,6 +169,12 @@ pub const TOOLS: &[ToolDef] = &[
         (false, false, true),
     ),
     tool(
+        "cube_recover",
+        "Find a lease or job again",
+        "After a restart (yours or the appliance's): look up what a lease_ref or job_ref still stands for — its state, its sandbox and whether it is recoverable. It never runs anything again and never makes a new sandbox; give one of lease_ref or job_ref.",
+        READ,
+    ),
+    tool(
         "cube_renew",
         "Keep the sandbox alive",
         "Extend the sandbox's time while you are not using it (within the profile's keepalive limit after your last use).",
@@ -357,6 +363,7 @@ pub fn schema(name: &str) -> Value {
             json!({"lease_ref": lease, "seconds": {"type": "integer", "minimum": 1, "maximum": 86400}}),
             &["lease_ref"],
         ),
+        "cube_recover" => (json!({"lease_ref": lease, "job_ref": job}), &[]),
         "cube_release" => (
             json!({"lease_ref": lease, "action": {"type": "string", "enum": ["kill", "pause"], "default": "kill"}}),
             &["lease_ref"],
@@ -432,6 +439,8 @@ pub enum BadCall {
     NotARef { key: String, prefix: &'static str },
     #[error("no tool named {0}")]
     NoSuchTool(String),
+    #[error("give one of {0} and {1}")]
+    OneOf(&'static str, &'static str),
 }
 
 /// The request a tool call makes, or a message for the model.
@@ -602,6 +611,11 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
             format!("/v1/tasks/{}/receipt", r("task_ref", "task")?),
             json!({}),
         ),
+        "cube_recover" => match (args.contains_key("lease_ref"), args.contains_key("job_ref")) {
+            (true, false) => get(format!("/v1/leases/{}/recover", r("lease_ref", "lease")?)),
+            (false, true) => get(format!("/v1/jobs/{}/recover", r("job_ref", "job")?)),
+            _ => return Err(BadCall::OneOf("lease_ref", "job_ref")),
+        },
         "cube_renew" => post(
             format!("/v1/leases/{}/renew", r("lease_ref", "lease")?),
             body(&["lease_ref"], &[]),
@@ -656,10 +670,50 @@ mod tests {
                 };
                 args.insert(k.into(), json!(v));
             }
+            if t.name == "cube_recover" {
+                // One of two, which a schema without `oneOf` (some hosts
+                // refuse it) cannot require.
+                args.insert("lease_ref".into(), json!("lease_0123456789abcdef0123"));
+            }
             let r = request(t.name, &args, &Host::default()).unwrap();
             assert!(r.path.starts_with("/v1/"), "{}", t.name);
             assert!(!r.path.contains('{'), "{}", t.name);
         }
+    }
+
+    /// `cube_recover` looks up a lease or a job, one of them, and never
+    /// changes anything (a GET).
+    #[test]
+    fn recover_takes_one_reference() {
+        let lease = "lease_0123456789abcdef0123";
+        let job = "job_0123456789abcdef0123";
+        let call = |pairs: &[(&str, &str)]| {
+            let args: Map<String, Value> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), json!(v)))
+                .collect();
+            request("cube_recover", &args, &Host::default())
+        };
+        let r = call(&[("lease_ref", lease)]).unwrap();
+        assert_eq!(
+            (r.method, r.path.as_str()),
+            ("GET", "/v1/leases/lease_0123456789abcdef0123/recover")
+        );
+        let r = call(&[("job_ref", job)]).unwrap();
+        assert_eq!(
+            (r.method, r.path.as_str()),
+            ("GET", "/v1/jobs/job_0123456789abcdef0123/recover")
+        );
+        for bad in [vec![], vec![("lease_ref", lease), ("job_ref", job)]] {
+            assert_eq!(
+                call(&bad).unwrap_err(),
+                BadCall::OneOf("lease_ref", "job_ref")
+            );
+        }
+        assert!(matches!(
+            call(&[("job_ref", lease)]).unwrap_err(),
+            BadCall::NotARef { .. }
+        ));
     }
 
     #[test]

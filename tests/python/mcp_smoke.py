@@ -76,7 +76,7 @@ async def main():
                      "cube_task_plan", "cube_task_submit", "cube_task_status", "cube_task_result",
                      "cube_task_cancel", "cube_task_receipt", "cube_checkpoint", "cube_rollback",
                      "cube_fork", "cube_release"]
-        for name in reference + ["cube_job_resume", "cube_profiles", "cube_renew", "cube_checkpoint_list",
+        for name in reference + ["cube_job_resume", "cube_profiles", "cube_renew", "cube_recover", "cube_checkpoint_list",
                                  "cube_task_templates"]:
             check(name in tools, f"tool {name} is listed")
         check(not any("approve" in n for n in tools), "no tool approves")
@@ -112,6 +112,16 @@ async def main():
                 break
             await asyncio.sleep(0.1)
         check((out, err) == (b"abc", b"err"), f"job output by cursor: {out!r} {err!r}")
+
+        # After a restart an agent finds its lease and job again; nothing runs.
+        r = await call(c, "cube_recover", {"lease_ref": lease})
+        check(not r.is_error and r.structured_content["lease_ref"] == lease
+              and r.structured_content["recoverable"] is True, f"recover lease: {r.content}")
+        r = await call(c, "cube_recover", {"job_ref": job})
+        check(not r.is_error and r.structured_content["job_ref"] == job
+              and r.structured_content["state"] == "succeeded", f"recover job: {r.content}")
+        r = await call(c, "cube_recover", {})
+        check(r.is_error, "recover needs a lease_ref or a job_ref")
 
         # A terminal: type, read what it printed (the profile allows PTYs).
         check("cube_pty_create" in tools, "terminal tools are listed")
