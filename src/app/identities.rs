@@ -123,18 +123,7 @@ pub(super) async fn callers(
         );
         shared.push((
             t.expose().to_string(),
-            Principal {
-                label: None,
-                tenant: "default".into(),
-                subject: "shared-bearer".into(),
-                roles: vec![Role::Agent],
-                runtimes: None,
-                profiles: None,
-                actions: vec!["*".into()],
-                task_templates: vec!["*".into()],
-                task: None,
-                issuer: None,
-            },
+            Principal::unrestricted("default", "shared-bearer", Role::Agent),
         ));
     }
     // As a message: it names its cause already (no chain to repeat it).

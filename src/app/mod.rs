@@ -122,14 +122,9 @@ pub async fn start(
         addr,
         &mut tasks,
     )?;
-    let started = Started {
-        url: String::new(),
-        ca_file: tls.ca.dir.join("ca.pem"),
-        ca_fingerprint: tls.ca.fingerprint(),
-        admin_token_file: callers.admin_token_file,
-        backend: backend.clone(),
-        store: opened.store.clone(),
-    };
+    // The CA, as `serve` prints it (`http` takes the TLS settings).
+    let (ca_file, ca_fingerprint) = (tls.ca.dir.join("ca.pem"), tls.ca.fingerprint());
+    let admin_token_file = callers.admin_token_file;
     let http = http::start(
         http::Parts {
             cfg: &cfg,
@@ -160,7 +155,11 @@ pub async fn start(
     Ok(Running {
         started: Started {
             url: http.url,
-            ..started
+            ca_file,
+            ca_fingerprint,
+            admin_token_file,
+            backend,
+            store: opened.store.clone(),
         },
         state: opened.state,
         store: opened.store,

@@ -79,18 +79,7 @@ pub(crate) async fn bootstrap_admin(
     if !auth::list_tokens(store)?.is_empty() || file.exists() {
         return Ok(None);
     }
-    let principal = Principal {
-        label: None,
-        tenant: "admin".into(),
-        subject: "bootstrap-admin".into(),
-        roles: vec![Role::Admin],
-        runtimes: None,
-        profiles: None,
-        actions: vec!["*".into()],
-        task_templates: vec!["*".into()],
-        task: None,
-        issuer: None,
-    };
+    let principal = Principal::unrestricted("admin", "bootstrap-admin", Role::Admin);
     let (token, rec) = auth::new_token(principal, Some("bootstrap admin".into()), clock);
     auth::store_token(store, rec).await?;
     crate::tls::write_private(file, format!("{token}\n").as_bytes(), 0o600)?;

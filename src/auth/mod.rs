@@ -191,6 +191,24 @@ fn all() -> Vec<String> {
 }
 
 impl Principal {
+    /// `subject` of `tenant` with one role and nothing narrowed: every
+    /// runtime, profile, action scope and task template (the first start's
+    /// admin, the shared token).
+    pub fn unrestricted(tenant: &str, subject: &str, role: Role) -> Principal {
+        Principal {
+            label: None,
+            tenant: tenant.into(),
+            subject: subject.into(),
+            roles: vec![role],
+            runtimes: None,
+            profiles: None,
+            actions: all(),
+            task_templates: all(),
+            task: None,
+            issuer: None,
+        }
+    }
+
     /// What identifies this caller in digests (requester and approver
     /// binding, audit): tenant and subject, and the issuer of an OIDC
     /// identity (one provider's `sub` is not another's).

@@ -299,14 +299,7 @@ async fn the_previous_releases_journal_verifies_with_this_binary() {
         .unwrap();
     store.close().await;
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(BIN)
-            .args(args)
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--config")
-            .arg(&config)
-            .output()
-            .unwrap();
+        let out = crate::kit::cli_at(&state, &config, args);
         assert!(
             out.status.success(),
             "{args:?}: {}",

@@ -39,6 +39,23 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_cube-adapter");
 /// A mebibyte: the output cap most sandbox commands in tests run with.
 pub const MB: usize = 1024 * 1024;
 
+/// `cube-adapter ARGS… --state-dir STATE --config CONFIG`: a command on a
+/// state directory, as an operator runs it.
+pub fn cli_at(
+    state: &std::path::Path,
+    config: &std::path::Path,
+    args: &[&str],
+) -> std::process::Output {
+    std::process::Command::new(BIN)
+        .args(args)
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap()
+}
+
 /// A shell command as the SDK runs it (`/bin/bash -l -c`).
 pub fn sh(cmd: &str) -> cube_adapter::cube::StartOptions {
     cube_adapter::cube::StartOptions::shell(cmd)

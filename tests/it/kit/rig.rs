@@ -98,14 +98,7 @@ impl ProcRig {
 
     /// `cube-adapter ARGS… --state-dir STATE --config CONFIG`.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
-        std::process::Command::new(BIN)
-            .args(args)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .arg("--config")
-            .arg(&self.config)
-            .output()
-            .unwrap()
+        super::cli_at(&self.state, &self.config, args)
     }
 
     /// `status --json`.

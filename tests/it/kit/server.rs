@@ -216,14 +216,7 @@ impl Server {
     /// `cube-adapter ARGS… --state-dir STATE --config EMPTY`: a command on
     /// this appliance's state directory, as an operator runs it.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
-        std::process::Command::new(BIN)
-            .args(args)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .arg("--config")
-            .arg(self.empty_config())
-            .output()
-            .unwrap()
+        super::cli_at(&self.state, &self.empty_config(), args)
     }
 
     /// `token list --json`: the tokens as the CLI lists them.
