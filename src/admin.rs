@@ -45,6 +45,13 @@ pub enum Request {
     AuditExport {
         since: u64,
     },
+    /// `audit reconcile --operation OP` while the service runs: only an
+    /// operation a lease is held by (an MCP call with no answer); the
+    /// intents a crash left wait for a stopped service.
+    AuditReconcileHeld {
+        operation: String,
+        note: String,
+    },
     /// Health, backend, audit, leases, certificate, last reload.
     Status,
     /// As SIGHUP: re-read the configuration and the certificate.
@@ -83,6 +90,10 @@ pub enum Response {
     /// `TokenRevoke`: whether the token existed.
     Revoked {
         found: bool,
+    },
+    /// `AuditReconcileHeld`: the operations reconciled.
+    Reconciled {
+        operations: Vec<String>,
     },
     /// `AuditVerify`: the chain holds (`audit::Verified`, which is not
     /// `Deserialize`, as JSON).
@@ -479,6 +490,24 @@ async fn answer(
                 .map_err(OpError::failed)?;
             authn.clear_cache();
             Response::Revoked { found }
+        }
+        Request::AuditReconcileHeld { operation, note } => {
+            let Some(j) = journal else {
+                return Err(OpError::new("audit_unavailable", "the journal is not open"));
+            };
+            let held = crate::audit::held(store).map_err(OpError::failed)?;
+            if !held.contains(&operation) {
+                return Err(OpError::new(
+                    "invalid_request",
+                    format!(
+                        "no lease is held by operation {operation}: while the service runs only held operations (an MCP call with no answer) are reconciled; stop the service for the others"
+                    ),
+                ));
+            }
+            let operations = crate::audit::reconcile(j, Some(&operation), &note)
+                .await
+                .map_err(OpError::failed)?;
+            Response::Reconciled { operations }
         }
         // Whole-journal reads run on the blocking pool.
         Request::AuditVerify => {

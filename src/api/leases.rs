@@ -31,6 +31,8 @@ pub fn router() -> Router<AppState> {
         .route("/v1/leases/{lease_ref}/release", post(release))
         .route("/v1/leases/{lease_ref}/renew", post(renew))
         .route("/v1/leases/{lease_ref}/recover", get(recover))
+        .route("/v1/leases/{lease_ref}/mcp/tools", get(mcp_tools))
+        .route("/v1/leases/{lease_ref}/mcp/call", post(mcp_call))
         .route("/v1/profiles", get(profiles))
         .route(
             "/v1/leases/{lease_ref}/checkpoints",
@@ -390,6 +392,45 @@ async fn recover(
 ) -> R {
     let c = header_ctx(&h)?;
     ok(st.broker.recover_lease(&p, &c, &lease).await?)
+}
+
+async fn mcp_tools(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    h: HeaderMap,
+) -> R {
+    let c = header_ctx(&h)?;
+    ok(st.broker.mcp_tools(&p, &c, &lease).await?)
+}
+
+/// A governed MCP call: a tool of the lease's policy and its arguments.
+/// No server, command or address: those are the operator's.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct McpCallReq {
+    tool: String,
+    #[serde(default = "empty_object")]
+    arguments: serde_json::Value,
+    #[serde(default)]
+    request_id: Option<String>,
+}
+
+fn empty_object() -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::new())
+}
+
+async fn mcp_call(
+    State(st): State<AppState>,
+    Auth(p): Auth,
+    Path(lease): Path<String>,
+    Strict(b): Strict<McpCallReq>,
+) -> R {
+    let c = ctx(b.request_id.as_deref())?;
+    ok(st
+        .broker
+        .mcp_call(&p, &c, &lease, &b.tool, b.arguments)
+        .await?)
 }
 
 async fn profiles(State(st): State<AppState>, Auth(p): Auth, h: HeaderMap) -> R {

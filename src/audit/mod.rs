@@ -95,7 +95,7 @@ impl Journal {
     /// `key` keys the digests (HMAC-SHA256). The journal is blocked when
     /// intents are pending from an earlier run.
     pub fn open(store: Store, mode: AuditMode, key: Vec<u8>) -> Result<Self, StoreError> {
-        let pending = pending(&store)?;
+        let pending = unheld_pending(&store)?;
         if !pending.is_empty() {
             tracing::error!(
                 count = pending.len(),
@@ -361,6 +361,23 @@ pub fn pending(store: &Store) -> Result<Vec<(String, u64)>, StoreError> {
     store.pending_to_resolve()
 }
 
+/// The operations a lease is held by (`Lease::held_by`): sent, with no
+/// answer (an MCP call past its timeout). Their intents stay pending on
+/// purpose, blocking only their lease, until an operator reconciles them;
+/// a restart leaves them so.
+pub fn held(store: &Store) -> Result<Vec<String>, StoreError> {
+    store.read_now(crate::store::leases::held)
+}
+
+/// [`pending`] but for the held operations: the intents a crash left.
+pub fn unheld_pending(store: &Store) -> Result<Vec<(String, u64)>, StoreError> {
+    let held = held(store)?;
+    Ok(pending(store)?
+        .into_iter()
+        .filter(|(op, _)| !held.contains(op))
+        .collect())
+}
+
 /// Result of `audit verify`.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Verified {
@@ -490,7 +507,9 @@ impl Journal {
 
     /// Serve sandbox effects again once no intent is pending.
     pub fn unblock_if_clear(&self) -> bool {
-        let clear = pending(&self.store).map(|p| p.is_empty()).unwrap_or(false);
+        let clear = unheld_pending(&self.store)
+            .map(|p| p.is_empty())
+            .unwrap_or(false);
         if clear {
             self.blocked.store(false, Ordering::SeqCst);
         }
@@ -543,16 +562,22 @@ pub async fn reconcile(
         ev.note_digest = Some(note_digest.clone());
         ev.error_code = Some(format!("reconciled:{}", intent.action));
         let op2 = op.clone();
+        let lease_ref = intent.lease_ref.clone();
         journal
             .store
             .write(move |txn, chain| {
                 chain.append(txn, ev)?;
-                journal::remove_pending(txn, &op2)
+                journal::remove_pending(txn, &op2)?;
+                // A held lease serves again.
+                if let Some(l) = &lease_ref {
+                    crate::store::leases::unhold(txn, l, &op2)?;
+                }
+                Ok(())
             })
             .await?;
         done.push(op);
     }
-    if pending(&journal.store)
+    if unheld_pending(&journal.store)
         .map(|p| p.is_empty())
         .unwrap_or(false)
     {

@@ -93,6 +93,7 @@ pub const READ_ACTIONS: &[&str] = &[
     "file:stat",
     "task:status",
     "task:receipt",
+    "mcp:list",
 ];
 
 /// What an agent does with its leases, besides reading.
@@ -103,6 +104,7 @@ pub const AGENT_ACTIONS: &[&str] = &[
     "job:*",
     "pty:*",
     "checkpoint:*",
+    "mcp:*",
     "task:plan",
     "task:submit",
     "task:result",

@@ -87,6 +87,9 @@ codes! {
     /// A template that requires a reason, and a plan without one.
     ReasonRequired = "reason_required", BAD_REQUEST, Rejected, None;
     InvalidDecision = "invalid_decision", BAD_REQUEST, Rejected, None;
+    /// Arguments of a governed MCP call that its tool's schema refuses
+    /// (or that are not an object); checked before the sandbox sees them.
+    McpArgumentsInvalid = "mcp_arguments_invalid", BAD_REQUEST, Rejected, None;
 
     // 401
     Unauthorized = "unauthorized", UNAUTHORIZED, Rejected, None;
@@ -104,6 +107,9 @@ codes! {
     TaskTemplateDenied = "task_template_denied", FORBIDDEN, Rejected, None;
     ApproverRequired = "approver_required", FORBIDDEN, Rejected, None;
     SelfApprovalDenied = "self_approval_denied", FORBIDDEN, Rejected, None;
+    /// A governed MCP call to a tool its policy does not allow (or on a
+    /// lease without a policy).
+    McpToolDenied = "mcp_tool_denied", FORBIDDEN, Rejected, None;
 
     // 404
     /// An unknown route.
@@ -142,6 +148,10 @@ codes! {
     /// restart): the request was fine, the terminal is gone.
     PtyNotRunning = "pty_not_running", CONFLICT, Rejected, None;
     ForkConflict = "fork_conflict", CONFLICT, Rejected, None;
+    /// The lease holds an operation whose result nobody knows (an MCP
+    /// call past its timeout): nothing more is done with it until an
+    /// operator reconciles that operation.
+    LeaseBlocked = "lease_blocked", CONFLICT, Rejected, None;
 
     // 410
     /// The sandbox behind the lease is gone (it ended, was killed, timed
@@ -181,6 +191,18 @@ codes! {
     NetworkUnavailable = "network_unavailable", BAD_GATEWAY, Error, None;
     CheckpointCleanupFailed = "checkpoint_cleanup_failed", BAD_GATEWAY, Error, None;
     InvalidArtifact = "invalid_artifact", BAD_GATEWAY, Error, None;
+    /// The sandbox's MCP gateway would not start or open a session: the
+    /// call was not sent.
+    McpGatewayUnavailable = "mcp_gateway_unavailable", BAD_GATEWAY, Error, None;
+    /// The sandbox's MCP server answered a call with an error (or with
+    /// something other than a result).
+    McpCallFailed = "mcp_call_failed", BAD_GATEWAY, Error, None;
+    /// A governed MCP call's result is larger than its policy allows: it
+    /// ran, and its result is not returned.
+    McpResultTooLarge = "mcp_result_too_large", BAD_GATEWAY, Error, None;
+    /// A governed MCP call sent, whose answer never came: it may have
+    /// run. Its intent stays pending and the lease blocked.
+    McpCallUnconfirmed = "mcp_call_unconfirmed", BAD_GATEWAY, Uncertain, None;
 
     // 503
     /// The audit journal (or the store, or the identity store) is
@@ -199,6 +221,17 @@ codes! {
     // 504
     /// A backend operation or a command timed out: it may have happened.
     Timeout = "timeout", GATEWAY_TIMEOUT, Uncertain, None;
+    /// A governed MCP call past its policy's timeout: it may have run.
+    /// Its intent stays pending and the lease blocked.
+    McpCallTimeout = "mcp_call_timeout", GATEWAY_TIMEOUT, Uncertain, None;
+}
+
+impl Code {
+    /// A call sent whose answer is unknown: its intent stays pending and
+    /// its lease is held until an operator reconciles it.
+    pub const fn holds_lease(self) -> bool {
+        matches!(self, Code::McpCallTimeout | Code::McpCallUnconfirmed)
+    }
 }
 
 impl std::fmt::Display for Code {
@@ -267,12 +300,14 @@ mod tests {
     #[test]
     fn only_a_timeout_is_uncertain_and_server_errors_are_errors() {
         for c in Code::ALL {
+            // The codes that hold a lease write no outcome at all: their
+            // intent stays pending until an operator reconciles it.
             assert_eq!(
                 c.outcome() == Outcome::Uncertain,
-                *c == Code::Timeout,
+                *c == Code::Timeout || c.holds_lease(),
                 "{c}"
             );
-            if c.status().is_server_error() && *c != Code::Timeout {
+            if c.status().is_server_error() && *c != Code::Timeout && !c.holds_lease() {
                 assert_eq!(c.outcome(), Outcome::Error, "{c}");
             }
         }

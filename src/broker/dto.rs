@@ -210,6 +210,49 @@ pub struct ProfileInfo {
     pub name: String,
     pub ptys_enabled: bool,
     pub sandbox_timeout_seconds: u64,
+    /// Its governed MCP policy: the tools its sandboxes serve
+    /// (`cube_mcp_tools` lists them once a lease is held).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_policy: Option<String>,
+}
+
+/// `GET /v1/leases/{ref}/mcp/tools`: what the lease's MCP policy allows.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct McpToolList {
+    pub lease_ref: String,
+    pub policy: String,
+    pub call_timeout_seconds: u64,
+    pub max_input_bytes: u64,
+    pub max_output_bytes: u64,
+    pub tools: Vec<McpToolInfo>,
+    pub request_id: String,
+}
+
+/// One tool an agent may call, with the schema its arguments must match.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct McpToolInfo {
+    pub name: String,
+    pub description: String,
+    pub input_schema: serde_json::Value,
+}
+
+/// `POST /v1/leases/{ref}/mcp/call`: the tool's result as MCP gives it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct McpCallResponse {
+    pub executor: Executor,
+    pub lease_ref: String,
+    pub sandbox_ref: String,
+    pub tool: String,
+    /// The tool reported an error (its content says which).
+    pub is_error: bool,
+    /// MCP content blocks (`{"type": "text", "text": …}` and the like).
+    pub content: serde_json::Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub structured_content: Option<serde_json::Value>,
+    /// The result's size as JSON (what the policy's limit counts).
+    pub result_bytes: u64,
+    pub duration_ms: u64,
+    pub request_id: String,
 }
 
 /// `POST /v1/admin/gc`.

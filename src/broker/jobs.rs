@@ -644,6 +644,7 @@ impl Broker {
                         bytes: Some(bytes),
                         persist,
                         touch: true,
+                        fill: None,
                     })
                 },
             )

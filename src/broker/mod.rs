@@ -11,6 +11,7 @@ pub(crate) mod error;
 pub(crate) mod gauges;
 pub(crate) mod jobs;
 pub(crate) mod leases;
+pub(crate) mod mcp;
 pub(crate) mod paths;
 pub(crate) mod ptys;
 pub mod receipts;

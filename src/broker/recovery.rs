@@ -41,9 +41,15 @@ impl Broker {
     /// journal and sweep the sandboxes no lease holds.
     pub async fn recover_after_crash(&self) -> Result<Recovered> {
         let pending = crate::audit::pending_intents(self.inner.journal.store())?;
+        // Held on purpose (a call sent with no answer): an operator's to
+        // reconcile, never resolved here.
+        let held = crate::audit::held(self.inner.journal.store())?;
         let mut r = Recovered::default();
         let mut sweep = false;
         for (op, intent) in pending {
+            if held.contains(&op) {
+                continue;
+            }
             let (outcome, persist) = self.resolve_intent(&intent).await;
             match outcome {
                 Outcome::Ok => r.done += 1,

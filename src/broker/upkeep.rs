@@ -81,6 +81,7 @@ impl Broker {
                 name: name.clone(),
                 ptys_enabled: pr.ptys_enabled,
                 sandbox_timeout_seconds: pr.sandbox_timeout_seconds,
+                mcp_policy: pr.mcp_policy.clone(),
             })
             .collect();
         Ok(dto::ProfileList {
@@ -234,7 +235,8 @@ impl Broker {
         let Some(l) = self.get_lease(lease_ref).await? else {
             return Ok(false);
         };
-        if self.now().1 - l.last_used_unix < self.idle_ttl(&l) {
+        // Held for an operator (an unknown result): never collected.
+        if self.now().1 - l.last_used_unix < self.idle_ttl(&l) || l.held_by.is_some() {
             return Ok(false);
         }
         // Its backend is down: collected when it is back.
@@ -302,7 +304,10 @@ impl Broker {
         let t = self.now().1;
         let (mut collected, mut failed) = (0, 0);
         for l in leases {
-            if t - l.last_used_unix < self.idle_ttl(&l) || !self.backend_up(&l.backend) {
+            if t - l.last_used_unix < self.idle_ttl(&l)
+                || !self.backend_up(&l.backend)
+                || l.held_by.is_some()
+            {
                 continue;
             }
             match self.collect(&l.lease_ref).await {

@@ -200,11 +200,34 @@ pub fn reconcile(args: AuditReconcileArgs) -> Exit {
     };
     let store = match access_config(&cfg) {
         Err(c) => return c,
-        Ok(Access::Socket(_)) => {
-            eprintln!(
-                "error: the service is running; stop it first (`systemctl stop cube-adapter`): reconcile works only offline"
-            );
-            return Exit::State;
+        Ok(Access::Socket(sock)) => {
+            // Running: an operation a lease is held by (a call with no
+            // answer) is reconciled by the service; the rest need it
+            // stopped.
+            let Some(op) = operation else {
+                eprintln!(
+                    "error: the service is running: give --operation OP for an operation a lease is held by, or stop it first (`systemctl stop cube-adapter`) to reconcile the intents a crash left"
+                );
+                return Exit::State;
+            };
+            let req = crate::admin::Request::AuditReconcileHeld {
+                operation: op.to_string(),
+                note: note.to_string(),
+            };
+            return match super::common::ask(&sock, &req) {
+                Ok(crate::admin::Response::Reconciled { operations }) => {
+                    for op in &operations {
+                        println!("reconciled {op}");
+                    }
+                    Exit::Ok
+                }
+                Ok(crate::admin::Response::Error { message }) => {
+                    eprintln!("error: {message}");
+                    Exit::Failed
+                }
+                Ok(other) => super::common::unexpected(other),
+                Err(c) => c,
+            };
         }
         Ok(Access::Store(s)) => s,
     };

@@ -48,6 +48,10 @@ pub struct ConfigImportArgs {
     /// CUBE_ADAPTER_TASK_TEMPLATES_FILE of the .env).
     #[arg(long, value_name = "FILE")]
     pub task_templates: Option<PathBuf>,
+    /// The reference's MCP policies YAML, mcp-policies.yaml (default:
+    /// CUBE_ADAPTER_MCP_POLICIES_FILE of the .env).
+    #[arg(long, value_name = "FILE")]
+    pub mcp_policies: Option<PathBuf>,
     /// The reference's principals JSON (default: CUBE_ADAPTER_TOKENS_FILE
     /// of the .env).
     #[arg(long, value_name = "FILE")]
@@ -69,11 +73,13 @@ pub fn import(a: ConfigImportArgs) -> Exit {
         profiles: abs(a.profiles),
         task_templates: abs(a.task_templates),
         principals: abs(a.principals),
+        mcp_policies: abs(a.mcp_policies),
     };
     if src.env.is_none()
         && src.profiles.is_none()
         && src.task_templates.is_none()
         && src.principals.is_none()
+        && src.mcp_policies.is_none()
     {
         eprintln!(
             "error: nothing to import: give --env FILE (and --profiles, --task-templates, --principals as needed)"

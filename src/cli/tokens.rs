@@ -17,7 +17,7 @@ pub enum TokenCommand {
     ///
     /// The token is shown once (only a keyed hash of it is kept). Without
     /// --action, the roles give the scopes: an agent its lease, exec, file,
-    /// job, PTY, checkpoint and task-planning actions and reads; an approver
+    /// job, PTY, checkpoint, MCP (mcp:*) and task-planning actions and reads; an approver
     /// task decisions (task:approve) and reads; an auditor reads only; an
     /// admin everything. Works while
     /// the service runs (through its admin socket) and while it is

@@ -44,6 +44,8 @@ pub struct Sources {
     pub profiles: Option<PathBuf>,
     pub task_templates: Option<PathBuf>,
     pub principals: Option<PathBuf>,
+    /// The reference's `mcp-policies.yaml` (governed MCP in the sandbox).
+    pub mcp_policies: Option<PathBuf>,
 }
 
 /// One line of the report: a variable or key, and where it went or why it
@@ -634,6 +636,7 @@ pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, ImportErro
     )?;
     let has_backend = backend.is_some();
     b.sections.extend(backend);
+    b.mcp_policies(&src.mcp_policies)?;
     let profiles = b.profiles(&src.profiles, template.as_deref(), has_backend)?;
     b.task_templates(&src.task_templates, &profiles)?;
     b.leftovers();
@@ -1301,6 +1304,27 @@ impl Build<'_> {
         Ok(())
     }
 
+    /// `[mcp_policies.NAME]`: the reference's `mcp-policies.yaml`.
+    fn mcp_policies(&mut self, flag: &Option<PathBuf>) -> Result<(), ImportError> {
+        let Some((p, named)) = source(
+            flag,
+            &mut self.env,
+            "CUBE_ADAPTER_MCP_POLICIES_FILE",
+            "--mcp-policies",
+            &mut self.rep,
+        )?
+        else {
+            return Ok(());
+        };
+        let n = mcp_policies(&p, &mut self.sections, &mut self.rep)?;
+        self.rep.carried(
+            named,
+            format!("{}: {n} MCP policies as [mcp_policies.*]", p.display()),
+        );
+        self.rep.sources.push(("MCP policies".into(), p));
+        Ok(())
+    }
+
     /// What is left of the env file: not carried, each with its reason.
     fn leftovers(&mut self) {
         for (k, (v, _)) in std::mem::take(&mut self.env.vars) {
@@ -1723,6 +1747,11 @@ fn profile(
                     t.insert(k.into(), toml::Value::Table(w));
                 }
             }
+            "mcp_policy" => {
+                if !v.is_null() {
+                    t.insert(k.into(), tstr(string(v, &at(k))?));
+                }
+            }
             "distribution_scope" => {
                 let s = strings(v, &at(k))?;
                 if !s.is_empty() {
@@ -1778,6 +1807,189 @@ fn profile(
         },
         named_template,
     ))
+}
+
+/// The reference's `mcp-policies.yaml`: `policies:` (or the top level) maps
+/// each policy's name to its server (`server: {name, command, env}`, or
+/// `command`/`env` beside the rest), its `tools` (a map of name to
+/// `{description, input_schema}`, or a list of such with `name`), its
+/// timeout (`timeout_seconds` or `call_timeout_seconds`) and limits
+/// (`max_input_bytes`, `max_output_bytes`). A list `command` is joined
+/// as shell words. Each policy is checked as `config check` would.
+fn mcp_policies(
+    p: &Path,
+    sections: &mut Vec<Piece>,
+    rep: &mut Report,
+) -> Result<usize, ImportError> {
+    let shown = p.display().to_string();
+    let doc = read_yaml(p)?;
+    let lines = KeyLines::of(&read_text(p)?);
+    let top = object(&doc, &shown)?;
+    let (all, wrapped) = match top.get("policies") {
+        Some(v) => (object(v, &format!("{shown}: policies"))?.clone(), true),
+        None => (top.clone(), false),
+    };
+    if all.is_empty() {
+        return Err(ImportError::NoPolicy(shown));
+    }
+    for (name, v) in &all {
+        let line = |k: &str| {
+            if wrapped {
+                lines.line(&[&["policies", name, k], &["policies", name]])
+            } else {
+                lines.line(&[&[name, k], &[name]])
+            }
+        };
+        let at = |k: &str| format!("{}: policy {name}: {k}", file_line(&shown, line(k)));
+        let m = object(v, &at(""))?;
+        let mut t = toml::Table::new();
+        let server = match m.get("server") {
+            Some(Value::Object(s)) => s.clone(),
+            Some(Value::String(s)) => Map::from_iter([("name".into(), Value::String(s.clone()))]),
+            _ => Map::new(),
+        };
+        let get = |k: &str| server.get(k).or_else(|| m.get(k));
+        if let Some(n) = server.get("name") {
+            t.insert("server".into(), tstr(string(n, &at("server.name"))?));
+        }
+        let command = match get("command")
+            .or_else(|| get("run_cmd"))
+            .or_else(|| get("runCmd"))
+        {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| string(x, &at("command")).map(|s| super::tasks::shell_quote(&s)))
+                .collect::<Result<Vec<_>, _>>()?
+                .join(" "),
+            Some(x) => string(x, &at("command"))?,
+            None => String::new(),
+        };
+        t.insert("command".into(), tstr(command));
+        if let Some(e) = get("env").or_else(|| get("envs")) {
+            let mut env = toml::Table::new();
+            for (k, x) in object(e, &at("env"))? {
+                env.insert(k.clone(), tstr(string(x, &at(&format!("env.{k}")))?));
+            }
+            t.insert("env".into(), toml::Value::Table(env));
+        }
+        if let Some(d) = m.get("description") {
+            t.insert("description".into(), tstr(string(d, &at("description"))?));
+        }
+        for (keys, to) in [
+            (
+                &["call_timeout_seconds", "timeout_seconds"][..],
+                "call_timeout_seconds",
+            ),
+            (&["max_input_bytes"][..], "max_input_bytes"),
+            (&["max_output_bytes"][..], "max_output_bytes"),
+        ] {
+            if let Some((k, x)) = keys.iter().find_map(|k| m.get(*k).map(|x| (*k, x))) {
+                t.insert(to.into(), tint(int(x, &at(k), 1)?));
+            }
+        }
+        let mut tools = toml::Table::new();
+        let listed: Vec<(String, Map<String, Value>)> =
+            match m.get("tools").or_else(|| m.get("allowed_tools")) {
+                Some(Value::Object(o)) => o
+                    .iter()
+                    .map(|(k, x)| Ok((k.clone(), object(x, &at(&format!("tools.{k}")))?.clone())))
+                    .collect::<Result<_, ImportError>>()?,
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| {
+                        let o = object(x, &at("tools"))?;
+                        let n = string(o.get("name").unwrap_or(&Value::Null), &at("tools.name"))?;
+                        Ok((n, o.clone()))
+                    })
+                    .collect::<Result<_, ImportError>>()?,
+                _ => vec![],
+            };
+        for (tool, o) in listed {
+            let mut tt = toml::Table::new();
+            if let Some(d) = o.get("description") {
+                tt.insert(
+                    "description".into(),
+                    tstr(string(d, &at(&format!("tools.{tool}.description")))?),
+                );
+            }
+            let schema = o
+                .get("input_schema")
+                .or_else(|| o.get("inputSchema"))
+                .or_else(|| o.get("parameters"))
+                .or_else(|| o.get("schema"))
+                .cloned()
+                .unwrap_or(Value::Null);
+            let schema: toml::Value =
+                toml::Value::try_from(&schema).map_err(|source| ImportError::Toml {
+                    at: at(&format!("tools.{tool}.input_schema")),
+                    source,
+                })?;
+            tt.insert("input_schema".into(), schema);
+            for other in o.keys().filter(|k| {
+                ![
+                    "name",
+                    "description",
+                    "input_schema",
+                    "inputSchema",
+                    "parameters",
+                    "schema",
+                ]
+                .contains(&k.as_str())
+            }) {
+                rep.not_carried(
+                    format!("{shown}: {name}.tools.{tool}.{other}"),
+                    "no such setting of a tool here",
+                );
+            }
+            tools.insert(tool, toml::Value::Table(tt));
+        }
+        t.insert("tools".into(), toml::Value::Table(tools));
+        for other in m.keys().filter(|k| {
+            ![
+                "server",
+                "command",
+                "run_cmd",
+                "runCmd",
+                "env",
+                "envs",
+                "description",
+                "call_timeout_seconds",
+                "timeout_seconds",
+                "max_input_bytes",
+                "max_output_bytes",
+                "tools",
+                "allowed_tools",
+            ]
+            .contains(&k.as_str())
+        }) {
+            rep.not_carried(
+                format!("{shown}: {name}.{other}"),
+                "no such setting of an MCP policy here",
+            );
+        }
+        // What the loader will say, said here with the file's name.
+        let policy: super::McpPolicy =
+            toml::Value::Table(t.clone())
+                .try_into()
+                .map_err(|source| ImportError::Profile {
+                    at: format!("{}: policy {name}", file_line(&shown, line(""))),
+                    source,
+                })?;
+        policy.validate(name).map_err(|e| ImportError::Invalid {
+            at: format!("{}: policy {name}", file_line(&shown, line(""))),
+            why: e.to_string(),
+        })?;
+        rep.carried(
+            format!("{shown}: policy {name}"),
+            format!("[mcp_policies.{name}]"),
+        );
+        sections.push(Piece {
+            comment: vec![format!("[mcp_policies.{name}]: from {shown}.")],
+            path: vec!["mcp_policies".into(), name.clone()],
+            value: toml::Value::Table(t),
+        });
+    }
+    Ok(all.len())
 }
 
 fn workspace(
@@ -1997,6 +2209,8 @@ pub enum ImportError {
     NoProfile(String),
     #[error("{0}: defines no task (tasks: {{name: {{…}}}})")]
     NoTask(String),
+    #[error("{0}: defines no MCP policy (policies: {{name: {{…}}}})")]
+    NoPolicy(String),
     #[error("CUBE_ADAPTER_AUDIT_SINKS names http but CUBE_ADAPTER_AUDIT_HTTP_URL is unset")]
     HttpSinkWithoutUrl,
     #[error(

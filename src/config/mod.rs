@@ -9,11 +9,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub(crate) mod import;
+pub(crate) mod mcp;
 pub(crate) mod paths;
 /// `[[audit.sinks]]` (defined with the sinks, below this layer).
 pub use crate::audit::sinks::def as sinks;
 pub(crate) mod tasks;
 
+pub use self::mcp::McpPolicy;
 pub use self::tasks::TaskTemplate;
 use crate::audit::AuditMode;
 use crate::embedded::{Isolation, TemplateConfig};
@@ -57,6 +59,9 @@ pub struct Config {
     pub gc_interval_seconds: u64,
     /// Task templates by name (trusted tasks with approval).
     pub tasks: BTreeMap<String, TaskTemplate>,
+    /// Governed MCP servers inside sandboxes, by name (`[mcp_policies.NAME]`);
+    /// a profile binds one (`mcp_policy`).
+    pub mcp_policies: BTreeMap<String, McpPolicy>,
     /// How long GC keeps a plan that never ran (denied or expired) past
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
@@ -850,6 +855,12 @@ pub struct Profile {
     /// workspaces stay the same.
     #[serde(skip_serializing_if = "Workspace::is_default")]
     pub workspace: Workspace,
+    /// The governed MCP server its sandboxes run (`[mcp_policies.NAME]`),
+    /// called through `cube_mcp_call`. Such a profile has public traffic
+    /// off and no checkpoints. Not written when unset: profile digests made
+    /// before MCP policies stay the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mcp_policy: Option<String>,
 }
 
 /// How a profile's sandboxes keep their files (`[profiles.NAME.workspace]`,
@@ -1029,6 +1040,7 @@ impl Default for Profile {
             admin_self_approval: false,
             max_keepalive_seconds: 3600,
             workspace: Workspace::default(),
+            mcp_policy: None,
         }
     }
 }
@@ -1131,6 +1143,7 @@ impl Default for Config {
             hashing_slots: 2,
             gc_interval_seconds: 30,
             tasks: BTreeMap::new(),
+            mcp_policies: BTreeMap::new(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
@@ -1493,6 +1506,33 @@ impl Config {
                     "timeouts must be at least 1 second",
                 ));
             }
+            if let Some(m) = &p.mcp_policy {
+                if !self.mcp_policies.contains_key(m) {
+                    return Err(ConfigError::Missing {
+                        at: at(),
+                        why: format!("mcp_policy '{m}' is not defined ([mcp_policies.{m}])"),
+                    });
+                }
+                // The gateway's port must not be reachable from outside,
+                // nor the server reach out.
+                if p.network_access() {
+                    return Err(ConfigError::Conflict {
+                        at: at(),
+                        why: "mcp_policy needs public traffic off (allow_internet_access = false, no network.allow_out)".into(),
+                    });
+                }
+                // A snapshot would carry the gateway and its token into
+                // every sandbox made from it.
+                if p.checkpoints_enabled {
+                    return Err(ConfigError::Conflict {
+                        at: at(),
+                        why: "mcp_policy and checkpoints_enabled do not go together (a checkpoint would reuse the gateway's token)".into(),
+                    });
+                }
+            }
+        }
+        for (name, m) in &self.mcp_policies {
+            m.validate(name)?;
         }
         self.validate_backends()?;
         self.connections.validate()?;
@@ -1661,6 +1701,9 @@ pub enum ConfigError {
     /// `[tasks.NAME]`.
     #[error(transparent)]
     Task(#[from] tasks::TemplateError),
+    /// `[mcp_policies.NAME]`.
+    #[error(transparent)]
+    McpPolicy(#[from] mcp::McpPolicyError),
 }
 
 impl ConfigError {

@@ -473,6 +473,8 @@ pub const CSV_COLUMNS: &[&str] = &[
     "approver_digest",
     "task_state",
     "cleanup",
+    "tool",
+    "result_digest",
     "prev_hash",
     "hash",
 ];

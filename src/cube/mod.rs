@@ -4,6 +4,7 @@
 
 pub(crate) mod client;
 pub(crate) mod envd;
+pub(crate) mod mcp;
 /// The wire types, shared with the embedded backend (`cube_embedded::wire`).
 pub use cube_embedded::wire;
 

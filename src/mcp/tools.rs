@@ -175,6 +175,18 @@ pub const TOOLS: &[ToolDef] = &[
         READ,
     ),
     tool(
+        "cube_mcp_tools",
+        "List the sandbox's MCP tools",
+        "The MCP tools the lease's profile lets you call inside its sandbox (its operator's MCP policy), each with the JSON Schema its arguments must match, and the call limits. Empty policy: the profile has none.",
+        READ,
+    ),
+    tool(
+        "cube_mcp_call",
+        "Call an MCP tool in the sandbox",
+        "Call one of the MCP tools from cube_mcp_tools on the server inside the lease's sandbox. The operator chose the server; you give only the tool's name and its arguments, which must match its schema exactly (no extra fields). A call that does not answer within the policy's timeout may have run: the lease is then blocked until an operator checks it, so do not retry blindly.",
+        WRITE,
+    ),
+    tool(
         "cube_renew",
         "Keep the sandbox alive",
         "Extend the sandbox's time while you are not using it (within the profile's keepalive limit after your last use).",
@@ -364,6 +376,16 @@ pub fn schema(name: &str) -> Value {
             &["lease_ref"],
         ),
         "cube_recover" => (json!({"lease_ref": lease, "job_ref": job}), &[]),
+        "cube_mcp_tools" => (json!({"lease_ref": lease}), &["lease_ref"]),
+        "cube_mcp_call" => (
+            json!({
+                "lease_ref": lease,
+                "tool": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "A tool name from cube_mcp_tools."},
+                "arguments": {"type": "object", "description": "The tool's arguments, matching its input_schema from cube_mcp_tools."},
+                "request_id": request_id,
+            }),
+            &["lease_ref", "tool"],
+        ),
         "cube_release" => (
             json!({"lease_ref": lease, "action": {"type": "string", "enum": ["kill", "pause"], "default": "kill"}}),
             &["lease_ref"],
@@ -616,6 +638,11 @@ pub fn request(name: &str, args: &Map<String, Value>, host: &Host) -> Result<Req
             (false, true) => get(format!("/v1/jobs/{}/recover", r("job_ref", "job")?)),
             _ => return Err(BadCall::OneOf("lease_ref", "job_ref")),
         },
+        "cube_mcp_tools" => get(format!("/v1/leases/{}/mcp/tools", r("lease_ref", "lease")?)),
+        "cube_mcp_call" => post(
+            format!("/v1/leases/{}/mcp/call", r("lease_ref", "lease")?),
+            body(&["lease_ref"], &[("arguments", json!({}))]),
+        ),
         "cube_renew" => post(
             format!("/v1/leases/{}/renew", r("lease_ref", "lease")?),
             body(&["lease_ref"], &[]),

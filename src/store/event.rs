@@ -102,6 +102,12 @@ pub struct Event {
     pub task_state: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cleanup: Option<String>,
+    /// The tool of a governed MCP call (`mcp_call`), as its policy names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// A keyed digest of what a call returned (`mcp_call`'s outcome).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_digest: Option<String>,
     pub prev_hash: String,
     pub hash: String,
 }
@@ -217,6 +223,8 @@ impl Event {
             approver_digest,
             task_state,
             cleanup,
+            tool,
+            result_digest,
             prev_hash,
             hash,
         } = self;
@@ -262,6 +270,8 @@ impl Event {
             approver_digest,
             task_state,
             cleanup,
+            tool,
+            result_digest,
         ]
         .into_iter()
         .flatten()
@@ -275,7 +285,7 @@ impl Event {
     /// The largest an event can be once [`Event::bound`]: every text field
     /// at [`FIELD_MAX`], as JSON (with its names and the numbers at their
     /// widest). A unit test checks a full event against it.
-    pub const MAX_JSON: usize = 48 * (FIELD_MAX + 32) + 12 * REASON_MAX + 32;
+    pub const MAX_JSON: usize = 50 * (FIELD_MAX + 32) + 12 * REASON_MAX + 32;
 }
 
 #[cfg(test)]
@@ -368,6 +378,8 @@ mod tests {
                 "approver_digest",
                 "task_state",
                 "cleanup",
+                "tool",
+                "result_digest",
             ] {
                 o.insert(k.into(), serde_json::Value::String(wide.clone()));
             }

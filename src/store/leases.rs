@@ -109,6 +109,19 @@ pub struct Lease {
     /// The volume mounted as its workspace, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<LeaseVolume>,
+    /// Its governed MCP server (`[mcp_policies.NAME]`), started with the
+    /// sandbox: the policy named when it was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_policy: Option<String>,
+    /// The MCP gateway's access token, sealed with the store's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_token: Option<String>,
+    /// The operation whose result nobody knows (an MCP call past its
+    /// timeout): its intent stays pending, and the lease takes no effect,
+    /// not even a release, until an operator reconciles it (`cube-adapter
+    /// audit reconcile --operation OP`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<String>,
 }
 
 /// A lease's workspace volume.
@@ -176,6 +189,33 @@ pub fn by_session(txn: &impl ReadOps, key: &str) -> Result<Option<Lease>, StoreE
 
 pub fn put(txn: &impl WriteOps, l: &Lease) -> Result<(), StoreError> {
     typed::put(txn, tables::LEASES, &l.lease_ref, l)
+}
+
+/// Hold a lease for an operation whose result is unknown (if the lease
+/// still exists).
+pub fn hold(txn: &impl WriteOps, lease_ref: &str, op: &str) -> Result<(), StoreError> {
+    if let Some(mut l) = get(txn, lease_ref)? {
+        l.held_by = Some(op.to_string());
+        put(txn, &l)?;
+    }
+    Ok(())
+}
+
+/// Lift the hold of `op` from its lease, if one has it: whether one did.
+pub fn unhold(txn: &impl WriteOps, lease_ref: &str, op: &str) -> Result<bool, StoreError> {
+    match get(txn, lease_ref)? {
+        Some(mut l) if l.held_by.as_deref() == Some(op) => {
+            l.held_by = None;
+            put(txn, &l)?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// The operations leases are held by (`Lease::held_by`).
+pub fn held(txn: &impl ReadOps) -> Result<Vec<String>, StoreError> {
+    Ok(all(txn)?.into_iter().filter_map(|l| l.held_by).collect())
 }
 
 /// Point a session key at a lease.

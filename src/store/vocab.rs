@@ -196,6 +196,10 @@ vocabulary! {
         Move = "move",
         ArtifactUpload = "artifact_upload",
         ArtifactDownload = "artifact_download",
+        /// A governed MCP tool called in a lease's sandbox.
+        McpCall = "mcp_call",
+        /// The governed MCP tools of a lease listed.
+        McpTools = "mcp_tools",
         // Checkpoints.
         CheckpointList = "checkpoint_list",
         CheckpointCreate = "checkpoint_create",

@@ -618,3 +618,85 @@ fn task_templates_and_shipped_profiles_keep_their_meaning() {
     assert!(!p.keepalive_enabled);
     assert_eq!(p.sandbox_timeout_seconds, 300);
 }
+
+/// The reference's `mcp-policies.yaml` and a profile's `mcp_policy`: the
+/// controlled echo becomes `[mcp_policies.controlled-echo]`, which
+/// `config check` takes; a policy whose schema is open is refused with the
+/// file and line.
+#[test]
+fn mcp_policies_and_a_profiles_mcp_policy_are_imported() {
+    let dir = fixtures();
+    std::fs::write(
+        dir.path().join("ref/mcp-profiles.yaml"),
+        "mcp-echo:\n  template: tpl-1\n  mcp_policy: controlled-echo\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let r = run(
+        &[
+            "config",
+            "import",
+            "--profiles",
+            "ref/mcp-profiles.yaml",
+            "--mcp-policies",
+            "ref/mcp-policies.yaml",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(r.code, 0, "{}\n{}", r.out, r.err);
+    assert!(
+        r.out.contains("[mcp_policies.controlled-echo]"),
+        "{}",
+        r.out
+    );
+    let check = run(
+        &[
+            "config",
+            "check",
+            "--config",
+            out.join("config.toml").to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(check.code, 0, "{}\n{}", check.out, check.err);
+    let cfg = load(&out.join("config.toml"));
+    let p = &cfg.mcp_policies["controlled-echo"];
+    assert_eq!(p.server.as_deref(), Some("github/acme/echo-mcp"));
+    assert_eq!(p.command, "node /opt/echo-mcp/index.js --stdio");
+    assert_eq!(p.env["LOG_LEVEL"], "warn");
+    assert_eq!(p.call_timeout_seconds, 15);
+    assert_eq!(
+        p.tools["echo"].input_schema["properties"]["text"]["maxLength"],
+        256
+    );
+    assert_eq!(
+        cfg.profiles["mcp-echo"].mcp_policy.as_deref(),
+        Some("controlled-echo")
+    );
+
+    // An open schema: refused, naming the file and the policy's line.
+    let text = std::fs::read_to_string(dir.path().join("ref/mcp-policies.yaml"))
+        .unwrap()
+        .replace("additionalProperties: false", "additionalProperties: true");
+    std::fs::write(dir.path().join("ref/open.yaml"), text).unwrap();
+    let r = run(
+        &[
+            "config",
+            "import",
+            "--mcp-policies",
+            "ref/open.yaml",
+            "--out",
+            dir.path().join("out2").to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_ne!(r.code, 0);
+    assert!(
+        r.err.contains("open.yaml:3: policy controlled-echo")
+            && r.err.contains("closed object schema"),
+        "{}",
+        r.err
+    );
+}

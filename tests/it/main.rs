@@ -23,6 +23,7 @@ mod cube_client;
 mod embedded;
 mod escape;
 mod export;
+mod governed_mcp;
 mod hosts;
 mod identities;
 mod jobs;

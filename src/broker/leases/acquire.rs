@@ -386,6 +386,24 @@ impl Broker {
                 Err(e) if e.kind == ErrorKind::Conflict => {}
                 Err(e) => tracing::warn!(error = %e, "could not make /workspace in a new sandbox"),
             }
+            // The profile's governed MCP server, behind the sandbox's
+            // gateway: a sandbox whose gateway does not start is not kept.
+            let mcp_token = match &prof.mcp_policy {
+                None => None,
+                Some(policy) => {
+                    match this
+                        .start_gateway(&cube, &addr, &backend_name, policy)
+                        .await
+                    {
+                        Ok(sealed) => Some(sealed),
+                        Err(err) => {
+                            let _ = cube.kill(&created.sandbox_id).await;
+                            this.fail(intent, &err).await?;
+                            return Err(err);
+                        }
+                    }
+                }
+            };
             let (ts, unix) = this.now();
             let sealed = match &created.traffic_access_token {
                 Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
@@ -423,6 +441,9 @@ impl Broker {
                 replaced_lease_ref: replaced,
                 backend: backend_name,
                 volume,
+                mcp_policy: mcp_token.as_ref().and(prof.mcp_policy.clone()),
+                mcp_token,
+                held_by: None,
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();

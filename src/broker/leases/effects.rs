@@ -56,6 +56,11 @@ impl Broker {
         if self.profile(&l.profile).is_none() {
             return Err(self.reject(ev, Self::profile_gone(&l)).await);
         }
+        // A call whose result nobody knows holds the lease until an
+        // operator reconciles it: nothing else runs on it meanwhile.
+        if let Some(op) = &l.held_by {
+            return Err(self.reject(ev, Self::blocked(op)).await);
+        }
         fill(&mut ev);
         let addr = self.addr(&l)?;
         let intent = self.inner.journal.intent(ev).await?;
@@ -79,6 +84,15 @@ impl Broker {
                 r => r,
             };
             let restore = l.ttl_seconds.is_some();
+            // Sent, and no answer: the intent stays pending and the lease
+            // is held (no outcome is made up).
+            if let Err(e) = &r
+                && e.code.holds_lease()
+            {
+                b.hold(intent, &l).await;
+                drop(hold);
+                return Err(e.clone());
+            }
             crate::broker::failpoint_for("before_outcome", intent.action());
             let r = b.finish(intent, l, r).await;
             drop(hold);
@@ -89,6 +103,33 @@ impl Broker {
         });
         task.await
             .map_err(|_| Error::new(Code::ExecutionFailed, "the operation was interrupted"))?
+    }
+
+    /// The answer for a lease an unknown result holds.
+    pub(crate) fn blocked(op: &str) -> Error {
+        Error::new(
+            Code::LeaseBlocked,
+            format!(
+                "the lease is blocked: operation {op} was sent and its result is unknown (it may have run); \
+                 an operator must check and reconcile it (cube-adapter audit reconcile --operation {op} --note ...)"
+            ),
+        )
+    }
+
+    /// Leave an intent pending and hold its lease (`Lease::held_by`), so
+    /// that nothing runs on it until the operation is reconciled.
+    async fn hold(&self, intent: Intent, l: &Lease) {
+        let op = intent.operation_id.clone();
+        let lease_ref = l.lease_ref.clone();
+        tracing::warn!(lease = %lease_ref, operation = %op, action = %intent.action(), "a call's result is unknown: its intent stays pending and the lease is blocked until reconciled");
+        let r = self
+            .inner
+            .store
+            .write(move |txn, _| store::leases::hold(txn, &lease_ref, &op))
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "could not record a held lease");
+        }
     }
 
     /// The answer for a lease whose sandbox is gone.
@@ -168,6 +209,7 @@ impl Broker {
                 bytes,
                 persist,
                 touch,
+                fill,
             }) => {
                 if touch {
                     let (ts, unix) = self.now();
@@ -184,6 +226,9 @@ impl Broker {
                         |e| {
                             e.exit_code = exit;
                             e.bytes = bytes;
+                            if let Some(f) = fill {
+                                f(e);
+                            }
                         },
                         move |txn| {
                             let exists = store::leases::exists(txn, &l2.lease_ref)?;

@@ -254,6 +254,9 @@ impl Broker {
         self.ready_client(&l.backend)?;
         let mut ev = self.lease_event(p, Action::Release, ctx, &l);
         ev.release_action = Some(action.to_string());
+        if let Some(op) = &l.held_by {
+            return Err(self.reject(ev, Self::blocked(op)).await);
+        }
         let intent = self.inner.journal.intent(ev).await?;
         // From here the release runs to its recorded outcome even if the
         // client goes away (drained at shutdown).

@@ -76,6 +76,9 @@ pub(crate) type Persist =
 
 /// What an effect gives back: its value, what its outcome event records,
 /// and state to write in the outcome's transaction.
+/// More for an outcome event.
+pub(crate) type Fill = Box<dyn FnOnce(&mut Event) + Send>;
+
 pub(crate) struct Done<T> {
     pub value: T,
     pub exit_code: Option<i32>,
@@ -83,6 +86,8 @@ pub(crate) struct Done<T> {
     pub persist: Option<Persist>,
     /// Count as use of the lease (`last_used_at`; true unless said otherwise).
     pub touch: bool,
+    /// More for the outcome event (a result's digest).
+    pub fill: Option<Fill>,
 }
 
 impl<T> Done<T> {
@@ -93,7 +98,14 @@ impl<T> Done<T> {
             bytes: None,
             persist: None,
             touch: true,
+            fill: None,
         }
+    }
+
+    /// Add to the outcome event.
+    pub fn fill(mut self, f: impl FnOnce(&mut Event) + Send + 'static) -> Self {
+        self.fill = Some(Box::new(f));
+        self
     }
 
     /// Not a use of the lease: renewals leave `last_used_at` alone, so

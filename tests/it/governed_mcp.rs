@@ -1,0 +1,432 @@
+//! Governed MCP inside the sandbox (`[mcp_policies.NAME]`, `cube_mcp_call`)
+//! on the embedded backend, end to end: the reference's controlled-echo
+//! policy through `/v1`, through `/mcp` and through stdio with the official
+//! Python `mcp` SDK; what is refused before the sandbox sees it (the
+//! gateway's own log, read in the sandbox, says what reached it); what the
+//! journal keeps; a call past its timeout that holds its lease until an
+//! operator reconciles it.
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::kit::{Server, code};
+use cube_adapter::config::{Config, McpPolicy, Profile};
+
+/// The dependency-free MCP stdio server (`echo`, `sleep`) the gateway runs.
+const ECHO_SERVER: &str = include_str!("../mcp/echo-server.js");
+
+/// A policy running the test server, with these tools' schemas.
+fn policy(timeout: u64, tools: &str) -> McpPolicy {
+    let mut p: McpPolicy = toml::from_str(&format!(
+        r#"
+description = "The reference's controlled echo"
+command = 'exec node -e "$SERVER_JS"'
+call_timeout_seconds = {timeout}
+max_input_bytes = 1024
+max_output_bytes = 4096
+{tools}
+"#
+    ))
+    .unwrap();
+    p.env.insert("SERVER_JS".into(), ECHO_SERVER.into());
+    p
+}
+
+const ECHO: &str = r#"
+[tools.echo]
+description = "Echo the text back"
+input_schema = { type = "object", additionalProperties = false, required = ["text"], properties = { text = { type = "string", maxLength = 256 } } }
+"#;
+
+const SLEEP: &str = r#"
+[tools.sleep]
+description = "Wait, then answer"
+input_schema = { type = "object", additionalProperties = false, required = ["seconds"], properties = { seconds = { type = "integer", minimum = 0, maximum = 60 } } }
+"#;
+
+/// `mcp-echo` (controlled echo, 15 s) and `mcp-slow` (echo and sleep, 2 s).
+pub fn configure(c: &mut Config) {
+    c.mcp_policies
+        .insert("controlled-echo".into(), policy(15, ECHO));
+    c.mcp_policies
+        .insert("slow-echo".into(), policy(2, &format!("{ECHO}{SLEEP}")));
+    for (name, pol) in [("mcp-echo", "controlled-echo"), ("mcp-slow", "slow-echo")] {
+        c.profiles.insert(
+            name.into(),
+            Profile {
+                mcp_policy: Some(pol.into()),
+                ..Profile::default()
+            },
+        );
+    }
+}
+
+async fn acquire(s: &Server, profile: &str, session: &str) -> String {
+    let (st, v) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": session, "profile": profile}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    v["lease_ref"].as_str().unwrap().to_string()
+}
+
+async fn call(s: &Server, lease: &str, body: Value) -> (StatusCode, Value) {
+    s.post(&s.admin, &format!("/v1/leases/{lease}/mcp/call"), body)
+        .await
+}
+
+/// What reached the gateway in the sandbox, one JSON line per request.
+async fn gateway_log(s: &Server, lease: &str) -> Vec<Value> {
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "cat /run/mcp-gateway/calls.log"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    v["stdout"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn tool_calls(log: &[Value]) -> Vec<&Value> {
+    log.iter().filter(|l| l["method"] == "tools/call").collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controlled_echo_policy_through_v1_refuses_before_the_sandbox() {
+    let s = Server::start_with(configure).await;
+    let lease = acquire(&s, "mcp-echo", "governed-v1").await;
+
+    // The agent sees the policy's tools and schemas, nothing else.
+    let (st, v) = s
+        .get(&s.admin, &format!("/v1/leases/{lease}/mcp/tools"))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["policy"], "controlled-echo");
+    assert_eq!(v["call_timeout_seconds"], 15);
+    let tools = v["tools"].as_array().unwrap();
+    assert_eq!(tools.len(), 1, "{v}");
+    assert_eq!(tools[0]["name"], "echo");
+    assert_eq!(
+        tools[0]["input_schema"]["properties"]["text"]["maxLength"],
+        256
+    );
+
+    // 256 characters: echoed by the server in the sandbox.
+    let text = format!("{:x<256}", "governed-marker-");
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "echo", "arguments": {"text": text}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["is_error"], false, "{v}");
+    assert_eq!(v["content"][0]["text"], text.as_str(), "{v}");
+    assert!(v["result_bytes"].as_u64().unwrap() > 256, "{v}");
+    let log = gateway_log(&s, &lease).await;
+    assert_eq!(tool_calls(&log).len(), 1, "{log:?}");
+    assert_eq!(tool_calls(&log)[0]["tool"], "echo");
+
+    // Refused here, never sent: 257 characters, an extra field, an unlisted
+    // tool, a server the agent names, arguments that are not an object.
+    for (body, status, want) in [
+        (
+            json!({"tool": "echo", "arguments": {"text": format!("{text}y")}}),
+            StatusCode::BAD_REQUEST,
+            "mcp_arguments_invalid",
+        ),
+        (
+            json!({"tool": "echo", "arguments": {"text": "a", "extra": true}}),
+            StatusCode::BAD_REQUEST,
+            "mcp_arguments_invalid",
+        ),
+        (
+            json!({"tool": "echo", "arguments": {}}),
+            StatusCode::BAD_REQUEST,
+            "mcp_arguments_invalid",
+        ),
+        (
+            json!({"tool": "sleep", "arguments": {"seconds": 1}}),
+            StatusCode::FORBIDDEN,
+            "mcp_tool_denied",
+        ),
+        (
+            json!({"tool": "echo", "server": "github/evil/server", "arguments": {"text": "a"}}),
+            StatusCode::BAD_REQUEST,
+            "unknown_fields",
+        ),
+        (
+            json!({"tool": "echo", "arguments": ["a"]}),
+            StatusCode::BAD_REQUEST,
+            "mcp_arguments_invalid",
+        ),
+        (
+            json!({"tool": "echo", "arguments": {"text": "z".repeat(2000)}}),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "value_too_large",
+        ),
+    ] {
+        let (st, v) = call(&s, &lease, body.clone()).await;
+        assert_eq!((st, code(&v)), (status, want), "{body}: {v}");
+        // Where the schema failed, never the value.
+        assert!(!v.to_string().contains("zzzz"), "{v}");
+    }
+    let log = gateway_log(&s, &lease).await;
+    assert_eq!(
+        tool_calls(&log).len(),
+        1,
+        "nothing refused reached the sandbox: {log:?}"
+    );
+
+    // A lease without a policy calls nothing.
+    let plain = acquire(&s, "offline-code", "governed-plain").await;
+    let (st, v) = call(
+        &s,
+        &plain,
+        json!({"tool": "echo", "arguments": {"text": "a"}}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "mcp_tool_denied"),
+        "{v}"
+    );
+
+    // No checkpoint of an MCP profile (it would copy the gateway's token).
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/checkpoints"),
+            json!({}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::FORBIDDEN, "{v}");
+
+    // The journal: intent and outcome with the tool, digests and sizes;
+    // refusals recorded; no value anywhere.
+    let journal = s.journal();
+    let events: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "mcp_call")
+        .collect();
+    let intent = events
+        .iter()
+        .find(|e| e["phase"] == "intent")
+        .expect("an intent");
+    assert_eq!(intent["tool"], "echo");
+    assert_eq!(
+        intent["bytes"],
+        json!(format!("{{\"text\":\"{text}\"}}").len())
+    );
+    assert_eq!(intent["parameters_digest"].as_str().unwrap().len(), 32);
+    let outcome = events
+        .iter()
+        .find(|e| e["phase"] == "outcome" && e["operation_id"] == intent["operation_id"])
+        .expect("its outcome");
+    assert_eq!(outcome["outcome"], "ok");
+    assert_eq!(outcome["tool"], "echo");
+    assert_eq!(outcome["result_digest"].as_str().unwrap().len(), 32);
+    let rejected: Vec<&str> = events
+        .iter()
+        .filter(|e| e["outcome"] == "rejected")
+        .map(|e| e["error_code"].as_str().unwrap_or(""))
+        .collect();
+    assert!(
+        rejected.contains(&"mcp_arguments_invalid") && rejected.contains(&"mcp_tool_denied"),
+        "{rejected:?}"
+    );
+    assert!(
+        !journal.contains("governed-marker"),
+        "no argument or result value in the journal"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_timeout_holds_the_lease_until_reconciled() {
+    let s = Server::start_with(configure).await;
+    let lease = acquire(&s, "mcp-slow", "governed-slow").await;
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "echo", "arguments": {"text": "quick"}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "sleep", "arguments": {"seconds": 6}}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::GATEWAY_TIMEOUT, "mcp_call_timeout"),
+        "{v}"
+    );
+
+    // Its intent stays pending: no outcome names the operation.
+    let journal = s.journal();
+    let events: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "mcp_call" && e["tool"] == "sleep")
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["phase"], "intent");
+    let op = events[0]["operation_id"].as_str().unwrap().to_string();
+
+    // The lease does nothing more, a release included; others work.
+    for (path, body) in [
+        (
+            "mcp/call",
+            json!({"tool": "echo", "arguments": {"text": "again"}}),
+        ),
+        ("exec", json!({"command": "true"})),
+        ("release", json!({"action": "kill"})),
+    ] {
+        let (st, v) = s
+            .post(&s.admin, &format!("/v1/leases/{lease}/{path}"), body)
+            .await;
+        assert_eq!(
+            (st, code(&v)),
+            (StatusCode::CONFLICT, "lease_blocked"),
+            "{path}: {v}"
+        );
+        assert!(v["error"]["message"].as_str().unwrap().contains(&op), "{v}");
+    }
+    let other = acquire(&s, "mcp-echo", "governed-other").await;
+    let (st, v) = call(
+        &s,
+        &other,
+        json!({"tool": "echo", "arguments": {"text": "fine"}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "another lease is not blocked: {v}");
+
+    // The operator reconciles it while the service runs; the lease is free.
+    let out = s.cli(&[
+        "audit",
+        "reconcile",
+        "--operation",
+        &op,
+        "--note",
+        "checked: the sleep tool has no side effects",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&op));
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "echo", "arguments": {"text": "after"}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    // Only held operations are reconciled while it runs.
+    let out = s.cli(&["audit", "reconcile", "--operation", &op, "--note", "again"]);
+    assert!(!out.status.success());
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+}
+
+/// The official Python `mcp` SDK over `/mcp` and over stdio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controlled_echo_policy_through_mcp_with_the_official_sdk() {
+    let s = Server::start_with(configure).await;
+    let token = s.token(&["--tenant", "acme"]);
+    let py = crate::kit::sdk_python();
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/mcp_governed.py");
+    for (mode, url) in [("http", format!("{}/mcp", s.url)), ("stdio", s.url.clone())] {
+        let out = tokio::process::Command::new(&py)
+            .arg(&script)
+            .env("MCP_MODE", mode)
+            .env("MCP_URL", &url)
+            .env("MCP_TOKEN", &token)
+            .env("MCP_CA", s.state.join("tls/ca.pem"))
+            .env("MCP_BIN", crate::kit::BIN)
+            .env("MCP_PROFILE", "mcp-echo")
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(&format!("mcp-governed ({mode}): all ok")),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Where `.ci/run` installs the MCP project's reference server from npm
+/// (`@modelcontextprotocol/server-everything`), in the host's `/usr`,
+/// which the `minimal` template shows every sandbox read-only.
+const EVERYTHING: &str = "/usr/local/bin/mcp-server-everything";
+
+/// A real server from a registry, not one written for the test, through the
+/// same path: its `echo` and `get-sum` allowed, its `get-env` (which would
+/// show the server's environment) not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_mcp_server_runs_in_the_sandbox() {
+    assert!(
+        std::path::Path::new(EVERYTHING).exists(),
+        "{EVERYTHING} is missing: npm install -g --prefix /usr/local @modelcontextprotocol/server-everything (.ci/run does)"
+    );
+    let s = Server::start_with(|c| {
+        let p: McpPolicy = toml::from_str(
+            r#"
+command = "exec mcp-server-everything stdio"
+call_timeout_seconds = 30
+[tools.echo]
+input_schema = { type = "object", additionalProperties = false, required = ["message"], properties = { message = { type = "string", maxLength = 256 } } }
+[tools.get-sum]
+input_schema = { type = "object", additionalProperties = false, required = ["a", "b"], properties = { a = { type = "number" }, b = { type = "number" } } }
+"#,
+        )
+        .unwrap();
+        c.mcp_policies.insert("everything".into(), p);
+        c.profiles.insert(
+            "mcp-everything".into(),
+            Profile {
+                mcp_policy: Some("everything".into()),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    let lease = acquire(&s, "mcp-everything", "governed-everything").await;
+    let (st, v) = call(&s, &lease, json!({"tool": "echo", "arguments": {"message": "from the registry"}})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["content"][0]["text"], "Echo: from the registry", "{v}");
+    let (st, v) = call(&s, &lease, json!({"tool": "get-sum", "arguments": {"a": 2, "b": 40}})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert!(v["content"][0]["text"].as_str().unwrap().contains("42"), "{v}");
+    let (st, v) = call(&s, &lease, json!({"tool": "get-env", "arguments": {}})).await;
+    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "mcp_tool_denied"), "{v}");
+    let log = gateway_log(&s, &lease).await;
+    let tools: Vec<&str> = tool_calls(&log)
+        .iter()
+        .map(|l| l["tool"].as_str().unwrap())
+        .collect();
+    assert_eq!(tools, ["echo", "get-sum"], "{log:?}");
+}
