@@ -256,11 +256,23 @@ pub enum Command {
 /// The whole program: internal entry points, then the command line.
 pub fn run() -> ExitCode {
     // Internal entry points run single-threaded, before anything else:
-    // `__sandbox-launch DIR` (the embedded backend's sandbox launcher) and
-    // `__probe-namespaces`.
+    // `__sandbox-launch DIR` (the embedded backend's sandbox launcher),
+    // `__probe-namespaces`, and the MCP gateway of an embedded sandbox, run
+    // as `mcp-gateway` (argv[0]'s file name: the binary bound at
+    // `embedded::gateway::GATEWAY_PATH`) or with `__mcp-gateway` first.
     let mut args = std::env::args_os();
-    let _ = args.next();
+    let argv0 = args.next();
+    let name = argv0
+        .as_deref()
+        .map(std::path::Path::new)
+        .and_then(|p| p.file_name());
+    if name.is_some_and(|n| n == crate::embedded::gateway::PROGRAM) {
+        return Exit::from_code(crate::embedded::gateway::gateway_main(args.collect())).into();
+    }
     match args.next().as_deref().and_then(|a| a.to_str()) {
+        Some(crate::embedded::gateway::HIDDEN_ARG) => {
+            return Exit::from_code(crate::embedded::gateway::gateway_main(args.collect())).into();
+        }
         Some("__sandbox-launch") => {
             let dir = args.next().map(PathBuf::from).unwrap_or_default();
             return Exit::from_code(crate::embedded::launch::launcher_main(&dir)).into();

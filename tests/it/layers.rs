@@ -71,6 +71,7 @@ const EMBEDDED_RANKS: &[(&str, u32)] = &[
     ("wire", 0),
     ("egress", 1),
     ("envd", 1),
+    ("gateway", 1),
     ("subids", 1),
     ("launch", 2),
     ("cgroup", 3),

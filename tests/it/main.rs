@@ -30,6 +30,7 @@ mod jobs;
 mod kit;
 mod layers;
 mod mcp;
+mod mcp_gateway;
 mod metrics;
 mod mounts;
 mod network;

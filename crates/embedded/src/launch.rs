@@ -3,15 +3,16 @@
 //! The backend runs `cube-adapter __sandbox-launch DIR` (the *launcher*),
 //! which, single-threaded:
 //! 1. joins the sandbox's cgroups, binds the envd unix socket and opens the
-//!    directories the sandbox will mount (as `O_PATH` descriptors, so the
-//!    unprivileged sandbox can mount them without being able to walk the
-//!    backend's private state directory);
+//!    directories the sandbox will mount, and its own binary (as `O_PATH`
+//!    descriptors, so the unprivileged sandbox can mount them without being
+//!    able to walk the backend's private state directory);
 //! 2. forks a child that unshares user, mount, pid, ipc, uts and (without
 //!    internet access) network namespaces; the launcher writes the child's
 //!    uid/gid maps (sandbox root = an unprivileged host uid range);
 //! 3. the child forks the sandbox's init (pid 1 of the new pid namespace),
 //!    which builds the sandbox's root (read-only template, private `/tmp`,
-//!    `/workspace`, home, fresh `/proc`, `/dev` with its own devpts),
+//!    `/workspace`, home, fresh `/proc`, `/dev` with its own devpts, this
+//!    binary read-only at `/run/cube/mcp-gateway`: `gateway.rs`),
 //!    pivots into it, sets limits, forks the envd agent (which locks the
 //!    mounts in a nested user namespace and installs the system-call filter,
 //!    `seccomp`, with `no_new_privs`) and then only reaps orphans;
@@ -35,6 +36,7 @@ use nix::unistd::{Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
 use super::envd::process::{AgentEnv, Processes};
+use super::gateway::{GATEWAY_DIR, GATEWAY_PATH};
 use super::sys::{self, Forked};
 
 /// How sandboxes are isolated.
@@ -475,6 +477,8 @@ struct Dirs {
     home: OwnedFd,
     /// Each of `spec.volumes`' `data/`, in order.
     volumes: Vec<OwnedFd>,
+    /// This binary, bound at `GATEWAY_PATH` (`open_own_exe`).
+    exe: OwnedFd,
 }
 
 fn fd_path(fd: &OwnedFd) -> PathBuf {
@@ -551,6 +555,7 @@ fn unshare_child(
             .iter()
             .map(|v| opath(&v.source))
             .collect::<anyhow::Result<_>>()?,
+        exe: open_own_exe()?,
     };
     let watch = Watch::open(dir, spec.heartbeat.as_deref())?;
     signal_line(ready, "unshared");
@@ -657,6 +662,62 @@ fn unshare_child(
     }
 }
 
+/// This binary, opened in the new mount namespace to be bound at
+/// `GATEWAY_PATH`: by the path `/proc/self/exe` names (the link itself
+/// names a mount of the namespace the launcher started in, which a bind
+/// mount does not take), checked to be the same file.
+fn open_own_exe() -> anyhow::Result<OwnedFd> {
+    use anyhow::Context;
+    let path = std::fs::read_link("/proc/self/exe").context("read /proc/self/exe")?;
+    let fd = open(&path, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
+        .with_context(|| format!("open this program, {}", path.display()))?;
+    let opened = nix::sys::stat::fstat(&fd).context("stat this program")?;
+    let running = nix::sys::stat::stat("/proc/self/exe").context("stat /proc/self/exe")?;
+    anyhow::ensure!(
+        opened.st_dev == running.st_dev && opened.st_ino == running.st_ino,
+        "{} is no longer this program (replaced meanwhile?)",
+        path.display()
+    );
+    Ok(fd)
+}
+
+/// This binary at `GATEWAY_PATH`, read-only, for the sandbox to run as
+/// `mcp-gateway` (`gateway.rs`): a bind of the file (nosuid, nodev, the
+/// source mount's locked flags kept) in a read-only tmpfs of its own at
+/// `GATEWAY_DIR`. The sandbox can run it but neither replace it nor put
+/// anything beside it: the file and its directory are mount points (no
+/// unlink or rename of either) on read-only mounts, which nothing in the
+/// sandbox can unmount or remount (envd's nested user namespace locks
+/// them, and the system-call filter refuses every mount call).
+fn bind_gateway(nr: &Path, exe: &OwnedFd) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let in_root = |p: &str| nr.join(p.trim_start_matches('/'));
+    let dir = in_root(GATEWAY_DIR);
+    std::fs::create_dir(&dir)?;
+    let none: Option<&str> = None;
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    mount(
+        Some("tmpfs"),
+        &dir,
+        Some("tmpfs"),
+        flags,
+        Some("mode=0755,size=4k"),
+    )
+    .context("mount its directory")?;
+    let target = in_root(GATEWAY_PATH);
+    std::fs::File::create(&target)?;
+    bind_ro(&fd_path(exe), &target).context("bind the binary")?;
+    mount(
+        none,
+        &dir,
+        none,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | flags,
+        none,
+    )
+    .context("make its directory read-only")?;
+    Ok(())
+}
+
 type LockPipes = (OwnedFd, OwnedFd, OwnedFd, OwnedFd);
 
 /// Two pipes: agent → init, init → agent.
@@ -690,6 +751,7 @@ fn agent_env(spec: &LaunchSpec, none_dir: Option<&Path>) -> AgentEnv {
             .envd_version
             .as_deref()
             .map(|v| crate::wire::EnvdVersion::parse(Some(v))),
+        own_netns: none_dir.is_none() && spec.own_netns(),
     }
 }
 
@@ -842,6 +904,7 @@ fn init_setup(spec: &LaunchSpec, fds: &Dirs) -> anyhow::Result<()> {
         Some("mode=0755,size=16m"),
     )
     .context("mount /run")?;
+    bind_gateway(nr, &fds.exe).with_context(|| format!("put the MCP gateway at {GATEWAY_PATH}"))?;
     if spec.egress.is_some() && !spec.minimal {
         // The template's own /etc/resolv.conf (the minimal one is written
         // in minimal_etc) gives way to pasta's forwarder, if it is a file.

@@ -15,6 +15,7 @@ pub mod disk;
 pub mod egress;
 pub(crate) mod envd;
 pub(crate) mod error;
+pub mod gateway;
 pub mod launch;
 pub(crate) mod procs;
 pub(crate) mod proxy;

@@ -1,6 +1,11 @@
 //! The CubeProxy part of the embedded backend: requests whose `Host` is
 //! `<port>-<sandboxID>[.<domain>]` go to that sandbox's envd over its unix
 //! socket; CubeProxy's errors (`{"error": "…"}`) for everything else.
+//!
+//! Of a sandbox's ports, envd's (`ENVD_PORT`) and the MCP gateway's
+//! (`MCP_GATEWAY_PORT`) are reached; the gateway's through envd, under
+//! `/_cube/port/PORT/` (`envd/ports.rs`), and only in a sandbox with a
+//! network namespace of its own (`Route::own_netns`; otherwise 502).
 
 use std::path::Path;
 use std::pin::Pin;
@@ -16,7 +21,7 @@ use hyper_util::rt::TokioIo;
 
 use super::envd::MAX_UPLOAD;
 use super::sandbox::{Manager, RouteError};
-use crate::wire::ENVD_PORT;
+use crate::wire::{ENVD_PORT, MCP_GATEWAY_PORT};
 
 /// Parse a data-plane Host: `^(\d+)-([A-Za-z0-9_-]+)(\.|:|$)`.
 pub fn parse_host(host: &str) -> Option<(u16, &str)> {
@@ -132,8 +137,8 @@ impl hyper::body::Body for Tracked {
 }
 
 /// Forward one data-plane request.
-pub async fn forward(m: &Arc<Manager>, port: u16, id: &str, req: Request) -> Response {
-    if port != ENVD_PORT {
+pub async fn forward(m: &Arc<Manager>, port: u16, id: &str, mut req: Request) -> Response {
+    if port != ENVD_PORT && port != MCP_GATEWAY_PORT {
         return proxy_error(StatusCode::NOT_FOUND, "not found");
     }
     if req.uri().path().starts_with("/_cube/") {
@@ -161,6 +166,21 @@ pub async fn forward(m: &Arc<Manager>, port: u16, id: &str, req: Request) -> Res
         match traffic_token(req.headers()) {
             Some(got) if constant_time_eq(got.as_bytes(), want.as_bytes()) => {}
             _ => return proxy_error(StatusCode::FORBIDDEN, "forbidden"),
+        }
+    }
+    if port != ENVD_PORT {
+        if !route.own_netns {
+            // Its loopback is the host's: nothing on it is the sandbox's.
+            return proxy_error(StatusCode::BAD_GATEWAY, "bad gateway");
+        }
+        let pq = req
+            .uri()
+            .path_and_query()
+            .map_or("/", |pq| pq.as_str())
+            .to_string();
+        match format!("{}{port}{pq}", super::envd::ports::PREFIX).parse() {
+            Ok(uri) => *req.uri_mut() = uri,
+            Err(_) => return proxy_error(StatusCode::BAD_REQUEST, "bad request"),
         }
     }
     let declared = req

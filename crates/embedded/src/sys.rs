@@ -15,12 +15,15 @@ pub enum Forked {
 
 /// `fork(2)`.
 ///
-/// Callers must be single-threaded (the sandbox launcher runs before any
-/// runtime or thread is started), so the child may run arbitrary code.
+/// Callers must be single-threaded (the sandbox launcher and the MCP
+/// gateway's starter run before any runtime or thread is started), so the
+/// child may run arbitrary code.
 pub fn fork_single_threaded() -> nix::Result<Forked> {
-    // SAFETY: only called from the launcher, which has not started a thread:
-    // the child inherits a consistent copy of the whole (single-threaded)
-    // process, so it may allocate and run ordinary Rust code.
+    // SAFETY: only called from the launcher and the gateway's starter
+    // (`launch::launcher_main`, `gateway::gateway_main`, both entered
+    // first thing in `main`), which have not started a thread: the child
+    // inherits a consistent copy of the whole (single-threaded) process, so
+    // it may allocate and run ordinary Rust code.
     match unsafe { nix::unistd::fork() }? {
         ForkResult::Parent { child } => Ok(Forked::Parent(child)),
         ForkResult::Child => Ok(Forked::Child),

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use super::tree;
 use crate::clock::random_hex;
 use crate::error::BackendError;
+use crate::gateway::GATEWAY_DIR;
 use crate::wire::{self, CreateVolume, VolumeMount};
 
 /// The volumes' directory in the state directory.
@@ -238,6 +239,13 @@ pub fn check_mounts(mounts: &[VolumeMount]) -> Result<Vec<VolumeMount>, BackendE
                 ));
             }
             Some(_) => {}
+        }
+        if Path::new(GATEWAY_DIR).starts_with(&norm) || norm.starts_with(GATEWAY_DIR) {
+            return bad(format!(
+                "volume {} cannot be mounted on /run or on or under {GATEWAY_DIR}: the \
+                 sandbox's MCP gateway is there",
+                m.name
+            ));
         }
         let Some(path) = norm.to_str().map(str::to_string) else {
             return bad(format!("path of volume {} is not UTF-8", m.name));
@@ -503,7 +511,12 @@ mod tests {
 
     #[test]
     fn mounts_are_checked_and_normalised() {
-        let ok = check_mounts(&[mount("a", "/mnt/a/"), mount("b", "//data//b")]).unwrap();
+        let ok = check_mounts(&[
+            mount("a", "/mnt/a/"),
+            mount("b", "//data//b"),
+            mount("c", "/run/x"),
+        ])
+        .unwrap();
         assert_eq!(ok[0].path, "/mnt/a");
         assert_eq!(ok[1].path, "/data/b");
         for bad in [
@@ -519,6 +532,10 @@ mod tests {
             vec![mount("a", "/mnt/a"), mount("b", "/mnt/a")],
             vec![mount("a", "/mnt"), mount("b", "/mnt/b")],
             vec![mount("a", "/mnt/x\0")],
+            // The MCP gateway's directory, and what would hide it.
+            vec![mount("a", "/run")],
+            vec![mount("a", "/run/cube")],
+            vec![mount("a", "/run/cube/x")],
         ] {
             assert!(
                 matches!(check_mounts(&bad), Err(BackendError::BadRequest(_))),

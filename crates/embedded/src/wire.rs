@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 
 /// The envd port every template exposes.
 pub const ENVD_PORT: u16 = 49983;
+/// The port of a sandbox's MCP gateway (`mcp-gateway`, `gateway.rs`): MCP
+/// Streamable HTTP at `/mcp`, health at `/health`.
+pub const MCP_GATEWAY_PORT: u16 = 50005;
 /// Version string our embedded envd reports (the E2B envd it mirrors).
 pub const ENVD_VERSION: &str = "0.5.13";
 /// Largest Connect envelope either side accepts (the SDK's own limit).

@@ -3,6 +3,7 @@
 //! Connect API on a unix socket that the backend's Host router forwards to.
 
 pub mod filesystem;
+pub mod ports;
 pub mod process;
 pub mod rpc;
 pub mod users;
@@ -15,7 +16,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, FromRequest, Query, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use futures_util::StreamExt;
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt;
@@ -61,6 +62,8 @@ pub fn router(procs: Processes) -> Router {
         .route("/filesystem.Filesystem/Move", post(fs_move))
         .route("/filesystem.Filesystem/Remove", post(fs_remove))
         .route("/_cube/kill-all", post(kill_all))
+        .route("/_cube/port/{port}", any(ports::forward))
+        .route("/_cube/port/{port}/{*rest}", any(ports::forward))
         .layer(axum::middleware::from_fn_with_state(
             agent.clone(),
             older_envd,

@@ -51,6 +51,10 @@ pub struct AgentEnv {
     pub faithful: bool,
     /// Refuse what this older envd version refuses.
     pub envd_version: Option<crate::wire::EnvdVersion>,
+    /// The sandbox has a network namespace of its own: its loopback is its
+    /// own, and envd may forward the proxy's requests for a port of the
+    /// sandbox to it (`ports.rs`). False: its loopback is the host's.
+    pub own_netns: bool,
 }
 
 impl AgentEnv {

@@ -212,6 +212,10 @@ struct Entry {
 pub struct Route {
     pub socket: PathBuf,
     pub traffic_token: Option<String>,
+    /// The sandbox has a network namespace of its own (namespace isolation,
+    /// and no network or pasta's): only then are its ports other than
+    /// envd's reached (`proxy::forward`).
+    pub own_netns: bool,
 }
 
 pub enum RouteError {
@@ -590,9 +594,15 @@ impl Manager {
         // A lifecycle operation under way (a pause, a snapshot) ends first:
         // the state read below is then not about to change.
         drop(e.op.lock().await);
-        let (state, auto, token, pid) = {
+        let (state, auto, token, pid, own_netns) = {
             let m = e.meta.lock().map_err(|_| RouteError::Unknown)?;
-            (m.state, m.auto_resume, m.traffic_token.clone(), m.init.pid)
+            (
+                m.state,
+                m.auto_resume,
+                m.traffic_token.clone(),
+                m.init.pid,
+                m.isolated && (!m.internet || m.egress.is_some()),
+            )
         };
         if pid == 0 {
             return Err(RouteError::Unknown);
@@ -608,6 +618,7 @@ impl Manager {
         Ok(Route {
             socket: self.sandbox_dir(id).join(launch::SOCKET),
             traffic_token: token,
+            own_netns,
         })
     }
 
