@@ -517,6 +517,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/leases/{lease_ref}/release"),
     ("POST", "/v1/leases/{lease_ref}/renew"),
     ("GET", "/v1/leases/{lease_ref}/recover"),
+    ("GET", "/v1/leases/{lease_ref}/mcp/tools"),
+    ("POST", "/v1/leases/{lease_ref}/mcp/call"),
     ("GET", "/v1/profiles"),
     ("POST", "/v1/admin/gc"),
     ("GET", "/v1/leases/{lease_ref}/checkpoints"),

@@ -23,10 +23,6 @@ use crate::config::McpPolicy;
 use crate::cube::mcp::CallError;
 use crate::cube::{CubeClient, ErrorKind, SandboxAddr, Secret};
 
-/// The gateway's path in an embedded sandbox (the appliance's own binary,
-/// bound read-only there).
-pub const EMBEDDED_GATEWAY: &str = "/run/cube/mcp-gateway";
-
 /// Room for the JSON-RPC envelope around a result.
 const ENVELOPE: usize = 64 * 1024;
 
@@ -48,7 +44,8 @@ impl Broker {
             ));
         };
         let program = match cfg.backend_defs().get(backend_name) {
-            Some(d) if d.is_embedded() => EMBEDDED_GATEWAY,
+            // The appliance's own binary, bound read-only in every sandbox.
+            Some(d) if d.is_embedded() => crate::embedded::gateway::GATEWAY_PATH,
             _ => crate::cube::mcp::GATEWAY_PROGRAM,
         };
         let token = Secret::new(crate::ids::random_hex(32));

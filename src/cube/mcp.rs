@@ -22,7 +22,7 @@ use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig
 use super::{CubeClient, CubeError, ErrorKind, Result, SandboxAddr, Secret, StartOptions};
 
 /// The gateway's port in the sandbox.
-pub const GATEWAY_PORT: u16 = 50005;
+pub const GATEWAY_PORT: u16 = super::wire::MCP_GATEWAY_PORT;
 /// What CubeSandbox's templates call the gateway.
 pub const GATEWAY_PROGRAM: &str = "mcp-gateway";
 /// The gateway's start may take this long (the SDK's).

@@ -415,14 +415,31 @@ input_schema = { type = "object", additionalProperties = false, required = ["a",
     })
     .await;
     let lease = acquire(&s, "mcp-everything", "governed-everything").await;
-    let (st, v) = call(&s, &lease, json!({"tool": "echo", "arguments": {"message": "from the registry"}})).await;
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "echo", "arguments": {"message": "from the registry"}}),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["content"][0]["text"], "Echo: from the registry", "{v}");
-    let (st, v) = call(&s, &lease, json!({"tool": "get-sum", "arguments": {"a": 2, "b": 40}})).await;
+    let (st, v) = call(
+        &s,
+        &lease,
+        json!({"tool": "get-sum", "arguments": {"a": 2, "b": 40}}),
+    )
+    .await;
     assert_eq!(st, StatusCode::OK, "{v}");
-    assert!(v["content"][0]["text"].as_str().unwrap().contains("42"), "{v}");
+    assert!(
+        v["content"][0]["text"].as_str().unwrap().contains("42"),
+        "{v}"
+    );
     let (st, v) = call(&s, &lease, json!({"tool": "get-env", "arguments": {}})).await;
-    assert_eq!((st, code(&v)), (StatusCode::FORBIDDEN, "mcp_tool_denied"), "{v}");
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::FORBIDDEN, "mcp_tool_denied"),
+        "{v}"
+    );
     let log = gateway_log(&s, &lease).await;
     let tools: Vec<&str> = tool_calls(&log)
         .iter()
