@@ -59,6 +59,13 @@ pub struct McpServer {
     host: Host,
 }
 
+/// What a profile offers beyond the common tools.
+#[derive(Debug, Default, Clone, Copy)]
+struct Offers {
+    ptys: bool,
+    mcp: bool,
+}
+
 impl McpServer {
     pub fn new(upstream: Upstream, host: Host) -> Self {
         Self {
@@ -177,9 +184,10 @@ impl McpServer {
         }
     }
 
-    /// Whether the profile leases are acquired with allows PTYs (asked of
-    /// the appliance; no answer means no).
-    async fn ptys_allowed(&self, ctx: &RequestContext<RoleServer>) -> bool {
+    /// What the profile leases are acquired with offers beyond the common
+    /// tools (asked of the appliance; no answer means nothing): terminals,
+    /// and a governed MCP policy.
+    async fn profile_offers(&self, ctx: &RequestContext<RoleServer>) -> Offers {
         let want = self
             .host_for(ctx)
             .profile
@@ -189,14 +197,22 @@ impl McpServer {
             path: "/v1/profiles".into(),
             body: None,
         };
-        match self.send(&req, ctx).await {
+        let profile = match self.send(&req, ctx).await {
             Ok((200, v)) => v
                 .get("profiles")
                 .and_then(Value::as_array)
                 .into_iter()
                 .flatten()
-                .any(|p| p["name"] == want.as_str() && p["ptys_enabled"] == true),
-            _ => false,
+                .find(|p| p["name"] == want.as_str())
+                .cloned(),
+            _ => None,
+        };
+        let Some(p) = profile else {
+            return Offers::default();
+        };
+        Offers {
+            ptys: p.get("ptys_enabled") == Some(&Value::Bool(true)),
+            mcp: p.get("mcp_policy").is_some_and(Value::is_string),
         }
     }
 
@@ -384,11 +400,13 @@ impl ServerHandler for McpServer {
         _request: Option<PaginatedRequestParams>,
         context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, McpError> {
-        // Terminal tools only when the host's profile allows terminals.
-        let ptys = self.ptys_allowed(&context).await;
+        // Terminal tools only when the host's profile allows terminals,
+        // governed MCP tools only when it has a policy.
+        let offers = self.profile_offers(&context).await;
         let tools = Self::tools(&self.host_for(&context))
             .into_iter()
-            .filter(|t| ptys || !t.name.starts_with("cube_pty_"))
+            .filter(|t| offers.ptys || !t.name.starts_with("cube_pty_"))
+            .filter(|t| offers.mcp || !t.name.starts_with("cube_mcp_"))
             .collect();
         Ok(ListToolsResult::with_all_items(tools))
     }

@@ -447,3 +447,123 @@ input_schema = { type = "object", additionalProperties = false, required = ["a",
         .collect();
     assert_eq!(tools, ["echo", "get-sum"], "{log:?}");
 }
+
+/// A held lease across a SIGKILL of the appliance: the next start neither
+/// resolves the held intent nor blocks the other leases (`/readyz` ready);
+/// the lease stays blocked until the operator reconciles it. A lease
+/// paused and resumed calls its gateway again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lease_stays_held_across_a_restart_and_resumes_after_a_pause() {
+    let mut cfg = Config::default();
+    configure(&mut cfg);
+    let doc = json!({
+        "mcp_policies": cfg.mcp_policies,
+        "profiles": {
+            "mcp-slow": {"mcp_policy": "slow-echo"},
+            "mcp-echo": {"mcp_policy": "controlled-echo"},
+        },
+    });
+    let text = toml::to_string(&doc).unwrap();
+    let (rig, p) = crate::kit::rig::ProcRig::start_with(&text, &[]);
+    let acquire = |profile: &'static str, session: &'static str| {
+        let (rig, url) = (&rig, p.url.clone());
+        async move {
+            let (st, v) = rig
+                .call(
+                    format!("{url}/v1/leases/acquire"),
+                    Some(json!({"runtime": "mcp", "session_key": session, "profile": profile})),
+                )
+                .await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            v["lease_ref"].as_str().unwrap().to_string()
+        }
+    };
+    let held = acquire("mcp-slow", "held").await;
+    let paused = acquire("mcp-echo", "paused").await;
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/{held}/mcp/call", p.url),
+            Some(json!({"tool": "sleep", "arguments": {"seconds": 5}})),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::GATEWAY_TIMEOUT, "mcp_call_timeout"),
+        "{v}"
+    );
+    // Paused (its processes frozen), then used: resumed, the gateway answers.
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/{paused}/release", p.url),
+            Some(json!({"action": "pause"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    let p = rig.kill_and_restart(p);
+    let (st, _) = rig.call(format!("{}/readyz", p.url), None).await;
+    assert_eq!(
+        st,
+        StatusCode::OK,
+        "a held intent does not block the appliance"
+    );
+    let op = rig
+        .journal()
+        .into_iter()
+        .find(|e| e["action"] == "mcp_call" && e["tool"] == "sleep")
+        .map(|e| e["operation_id"].as_str().unwrap().to_string())
+        .unwrap();
+    assert!(
+        !rig.journal()
+            .iter()
+            .any(|e| e["operation_id"] == op.as_str() && e["phase"] != "intent"),
+        "the restart resolved nothing"
+    );
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/{held}/exec", p.url),
+            Some(json!({"command": "true"})),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::CONFLICT, "lease_blocked"),
+        "{v}"
+    );
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/{paused}/mcp/call", p.url),
+            Some(json!({"tool": "echo", "arguments": {"text": "awake"}})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["content"][0]["text"], "awake");
+
+    let out = rig.cli(&[
+        "audit",
+        "reconcile",
+        "--operation",
+        &op,
+        "--note",
+        "checked",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/{held}/exec", p.url),
+            Some(json!({"command": "true"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let reconciled = rig
+        .journal()
+        .into_iter()
+        .find(|e| e["operation_id"] == op.as_str() && e["phase"] == "outcome")
+        .unwrap();
+    assert_eq!(reconciled["outcome"], "reconciled");
+    p.stop();
+}

@@ -80,6 +80,8 @@ async def main():
                                  "cube_task_templates"]:
             check(name in tools, f"tool {name} is listed")
         check(not any("approve" in n for n in tools), "no tool approves")
+        check(not any(n.startswith("cube_mcp_") for n in tools),
+              "no governed MCP tools on a profile without an MCP policy")
         check(tools["cube_read_text"].annotations.read_only_hint is True, "read is read-only")
         check(tools["cube_release"].annotations.destructive_hint is True, "release is destructive")
         check("profile" not in tools["cube_acquire"].input_schema["properties"], "no profile argument")
