@@ -203,6 +203,11 @@ pub struct StoreSummary {
     /// without gaps; `audit verify` checks it).
     pub audit_last_seq: u64,
     pub pending_intents: u64,
+    /// Of the pending intents, those held on purpose: an operation sent
+    /// with no answer (an MCP call past its timeout), its lease blocked
+    /// until an operator reconciles it (`Lease::held_by`).
+    #[serde(default)]
+    pub held_operations: u64,
     /// Leases by state (`running`, `paused`, …).
     pub leases: BTreeMap<String, u64>,
     pub active_leases: u64,

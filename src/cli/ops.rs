@@ -226,7 +226,8 @@ fn offline_status(
         "version": env!("CARGO_PKG_VERSION"),
         "state_dir": state,
         "audit": {
-            "state": match (summary.pending_intents, on_crash) {
+            // Held operations wait for an operator, not for a start.
+            "state": match (summary.pending_intents.saturating_sub(summary.held_operations), on_crash) {
                 (0, _) => "ok",
                 (_, crate::config::OnCrash::Block) => "reconciliation_required",
                 (_, crate::config::OnCrash::Resolve) => "resolved_at_next_start",
@@ -330,10 +331,16 @@ fn print_status(v: &Value) {
             }
         );
     }
+    let held = n("/store/held_operations");
     println!(
-        "  journal:      {} events, {} pending intents, {} uncertain outcomes{}",
+        "  journal:      {} events, {} pending intents{}, {} uncertain outcomes{}",
         n("/store/audit_last_seq"),
         n("/store/pending_intents"),
+        if held > 0 {
+            format!(" ({held} held: a lease blocked until `audit reconcile --operation`)")
+        } else {
+            String::new()
+        },
         n("/store/uncertain_outcomes"),
         if n("/store/uncertain_outcomes") > 0 {
             " (for review: cube-adapter audit export, outcome \"uncertain\")"

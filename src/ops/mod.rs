@@ -419,6 +419,8 @@ pub fn summarize(txn: &impl ReadOps) -> Result<StoreSummary, StoreError> {
     #[derive(Deserialize)]
     struct LeaseState {
         state: String,
+        #[serde(default)]
+        held_by: Option<String>,
     }
     #[derive(Deserialize)]
     struct TokenState {
@@ -440,6 +442,7 @@ pub fn summarize(txn: &impl ReadOps) -> Result<StoreSummary, StoreError> {
     s.pending_intents = txn.pending()?.len() as u64;
     for l in txn.records::<LeaseState>(tables::LEASES)? {
         *s.leases.entry(l.state).or_default() += 1;
+        s.held_operations += u64::from(l.held_by.is_some());
     }
     s.active_leases = ["running", "paused"]
         .iter()
