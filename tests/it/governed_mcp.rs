@@ -567,3 +567,51 @@ async fn a_held_lease_stays_held_across_a_restart_and_resumes_after_a_pause() {
     assert_eq!(reconciled["outcome"], "reconciled");
     p.stop();
 }
+
+/// A server that does not start fails the acquire: no lease, no sandbox
+/// left, the acquire's outcome an error with the code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_does_not_start_fails_the_acquire_and_keeps_no_sandbox() {
+    let s = Server::start_with(|c| {
+        let mut p = policy(15, ECHO);
+        p.command = "echo 'no such server' >&2; exit 3".into();
+        c.mcp_policies.insert("broken".into(), p);
+        c.profiles.insert(
+            "mcp-broken".into(),
+            Profile {
+                mcp_policy: Some("broken".into()),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            "/v1/leases/acquire",
+            json!({"runtime": "mcp", "session_key": "broken", "profile": "mcp-broken"}),
+        )
+        .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_GATEWAY, "mcp_gateway_unavailable"),
+        "{v}"
+    );
+    for _ in 0..50 {
+        if s.sandboxes() == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(s.sandboxes(), 0, "the sandbox was killed");
+    let (_, v) = s.get(&s.admin, "/v1/leases").await;
+    assert_eq!(v["leases"].as_array().map(Vec::len), Some(0), "{v}");
+    let acquire = s
+        .journal()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|e| e["action"] == "acquire" && e["phase"] == "outcome")
+        .unwrap();
+    assert_eq!(acquire["outcome"], "error");
+    assert_eq!(acquire["error_code"], "mcp_gateway_unavailable");
+}
