@@ -44,13 +44,21 @@ description = "Wait, then answer"
 input_schema = { type = "object", additionalProperties = false, required = ["seconds"], properties = { seconds = { type = "integer", minimum = 0, maximum = 60 } } }
 "#;
 
-/// `mcp-echo` (controlled echo, 15 s) and `mcp-slow` (echo and sleep, 2 s).
+/// `mcp-echo` (controlled echo, 15 s), `mcp-slow` (echo and sleep, 2 s)
+/// and `mcp-tiny` (results of at most 100 bytes).
 pub fn configure(c: &mut Config) {
     c.mcp_policies
         .insert("controlled-echo".into(), policy(15, ECHO));
     c.mcp_policies
         .insert("slow-echo".into(), policy(2, &format!("{ECHO}{SLEEP}")));
-    for (name, pol) in [("mcp-echo", "controlled-echo"), ("mcp-slow", "slow-echo")] {
+    let mut tiny = policy(15, ECHO);
+    tiny.max_output_bytes = 100;
+    c.mcp_policies.insert("tiny-echo".into(), tiny);
+    for (name, pol) in [
+        ("mcp-echo", "controlled-echo"),
+        ("mcp-slow", "slow-echo"),
+        ("mcp-tiny", "tiny-echo"),
+    ] {
         c.profiles.insert(
             name.into(),
             Profile {
@@ -186,6 +194,29 @@ async fn the_controlled_echo_policy_through_v1_refuses_before_the_sandbox() {
         1,
         "nothing refused reached the sandbox: {log:?}"
     );
+
+    // A result over the policy's limit is not returned; the call ran, and
+    // its outcome says so.
+    let tiny = acquire(&s, "mcp-tiny", "governed-tiny").await;
+    let (st, v) = call(
+        &s,
+        &tiny,
+        json!({"tool": "echo", "arguments": {"text": "ok"}}),
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let (st, v) = call(
+        &s,
+        &tiny,
+        json!({"tool": "echo", "arguments": {"text": "w".repeat(120)}}),
+    )
+    .await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_GATEWAY, "mcp_result_too_large"),
+        "{v}"
+    );
+    assert!(!v.to_string().contains("wwww"), "{v}");
 
     // A lease without a policy calls nothing.
     let plain = acquire(&s, "offline-code", "governed-plain").await;
