@@ -44,6 +44,7 @@ pub const RELOADABLE: &[&str] = &[
     "server_names",
     "profiles",
     "tasks",
+    "mcp_policies",
     "plan_retention_seconds",
 ];
 
@@ -280,6 +281,7 @@ impl Reloader {
         applied_cfg.server_names = new.server_names.clone();
         applied_cfg.profiles = new.profiles.clone();
         applied_cfg.tasks = new.tasks.clone();
+        applied_cfg.mcp_policies = new.mcp_policies.clone();
         applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
         applied_cfg.audit.sinks = new.audit.sinks.clone();
         if let Err(e) = applied_cfg.validate() {

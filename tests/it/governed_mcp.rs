@@ -646,3 +646,122 @@ async fn a_gateway_that_does_not_start_fails_the_acquire_and_keeps_no_sandbox() 
     assert_eq!(acquire["outcome"], "error");
     assert_eq!(acquire["error_code"], "mcp_gateway_unavailable");
 }
+
+/// The configuration of `configure` as a file's TOML, with `change`
+/// applied to it first.
+fn config_text(change: impl FnOnce(&mut Config)) -> String {
+    let mut cfg = Config::default();
+    configure(&mut cfg);
+    change(&mut cfg);
+    let profiles: serde_json::Map<String, Value> = cfg
+        .profiles
+        .iter()
+        .filter_map(|(n, p)| {
+            p.mcp_policy
+                .as_ref()
+                .map(|m| (n.clone(), json!({"mcp_policy": m})))
+        })
+        .collect();
+    toml::to_string(&json!({"mcp_policies": cfg.mcp_policies, "profiles": profiles})).unwrap()
+}
+
+/// SIGHUP, as `systemctl reload` sends it: the reload's record once done.
+async fn reload(rig: &crate::kit::rig::ProcRig, p: &crate::kit::rig::Proc) -> Value {
+    // Asked with an empty configuration: the file may be one the service
+    // refuses (the CLI would refuse it too).
+    let empty = rig.state.with_file_name("empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    let status = || {
+        let out = crate::kit::cli_at(&rig.state, &empty, &["status", "--json"]);
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let before = status()["last_reload"]["at"].clone();
+    // Its time is in seconds: the next one must be told apart.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.child.id() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .unwrap();
+    for _ in 0..200 {
+        let v = status()["last_reload"].clone();
+        if v["at"] != before {
+            return v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("no reload")
+}
+
+/// A reload (SIGHUP) changes a policy for the
+/// leases that use it at once; a bad policy is refused and the one before
+/// stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_changes_a_policy_and_a_bad_one_is_refused() {
+    let (rig, p) = crate::kit::rig::ProcRig::start_with(&config_text(|_| {}), &[]);
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/leases/acquire", p.url),
+            Some(json!({"runtime": "mcp", "session_key": "reload", "profile": "mcp-echo"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let lease = v["lease_ref"].as_str().unwrap().to_string();
+    let echo = |text: String| {
+        let (rig, url, lease) = (&rig, p.url.clone(), lease.clone());
+        async move {
+            rig.call(
+                format!("{url}/v1/leases/{lease}/mcp/call"),
+                Some(json!({"tool": "echo", "arguments": {"text": text}})),
+            )
+            .await
+        }
+    };
+    let (st, v) = echo("x".repeat(20)).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    // At most 10 characters now.
+    std::fs::write(
+        &rig.config,
+        config_text(|c| {
+            let t = c.mcp_policies.get_mut("controlled-echo").unwrap();
+            t.tools.get_mut("echo").unwrap().input_schema["properties"]["text"]["maxLength"] =
+                json!(10);
+        }),
+    )
+    .unwrap();
+    let last = reload(&rig, &p).await;
+    assert_eq!(last["ok"], true, "{last}");
+    let (st, v) = echo("x".repeat(20)).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "mcp_arguments_invalid"),
+        "{v}"
+    );
+    let (st, v) = echo("x".repeat(10)).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    // An open schema: the reload is refused, naming it; 10 still holds.
+    std::fs::write(
+        &rig.config,
+        config_text(|c| {
+            let t = c.mcp_policies.get_mut("controlled-echo").unwrap();
+            t.tools.get_mut("echo").unwrap().input_schema["additionalProperties"] = json!(true);
+        }),
+    )
+    .unwrap();
+    let last = reload(&rig, &p).await;
+    assert_eq!(last["ok"], false, "{last}");
+    let said = last.to_string();
+    assert!(
+        said.contains("mcp_policies.controlled-echo") && said.contains("closed object schema"),
+        "{said}"
+    );
+    let (st, v) = echo("x".repeat(20)).await;
+    assert_eq!(
+        (st, code(&v)),
+        (StatusCode::BAD_REQUEST, "mcp_arguments_invalid"),
+        "{v}"
+    );
+    p.stop();
+}
