@@ -70,15 +70,7 @@ pub fn configure(c: &mut Config) {
 }
 
 async fn acquire(s: &Server, profile: &str, session: &str) -> String {
-    let (st, v) = s
-        .post(
-            &s.admin,
-            "/v1/leases/acquire",
-            json!({"runtime": "mcp", "session_key": session, "profile": profile}),
-        )
-        .await;
-    assert_eq!(st, StatusCode::OK, "{v}");
-    v["lease_ref"].as_str().unwrap().to_string()
+    s.acquire_in(profile, session).await
 }
 
 async fn call(s: &Server, lease: &str, body: Value) -> (StatusCode, Value) {

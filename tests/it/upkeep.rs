@@ -11,15 +11,7 @@ use serde_json::{Value, json};
 use crate::kit::Server;
 
 async fn acquire(s: &Server, session: &str, profile: &str) -> String {
-    let (st, v) = s
-        .post(
-            &s.admin,
-            "/v1/leases/acquire",
-            json!({"runtime": "mcp", "session_key": session, "profile": profile}),
-        )
-        .await;
-    assert_eq!(st, StatusCode::OK, "{v}");
-    v["lease_ref"].as_str().unwrap().to_string()
+    s.acquire_in(profile, session).await
 }
 
 /// Start a job, leave its sandbox alone for `quiet` seconds, then wait

@@ -66,23 +66,22 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Headers not forwarded to envd (either way). `X-API-Key` is among them:
-/// clients other than ours (the Python SDK) send the CubeAPI key on the data
-/// plane too, and it must never reach envd inside the sandbox. (A faithful
-/// stand-in forwards it, as the real CubeProxy does: see `API_KEY`.)
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+/// Headers not forwarded to envd (either way): the connection's own
+/// (`envd::ports::HOP_BY_HOP`), and the data plane's credentials. `X-API-Key`
+/// is among them: clients other than ours (the Python SDK) send the CubeAPI
+/// key on the data plane too, and it must never reach envd inside the
+/// sandbox. (A faithful stand-in forwards it, as the real CubeProxy does:
+/// see `API_KEY`.)
+const CREDENTIALS: &[&str] = &[
     "e2b-traffic-access-token",
     "cube-traffic-access-token",
     "x-api-key",
 ];
+
+/// Every header the proxy drops.
+fn dropped() -> impl Iterator<Item = &'static &'static str> {
+    super::envd::ports::HOP_BY_HOP.iter().chain(CREDENTIALS)
+}
 
 const API_KEY: &str = "x-api-key";
 
@@ -249,7 +248,7 @@ pub async fn send(
         let _ = conn.await;
     });
     let (mut parts, body) = req.into_parts();
-    for h in HOP_BY_HOP {
+    for h in dropped() {
         if !(keep_api_key && *h == API_KEY) {
             parts.headers.remove(*h);
         }
@@ -259,7 +258,7 @@ pub async fn send(
         .send_request(http::Request::from_parts(parts, body))
         .await?;
     let (mut parts, body) = resp.into_parts();
-    for h in HOP_BY_HOP {
+    for h in dropped() {
         parts.headers.remove(*h);
     }
     Ok(Response::from_parts(

@@ -190,18 +190,23 @@ impl Server {
         v["lease_ref"].as_str().unwrap().to_string()
     }
 
-    /// As the admin, acquire a lease of `profile` (session named after it)
-    /// and run `command` there through `/v1` exec: its stdout.
-    pub async fn run_in_profile(&self, profile: &str, command: &str) -> String {
+    /// As the admin, acquire a lease of `profile` for `session`: its ref.
+    pub async fn acquire_in(&self, profile: &str, session: &str) -> String {
         let (st, v) = self
             .post(
                 &self.admin,
                 "/v1/leases/acquire",
-                json!({"runtime": "mcp", "session_key": profile, "profile": profile}),
+                json!({"runtime": "mcp", "session_key": session, "profile": profile}),
             )
             .await;
         assert_eq!(st, StatusCode::OK, "{v}");
-        let lease = v["lease_ref"].as_str().unwrap().to_string();
+        v["lease_ref"].as_str().unwrap().to_string()
+    }
+
+    /// As the admin, acquire a lease of `profile` (session named after it)
+    /// and run `command` there through `/v1` exec: its stdout.
+    pub async fn run_in_profile(&self, profile: &str, command: &str) -> String {
+        let lease = self.acquire_in(profile, profile).await;
         let (st, v) = self
             .post(
                 &self.admin,

@@ -24,8 +24,9 @@ use crate::wire::MCP_GATEWAY_PORT;
 /// The path prefix the proxy puts before the original path and query.
 pub const PREFIX: &str = "/_cube/port/";
 
-/// Headers that concern one connection, not the request: never forwarded.
-const HOP_BY_HOP: &[&str] = &[
+/// Headers that concern one connection, not the request: never forwarded
+/// (by the proxy either, which drops its own credentials besides).
+pub const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-authenticate",
