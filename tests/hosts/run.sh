@@ -69,7 +69,7 @@
 #
 # Cost: the pinned hosts are installed once into HOSTS_DIR (default
 # target/hosts, 2.2 GB; about 1.5 minutes from the npm registry and PyPI;
-# reused while the versions below match), then 2 to 3.5 minutes of checks
+# reused while the versions below match), then 2.5 to 4.5 minutes of checks
 # on 2 cores, idle to busy: each connection check takes 1-2 s (OpenClaw about
 # 7 s), each turn 1-6 s (Hermes about 15 s, OpenClaw 25-70 s). Needs bash,
 # npm (any version: it fetches Node.js 24 from the npm registry), python3
