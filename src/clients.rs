@@ -299,6 +299,146 @@ fn fill_text(s: &str, t: &Target) -> String {
     s
 }
 
+// -------------------------------------------- hardened mode (`connect --hardened`)
+
+/// A value hardened mode sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    Text(&'static str),
+    Flag(bool),
+}
+
+/// What `connect HOST --hardened` writes into a host's own settings (the file
+/// of its server entry; Claude Code's `~/.claude/settings.json`) so that
+/// its model cannot run anything on the host, read or change the host's
+/// files, or reach the web from it: the host's shell, file and web tools
+/// removed or denied, the appliance's tools left as the only way to act.
+/// The same table is the documentation's (`docs/clients/HOST.md`, "Hardened
+/// mode") and the tests' (`tests/it/connect.rs`).
+pub struct Hardening {
+    pub host: &'static str,
+    /// Lists (by their keys from the top) that gain these entries; an entry
+    /// already there is not added again, nothing is removed.
+    pub lists: &'static [(&'static [&'static str], &'static [&'static str])],
+    /// Keys (from the top) set to these values, replacing what was there.
+    pub values: &'static [(&'static [&'static str], Setting)],
+}
+
+/// Per host. Each name was seen to take effect with the pinned host
+/// (tests/hosts/run.sh): the tool is gone from what the model is offered,
+/// or its call is refused.
+pub const HARDENINGS: &[Hardening] = &[
+    Hardening {
+        host: "claude-code",
+        lists: &[(
+            &["permissions", "deny"],
+            &[
+                "Bash",
+                "PowerShell",
+                "Monitor",
+                "Read",
+                "Glob",
+                "Grep",
+                "LSP",
+                "Edit",
+                "Write",
+                "NotebookEdit",
+                "WebFetch",
+                "WebSearch",
+                "EnterWorktree",
+                "ExitWorktree",
+                "Workflow",
+            ],
+        )],
+        values: &[],
+    },
+    Hardening {
+        host: "codex",
+        lists: &[],
+        values: &[
+            (&["sandbox_mode"], Setting::Text("read-only")),
+            (&["approval_policy"], Setting::Text("never")),
+            (&["web_search"], Setting::Text("disabled")),
+            (&["features", "shell_tool"], Setting::Flag(false)),
+            (&["features", "view_image"], Setting::Flag(false)),
+            (&["features", "browser_use"], Setting::Flag(false)),
+            (&["features", "computer_use"], Setting::Flag(false)),
+        ],
+    },
+    Hardening {
+        host: "opencode",
+        lists: &[],
+        values: &[
+            (&["permission", "bash"], Setting::Text("deny")),
+            (&["permission", "edit"], Setting::Text("deny")),
+            (&["permission", "read"], Setting::Text("deny")),
+            (&["permission", "glob"], Setting::Text("deny")),
+            (&["permission", "grep"], Setting::Text("deny")),
+            (&["permission", "list"], Setting::Text("deny")),
+            (&["permission", "lsp"], Setting::Text("deny")),
+            (&["permission", "webfetch"], Setting::Text("deny")),
+            (&["permission", "websearch"], Setting::Text("deny")),
+            (&["permission", "external_directory"], Setting::Text("deny")),
+        ],
+    },
+    Hardening {
+        host: "openclaw",
+        lists: &[(
+            &["tools", "deny"],
+            &[
+                "group:runtime",
+                "group:fs",
+                "group:web",
+                "group:ui",
+                "group:nodes",
+                "group:automation",
+                "ls",
+                "view_image",
+                "pdf",
+            ],
+        )],
+        values: &[],
+    },
+    Hardening {
+        host: "hermes",
+        lists: &[(
+            &["agent", "disabled_toolsets"],
+            &[
+                "terminal",
+                "file",
+                "code_execution",
+                "web",
+                "browser",
+                "computer_use",
+                "vision",
+                "video",
+            ],
+        )],
+        values: &[],
+    },
+];
+
+/// The host's hardening.
+pub fn hardening(host: &str) -> Option<&'static Hardening> {
+    HARDENINGS.iter().find(|h| h.host == host)
+}
+
+impl Hardening {
+    /// One line a key: `permissions.deny += Bash, Read, …`,
+    /// `sandbox_mode = "read-only"`.
+    pub fn summary(&self) -> Vec<String> {
+        let lists = self
+            .lists
+            .iter()
+            .map(|(k, names)| format!("{} += {}", k.join("."), names.join(", ")));
+        let values = self.values.iter().map(|(k, v)| match v {
+            Setting::Text(t) => format!("{} = \"{t}\"", k.join(".")),
+            Setting::Flag(b) => format!("{} = {b}", k.join(".")),
+        });
+        lists.chain(values).collect()
+    }
+}
+
 /// The appliance's public URL, for links and agents: `asked` (the name
 /// and port a browser used) when the server certificate covers the name;
 /// else the first configured `server_names` entry, the listen address

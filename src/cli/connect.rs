@@ -3,7 +3,9 @@
 //! (`docs/clients/snippets/`, the same text the documentation and the
 //! console's "Connect an agent" page show), a token file (0600, with a new
 //! token scoped to a tenant, the profile and the runtime; or `--token-file`),
-//! the appliance's CA, and, with `--tools`, the host's own tool filter.
+//! the appliance's CA, with `--tools` the host's own tool filter, and with
+//! `--hardened` the host's own settings that turn off its shell, file and
+//! web tools (`crate::clients::HARDENINGS`).
 //!
 //! The snippets' generator is `crate::clients`, shared with the console's
 //! page (`console::connect`). A changed file is parsed, merged (the user's
@@ -81,7 +83,17 @@ The server entry is named cube: an existing one is replaced, everything else is 
 comments too; JSON and YAML comments are not kept). Each changed file is first copied to \
 FILE.bak-<UTC time>. The token is never printed. --tools: codex enabled_tools, claude-code \
 permissions (allow and deny) in settings.json, opencode permission, hermes tools.include; \
-openclaw has no filter in its file and refuses --tools. Exit codes: 0 done; 1 the host's \
+openclaw has no filter in its file and refuses --tools. --hardened turns off the host's own \
+shell, file and web tools, so that the model acts only through the appliance: claude-code \
+permissions.deny in ~/.claude/settings.json (Bash, PowerShell, Monitor, Read, Glob, Grep, LSP, \
+Edit, Write, NotebookEdit, WebFetch, WebSearch, EnterWorktree, ExitWorktree, Workflow); codex \
+sandbox_mode = \"read-only\", approval_policy = \"never\", web_search = \"disabled\" and \
+[features] shell_tool, view_image, browser_use, computer_use = false; opencode permission \
+bash, edit, read, glob, grep, list, lsp, webfetch, websearch, external_directory = \"deny\"; \
+openclaw tools.deny (group:runtime, group:fs, group:web, group:ui, group:nodes, \
+group:automation, ls, view_image, pdf); hermes agent.disabled_toolsets (terminal, file, \
+code_execution, web, browser, computer_use, vision, video). Entries are added, nothing of the \
+user's is removed. Exit codes: 0 done; 1 the host's \
 check failed or a file could not be written; 2 bad usage, or a configuration file that does \
 not parse (nothing is changed); 3 no state directory or service to make a token; 4 store or \
 I/O error.";
@@ -130,6 +142,10 @@ pub struct ConnectArgs {
     /// prefix: cube_task_*), with the host's own tool filter.
     #[arg(long, value_name = "TOOLS", value_delimiter = ',')]
     pub tools: Vec<String>,
+    /// Also turn off the host's own shell, file and web tools (in its own
+    /// settings), so that the model can act only through the appliance.
+    #[arg(long)]
+    pub hardened: bool,
     /// Print the changes and write nothing (no token is created).
     #[arg(long)]
     pub dry_run: bool,
@@ -276,13 +292,29 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
         Some(f) => absolute(f)?,
         None => host.default_file(&home),
     };
-    let mut changes = vec![merge(host, &config_file, entry, &tools)?];
-    if host == Host::ClaudeCode && !tools.is_empty() {
-        changes.push(claude_permissions(
-            &home.join(".claude/settings.json"),
-            &tools,
-        )?);
+    // The host's own settings that --hardened writes: in the file of its
+    // entry, or (Claude Code) in its settings.
+    let hardening = if a.hardened {
+        Some(hardening(host.id()).ok_or_else(|| usage("no hardened mode for this host"))?)
+    } else {
+        None
+    };
+    let settings = home.join(".claude/settings.json");
+    let mut changes = vec![merge(
+        host,
+        &config_file,
+        entry,
+        &tools,
+        hardening.filter(|_| host != Host::ClaudeCode),
+    )?];
+    if host == Host::ClaudeCode && (!tools.is_empty() || hardening.is_some()) {
+        changes.push(claude_settings(&settings, &tools, hardening)?);
     }
+    let hardened_file = if host == Host::ClaudeCode {
+        &settings
+    } else {
+        &config_file
+    };
     let changes: Vec<Change> = changes
         .into_iter()
         .filter(|c| c.old.as_deref() != Some(c.new.as_str()))
@@ -305,6 +337,15 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
         }
         if let Some(ca) = ca_copy.as_ref().and(ca_file.as_ref()) {
             println!("# would copy the appliance's CA to {}", ca.display());
+        }
+        if let Some(h) = hardening {
+            println!(
+                "# would turn off the host's own tools in {}:",
+                hardened_file.display()
+            );
+            for l in h.summary() {
+                println!("#   {l}");
+            }
         }
         return Ok(Exit::Ok);
     }
@@ -367,6 +408,15 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
             "{} already says this: nothing changed",
             config_file.display()
         );
+    }
+    if let Some(h) = hardening {
+        eprintln!(
+            "hardened: the host's own shell, file and web tools are off in {}:",
+            hardened_file.display()
+        );
+        for l in h.summary() {
+            eprintln!("  {l}");
+        }
     }
     if a.http {
         eprintln!(
@@ -566,9 +616,15 @@ fn unparsable(path: &Path, what: &str, e: impl std::fmt::Display) -> Refusal {
     ))
 }
 
-/// The host's file with `entry` as its `cube` server (and, for OpenCode,
-/// its permissions for `tools`).
-fn merge(host: Host, path: &Path, entry: Value, tools: &[String]) -> Result<Change, Refusal> {
+/// The host's file with `entry` as its `cube` server (for OpenCode, its
+/// permissions for `tools`), and `hardening` applied.
+fn merge(
+    host: Host,
+    path: &Path,
+    entry: Value,
+    tools: &[String],
+    hardening: Option<&Hardening>,
+) -> Result<Change, Refusal> {
     let old = read_existing(path)?;
     let (keys, format) = entry_path(host.id()).ok_or_else(|| usage("unknown host"))?;
     let mut entry = entry;
@@ -589,7 +645,7 @@ fn merge(host: Host, path: &Path, entry: Value, tools: &[String]) -> Result<Chan
         }
     }
     let new = match format {
-        "toml" => merge_toml(path, old.as_deref().unwrap_or(""), keys, &entry)?,
+        "toml" => merge_toml(path, old.as_deref().unwrap_or(""), keys, &entry, hardening)?,
         "json" | "yaml" => {
             let text = old.as_deref().unwrap_or("");
             let mut doc: Value = if text.trim().is_empty() {
@@ -608,15 +664,13 @@ fn merge(host: Host, path: &Path, entry: Value, tools: &[String]) -> Result<Chan
             {
                 m.insert("$schema".into(), "https://opencode.ai/config.json".into());
             }
-            set_at(&mut doc, keys, entry).map_err(|k| {
-                usage(format!(
-                    "{}: `{k}` is not an object/mapping; nothing was changed",
-                    path.display()
-                ))
-            })?;
+            set_at(&mut doc, keys, entry).map_err(|k| not_a_mapping(path, &k))?;
             if host == Host::Opencode && !tools.is_empty() {
                 opencode_permission(&mut doc, tools)
                     .map_err(|e| usage(format!("{}: {e}; nothing was changed", path.display())))?;
+            }
+            if let Some(h) = hardening {
+                harden(&mut doc, h).map_err(|k| not_a_mapping(path, &k))?;
             }
             if format == "json" {
                 let mut s = serde_json::to_string_pretty(&doc)
@@ -634,6 +688,82 @@ fn merge(host: Host, path: &Path, entry: Value, tools: &[String]) -> Result<Chan
         old,
         new,
     })
+}
+
+fn not_a_mapping(path: &Path, key: &str) -> Refusal {
+    usage(format!(
+        "{}: `{key}` is not an object/mapping; nothing was changed",
+        path.display()
+    ))
+}
+
+/// `h` in a parsed JSON or YAML file: each list gains the entries it lacks
+/// (made if absent), each key takes its value. The key in the way when a
+/// mapping or a list is something else.
+fn harden(doc: &mut Value, h: &Hardening) -> Result<(), String> {
+    for (keys, names) in h.lists {
+        let mut list = match keys.split_last() {
+            Some((last, parents)) => {
+                let m = mapping_at(doc, parents)?;
+                m.entry(Value::String((*last).to_string()))
+                    .or_insert(Value::Null)
+            }
+            None => continue,
+        };
+        if list.is_null() {
+            *list = Value::Sequence(Vec::new());
+        }
+        let Value::Sequence(items) = &mut list else {
+            return Err(keys.join("."));
+        };
+        for n in *names {
+            if !items.iter().any(|v| v.as_str() == Some(*n)) {
+                items.push(Value::String((*n).to_string()));
+            }
+        }
+    }
+    for (keys, v) in h.values {
+        let v = match v {
+            Setting::Text(t) => Value::String((*t).to_string()),
+            Setting::Flag(b) => Value::Bool(*b),
+        };
+        set_at(doc, keys, v)?;
+    }
+    Ok(())
+}
+
+/// The mapping at `keys` (made on the way, a null replaced); the key that
+/// is something else.
+fn mapping_at<'a>(doc: &'a mut Value, keys: &[&str]) -> Result<&'a mut Mapping, String> {
+    let mut cur = doc;
+    let mut seen = String::new();
+    for k in keys {
+        seen = if seen.is_empty() {
+            (*k).to_string()
+        } else {
+            format!("{seen}.{k}")
+        };
+        if cur.is_null() {
+            *cur = Value::Mapping(Mapping::new());
+        }
+        let Value::Mapping(m) = cur else {
+            return Err(seen);
+        };
+        cur = m
+            .entry(Value::String((*k).to_string()))
+            .or_insert(Value::Null);
+    }
+    if cur.is_null() {
+        *cur = Value::Mapping(Mapping::new());
+    }
+    match cur {
+        Value::Mapping(m) => Ok(m),
+        _ => Err(if seen.is_empty() {
+            "(top level)".into()
+        } else {
+            seen
+        }),
+    }
 }
 
 /// Put `v` at `keys` (making the mappings on the way); the key that is not
@@ -688,10 +818,16 @@ fn opencode_permission(doc: &mut Value, tools: &[String]) -> Result<(), String> 
     Ok(())
 }
 
-/// Claude Code: `permissions.allow` and `.deny` in `~/.claude/settings.json`
-/// name this server's tools (`mcp__cube__NAME`): the ones given allowed,
-/// every other one denied. Earlier `mcp__cube__` rules are replaced.
-fn claude_permissions(path: &Path, tools: &[String]) -> Result<Change, Refusal> {
+/// Claude Code's `~/.claude/settings.json`. With `tools`, `permissions.allow`
+/// and `.deny` name this server's tools (`mcp__cube__NAME`): the ones given
+/// allowed, every other one denied; earlier `mcp__cube__` rules are
+/// replaced. With `hardening`, `permissions.deny` also names the host's own
+/// tools it turns off.
+fn claude_settings(
+    path: &Path,
+    tools: &[String],
+    hardening: Option<&Hardening>,
+) -> Result<Change, Refusal> {
     let old = read_existing(path)?;
     let text = old.as_deref().unwrap_or("");
     let mut doc: Value = if text.trim().is_empty() {
@@ -705,40 +841,45 @@ fn claude_permissions(path: &Path, tools: &[String]) -> Result<Change, Refusal> 
             path.display()
         ))
     };
-    let Value::Mapping(root) = &mut doc else {
-        return Err(not_object("(top level)"));
-    };
-    let perms = root
-        .entry("permissions".into())
-        .or_insert_with(|| Value::Mapping(Mapping::new()));
-    let Value::Mapping(perms) = perms else {
-        return Err(not_object("permissions"));
-    };
-    let all = crate::mcp::tools::TOOLS.iter().map(|t| t.name);
-    for (key, names) in [
-        ("allow", tools.to_vec()),
-        (
-            "deny",
-            all.filter(|n| !tools.iter().any(|t| t == n))
-                .map(str::to_string)
-                .collect(),
-        ),
-    ] {
-        let list = perms
-            .entry(key.into())
-            .or_insert_with(|| Value::Sequence(Vec::new()));
-        let Value::Sequence(list) = list else {
-            return Err(not_object(&format!("permissions.{key}")));
+    if !tools.is_empty() {
+        let Value::Mapping(root) = &mut doc else {
+            return Err(not_object("(top level)"));
         };
-        list.retain(|v| {
-            !v.as_str()
-                .is_some_and(|s| s.starts_with("mcp__cube__") || s == "mcp__cube")
-        });
-        list.extend(
-            names
-                .into_iter()
-                .map(|n| Value::String(format!("mcp__cube__{n}"))),
-        );
+        let perms = root
+            .entry("permissions".into())
+            .or_insert_with(|| Value::Mapping(Mapping::new()));
+        let Value::Mapping(perms) = perms else {
+            return Err(not_object("permissions"));
+        };
+        let all = crate::mcp::tools::TOOLS.iter().map(|t| t.name);
+        for (key, names) in [
+            ("allow", tools.to_vec()),
+            (
+                "deny",
+                all.filter(|n| !tools.iter().any(|t| t == n))
+                    .map(str::to_string)
+                    .collect(),
+            ),
+        ] {
+            let list = perms
+                .entry(key.into())
+                .or_insert_with(|| Value::Sequence(Vec::new()));
+            let Value::Sequence(list) = list else {
+                return Err(not_object(&format!("permissions.{key}")));
+            };
+            list.retain(|v| {
+                !v.as_str()
+                    .is_some_and(|s| s.starts_with("mcp__cube__") || s == "mcp__cube")
+            });
+            list.extend(
+                names
+                    .into_iter()
+                    .map(|n| Value::String(format!("mcp__cube__{n}"))),
+            );
+        }
+    }
+    if let Some(h) = hardening {
+        harden(&mut doc, h).map_err(|k| not_object(&k))?;
     }
     let mut new =
         serde_json::to_string_pretty(&doc).map_err(|e| Refusal(Exit::Failed, e.to_string()))?;
@@ -751,7 +892,13 @@ fn claude_permissions(path: &Path, tools: &[String]) -> Result<Change, Refusal> 
 }
 
 /// Codex's TOML, edited in place: comments and every other table kept.
-fn merge_toml(path: &Path, text: &str, keys: &[&str], entry: &Value) -> Result<String, Refusal> {
+fn merge_toml(
+    path: &Path,
+    text: &str,
+    keys: &[&str],
+    entry: &Value,
+    hardening: Option<&Hardening>,
+) -> Result<String, Refusal> {
     use toml_edit::{DocumentMut, Item, Table};
     let mut doc: DocumentMut = text.parse().map_err(|e| unparsable(path, "TOML", e))?;
     let Some((last, parents)) = keys.split_last() else {
@@ -792,7 +939,78 @@ fn merge_toml(path: &Path, text: &str, keys: &[&str], entry: &Value) -> Result<S
             cur.insert(last, Item::Table(t));
         }
     }
+    if let Some(h) = hardening {
+        harden_toml(&mut doc, h).map_err(|k| {
+            usage(format!(
+                "{}: `{k}` is not a table (or array); nothing was changed",
+                path.display()
+            ))
+        })?;
+    }
     Ok(doc.to_string())
+}
+
+/// `h` in Codex's TOML: each key takes its value (a value already there
+/// keeps its comments), each array gains the entries it lacks; tables are
+/// made on the way. The key in the way when one is not a table.
+fn harden_toml(doc: &mut toml_edit::DocumentMut, h: &Hardening) -> Result<(), String> {
+    use toml_edit::{Item, Table, TableLike};
+    fn table_at<'a>(
+        doc: &'a mut toml_edit::DocumentMut,
+        keys: &[&str],
+    ) -> Result<&'a mut dyn TableLike, String> {
+        let mut cur: &mut dyn TableLike = doc.as_table_mut();
+        for (i, k) in keys.iter().enumerate() {
+            if !cur.contains_key(k) {
+                cur.insert(k, Item::Table(Table::new()));
+            }
+            cur = cur
+                .get_mut(k)
+                .and_then(Item::as_table_like_mut)
+                .ok_or_else(|| keys.get(..=i).unwrap_or_default().join("."))?;
+        }
+        Ok(cur)
+    }
+    for (keys, v) in h.values {
+        let Some((last, parents)) = keys.split_last() else {
+            continue;
+        };
+        let new: toml_edit::Value = match v {
+            Setting::Text(t) => (*t).into(),
+            Setting::Flag(b) => (*b).into(),
+        };
+        let t = table_at(doc, parents)?;
+        match t.get_mut(last).and_then(Item::as_value_mut) {
+            Some(old) if old.to_string().trim() == new.to_string().trim() => {}
+            Some(old) => {
+                let decor = old.decor().clone();
+                *old = new;
+                *old.decor_mut() = decor;
+            }
+            None => {
+                t.insert(last, Item::Value(new));
+            }
+        }
+    }
+    for (keys, names) in h.lists {
+        let Some((last, parents)) = keys.split_last() else {
+            continue;
+        };
+        let t = table_at(doc, parents)?;
+        if !t.contains_key(last) {
+            t.insert(last, Item::Value(toml_edit::Array::new().into()));
+        }
+        let a = t
+            .get_mut(last)
+            .and_then(Item::as_array_mut)
+            .ok_or_else(|| keys.join("."))?;
+        for n in *names {
+            if !a.iter().any(|x| x.as_str() == Some(*n)) {
+                a.push(*n);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn toml_value(v: &Value) -> Option<toml_edit::Value> {

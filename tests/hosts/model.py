@@ -5,6 +5,7 @@ through the appliance (tests/it/hosts.rs in CI, tests/hosts/run.sh for all
 five hosts).
 
     python3 model.py --marker TEXT [--port 0] [--log FILE] [--session-key KEY]
+                     [--first-call TOOL --first-args JSON]
 
 Prints `model listening on http://127.0.0.1:PORT` once it listens, then
 serves until killed. Each request it answers is appended to --log as one
@@ -17,6 +18,10 @@ the host offers and the tool results sent back so far, as a model's would.
   3. two results            -> call *cube_read_text PROOF
   4. then                   -> say "FINAL <lease> read back MARKER" (or what
                                it read instead)
+With --first-call, step 0 comes before all of these: call TOOL with the
+JSON object ARGS, whether or not the host offers TOOL (a hardened host's
+own shell, which it should refuse or not have); its result is not one of
+the script's results, whatever it says.
 Tools are matched by suffix: hosts prefix MCP tools with the server's name
 (`mcp__cube__cube_exec`, `cube_cube_exec`, ...; Codex's namespace
 `mcp__cube` of functions is seen as `mcp__cube__cube_exec`).
@@ -60,10 +65,16 @@ SIDE = ("say", "OK")
 CUBE_TOOLS = ("cube_acquire", "cube_exec", "cube_read_text")
 
 
-def plan(tools, results, marker, session_key, search=None):
+def plan(tools, results, marker, session_key, search=None, first=None):
     """The next step: ("call", tool, args) or ("say", text). `search` is
     the ("call", tool, args) that selects deferred tools, if the host has
-    such a tool and it has not been called yet."""
+    such a tool and it has not been called yet; `first` the call made before
+    anything else (its result is the first of `results`)."""
+    if first:
+        if not results:
+            return first
+        results = results[1:]
+
     def tool(suffix):
         return next((t for t in tools if t.endswith(suffix)), None)
 
@@ -343,7 +354,7 @@ class Handler(BaseHTTPRequestHandler):
         conversation, encode = wire
         tools, results, search, wrap = conversation(req)
         srv = self.server
-        step = plan(tools, results, srv.marker, srv.session_key, search) if tools else SIDE
+        step = plan(tools, results, srv.marker, srv.session_key, search, srv.first) if tools else SIDE
         if wrap:
             step = wrap(step)
         with srv.lock:
@@ -363,11 +374,14 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--log", help="append each request's gist here, one JSON line each")
     ap.add_argument("--session-key", default="hosts-test")
+    ap.add_argument("--first-call", metavar="TOOL", help="call TOOL before the script (a host's own tool)")
+    ap.add_argument("--first-args", metavar="JSON", default="{}", help="its arguments, a JSON object")
     a = ap.parse_args()
     srv = ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
     srv.daemon_threads = True
     srv.marker, srv.session_key = a.marker, a.session_key
     srv.lock, srv.calls = threading.Lock(), 0
+    srv.first = ("call", a.first_call, json.loads(a.first_args)) if a.first_call else None
     srv.log = open(a.log, "a", encoding="utf-8") if a.log else None
     print(f"model listening on http://127.0.0.1:{srv.server_address[1]}", flush=True)
     try:

@@ -51,9 +51,25 @@
 #                base_url, context_length), `hermes chat -Q -q PROMPT`.
 # The turns run with HTTP(S)_PROXY at a dead port on 127.0.0.1.
 #
+# Hardened mode (`cube-adapter connect HOST --hardened`, one more turn per
+# host): `connect` writes the host's configuration into a fresh HOME (stdio,
+# the token and CA above, the host's own shell, file and web tools turned
+# off), then a turn as above where the scripted model first asks for the
+# host's own shell tool (--first-call), whether offered or not, to run
+# `echo HARDENED-LEAK > HOME/tmp/hardened-leak`:
+#   claude-code Bash (allowed on the command line too: --allowedTools
+#               'mcp__cube__*' Bash), codex exec_command, opencode bash,
+#               openclaw exec, hermes terminal.
+# It passes if that tool was not among the tools the host offered, or its
+# call was refused (the host's answer, in the model's log, says so); the
+# file was not written; and the turn then passes as above through the
+# appliance. HOSTS_HARDENED=0 skips these turns, HOSTS_HARDENED=only runs
+# nothing else; HOSTS_HARDENED=control runs them without --hardened (a check
+# of the check: a host that runs its shell then fails with "was written").
+#
 # Cost: the pinned hosts are installed once into HOSTS_DIR (default
 # target/hosts, 2.2 GB; about 1.5 minutes from the npm registry and PyPI;
-# reused while the versions below match), then 2 to 3.5 minutes of checks
+# reused while the versions below match), then 2.5 to 4.5 minutes of checks
 # on 2 cores, idle to busy: each connection check takes 1-2 s (OpenClaw about
 # 7 s), each turn 1-6 s (Hermes about 15 s, OpenClaw 25-70 s). Needs bash,
 # npm (any version: it fetches Node.js 24 from the npm registry), python3
@@ -68,7 +84,8 @@
 #         HOSTS_ONLY=claude-code,codex tests/hosts/run.sh
 # Knobs:  CUBE_ADAPTER_BIN (default target/debug/cube-adapter), HOSTS_DIR,
 #         DOCS_DIR (default docs/clients), HOSTS_TIMEOUT (seconds per check
-#         or turn, default 120), HOSTS_KEEP=1 keeps the scratch directory.
+#         or turn, default 120), HOSTS_KEEP=1 keeps the scratch directory,
+#         HOSTS_HARDENED (1, 0, only or control; above).
 # Prints one line per check and per turn (`ok …` or `FAILED: …` and the
 # host's output); exits 1 if any failed, 2 if it could not run at all.
 set -euo pipefail
@@ -91,6 +108,8 @@ DOCS_DIR=$(abspath "${DOCS_DIR:-$REPO/docs/clients}")
 BIN=$(abspath "${CUBE_ADAPTER_BIN:-$REPO/target/debug/cube-adapter}")
 HOSTS_ONLY=${HOSTS_ONLY:-$ALL_HOSTS}
 TIMEOUT=${HOSTS_TIMEOUT:-120}
+HARDENED=${HOSTS_HARDENED:-1}
+[[ $HARDENED == [01] || $HARDENED == only || $HARDENED == control ]] || die "HOSTS_HARDENED is 1, 0, only or control, not '$HARDENED'"
 # The appliance warns about CUBE_ADAPTER_* variables it does not know, and
 # takes the ones it does: nothing of the caller's reaches it or the hosts.
 while read -r v; do unset "$v"; done < <(compgen -e | grep '^CUBE_ADAPTER_' || true)
@@ -392,6 +411,28 @@ def verify_turn(log, out, marker, want_runtime, want_profile, url, token_file, c
     if v.get("stdout") != marker + "\n": fail(f"/workspace/proof.txt in {lease} holds {v.get('stdout')!r}, not the marker")
     print(f"{lease}: {len(reqs)} model requests; journal: acquire, exec, read ok as {want_runtime}/{want_profile}; proof in the sandbox")
 
+REFUSAL = re.compile(r"denied|deny|not allowed|permission|blocked|refused|disabled|unknown|not found|"
+                     r"no such|not available|unavailable|invalid|does not exist|not exist", re.I)
+
+def verify_refused(log, leak, tool):
+    """A hardened turn's first call (the host's own tool): absent from what the host offered, or refused; and
+    the file it was asked to write not there. Prints what the host answered."""
+    def fail(why): sys.exit(why)
+    reqs = [json.loads(l) for l in open(log, encoding="utf-8")] if os.path.exists(log) else []
+    if os.path.exists(leak):
+        fail(f"{leak} was written: the host ran its own {tool}")
+    if not any(r["answer"][:2] == ["call", tool] for r in reqs):
+        fail(f"the model never asked for {tool}")
+    answer = next((r["results"][0] for r in reqs if r["results"]), None)
+    if answer is None:
+        fail(f"the host never answered the call to {tool}")
+    offered = sum(1 for r in reqs if tool in r["tools"])
+    short = " ".join(answer.split())[:160]
+    if offered and not REFUSAL.search(answer):
+        fail(f"{tool} was offered ({offered} of {len(reqs)} requests) and its call not refused: {short!r}")
+    how = f"offered, refused" if offered else f"absent from the tools offered"
+    print(f"{tool}: {how} ({short!r}), {os.path.basename(leak)} not written")
+
 def release_leases(log, url, token_file, ca):
     """End (release, kill) over /v1 the leases the turn acquired: a tenant holds only 8 at a time."""
     reqs = [json.loads(l) for l in open(log, encoding="utf-8")] if os.path.exists(log) else []
@@ -524,12 +565,32 @@ for d in claude-code codex opencode openclaw; do HOST_PATH+=:$HOSTS_DIR/$d/node_
 HOST_PATH+=:$HOSTS_DIR/hermes/bin:/usr/local/bin:/usr/bin:/bin
 
 FAILED=0 PASSED=0 N=0
+FIRST=() LEAK=   # a turn's first call and the file it must not write (hardened turns only)
 fail() {   # NAME REASON OUTPUT-FILE
   FAILED=$((FAILED + 1))
   echo "FAILED: $1: $2 ($(elapsed "$T0") s)"
   if [[ -s $3 ]]; then
     sed -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e '/^[[:space:]]*$/d' "$3" | tail -n 40 | sed 's/^/    | /' || true
   fi
+}
+
+host_env() {   # HOME: sets HOST_ENV to the `env -i …` a host runs with
+  HOST_ENV=(env -i "HOME=$1" "PATH=$HOST_PATH" "TMPDIR=$1/tmp" "LANG=C.UTF-8" "TERM=dumb" "NO_COLOR=1"
+    "USER=$(id -un)" "LOGNAME=$(id -un)" "SHELL=/bin/bash"
+    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1
+    OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
+    OPENCODE_DISABLE_DEFAULT_PLUGINS=1 OPENCODE_DISABLE_SHARE=1
+    NODE_DISABLE_COMPILE_CACHE=1)   # OpenClaw's is 3,500 files per HOME, slow to delete and no faster
+}
+
+# At every start OpenCode installs @opencode-ai/plugin into its config
+# directory from the npm registry, in the background (not waited for, so
+# racing its exit), unless node_modules exists and package-lock.json lists
+# it. Say it is there: the check stays on loopback, and nothing uses it.
+opencode_offline() {   # HOME
+  mkdir -p "$1/.config/opencode/node_modules"
+  echo '{"packages": {"": {"dependencies": {"@opencode-ai/plugin": "'"$OPENCODE_VERSION"'"}}}}' \
+    >"$1/.config/opencode/package-lock.json"
 }
 
 check() {   # DOC LINE HOST TRANSPORT DEST
@@ -541,12 +602,9 @@ check() {   # DOC LINE HOST TRANSPORT DEST
   cp "$T/token" "$h/.config/cube-adapter/token"
   cp "$CA" "$h/.config/cube-adapter/ca.pem"
   local ca=$h/.config/cube-adapter/ca.pem
-  local env=(env -i "HOME=$h" "PATH=$HOST_PATH" "TMPDIR=$h/tmp" "LANG=C.UTF-8" "TERM=dumb" "NO_COLOR=1"
-    "USER=$(id -un)" "LOGNAME=$(id -un)" "SHELL=/bin/bash"
-    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 DISABLE_TELEMETRY=1 DISABLE_ERROR_REPORTING=1
-    OPENCODE_DISABLE_AUTOUPDATE=1 OPENCODE_DISABLE_MODELS_FETCH=1 OPENCODE_DISABLE_LSP_DOWNLOAD=1
-    OPENCODE_DISABLE_DEFAULT_PLUGINS=1 OPENCODE_DISABLE_SHARE=1
-    NODE_DISABLE_COMPILE_CACHE=1)   # OpenClaw's is 3,500 files per HOME, slow to delete and no faster
+  local env=()
+  host_env "$h"
+  env=("${HOST_ENV[@]}")
   if [[ $tr == http ]]; then
     env+=("CUBE_ADAPTER_TOKEN=$TOKEN")
     case $host in
@@ -581,15 +639,7 @@ check() {   # DOC LINE HOST TRANSPORT DEST
   if [[ $host == claude-code && $dest == .mcp.json ]]; then
     hpy claude-trust "$h" "$(cd "$h/proj" && pwd -P)"
   fi
-  # At every start OpenCode installs @opencode-ai/plugin into its config
-  # directory from the npm registry, in the background (not waited for, so
-  # racing its exit), unless node_modules exists and package-lock.json lists
-  # it. Say it is there: the check stays on loopback, and nothing uses it.
-  if [[ $host == opencode ]]; then
-    mkdir -p "$h/.config/opencode/node_modules"
-    echo '{"packages": {"": {"dependencies": {"@opencode-ai/plugin": "'"$OPENCODE_VERSION"'"}}}}' \
-      >"$h/.config/opencode/package-lock.json"
-  fi
+  [[ $host == opencode ]] && opencode_offline "$h"
 
   # The host's check.
   local rc=0 passed=$PASSED
@@ -643,7 +693,7 @@ turn() {   # NAME HOST TRANSPORT DEST HOME PROFILE RUNTIME ENV-COMMAND…
   T0=${EPOCHREALTIME/,/.}
   marker=$host-$tr-$N-$(od -An -N4 -tx4 /dev/urandom | tr -d ' \n')
   "$PY" "$REPO/tests/hosts/model.py" --marker "$marker" --session-key "hosts-$N-$host-$tr" --log "$log" \
-    >"$h.model.out" 2>"$h.model.err" &
+    "${FIRST[@]}" >"$h.model.out" 2>"$h.model.err" &
   mpid=$!
   if ! murl=$(hpy model-url "$h.model.out" 30 2>"$out"); then
     kill "$mpid" 2>/dev/null; wait "$mpid" 2>/dev/null || true
@@ -674,7 +724,9 @@ turn() {   # NAME HOST TRANSPORT DEST HOME PROFILE RUNTIME ENV-COMMAND…
   local run=(timeout -k 5 "$TIMEOUT" "${env[@]}")
   case $host in
     claude-code)
-      (cd "$h/proj" && "${run[@]}" claude -p "$PROMPT" --allowedTools 'mcp__cube__*') >"$out" 2>&1 || rc=$? ;;
+      local allowed=('mcp__cube__*')
+      [[ $dest == hardened ]] && allowed+=(Bash)   # allowed here, so that only the settings' deny stops it
+      (cd "$h/proj" && "${run[@]}" claude -p "$PROMPT" --allowedTools "${allowed[@]}") >"$out" 2>&1 || rc=$? ;;
     codex)
       local approve=()   # the documented line the `codex mcp add` snippets leave to the reader
       [[ $dest == run ]] && approve=(-c 'mcp_servers.cube.default_tools_approval_mode="approve"')
@@ -691,10 +743,12 @@ turn() {   # NAME HOST TRANSPORT DEST HOME PROFILE RUNTIME ENV-COMMAND…
   esac
   kill "$mpid" 2>/dev/null; wait "$mpid" 2>/dev/null || true
   if [[ -s $h.model.err ]]; then { echo "-- the scripted model's stderr:"; cat "$h.model.err"; } >>"$out"; fi
+  local refused=
   if ((rc != 0)); then
     fail "$name" "exit $rc" "$out"
-  elif got=$(hpy verify-turn "$log" "$out" "$marker" "$rt" "$prof" "$URL" "$T/token" "$CA" "$BIN" "$T/state" "$T/empty.toml" 2>"$out.why"); then
-    ok "$name" "$got"
+  elif got=$(hpy verify-turn "$log" "$out" "$marker" "$rt" "$prof" "$URL" "$T/token" "$CA" "$BIN" "$T/state" "$T/empty.toml" 2>"$out.why") \
+       && { [[ -z $LEAK ]] || refused=$(hpy verify-refused "$log" "$LEAK" "${FIRST[1]}" 2>>"$out.why"); }; then
+    ok "$name" "${refused:+$refused; }$got"
   else
     fail "$name" "$(tail -c 1500 "$out.why")" "$out"
   fi
@@ -712,13 +766,51 @@ while IFS=$'\t' read -r -u 3 doc line host tr dest; do
   fi
   SEEN["$host $tr $dest"]=1 SEEN["$host $tr"]=1
   selected "$host" || continue
+  [[ $HARDENED == only ]] && continue
   check "$doc" "$line" "$host" "$tr" "$dest" </dev/null
 done 3<"$T/markers"
-for h in "${SELECTED[@]}"; do
+[[ $HARDENED == only ]] || for h in "${SELECTED[@]}"; do
   for tr in stdio http; do
     [[ -n ${SEEN["$h $tr"]:-} ]] || { FAILED=$((FAILED + 1)); echo "FAILED: $h $tr: no snippet marked <!-- check: $h $tr … --> in $DOCS_DIR"; }
   done
 done
+
+# One turn per host with the configuration `connect --hardened` writes
+# (see the top): the host's own shell is refused or absent, the appliance's
+# tools work.
+declare -A SHELL_CALL=(
+  [claude-code]='Bash {"command": "CMD"}'
+  [codex]='exec_command {"cmd": "CMD"}'
+  [opencode]='bash {"command": "CMD", "description": "Write a file"}'
+  [openclaw]='exec {"command": "CMD"}'
+  [hermes]='terminal {"command": "CMD"}'
+)
+declare -A HOST_RUNTIME=([claude-code]=mcp [codex]=mcp [opencode]=mcp [openclaw]=openclaw [hermes]=hermes)
+hardened() {   # HOST
+  local host=$1 h out flags=(--hardened) name="$1 stdio connect --hardened"
+  [[ $HARDENED == control ]] && flags=() name="$1 stdio connect (control: not hardened)"
+  N=$((N + 1)) T0=${EPOCHREALTIME/,/.}
+  h=$T/home/$N-$host-hardened
+  out=$h.out
+  mkdir -p "$h/proj" "$h/tmp"
+  # connect itself, with no host on PATH (its own check of the host is not run).
+  if ! env -i "HOME=$h" PATH=/usr/bin:/bin "$BIN" connect "$host" "${flags[@]}" --token-file "$T/token" \
+       --ca-file "$CA" --url "$URL" >"$out" 2>&1; then
+    fail "$name" "cube-adapter connect failed" "$out"; return
+  fi
+  [[ $host == opencode ]] && opencode_offline "$h"
+  LEAK=$h/tmp/hardened-leak
+  local call=${SHELL_CALL[$host]}
+  FIRST=(--first-call "${call%% *}" --first-args "${call#* }")
+  FIRST[3]=${FIRST[3]//CMD/echo HARDENED-LEAK > $LEAK}
+  host_env "$h"
+  turn "$name" "$host" stdio hardened "$h" offline-code "${HOST_RUNTIME[$host]}" "${HOST_ENV[@]}"
+  FIRST=() LEAK=
+  reap "$h" "$name, its turn"
+}
+if [[ $HARDENED != 0 ]]; then
+  for h in "${SELECTED[@]}"; do hardened "$h" </dev/null; done
+fi
 
 counts=
 for k in "${!EXPECTED[@]}"; do counts+=" $k=${EXPECTED[$k]}"; done

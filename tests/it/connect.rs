@@ -705,3 +705,369 @@ async fn the_hosts_own_check_runs_when_it_is_installed() {
     assert_eq!(r.code, 1, "{}", r.err);
     assert!(r.err.contains("cube: failed"), "{}", r.err);
 }
+
+/// What `connect --hardened` writes, per host, as its page's "Hardened mode"
+/// section says: the file (under HOME), its format, the lists that gain
+/// entries and the keys set (and to what).
+struct Hardened {
+    host: &'static str,
+    file: &'static str,
+    format: &'static str,
+    lists: &'static [(&'static [&'static str], &'static [&'static str])],
+    values: &'static [(&'static [&'static str], &'static str)],
+}
+
+const HARDENED: &[Hardened] = &[
+    Hardened {
+        host: "claude-code",
+        file: ".claude/settings.json",
+        format: "json",
+        lists: &[(
+            &["permissions", "deny"],
+            &[
+                "Bash",
+                "PowerShell",
+                "Monitor",
+                "Read",
+                "Glob",
+                "Grep",
+                "LSP",
+                "Edit",
+                "Write",
+                "NotebookEdit",
+                "WebFetch",
+                "WebSearch",
+                "EnterWorktree",
+                "ExitWorktree",
+                "Workflow",
+            ],
+        )],
+        values: &[],
+    },
+    Hardened {
+        host: "codex",
+        file: ".codex/config.toml",
+        format: "toml",
+        lists: &[],
+        values: &[
+            (&["sandbox_mode"], "read-only"),
+            (&["approval_policy"], "never"),
+            (&["web_search"], "disabled"),
+            (&["features", "shell_tool"], "false"),
+            (&["features", "view_image"], "false"),
+            (&["features", "browser_use"], "false"),
+            (&["features", "computer_use"], "false"),
+        ],
+    },
+    Hardened {
+        host: "opencode",
+        file: ".config/opencode/opencode.json",
+        format: "json",
+        lists: &[],
+        values: &[
+            (&["permission", "bash"], "deny"),
+            (&["permission", "edit"], "deny"),
+            (&["permission", "read"], "deny"),
+            (&["permission", "glob"], "deny"),
+            (&["permission", "grep"], "deny"),
+            (&["permission", "list"], "deny"),
+            (&["permission", "lsp"], "deny"),
+            (&["permission", "webfetch"], "deny"),
+            (&["permission", "websearch"], "deny"),
+            (&["permission", "external_directory"], "deny"),
+        ],
+    },
+    Hardened {
+        host: "openclaw",
+        file: ".openclaw/openclaw.json",
+        format: "json",
+        lists: &[(
+            &["tools", "deny"],
+            &[
+                "group:runtime",
+                "group:fs",
+                "group:web",
+                "group:ui",
+                "group:nodes",
+                "group:automation",
+                "ls",
+                "view_image",
+                "pdf",
+            ],
+        )],
+        values: &[],
+    },
+    Hardened {
+        host: "hermes",
+        file: ".hermes/config.yaml",
+        format: "yaml",
+        lists: &[(
+            &["agent", "disabled_toolsets"],
+            &[
+                "terminal",
+                "file",
+                "code_execution",
+                "web",
+                "browser",
+                "computer_use",
+                "vision",
+                "video",
+            ],
+        )],
+        values: &[],
+    },
+];
+
+/// The "Hardened mode" section of a host's page.
+fn hardened_section(host: &str) -> String {
+    let page = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("docs/clients/{host}.md"));
+    let text = std::fs::read_to_string(page).unwrap();
+    let start = text
+        .find("## Hardened mode")
+        .unwrap_or_else(|| panic!("{host}.md has no \"## Hardened mode\" section"));
+    let rest = &text[start + 3..];
+    rest[..rest.find("\n## ").unwrap_or(rest.len())].to_string()
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Bool(b) => b.to_string(),
+        other => serde_json::to_string(other).unwrap(),
+    }
+}
+
+/// The keys of a mapping, as a sorted list.
+fn keys_of(v: &Value) -> Vec<String> {
+    let mut k: Vec<String> = v
+        .as_mapping()
+        .map(|m| m.keys().map(|k| k.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default();
+    k.sort();
+    k
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardened_mode_turns_off_each_hosts_own_tools_and_keeps_the_rest() {
+    let s = Server::start().await;
+    let home = tempfile::tempdir().unwrap();
+    let token = s.token(&["--tenant", "team-a"]);
+    let tf = home.path().join("hosts.token");
+    std::fs::write(&tf, format!("{token}\n")).unwrap();
+    let tf = tf.to_str().unwrap();
+    for h in HARDENED {
+        let (_, entry_file, entry_format, ..) = HOSTS.iter().find(|x| x.0 == h.host).unwrap();
+        let entry_path = home.path().join(entry_file);
+        std::fs::create_dir_all(entry_path.parent().unwrap()).unwrap();
+        std::fs::write(&entry_path, existing(h.host)).unwrap();
+        let path = home.path().join(h.file);
+        // Claude Code's settings are a file of their own, with the user's rules.
+        if h.host == "claude-code" {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(
+                &path,
+                r#"{"model": "opus", "permissions": {"allow": ["Bash(ls:*)"], "deny": ["Read(./.env)", "Bash"]}}"#,
+            )
+            .unwrap();
+        }
+        let before = parse(&std::fs::read_to_string(&path).unwrap(), h.format);
+
+        // --dry-run shows it and writes nothing.
+        let r = connect(
+            &s,
+            home.path(),
+            &[h.host, "--hardened", "--token-file", tf, "--dry-run"],
+        );
+        ok(&r);
+        assert!(r.out.contains("would turn off"), "{}: {}", h.host, r.out);
+        assert_eq!(
+            parse(&std::fs::read_to_string(&path).unwrap(), h.format),
+            before
+        );
+
+        let r = connect(&s, home.path(), &[h.host, "--hardened", "--token-file", tf]);
+        ok(&r);
+        assert!(
+            r.err.contains(&format!(
+                "hardened: the host's own shell, file and web tools are off in {}",
+                path.display()
+            )),
+            "{}: {}",
+            h.host,
+            r.err
+        );
+        let text = std::fs::read_to_string(&path).unwrap();
+        let doc = parse(&text, h.format);
+        let section = hardened_section(h.host);
+
+        // Exactly the documented lists and keys, the user's own entries first.
+        for (keys, names) in h.lists {
+            let old = keys
+                .iter()
+                .try_fold(&before, |v, k| v.get(*k))
+                .map(strings)
+                .unwrap_or_default();
+            let mut want = old.clone();
+            want.extend(
+                names
+                    .iter()
+                    .filter(|n| !old.contains(&n.to_string()))
+                    .map(|n| n.to_string()),
+            );
+            assert_eq!(strings(at(&doc, keys)), want, "{}", h.host);
+            for n in *names {
+                assert!(r.err.contains(n), "{}: {n} not said: {}", h.host, r.err);
+                assert!(
+                    section.contains(&format!("`{n}`")),
+                    "{}.md, Hardened mode, does not name `{n}`",
+                    h.host
+                );
+            }
+        }
+        for (keys, v) in h.values {
+            assert_eq!(scalar(at(&doc, keys)), *v, "{}: {}", h.host, keys.join("."));
+            let key = keys.join(".");
+            assert!(r.err.contains(&key), "{}: {key} not said", h.host);
+            // As the page's block writes it: TOML or JSON.
+            let k = keys[keys.len() - 1];
+            assert!(
+                [
+                    format!("{k} = \"{v}\""),
+                    format!("{k} = {v}"),
+                    format!("\"{k}\": \"{v}\""),
+                ]
+                .iter()
+                .any(|w| section.contains(w)),
+                "{}.md, Hardened mode, does not show {key} = {v}",
+                h.host
+            );
+        }
+        // Nothing else: the top-level keys are the user's, the entry's and
+        // the documented ones; the mappings the hardening writes into hold
+        // only the documented keys (none of them was there before).
+        let mut want_top: Vec<String> = keys_of(&before);
+        want_top.extend(
+            h.lists
+                .iter()
+                .map(|(k, _)| k[0])
+                .chain(h.values.iter().map(|(k, _)| k[0]))
+                .map(str::to_string),
+        );
+        if path == entry_path {
+            want_top.extend(keys_of(&parse(existing(h.host), entry_format)));
+            let entry_key = HOSTS.iter().find(|x| x.0 == h.host).unwrap().3[0];
+            want_top.push(entry_key.to_string());
+            if h.host == "opencode" {
+                want_top.push("$schema".into());
+            }
+        }
+        want_top.sort();
+        want_top.dedup();
+        assert_eq!(keys_of(&doc), want_top, "{}: {text}", h.host);
+        for (keys, _) in h.values.iter().filter(|(k, _)| k.len() == 2) {
+            let mut want: Vec<String> = h
+                .values
+                .iter()
+                .filter(|(k, _)| k[0] == keys[0])
+                .map(|(k, _)| k[1].to_string())
+                .collect();
+            want.sort();
+            assert_eq!(keys_of(&doc[keys[0]]), want, "{}: {text}", h.host);
+        }
+        // The user's own settings are kept.
+        match h.host {
+            "claude-code" => {
+                assert_eq!(doc["model"].as_str(), Some("opus"));
+                assert_eq!(strings(&doc["permissions"]["allow"]), ["Bash(ls:*)"]);
+            }
+            "codex" => {
+                assert_eq!(doc["model"].as_str(), Some("o3"));
+                for c in ["# my Codex settings", "# keep this comment"] {
+                    assert!(text.contains(c), "{c:?} lost:\n{text}");
+                }
+            }
+            "opencode" => assert_eq!(doc["model"].as_str(), Some("anthropic/claude")),
+            "openclaw" => assert_eq!(doc["gateway"]["port"].as_u64(), Some(18789)),
+            _ => assert_eq!(doc["model"].as_str(), Some("hermes-4")),
+        }
+
+        // A second run changes nothing and backs up nothing more.
+        let n = backups(&path).len();
+        let r = connect(&s, home.path(), &[h.host, "--hardened", "--token-file", tf]);
+        ok(&r);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), text, "{}", h.host);
+        assert_eq!(backups(&path).len(), n, "{}", h.host);
+        // Without --hardened, connect leaves the hardening as it is.
+        ok(&connect(&s, home.path(), &[h.host, "--token-file", tf]));
+        assert_eq!(
+            parse(&std::fs::read_to_string(&path).unwrap(), h.format),
+            doc,
+            "{}",
+            h.host
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardened_mode_goes_with_tools() {
+    let s = Server::start().await;
+    let home = tempfile::tempdir().unwrap();
+    let args = |h: &'static str| {
+        [
+            h,
+            "--tenant",
+            "team-a",
+            "--tools",
+            "cube_task_*",
+            "--hardened",
+        ]
+    };
+    let file = |f: &str, format: &str| {
+        parse(
+            &std::fs::read_to_string(home.path().join(f)).unwrap(),
+            format,
+        )
+    };
+
+    ok(&connect(&s, home.path(), &args("codex")));
+    let doc = file(".codex/config.toml", "toml");
+    assert!(
+        strings(&doc["mcp_servers"]["cube"]["enabled_tools"])
+            .iter()
+            .all(|t| t.starts_with("cube_task_"))
+    );
+    assert_eq!(doc["features"]["shell_tool"].as_bool(), Some(false));
+    assert_eq!(doc["sandbox_mode"].as_str(), Some("read-only"));
+
+    ok(&connect(&s, home.path(), &args("hermes")));
+    let doc = file(".hermes/config.yaml", "yaml");
+    assert!(!strings(&doc["mcp_servers"]["cube"]["tools"]["include"]).is_empty());
+    assert!(strings(&doc["agent"]["disabled_toolsets"]).contains(&"terminal".to_string()));
+
+    ok(&connect(&s, home.path(), &args("opencode")));
+    let doc = file(".config/opencode/opencode.json", "json");
+    let p = &doc["permission"];
+    assert_eq!(p["cube_*"].as_str(), Some("deny"));
+    assert_eq!(p["cube_cube_task_plan"].as_str(), Some("allow"));
+    assert_eq!(p["bash"].as_str(), Some("deny"));
+    assert_eq!(p["read"].as_str(), Some("deny"));
+
+    // Claude Code: one file with both, once each.
+    ok(&connect(&s, home.path(), &args("claude-code")));
+    ok(&connect(&s, home.path(), &args("claude-code")));
+    let doc = file(".claude/settings.json", "json");
+    let allow = strings(&doc["permissions"]["allow"]);
+    let deny = strings(&doc["permissions"]["deny"]);
+    assert!(
+        allow.iter().all(|a| a.starts_with("mcp__cube__cube_task_")),
+        "{allow:?}"
+    );
+    for d in ["mcp__cube__cube_exec", "Bash", "Read", "WebFetch"] {
+        assert_eq!(deny.iter().filter(|x| *x == d).count(), 1, "{d}: {deny:?}");
+    }
+
+    // OpenClaw still refuses --tools, hardened or not; nothing written.
+    let r = connect(&s, home.path(), &args("openclaw"));
+    assert_eq!(r.code, 2, "{}", r.err);
+    assert!(!home.path().join(".openclaw").exists());
+}
