@@ -5,7 +5,7 @@ through the appliance (tests/it/hosts.rs in CI, tests/hosts/run.sh for all
 five hosts).
 
     python3 model.py --marker TEXT [--port 0] [--log FILE] [--session-key KEY]
-                     [--first-call TOOL --first-args JSON]
+                     [--first-call TOOL --first-args JSON] [--mcp-call JSON]
 
 Prints `model listening on http://127.0.0.1:PORT` once it listens, then
 serves until killed. Each request it answers is appended to --log as one
@@ -18,6 +18,9 @@ the host offers and the tool results sent back so far, as a model's would.
   3. two results            -> call *cube_read_text PROOF
   4. then                   -> say "FINAL <lease> read back MARKER" (or what
                                it read instead)
+With --mcp-call {"tool": T, "arguments": {...}}, step 4 is a call of
+*cube_mcp_call {lease_ref, tool, arguments} (a governed MCP tool in the
+sandbox), and the last word adds "mcp said <its result>".
 With --first-call, step 0 comes before all of these: call TOOL with the
 JSON object ARGS, whether or not the host offers TOOL (a hardened host's
 own shell, which it should refuse or not have); its result is not one of
@@ -65,7 +68,7 @@ SIDE = ("say", "OK")
 CUBE_TOOLS = ("cube_acquire", "cube_exec", "cube_read_text")
 
 
-def plan(tools, results, marker, session_key, search=None, first=None):
+def plan(tools, results, marker, session_key, search=None, first=None, mcp=None):
     """The next step: ("call", tool, args) or ("say", text). `search` is
     the ("call", tool, args) that selects deferred tools, if the host has
     such a tool and it has not been called yet; `first` the call made before
@@ -95,9 +98,12 @@ def plan(tools, results, marker, session_key, search=None, first=None):
                                   "command": f"printf '%s\\n' {marker} > {PROOF}"})
     if len(results) == 2:
         return call("cube_read_text", {"lease_ref": lease, "path": PROOF})
-    if marker in results[-1]:
-        return ("say", f"FINAL {lease} read back {marker}")
-    return ("say", f"FINAL {lease} read something else: {results[-1][:500]}")
+    if mcp and len(results) == 3:
+        return call("cube_mcp_call", {"lease_ref": lease, **mcp})
+    said = f" mcp said {results[3][:500]}" if mcp else ""
+    if marker in results[2]:
+        return ("say", f"FINAL {lease} read back {marker}{said}")
+    return ("say", f"FINAL {lease} read something else: {results[2][:500]}")
 
 
 def text_of(content):
@@ -354,7 +360,8 @@ class Handler(BaseHTTPRequestHandler):
         conversation, encode = wire
         tools, results, search, wrap = conversation(req)
         srv = self.server
-        step = plan(tools, results, srv.marker, srv.session_key, search, srv.first) if tools else SIDE
+        step = (plan(tools, results, srv.marker, srv.session_key, search, srv.first, srv.mcp)
+                if tools else SIDE)
         if wrap:
             step = wrap(step)
         with srv.lock:
@@ -376,12 +383,14 @@ def main():
     ap.add_argument("--session-key", default="hosts-test")
     ap.add_argument("--first-call", metavar="TOOL", help="call TOOL before the script (a host's own tool)")
     ap.add_argument("--first-args", metavar="JSON", default="{}", help="its arguments, a JSON object")
+    ap.add_argument("--mcp-call", metavar="JSON", help='then cube_mcp_call {"tool", "arguments"}')
     a = ap.parse_args()
     srv = ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
     srv.daemon_threads = True
     srv.marker, srv.session_key = a.marker, a.session_key
     srv.lock, srv.calls = threading.Lock(), 0
     srv.first = ("call", a.first_call, json.loads(a.first_args)) if a.first_call else None
+    srv.mcp = json.loads(a.mcp_call) if a.mcp_call else None
     srv.log = open(a.log, "a", encoding="utf-8") if a.log else None
     print(f"model listening on http://127.0.0.1:{srv.server_address[1]}", flush=True)
     try:

@@ -32,7 +32,7 @@ struct Model {
 }
 
 impl Model {
-    async fn start(dir: &Path, marker: &str) -> Self {
+    async fn start(dir: &Path, marker: &str, mcp_call: &Value) -> Self {
         use tokio::io::AsyncBufReadExt;
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hosts/model.py");
         let log = dir.join("model.jsonl");
@@ -40,6 +40,8 @@ impl Model {
             .arg(script)
             .args(["--marker", marker, "--session-key", "hosts-ci", "--log"])
             .arg(&log)
+            .arg("--mcp-call")
+            .arg(mcp_call.to_string())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
@@ -103,10 +105,20 @@ fn snippet(page: &str, marker: &str) -> String {
 /// scripted model; check what it did.
 async fn hermes_drives_the_tools(transport: &str) {
     let hermes = crate::kit::python::hermes();
-    let s = Server::start().await;
+    // The snippet's profile serves the controlled-echo policy (governed
+    // MCP in the sandbox), which the model calls last.
+    let s = Server::start_with(|c| {
+        crate::governed_mcp::configure(c);
+        if let Some(p) = c.profiles.get_mut("offline-code") {
+            p.mcp_policy = Some("controlled-echo".into());
+        }
+    })
+    .await;
     let token = s.token(&["--tenant", "hosts"]);
     let marker = format!("hermes-{transport}-{:08x}", rand::random::<u32>());
-    let model = Model::start(s.dir.path(), &marker).await;
+    let echo = format!("echoed-{marker}");
+    let mcp_call = json!({"tool": "echo", "arguments": {"text": echo}});
+    let model = Model::start(s.dir.path(), &marker, &mcp_call).await;
 
     let home = s.dir.path().join("home");
     let etc = home.join(".config/cube-adapter");
@@ -170,21 +182,31 @@ async fn hermes_drives_the_tools(transport: &str) {
         .iter()
         .filter_map(|t| t.as_str())
         .collect();
-    for tool in ["cube_acquire", "cube_exec", "cube_read_text"] {
+    for tool in [
+        "cube_acquire",
+        "cube_exec",
+        "cube_read_text",
+        "cube_mcp_tools",
+        "cube_mcp_call",
+    ] {
         assert!(
             offered.contains(&format!("mcp__cube__{tool}").as_str()),
             "{tool} among {offered:?}\n{context}"
         );
     }
-    assert_eq!(requests.len(), 4, "{context}");
+    assert_eq!(requests.len(), 5, "{context}");
     let final_line = format!("read back {marker}");
     assert!(stdout.contains(&final_line), "{context}");
+    // The governed echo ran in the sandbox and its result came back.
+    let last = requests.last().unwrap();
+    let mcp_result = last["results"][3].as_str().unwrap_or("");
+    assert!(mcp_result.contains(&echo), "{mcp_result}\n{context}");
     let lease = lease_ref(&stdout).unwrap_or_else(|| panic!("{context}"));
 
     // The journal: each call's intent and outcome, as this host's runtime,
     // under the snippet's profile.
     let journal = s.journal();
-    for action in ["acquire", "exec", "read"] {
+    for action in ["acquire", "exec", "read", "mcp_call"] {
         let ok: Vec<Value> = journal
             .lines()
             .map(|l| serde_json::from_str::<Value>(l).unwrap())
