@@ -83,7 +83,8 @@ The server entry is named cube: an existing one is replaced, everything else is 
 comments too; JSON and YAML comments are not kept). Each changed file is first copied to \
 FILE.bak-<UTC time>. The token is never printed. --tools: codex enabled_tools, claude-code \
 permissions (allow and deny) in settings.json, opencode permission, hermes tools.include; \
-openclaw has no filter in its file and refuses --tools. --hardened turns off the host's own \
+openclaw has no filter in its file and refuses --tools. --hardened (the default when the token \
+is made here, on the appliance's own machine; --no-hardened to keep them) turns off the host's own \
 shell, file and web tools, so that the model acts only through the appliance: claude-code \
 permissions.deny in ~/.claude/settings.json (Bash, PowerShell, Monitor, Read, Glob, Grep, LSP, \
 Edit, Write, NotebookEdit, WebFetch, WebSearch, EnterWorktree, ExitWorktree, Workflow); codex \
@@ -144,8 +145,14 @@ pub struct ConnectArgs {
     pub tools: Vec<String>,
     /// Also turn off the host's own shell, file and web tools (in its own
     /// settings), so that the model can act only through the appliance.
+    /// The default when the token is made here (the host runs on the
+    /// appliance's own machine, the jump host); with --token-file, give it.
     #[arg(long)]
     pub hardened: bool,
+    /// Leave the host's own tools as they are, even on the appliance's
+    /// machine.
+    #[arg(long, conflicts_with = "hardened")]
+    pub no_hardened: bool,
     /// Print the changes and write nothing (no token is created).
     #[arg(long)]
     pub dry_run: bool,
@@ -294,7 +301,10 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
     };
     // The host's own settings that --hardened writes: in the file of its
     // entry, or (Claude Code) in its settings.
-    let hardening = if a.hardened {
+    // On the appliance's own machine (the token is made here) the host's
+    // own tools would reach around the appliance: off unless refused.
+    let hardened = a.hardened || (!a.no_hardened && a.token_file.is_none());
+    let hardening = if hardened {
         Some(hardening(host.id()).ok_or_else(|| usage("no hardened mode for this host"))?)
     } else {
         None

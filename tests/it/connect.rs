@@ -497,7 +497,17 @@ async fn tools_are_restricted_with_each_hosts_filter() {
         "cube_task_cancel",
         "cube_task_receipt",
     ];
-    let args = |h: &'static str| [h, "--tenant", "team-a", "--tools", "cube_task_*"];
+    // The filter alone (hardened mode, the default here, has its own tests).
+    let args = |h: &'static str| {
+        [
+            h,
+            "--tenant",
+            "team-a",
+            "--tools",
+            "cube_task_*",
+            "--no-hardened",
+        ]
+    };
 
     ok(&connect(&s, home.path(), &args("codex")));
     let doc = parse(
@@ -1070,4 +1080,55 @@ async fn hardened_mode_goes_with_tools() {
     let r = connect(&s, home.path(), &args("openclaw"));
     assert_eq!(r.code, 2, "{}", r.err);
     assert!(!home.path().join(".openclaw").exists());
+}
+
+/// On the appliance's own machine (the token is made there: a jump host)
+/// hardened mode is the default, and `--no-hardened` refuses it; with a
+/// token file (a host elsewhere) it is given or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardened_mode_is_the_default_where_the_token_is_made() {
+    let s = Server::start().await;
+    let denied = |home: &Path| -> Vec<String> {
+        std::fs::read_to_string(home.join(".claude/settings.json"))
+            .map(|t| strings(&parse(&t, "json")["permissions"]["deny"]))
+            .unwrap_or_default()
+    };
+
+    let here = tempfile::tempdir().unwrap();
+    let r = connect(&s, here.path(), &["claude-code", "--tenant", "team-a"]);
+    ok(&r);
+    assert!(r.err.contains("hardened:"), "{}", r.err);
+    assert!(denied(here.path()).contains(&"Bash".to_string()));
+
+    let opted_out = tempfile::tempdir().unwrap();
+    ok(&connect(
+        &s,
+        opted_out.path(),
+        &["claude-code", "--tenant", "team-a", "--no-hardened"],
+    ));
+    assert!(!denied(opted_out.path()).contains(&"Bash".to_string()));
+
+    let elsewhere = tempfile::tempdir().unwrap();
+    let token = s.token(&["--tenant", "team-a"]);
+    let tf = elsewhere.path().join("cube.token");
+    std::fs::write(&tf, format!("{token}\n")).unwrap();
+    ok(&connect(
+        &s,
+        elsewhere.path(),
+        &["claude-code", "--token-file", tf.to_str().unwrap()],
+    ));
+    assert!(!denied(elsewhere.path()).contains(&"Bash".to_string()));
+
+    let r = connect(
+        &s,
+        elsewhere.path(),
+        &[
+            "claude-code",
+            "--hardened",
+            "--no-hardened",
+            "--token-file",
+            tf.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(r.code, 2, "{}", r.err);
 }
