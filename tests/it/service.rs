@@ -132,6 +132,7 @@ fn shipped_config_checks() {
         .map(|l| match l.strip_prefix("# ") {
             Some(rest)
                 if rest.starts_with("[profiles")
+                    || rest.starts_with("[mcp_policies")
                     || (rest.contains(" = ")
                         && !rest.contains("_file")
                         && !rest.starts_with("proxy_url")) =>
@@ -143,6 +144,7 @@ fn shipped_config_checks() {
         .collect::<Vec<_>>()
         .join("\n");
     assert!(example.contains("\n[profiles.offline-code]\n"));
+    assert!(example.contains("\n[mcp_policies.controlled-echo]\n"));
     for (name, body) in [
         ("shipped.toml", text.as_str()),
         ("example.toml", example.as_str()),
