@@ -194,6 +194,13 @@ codes! {
     /// The sandbox's MCP gateway would not start or open a session: the
     /// call was not sent.
     McpGatewayUnavailable = "mcp_gateway_unavailable", BAD_GATEWAY, Error, None;
+    /// The profile's template preset could not be applied to a new sandbox
+    /// (a bootstrap or after command failed, a file or a secret it names):
+    /// the sandbox is killed, no lease.
+    PresetFailed = "preset_failed", BAD_GATEWAY, Error, None;
+    /// A pre-check of the profile's template preset failed: the sandbox is
+    /// killed, no lease.
+    PresetCheckFailed = "preset_check_failed", BAD_GATEWAY, Error, None;
     /// The sandbox's MCP server answered a call with an error (or with
     /// something other than a result).
     McpCallFailed = "mcp_call_failed", BAD_GATEWAY, Error, None;

@@ -13,6 +13,7 @@ pub(crate) mod jobs;
 pub(crate) mod leases;
 pub(crate) mod mcp;
 pub(crate) mod paths;
+pub(crate) mod presets;
 pub(crate) mod ptys;
 pub mod receipts;
 pub(crate) mod recovery;

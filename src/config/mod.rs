@@ -11,11 +11,13 @@ use serde::{Deserialize, Serialize};
 pub(crate) mod import;
 pub(crate) mod mcp;
 pub(crate) mod paths;
+pub(crate) mod presets;
 /// `[[audit.sinks]]` (defined with the sinks, below this layer).
 pub use crate::audit::sinks::def as sinks;
 pub(crate) mod tasks;
 
 pub use self::mcp::McpPolicy;
+pub use self::presets::Preset;
 pub use self::tasks::TaskTemplate;
 use crate::audit::AuditMode;
 use crate::embedded::{Isolation, TemplateConfig};
@@ -62,6 +64,9 @@ pub struct Config {
     /// Governed MCP servers inside sandboxes, by name (`[mcp_policies.NAME]`);
     /// a profile binds one (`mcp_policy`).
     pub mcp_policies: BTreeMap<String, McpPolicy>,
+    /// Template presets by name (`[presets.NAME]`): what a profile's
+    /// sandboxes get before an agent does (`template_preset`).
+    pub presets: BTreeMap<String, Preset>,
     /// How long GC keeps a plan that never ran (denied or expired) past
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
@@ -861,6 +866,10 @@ pub struct Profile {
     /// before MCP policies stay the same.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mcp_policy: Option<String>,
+    /// The preset its sandboxes get (`[presets.NAME]`). Not written when
+    /// unset, as `mcp_policy`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_preset: Option<String>,
 }
 
 /// How a profile's sandboxes keep their files (`[profiles.NAME.workspace]`,
@@ -1041,6 +1050,7 @@ impl Default for Profile {
             max_keepalive_seconds: 3600,
             workspace: Workspace::default(),
             mcp_policy: None,
+            template_preset: None,
         }
     }
 }
@@ -1144,6 +1154,7 @@ impl Default for Config {
             gc_interval_seconds: 30,
             tasks: BTreeMap::new(),
             mcp_policies: BTreeMap::new(),
+            presets: BTreeMap::new(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
@@ -1187,6 +1198,7 @@ impl Config {
         // Profiles the file gives a template: the others take their
         // backend's (`template` of `[backends.NAME]`), if it names one.
         let mut explicit_templates = std::collections::BTreeSet::new();
+        let mut file_text: Option<String> = None;
         let mut cfg = match std::fs::read_to_string(&path) {
             Ok(text) => {
                 let cfg = toml::from_str::<Config>(&text).map_err(|source| ConfigError::Parse {
@@ -1202,6 +1214,7 @@ impl Config {
                         }
                     }
                 }
+                file_text = Some(text);
                 cfg
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && file.is_none() => {
@@ -1352,7 +1365,24 @@ impl Config {
                 p.template = t;
             }
         }
-        cfg.validate()?;
+        if let Err(e) = cfg.validate() {
+            // Where in the file, for what a person has to find there.
+            let table = match &e {
+                ConfigError::Preset(p) => Some(format!("presets.{}", p.preset())),
+                _ => None,
+            };
+            let line = table
+                .zip(file_text.as_deref())
+                .and_then(|(t, text)| table_line(text, &t));
+            return Err(match line {
+                Some(line) => ConfigError::At {
+                    path,
+                    line,
+                    source: Box::new(e),
+                },
+                None => e,
+            });
+        }
         Ok((cfg, warnings))
     }
 
@@ -1534,6 +1564,31 @@ impl Config {
         for (name, m) in &self.mcp_policies {
             m.validate(name)?;
         }
+        for (name, pr) in &self.presets {
+            pr.validate(name, true)?;
+        }
+        for (name, p) in &self.profiles {
+            let Some(pn) = &p.template_preset else {
+                continue;
+            };
+            let Some(pr) = self.presets.get(pn) else {
+                return Err(ConfigError::Missing {
+                    at: format!("profile {name}"),
+                    why: format!("template_preset '{pn}' is not defined ([presets.{pn}])"),
+                });
+            };
+            if let Some(t) = &pr.template
+                && *t != p.template
+            {
+                return Err(ConfigError::Conflict {
+                    at: format!("profile {name}"),
+                    why: format!(
+                        "template_preset '{pn}' is made for template '{t}'; the profile's is '{}'",
+                        p.template
+                    ),
+                });
+            }
+        }
         self.validate_backends()?;
         self.connections.validate()?;
         self.console.validate()?;
@@ -1578,6 +1633,17 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The 1-based line of `[TABLE]` (or `[TABLE.…]`, `[[TABLE.…]]`) in a TOML
+/// text: where a person finds it.
+fn table_line(text: &str, table: &str) -> Option<usize> {
+    text.lines()
+        .position(|l| {
+            let l = l.trim().trim_start_matches('[').trim_end_matches(']');
+            l == table || l.starts_with(&format!("{table}."))
+        })
+        .map(|i| i + 1)
 }
 
 fn parse_bool(k: &str, v: &str) -> Result<bool, ConfigError> {
@@ -1704,6 +1770,16 @@ pub enum ConfigError {
     /// `[mcp_policies.NAME]`.
     #[error(transparent)]
     McpPolicy(#[from] mcp::McpPolicyError),
+    /// `[presets.NAME]`.
+    #[error(transparent)]
+    Preset(#[from] presets::PresetError),
+    /// An error the file's line says where (`config check`).
+    #[error("{}:{line}: {source}", .path.display())]
+    At {
+        path: PathBuf,
+        line: usize,
+        source: Box<ConfigError>,
+    },
 }
 
 impl ConfigError {
@@ -1834,6 +1910,55 @@ mod tests {
                 .validate()
                 .unwrap_or_else(|e| panic!("{url}: {e}"));
         }
+    }
+
+    /// `config check` names the file and the line of a bad preset: a
+    /// trailing space in a provider, a fallback no model matches; a profile
+    /// names a preset that exists and is made for its template.
+    #[test]
+    fn a_bad_preset_is_named_with_its_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("api-key");
+        std::fs::write(&key, "sk-test\n").unwrap();
+        let f = dir.path().join("c.toml");
+        let good = format!(
+            "[profiles.claw]\ntemplate = \"openclaw\"\ntemplate_preset = \"claw\"\n\n\
+             [presets.claw]\nversion = \"1\"\ntemplate = \"openclaw\"\n\
+             [[presets.claw.files]]\npath = \"/root/.openclaw/openclaw.json\"\n\
+             content = '{{\"apiKey\": \"${{FILE:{}}}\"}}'\n\
+             [presets.claw.models]\nprovider = \"deepseek\"\n\
+             available = [\"deepseek-chat\", \"deepseek-reasoner\"]\n\
+             default = \"deepseek/deepseek-chat\"\nfallbacks = [\"deepseek/deepseek-reasoner\"]\n",
+            key.display()
+        );
+        let load = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            Config::load(Some(&f), &[], &Flags::default())
+        };
+        let (c, _) = load(&good).unwrap();
+        assert_eq!(c.profiles["claw"].template_preset.as_deref(), Some("claw"));
+        for (bad, want) in [
+            (
+                good.replace("provider = \"deepseek\"", "provider = \"deepseek \""),
+                ":5: presets.claw: models: provider \"deepseek \" has a trailing space",
+            ),
+            (
+                good.replace("deepseek/deepseek-reasoner", "deepseek/deepseek-coder"),
+                ":5: presets.claw: models: fallback \"deepseek/deepseek-coder\" names a model the provider does not serve",
+            ),
+        ] {
+            let e = load(&bad).unwrap_err().to_string();
+            assert!(e.starts_with(&f.display().to_string()), "{e}");
+            assert!(e.contains(want), "{e:?} lacks {want:?}");
+        }
+        let e = load(&good.replace("template_preset = \"claw\"", "template_preset = \"other\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("template_preset 'other' is not defined"), "{e}");
+        let e = load(&good.replacen("template = \"openclaw\"", "template = \"minimal\"", 1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("made for template 'openclaw'"), "{e}");
     }
 
     #[test]

@@ -45,6 +45,7 @@ pub const RELOADABLE: &[&str] = &[
     "profiles",
     "tasks",
     "mcp_policies",
+    "presets",
     "plan_retention_seconds",
 ];
 
@@ -282,6 +283,7 @@ impl Reloader {
         applied_cfg.profiles = new.profiles.clone();
         applied_cfg.tasks = new.tasks.clone();
         applied_cfg.mcp_policies = new.mcp_policies.clone();
+        applied_cfg.presets = new.presets.clone();
         applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
         applied_cfg.audit.sinks = new.audit.sinks.clone();
         if let Err(e) = applied_cfg.validate() {

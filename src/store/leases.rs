@@ -122,6 +122,12 @@ pub struct Lease {
     /// audit reconcile --operation OP`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_by: Option<String>,
+    /// The template preset applied to its sandbox, `NAME@VERSION`, and the
+    /// SHA-256 of the preset as it was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset_digest: Option<String>,
 }
 
 /// A lease's workspace volume.

@@ -200,6 +200,8 @@ vocabulary! {
         McpCall = "mcp_call",
         /// The governed MCP tools of a lease listed.
         McpTools = "mcp_tools",
+        /// One step of a template preset applied at acquire.
+        PresetStep = "preset_step",
         // Checkpoints.
         CheckpointList = "checkpoint_list",
         CheckpointCreate = "checkpoint_create",

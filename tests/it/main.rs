@@ -36,6 +36,7 @@ mod mounts;
 mod network;
 mod oidc;
 mod pg_conn;
+mod presets;
 mod production;
 mod ptys;
 mod replicas;

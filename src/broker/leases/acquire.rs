@@ -404,6 +404,26 @@ impl Broker {
                     }
                 }
             };
+            // The profile's template preset, before anyone gets the lease.
+            let preset = match &prof.template_preset {
+                None => None,
+                Some(name) => match this.apply_preset(&cube, &addr, name, &ev_base).await {
+                    Ok(digest) => {
+                        let version = this
+                            .config()
+                            .presets
+                            .get(name)
+                            .map(|p| p.version.clone())
+                            .unwrap_or_default();
+                        Some((format!("{name}@{version}"), digest))
+                    }
+                    Err(err) => {
+                        let _ = cube.kill(&created.sandbox_id).await;
+                        this.fail(intent, &err).await?;
+                        return Err(err);
+                    }
+                },
+            };
             let (ts, unix) = this.now();
             let sealed = match &created.traffic_access_token {
                 Some(t) => match this.inner.store.sealer.seal(t.as_bytes()) {
@@ -444,6 +464,8 @@ impl Broker {
                 mcp_policy: mcp_token.as_ref().and(prof.mcp_policy.clone()),
                 mcp_token,
                 held_by: None,
+                preset_digest: preset.as_ref().map(|(_, d)| d.clone()),
+                preset: preset.map(|(n, _)| n),
             };
             let l2 = lease.clone();
             let lref = lease.lease_ref.clone();
