@@ -1365,6 +1365,13 @@ impl Config {
                 p.template = t;
             }
         }
+        for (name, pr) in &cfg.presets {
+            if let Err(e) = pr.validate(name, true) {
+                warnings.push(format!(
+                    "{e}: acquires with this preset will fail until it can"
+                ));
+            }
+        }
         if let Err(e) = cfg.validate() {
             // Where in the file, for what a person has to find there.
             let table = match &e {
@@ -1564,8 +1571,10 @@ impl Config {
         for (name, m) in &self.mcp_policies {
             m.validate(name)?;
         }
+        // The secret files are read when a sandbox is made: one missing
+        // now fails those acquires (`preset_failed`), not the service.
         for (name, pr) in &self.presets {
-            pr.validate(name, true)?;
+            pr.validate(name, false)?;
         }
         for (name, p) in &self.profiles {
             let Some(pn) = &p.template_preset else {
@@ -1935,8 +1944,18 @@ mod tests {
             std::fs::write(&f, text).unwrap();
             Config::load(Some(&f), &[], &Flags::default())
         };
-        let (c, _) = load(&good).unwrap();
+        let (c, w) = load(&good).unwrap();
         assert_eq!(c.profiles["claw"].template_preset.as_deref(), Some("claw"));
+        assert!(w.is_empty(), "{w:?}");
+        // A secret file missing now fails the acquires, not the service.
+        std::fs::remove_file(&key).unwrap();
+        let (_, w) = load(&good).unwrap();
+        assert!(
+            w.iter()
+                .any(|w| w.contains("secret file") && w.contains("acquires")),
+            "{w:?}"
+        );
+        std::fs::write(&key, "sk-test\n").unwrap();
         for (bad, want) in [
             (
                 good.replace("provider = \"deepseek\"", "provider = \"deepseek \""),

@@ -133,6 +133,8 @@ fn shipped_config_checks() {
             Some(rest)
                 if rest.starts_with("[profiles")
                     || rest.starts_with("[mcp_policies")
+                    || rest.starts_with("[presets")
+                    || rest.starts_with("[[presets")
                     || (rest.contains(" = ")
                         && !rest.contains("_file")
                         && !rest.starts_with("proxy_url")) =>
@@ -145,6 +147,7 @@ fn shipped_config_checks() {
         .join("\n");
     assert!(example.contains("\n[profiles.offline-code]\n"));
     assert!(example.contains("\n[mcp_policies.controlled-echo]\n"));
+    assert!(example.contains("\n[presets.openclaw-deepseek]\n"));
     for (name, body) in [
         ("shipped.toml", text.as_str()),
         ("example.toml", example.as_str()),
