@@ -6,6 +6,9 @@
 //! its command or path, its exit code; never a file's content or a secret).
 //! A step that fails fails the acquire (`preset_failed`, or
 //! `preset_check_failed` for a pre-check), and the caller kills the sandbox.
+//! A file is written through a command's stdin into a temporary file made
+//! under umask 077, given its mode, then moved onto its path: it is never
+//! readable by others, nor half-written where it is read.
 
 use std::time::Duration;
 
@@ -221,21 +224,40 @@ impl Broker {
                 "a secret file it names cannot be read on the appliance's host"
             })?;
             let len = text.len() as u64;
-            cube.upload(sb, path, text.into_bytes())
-                .await
-                .map_err(|_| "the file could not be written")?;
-            // envd writes a new file with its own umask: the mode is set
-            // at once after (a file under /root is out of others' reach
-            // meanwhile, /root being 0700).
+            // Through the command's stdin into a file made under umask 077
+            // and given its mode before it takes the path: never readable
+            // by others, never half-written where it is read.
+            let q = crate::config::tasks::shell_quote;
+            let dir = match path.rsplit_once('/') {
+                Some(("", _)) | None => "/",
+                Some((d, _)) => d,
+            };
+            let tmp = format!("{path}.preset-tmp");
             let mut o = StartOptions::shell(&format!(
-                "chmod {mode} {}",
-                crate::config::tasks::shell_quote(path)
+                "umask 077 && mkdir -p {} && cat > {} && chmod {mode} {} && mv -f {} {}",
+                q(dir),
+                q(&tmp),
+                q(&tmp),
+                q(&tmp),
+                q(path)
             ));
             o.user = Some("root".into());
             o.timeout = Some(timeout);
-            match cube.run(sb, &o, STEP_OUTPUT).await {
-                Ok(out) if out.exit_code == 0 => {}
-                _ => return Err("its mode could not be set"),
+            o.stdin = true;
+            let stream = cube
+                .start(sb, &o)
+                .await
+                .map_err(|_| "the file could not be written")?;
+            let pid = stream.pid;
+            let sent = async {
+                cube.send_stdin(sb, pid, text.as_bytes()).await?;
+                cube.close_stdin(sb, pid).await
+            }
+            .await;
+            let out = stream.collect(STEP_OUTPUT).await;
+            match (sent, out) {
+                (Ok(()), Ok(out)) if out.exit_code == 0 => {}
+                _ => return Err("the file could not be written"),
             }
             Ok(len)
         }

@@ -20,13 +20,18 @@ prechecks = ["test -s /root/.claw/claw.json", "{precheck}"]
 [[files]]
 path = "/root/.claw/claw.json"
 content = '{{"apiKey": "${{FILE:{}}}", "baseUrl": "${{FILE:{}}}"}}'
+[[files]]
+path = "/root/.claw/big.txt"
+content = "{big}"
+mode = "0640"
 [models]
 provider = "deepseek"
 available = ["deepseek-chat"]
 default = "deepseek/deepseek-chat"
 "#,
         key.display(),
-        url.display()
+        url.display(),
+        big = "b".repeat(200 * 1024),
     ))
     .unwrap()
 }
@@ -62,13 +67,13 @@ async fn a_preset_writes_its_secrets_0600_and_a_failed_precheck_keeps_no_sandbox
         .post(
             &s.admin,
             &format!("/v1/leases/{lease}/exec"),
-            json!({"command": "stat -c %a /root/.claw/claw.json; cat /root/.claw/claw.json; echo; cat /root/.claw/boot /root/.claw/after"}),
+            json!({"command": "stat -c %a /root/.claw/claw.json; cat /root/.claw/claw.json; echo; cat /root/.claw/boot /root/.claw/after; stat -c '%a %s' /root/.claw/big.txt; ls /root/.claw"}),
         )
         .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(
         v["stdout"],
-        "600\n{\"apiKey\": \"sk-preset-secret-4711\", \"baseUrl\": \"http://models.test.invalid/v1\"}\nbooted\nrestarted\n",
+        "600\n{\"apiKey\": \"sk-preset-secret-4711\", \"baseUrl\": \"http://models.test.invalid/v1\"}\nbooted\nrestarted\n640 204800\nafter\nbig.txt\nboot\nclaw.json\n",
         "{v}"
     );
 
@@ -103,13 +108,14 @@ async fn a_preset_writes_its_secrets_0600_and_a_failed_precheck_keeps_no_sandbox
         .collect();
     let kinds: Vec<&str> = steps
         .iter()
-        .take(5)
+        .take(6)
         .map(|e| e["release_action"].as_str().unwrap())
         .collect();
     assert_eq!(
         kinds,
         [
             "preset:bootstrap",
+            "preset:file",
             "preset:file",
             "preset:after",
             "preset:precheck",
