@@ -52,6 +52,10 @@ pub struct ConfigImportArgs {
     /// CUBE_ADAPTER_MCP_POLICIES_FILE of the .env).
     #[arg(long, value_name = "FILE")]
     pub mcp_policies: Option<PathBuf>,
+    /// The reference's template presets YAML (default:
+    /// CUBE_ADAPTER_TEMPLATE_PRESETS_FILE of the .env).
+    #[arg(long, value_name = "FILE")]
+    pub presets: Option<PathBuf>,
     /// The reference's principals JSON (default: CUBE_ADAPTER_TOKENS_FILE
     /// of the .env).
     #[arg(long, value_name = "FILE")]
@@ -74,12 +78,14 @@ pub fn import(a: ConfigImportArgs) -> Exit {
         task_templates: abs(a.task_templates),
         principals: abs(a.principals),
         mcp_policies: abs(a.mcp_policies),
+        presets: abs(a.presets),
     };
     if src.env.is_none()
         && src.profiles.is_none()
         && src.task_templates.is_none()
         && src.principals.is_none()
         && src.mcp_policies.is_none()
+        && src.presets.is_none()
     {
         eprintln!(
             "error: nothing to import: give --env FILE (and --profiles, --task-templates, --principals as needed)"

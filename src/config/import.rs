@@ -46,6 +46,8 @@ pub struct Sources {
     pub principals: Option<PathBuf>,
     /// The reference's `mcp-policies.yaml` (governed MCP in the sandbox).
     pub mcp_policies: Option<PathBuf>,
+    /// The reference's template presets file.
+    pub presets: Option<PathBuf>,
 }
 
 /// One line of the report: a variable or key, and where it went or why it
@@ -637,6 +639,7 @@ pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, ImportErro
     let has_backend = backend.is_some();
     b.sections.extend(backend);
     b.mcp_policies(&src.mcp_policies)?;
+    b.presets(&src.presets)?;
     let profiles = b.profiles(&src.profiles, template.as_deref(), has_backend)?;
     b.task_templates(&src.task_templates, &profiles)?;
     b.leftovers();
@@ -1325,6 +1328,27 @@ impl Build<'_> {
         Ok(())
     }
 
+    /// `[presets.NAME]`: the reference's template presets file.
+    fn presets(&mut self, flag: &Option<PathBuf>) -> Result<(), ImportError> {
+        let Some((p, named)) = source(
+            flag,
+            &mut self.env,
+            "CUBE_ADAPTER_TEMPLATE_PRESETS_FILE",
+            "--presets",
+            &mut self.rep,
+        )?
+        else {
+            return Ok(());
+        };
+        let n = presets(&p, &mut self.sections, &mut self.rep)?;
+        self.rep.carried(
+            named,
+            format!("{}: {n} template presets as [presets.*]", p.display()),
+        );
+        self.rep.sources.push(("template presets".into(), p));
+        Ok(())
+    }
+
     /// What is left of the env file: not carried, each with its reason.
     fn leftovers(&mut self) {
         for (k, (v, _)) in std::mem::take(&mut self.env.vars) {
@@ -1747,7 +1771,7 @@ fn profile(
                     t.insert(k.into(), toml::Value::Table(w));
                 }
             }
-            "mcp_policy" => {
+            "mcp_policy" | "template_preset" => {
                 if !v.is_null() {
                     t.insert(k.into(), tstr(string(v, &at(k))?));
                 }
@@ -1992,6 +2016,99 @@ fn mcp_policies(
     Ok(all.len())
 }
 
+/// The reference's template presets file: `presets:` (or the top level)
+/// maps each name to `version`, `template` (or `template_id`), `bootstrap`,
+/// `files` (a list of `{path, content, mode}`), `after` (or `restart`),
+/// `prechecks` (or `pre_checks`), `step_timeout_seconds` and `models`
+/// (`provider`, `available`, `default`, `fallbacks`, `aliases`). Each is
+/// checked as `config check` would (its secret files are not read here).
+fn presets(p: &Path, sections: &mut Vec<Piece>, rep: &mut Report) -> Result<usize, ImportError> {
+    let shown = p.display().to_string();
+    let doc = read_yaml(p)?;
+    let lines = KeyLines::of(&read_text(p)?);
+    let top = object(&doc, &shown)?;
+    let (all, wrapped) = match top.get("presets") {
+        Some(v) => (object(v, &format!("{shown}: presets"))?.clone(), true),
+        None => (top.clone(), false),
+    };
+    if all.is_empty() {
+        return Err(ImportError::NoPreset(shown));
+    }
+    const ALIASES: &[(&str, &str)] = &[
+        ("template_id", "template"),
+        ("restart", "after"),
+        ("pre_checks", "prechecks"),
+    ];
+    const KNOWN: &[&str] = &[
+        "version",
+        "description",
+        "template",
+        "bootstrap",
+        "files",
+        "after",
+        "prechecks",
+        "step_timeout_seconds",
+        "models",
+    ];
+    for (name, v) in &all {
+        let line = || {
+            if wrapped {
+                lines.line(&[&["presets", name]])
+            } else {
+                lines.line(&[&[name]])
+            }
+        };
+        let at = format!("{}: preset {name}", file_line(&shown, line()));
+        let mut m = object(v, &at)?.clone();
+        for (from, to) in ALIASES {
+            if let Some(x) = m.remove(*from) {
+                m.entry(to.to_string()).or_insert(x);
+            }
+        }
+        for other in m
+            .keys()
+            .filter(|k| !KNOWN.contains(&k.as_str()))
+            .cloned()
+            .collect::<Vec<_>>()
+        {
+            rep.not_carried(
+                format!("{shown}: {name}.{other}"),
+                "no such setting of a preset here",
+            );
+            m.remove(&other);
+        }
+        let value =
+            toml::Value::try_from(Value::Object(m)).map_err(|source| ImportError::Toml {
+                at: at.clone(),
+                source,
+            })?;
+        let preset: super::Preset =
+            value
+                .clone()
+                .try_into()
+                .map_err(|source| ImportError::Profile {
+                    at: at.clone(),
+                    source,
+                })?;
+        preset
+            .validate(name, false)
+            .map_err(|e| ImportError::Invalid {
+                at: at.clone(),
+                why: e.to_string(),
+            })?;
+        rep.carried(
+            format!("{shown}: preset {name}"),
+            format!("[presets.{name}]"),
+        );
+        sections.push(Piece {
+            comment: vec![format!("[presets.{name}]: from {shown}.")],
+            path: vec!["presets".into(), name.clone()],
+            value,
+        });
+    }
+    Ok(all.len())
+}
+
 fn workspace(
     v: &Value,
     at: &str,
@@ -2211,6 +2328,8 @@ pub enum ImportError {
     NoTask(String),
     #[error("{0}: defines no MCP policy (policies: {{name: {{…}}}})")]
     NoPolicy(String),
+    #[error("{0}: defines no template preset (presets: {{name: {{…}}}})")]
+    NoPreset(String),
     #[error("CUBE_ADAPTER_AUDIT_SINKS names http but CUBE_ADAPTER_AUDIT_HTTP_URL is unset")]
     HttpSinkWithoutUrl,
     #[error(

@@ -700,3 +700,80 @@ fn mcp_policies_and_a_profiles_mcp_policy_are_imported() {
         r.err
     );
 }
+
+/// The reference's template presets file and a profile's `template_preset`:
+/// `[presets.NAME]` that `config check` takes (the secret file it names is
+/// a warning there, not an error); a trailing space in a provider is refused
+/// with the file and the preset's line.
+#[test]
+fn template_presets_and_a_profiles_template_preset_are_imported() {
+    let dir = fixtures();
+    std::fs::write(
+        dir.path().join("ref/preset-profiles.yaml"),
+        "claw:\n  template: openclaw\n  template_preset: openclaw-deepseek\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let r = run(
+        &[
+            "config",
+            "import",
+            "--profiles",
+            "ref/preset-profiles.yaml",
+            "--presets",
+            "ref/template-presets.yaml",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(r.code, 0, "{}\n{}", r.out, r.err);
+    assert!(r.out.contains("[presets.openclaw-deepseek]"), "{}", r.out);
+    let check = run(
+        &[
+            "config",
+            "check",
+            "--config",
+            out.join("config.toml").to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_eq!(check.code, 0, "{}\n{}", check.out, check.err);
+    let cfg = load(&out.join("config.toml"));
+    let p = &cfg.presets["openclaw-deepseek"];
+    assert_eq!(p.template.as_deref(), Some("openclaw"));
+    assert_eq!(p.after, ["systemctl restart openclaw.service || true"]);
+    assert_eq!(p.prechecks, ["test -s /root/.openclaw/openclaw.json"]);
+    assert_eq!(p.files[0].mode, "0600");
+    assert_eq!(
+        p.models.as_ref().unwrap().fallbacks,
+        ["deepseek/deepseek-reasoner"]
+    );
+    assert_eq!(
+        cfg.profiles["claw"].template_preset.as_deref(),
+        Some("openclaw-deepseek")
+    );
+
+    let text = std::fs::read_to_string(dir.path().join("ref/template-presets.yaml"))
+        .unwrap()
+        .replace("provider: deepseek", "provider: 'deepseek '");
+    std::fs::write(dir.path().join("ref/spaced.yaml"), text).unwrap();
+    let r = run(
+        &[
+            "config",
+            "import",
+            "--presets",
+            "ref/spaced.yaml",
+            "--out",
+            dir.path().join("out2").to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert_ne!(r.code, 0);
+    assert!(
+        r.err.contains("spaced.yaml:3: preset openclaw-deepseek")
+            && r.err.contains("has a trailing space"),
+        "{}",
+        r.err
+    );
+}
