@@ -146,8 +146,8 @@ impl Broker {
         o.user = Some("root".into());
         o.timeout = Some(timeout);
         let r = cube.run(sb, &o, STEP_OUTPUT).await;
-        let (outcome, code, err) = match &r {
-            Ok(out) if out.exit_code == 0 && !out.timed_out => (Outcome::Ok, Some(0), None),
+        let (code, err) = match &r {
+            Ok(out) if out.exit_code == 0 && !out.timed_out => (Some(0), None),
             Ok(out) => {
                 let code = if matches!(step, Step::Precheck) {
                     Code::PresetCheckFailed
@@ -160,7 +160,6 @@ impl Broker {
                     format!("exited with {}", out.exit_code)
                 };
                 (
-                    Outcome::Error,
                     Some(out.exit_code),
                     Some(Error::new(
                         code,
@@ -172,7 +171,6 @@ impl Broker {
                 )
             }
             Err(e) => (
-                Outcome::Error,
                 None,
                 Some(Error::new(
                     Code::PresetFailed,
@@ -183,23 +181,7 @@ impl Broker {
                 )),
             ),
         };
-        let code_word = err.as_ref().map(|e| e.code.to_string());
-        self.inner
-            .journal
-            .outcome(
-                intent,
-                outcome,
-                |e| {
-                    e.exit_code = code;
-                    e.error_code = code_word;
-                },
-                |_| Ok(()),
-            )
-            .await?;
-        match err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        self.settle_step(intent, err, |e| e.exit_code = code).await
     }
 
     /// Write one file (its secrets read in now), then set its mode.
@@ -262,16 +244,31 @@ impl Broker {
             Ok(len)
         }
         .await;
-        let (outcome, bytes, err) = match r {
-            Ok(n) => (Outcome::Ok, Some(n), None),
+        let (bytes, err) = match r {
+            Ok(n) => (Some(n), None),
             Err(why) => (
-                Outcome::Error,
                 None,
                 Some(Error::new(
                     Code::PresetFailed,
                     format!("the profile's preset: {path}: {why}"),
                 )),
             ),
+        };
+        self.settle_step(intent, err, |e| e.bytes = bytes).await
+    }
+
+    /// A step's outcome (`ok`, or `error` with the code of `err`), then
+    /// `err` as the step's result.
+    async fn settle_step(
+        &self,
+        intent: crate::audit::Intent,
+        err: Option<Error>,
+        fill: impl FnOnce(&mut Event),
+    ) -> Result<()> {
+        let outcome = if err.is_some() {
+            Outcome::Error
+        } else {
+            Outcome::Ok
         };
         let code_word = err.as_ref().map(|e| e.code.to_string());
         self.inner
@@ -280,15 +277,12 @@ impl Broker {
                 intent,
                 outcome,
                 |e| {
-                    e.bytes = bytes;
+                    fill(e);
                     e.error_code = code_word;
                 },
                 |_| Ok(()),
             )
             .await?;
-        match err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        err.map_or(Ok(()), Err)
     }
 }
