@@ -259,7 +259,7 @@ impl Broker {
         arguments: Value,
     ) -> Result<(Map<String, Value>, Vec<u8>, McpPolicy)> {
         let (name, policy) = self.lease_policy(l)?;
-        let Some(t) = policy.tools.get(tool) else {
+        if !policy.tools.contains_key(tool) {
             let allowed: Vec<&str> = policy.tools.keys().map(String::as_str).collect();
             return Err(Error::new(
                 Code::McpToolDenied,
@@ -268,7 +268,7 @@ impl Broker {
                     allowed.join(", ")
                 ),
             ));
-        };
+        }
         let Value::Object(args) = arguments else {
             return Err(Error::new(
                 Code::McpArgumentsInvalid,
@@ -286,8 +286,17 @@ impl Broker {
                 ),
             ));
         }
-        let validator = crate::config::tasks::check_schema(&t.input_schema, "input_schema")
-            .map_err(|_| Error::new(Code::McpToolDenied, "the tool's schema does not compile"))?;
+        let Some(validator) = self
+            .policy()
+            .mcp_tools
+            .get(&(name.clone(), tool.to_string()))
+            .cloned()
+        else {
+            return Err(Error::new(
+                Code::McpToolDenied,
+                "the tool's schema does not compile",
+            ));
+        };
         let instance = Value::Object(args);
         // Where and which rule, never the value (it may be long, or not
         // the caller's to see echoed in a log).

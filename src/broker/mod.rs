@@ -47,6 +47,10 @@ pub(crate) struct Policy {
     pub cfg: Arc<Config>,
     /// Task templates' schemas, compiled once per configuration.
     pub schemas: HashMap<String, Arc<crate::config::tasks::Compiled>>,
+    /// MCP policies' tool schemas by (policy, tool), compiled once per
+    /// configuration (checked when it loaded: one that does not compile
+    /// is absent, and its tool refused).
+    pub mcp_tools: HashMap<(String, String), Arc<jsonschema::Validator>>,
 }
 
 /// A task template whose schemas or risk patterns do not compile.
@@ -69,7 +73,19 @@ fn compile_policy(cfg: Arc<Config>) -> std::result::Result<Policy, PolicyError> 
         })?;
         schemas.insert(name.clone(), Arc::new(c));
     }
-    Ok(Policy { cfg, schemas })
+    let mut mcp_tools = HashMap::new();
+    for (policy, p) in &cfg.mcp_policies {
+        for (tool, t) in &p.tools {
+            if let Ok(v) = crate::config::tasks::check_schema(&t.input_schema, "input_schema") {
+                mcp_tools.insert((policy.clone(), tool.clone()), Arc::new(v));
+            }
+        }
+    }
+    Ok(Policy {
+        cfg,
+        schemas,
+        mcp_tools,
+    })
 }
 
 pub(crate) struct Inner {
@@ -200,6 +216,7 @@ impl Broker {
             Policy {
                 cfg,
                 schemas: HashMap::new(),
+                mcp_tools: HashMap::new(),
             }
         });
         Self {

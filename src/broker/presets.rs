@@ -65,7 +65,9 @@ fn resolve(content: &str) -> std::result::Result<String, String> {
 }
 
 impl Broker {
-    /// Apply the preset `name` to a new sandbox: its digest. `base` is the
+    /// Apply the preset `name` to a new sandbox: `NAME@VERSION` and its
+    /// digest, of the one preset applied (a reload meanwhile changes
+    /// neither). `base` is the
     /// acquire's event (who, which profile); each step gets its own intent.
     pub(crate) async fn apply_preset(
         &self,
@@ -73,7 +75,7 @@ impl Broker {
         sb: &SandboxAddr,
         name: &str,
         base: &Event,
-    ) -> Result<String> {
+    ) -> Result<(String, String)> {
         let cfg = self.config();
         let Some(p) = cfg.presets.get(name) else {
             return Err(Error::new(
@@ -98,7 +100,7 @@ impl Broker {
             self.preset_command(cube, sb, base, Step::Precheck, c, timeout)
                 .await?;
         }
-        Ok(digest(p))
+        Ok((format!("{name}@{}", p.version), digest(p)))
     }
 
     /// The intent of one step.

@@ -638,8 +638,20 @@ pub fn plan(src: &Sources, out_dir: &Path, now: &str) -> Result<Plan, ImportErro
     )?;
     let has_backend = backend.is_some();
     b.sections.extend(backend);
-    b.mcp_policies(&src.mcp_policies)?;
-    b.presets(&src.presets)?;
+    b.sections_file(
+        &src.mcp_policies,
+        "CUBE_ADAPTER_MCP_POLICIES_FILE",
+        "--mcp-policies",
+        "MCP policies",
+        mcp_policies,
+    )?;
+    b.sections_file(
+        &src.presets,
+        "CUBE_ADAPTER_TEMPLATE_PRESETS_FILE",
+        "--presets",
+        "template presets",
+        presets,
+    )?;
     let profiles = b.profiles(&src.profiles, template.as_deref(), has_backend)?;
     b.task_templates(&src.task_templates, &profiles)?;
     b.leftovers();
@@ -1307,45 +1319,23 @@ impl Build<'_> {
         Ok(())
     }
 
-    /// `[mcp_policies.NAME]`: the reference's `mcp-policies.yaml`.
-    fn mcp_policies(&mut self, flag: &Option<PathBuf>) -> Result<(), ImportError> {
-        let Some((p, named)) = source(
-            flag,
-            &mut self.env,
-            "CUBE_ADAPTER_MCP_POLICIES_FILE",
-            "--mcp-policies",
-            &mut self.rep,
-        )?
-        else {
+    /// A file of named sections (`[mcp_policies.NAME]`, `[presets.NAME]`):
+    /// the flag's, else the env file's `var`, read by `read`.
+    fn sections_file(
+        &mut self,
+        flag: &Option<PathBuf>,
+        var: &str,
+        flag_name: &str,
+        kind: &str,
+        read: fn(&Path, &mut Vec<Piece>, &mut Report) -> Result<usize, ImportError>,
+    ) -> Result<(), ImportError> {
+        let Some((p, named)) = source(flag, &mut self.env, var, flag_name, &mut self.rep)? else {
             return Ok(());
         };
-        let n = mcp_policies(&p, &mut self.sections, &mut self.rep)?;
-        self.rep.carried(
-            named,
-            format!("{}: {n} MCP policies as [mcp_policies.*]", p.display()),
-        );
-        self.rep.sources.push(("MCP policies".into(), p));
-        Ok(())
-    }
-
-    /// `[presets.NAME]`: the reference's template presets file.
-    fn presets(&mut self, flag: &Option<PathBuf>) -> Result<(), ImportError> {
-        let Some((p, named)) = source(
-            flag,
-            &mut self.env,
-            "CUBE_ADAPTER_TEMPLATE_PRESETS_FILE",
-            "--presets",
-            &mut self.rep,
-        )?
-        else {
-            return Ok(());
-        };
-        let n = presets(&p, &mut self.sections, &mut self.rep)?;
-        self.rep.carried(
-            named,
-            format!("{}: {n} template presets as [presets.*]", p.display()),
-        );
-        self.rep.sources.push(("template presets".into(), p));
+        let n = read(&p, &mut self.sections, &mut self.rep)?;
+        self.rep
+            .carried(named, format!("{}: {n} {kind}", p.display()));
+        self.rep.sources.push((kind.to_string(), p));
         Ok(())
     }
 

@@ -408,15 +408,7 @@ impl Broker {
             let preset = match &prof.template_preset {
                 None => None,
                 Some(name) => match this.apply_preset(&cube, &addr, name, &ev_base).await {
-                    Ok(digest) => {
-                        let version = this
-                            .config()
-                            .presets
-                            .get(name)
-                            .map(|p| p.version.clone())
-                            .unwrap_or_default();
-                        Some((format!("{name}@{version}"), digest))
-                    }
+                    Ok(applied) => Some(applied),
                     Err(err) => {
                         let _ = cube.kill(&created.sandbox_id).await;
                         this.fail(intent, &err).await?;
