@@ -304,6 +304,12 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
     // On the appliance's own machine (the token is made here) the host's
     // own tools would reach around the appliance: off unless refused.
     let hardened = a.hardened || (!a.no_hardened && a.token_file.is_none());
+    // Said when it was not asked for: how to keep the host's tools.
+    let why = if a.hardened {
+        ""
+    } else {
+        " (the default on the appliance's machine; --no-hardened keeps them)"
+    };
     let hardening = if hardened {
         Some(hardening(host.id()).ok_or_else(|| usage("no hardened mode for this host"))?)
     } else {
@@ -350,7 +356,7 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
         }
         if let Some(h) = hardening {
             println!(
-                "# would turn off the host's own tools in {}:",
+                "# would turn off the host's own tools in {}{why}:",
                 hardened_file.display()
             );
             for l in h.summary() {
@@ -421,7 +427,7 @@ fn connect(a: ConnectArgs) -> Result<Exit, Refusal> {
     }
     if let Some(h) = hardening {
         eprintln!(
-            "hardened: the host's own shell, file and web tools are off in {}:",
+            "hardened: the host's own shell, file and web tools are off in {}{why}:",
             hardened_file.display()
         );
         for l in h.summary() {
