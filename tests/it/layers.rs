@@ -70,6 +70,7 @@ const EMBEDDED_RANKS: &[(&str, u32)] = &[
     ("tree", 0),
     ("wire", 0),
     ("egress", 1),
+    ("egress_tap", 1),
     ("envd", 1),
     ("gateway", 1),
     ("subids", 1),

@@ -2,7 +2,9 @@
 //!
 //! The backend runs `cube-adapter __sandbox-launch DIR` (the *launcher*),
 //! which, single-threaded:
-//! 1. joins the sandbox's cgroups, binds the envd unix socket and opens the
+//! 1. joins the sandbox's cgroups, binds the envd unix socket (and, for a
+//!    sandbox with a network namespace of its own, the egress tap's:
+//!    `egress_tap.rs`) and opens the
 //!    directories the sandbox will mount, and its own binary (as `O_PATH`
 //!    descriptors, so the unprivileged sandbox can mount them without being
 //!    able to walk the backend's private state directory);
@@ -14,8 +16,9 @@
 //!    `/workspace`, home, fresh `/proc`, `/dev` with its own devpts, this
 //!    binary read-only at `/run/cube/mcp-gateway`: `gateway.rs`),
 //!    pivots into it, sets limits, forks the envd agent (which locks the
-//!    mounts in a nested user namespace and installs the system-call filter,
-//!    `seccomp`, with `no_new_privs`) and then only reaps orphans;
+//!    mounts in a nested user namespace, binds the egress tap's port on the
+//!    sandbox's loopback and installs the system-call filter, `seccomp`,
+//!    with `no_new_privs`) and then only reaps orphans;
 //! 4. the launcher writes `init.json` (the init's host pid and start time)
 //!    and exits. The init is re-parented to the host's init: the sandbox
 //!    outlives the backend, which re-adopts it from its state directory.
@@ -35,6 +38,7 @@ use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
+use super::egress_tap;
 use super::envd::process::{AgentEnv, Processes};
 use super::gateway::{GATEWAY_DIR, GATEWAY_PATH};
 use super::sys::{self, Forked};
@@ -350,22 +354,39 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
     }
     let sock_path = dir.join(SOCKET);
     let _ = std::fs::remove_file(&sock_path);
-    let listener = {
-        // Through the directory's descriptor: socket paths are limited to
-        // 108 bytes, state directories are not.
-        let run = open(
-            &dir.join("run"),
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-            Mode::empty(),
-        )
-        .context("open the sandbox's run directory")?;
-        std::os::unix::net::UnixListener::bind(short_socket_path(&run))
-            .context("bind envd socket")?
-    };
+    // Through the directory's descriptor: socket paths are limited to 108
+    // bytes, state directories are not.
+    let run = open(
+        &dir.join("run"),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .context("open the sandbox's run directory")?;
+    let listener = std::os::unix::net::UnixListener::bind(short_socket_path(&run))
+        .context("bind envd socket")?;
     std::fs::set_permissions(
         &sock_path,
         std::os::unix::fs::PermissionsExt::from_mode(0o600),
     )?;
+    // The egress tap's socket (`egress_tap.rs`), only for a sandbox with a
+    // network namespace of its own: elsewhere 127.0.0.1 is the host's.
+    let egress_path = dir.join(egress_tap::SOCKET);
+    let _ = std::fs::remove_file(&egress_path);
+    let egress = if spec.isolation == Isolation::Namespaces && spec.own_netns() {
+        let l = std::os::unix::net::UnixListener::bind(egress_tap::in_dir(
+            &run,
+            egress_tap::SOCKET_NAME.as_ref(),
+        ))
+        .context("bind the egress tap's socket")?;
+        std::fs::set_permissions(
+            &egress_path,
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )?;
+        Some(l)
+    } else {
+        None
+    };
+    drop(run);
 
     let (ready_r, ready_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
     let (go_r, go_w) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
@@ -385,7 +406,7 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
                 }
                 signal_line(&ready_w, "ready");
                 drop(ready_w);
-                run_agent(listener, env)
+                run_agent(listener, None, env)
             }
             Forked::Parent(child) => {
                 drop(ready_w);
@@ -398,7 +419,7 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
             Forked::Child => {
                 drop(ready_r);
                 drop(go_w);
-                let code = match unshare_child(&spec, dir, listener, &ready_w, &go_r) {
+                let code = match unshare_child(&spec, dir, listener, egress, &ready_w, &go_r) {
                     Ok(()) => 0,
                     Err(e) => {
                         signal_line(&ready_w, &format!("error {e:#}"));
@@ -411,6 +432,7 @@ fn launch(dir: &Path) -> anyhow::Result<()> {
                 drop(ready_w);
                 drop(go_r);
                 drop(listener);
+                drop(egress);
                 let mut reader = BufReader::new(std::fs::File::from(ready_r));
                 let mut line = String::new();
                 reader.read_line(&mut line)?;
@@ -518,6 +540,7 @@ fn unshare_child(
     spec: &LaunchSpec,
     dir: &Path,
     listener: std::os::unix::net::UnixListener,
+    egress: Option<std::os::unix::net::UnixListener>,
     ready: &OwnedFd,
     go: &OwnedFd,
 ) -> anyhow::Result<()> {
@@ -603,6 +626,21 @@ fn unshare_child(
                             std::process::exit(1);
                         }
                         let _ = nix::sys::prctl::set_dumpable(false);
+                        // The egress tap's port, in the sandbox's network
+                        // namespace, before anything of the sandbox runs.
+                        let tap = match egress.map(egress_tap::Tap::bind).transpose() {
+                            Ok(t) => t,
+                            Err(e) => {
+                                signal_line(
+                                    &to_init,
+                                    &format!(
+                                        "error egress tap: bind 127.0.0.1:{}: {e}",
+                                        crate::wire::EGRESS_PROXY_PORT
+                                    ),
+                                );
+                                std::process::exit(1);
+                            }
+                        };
                         // The system-call filter, with no_new_privs, for
                         // the agent and everything it starts.
                         if let Err(e) = super::seccomp::install() {
@@ -615,12 +653,13 @@ fn unshare_child(
                         // This process never returns to the owners of these.
                         sys::close_inherited(ready);
                         sys::close_inherited(go);
-                        run_agent(listener, agent_env(spec, None))
+                        run_agent(listener, tap, agent_env(spec, None))
                     }
                     Ok(((to_init, from_agent, to_agent, from_init), Forked::Parent(agent))) => {
                         drop(to_init);
                         drop(from_init);
                         drop(listener);
+                        drop(egress);
                         let locked = match read_line(&from_agent) {
                             Ok(l) if l == "unshared" => write_identity_maps(agent, spec.id_count)
                                 .map(|()| signal_line(&to_agent, "mapped"))
@@ -769,7 +808,11 @@ fn reap_forever(agent: Pid) -> i32 {
     }
 }
 
-fn run_agent(listener: std::os::unix::net::UnixListener, env: AgentEnv) -> ! {
+fn run_agent(
+    listener: std::os::unix::net::UnixListener,
+    tap: Option<egress_tap::Tap>,
+    env: AgentEnv,
+) -> ! {
     let code = (|| -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -777,6 +820,13 @@ fn run_agent(listener: std::os::unix::net::UnixListener, env: AgentEnv) -> ! {
             .enable_all()
             .build()?;
         rt.block_on(async move {
+            if let Some(tap) = tap {
+                tokio::spawn(async move {
+                    if let Err(e) = tap.serve().await {
+                        eprintln!("sandbox agent: egress tap: {e}");
+                    }
+                });
+            }
             listener.set_nonblocking(true)?;
             let l = tokio::net::UnixListener::from_std(listener)?;
             super::envd::serve(l, Processes::new(env)).await

@@ -13,6 +13,7 @@ pub mod cgroup;
 pub(crate) mod clock;
 pub mod disk;
 pub mod egress;
+pub mod egress_tap;
 pub(crate) mod envd;
 pub(crate) mod error;
 pub mod gateway;

@@ -2,7 +2,7 @@
 //! its safety argument. Everything else goes through `nix`'s safe wrappers.
 #![allow(unsafe_code)]
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::process::Command;
 
 use nix::unistd::{ForkResult, Pid};
@@ -199,5 +199,38 @@ pub fn release_free_memory() {
     // own arenas under their locks; any thread may call it at any time.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Own a descriptor `recvmsg(2)` has just installed in this process from an
+/// `SCM_RIGHTS` message (`egress_tap::attach`), so that it is closed when
+/// dropped, whatever it turns out to be.
+pub fn own_received_fd(fd: RawFd) -> OwnedFd {
+    // SAFETY: the kernel installed `fd` in this process's table for the
+    // recvmsg call whose control message named it, and the caller takes
+    // it from that message once: nothing else in this process owns it.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+/// `getsockopt(SOL_SOCKET, SO_PROTOCOL)`: a socket's protocol
+/// (`IPPROTO_TCP`, …), which nix has no option for.
+pub fn socket_protocol(fd: BorrowedFd<'_>) -> std::io::Result<i32> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: fd is open for the borrow; `value` and `len` are valid,
+    // initialised and outlive the call, and `len` is `value`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PROTOCOL,
+            (&mut value as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(value)
     }
 }

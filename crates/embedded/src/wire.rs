@@ -14,6 +14,11 @@ pub const ENVD_PORT: u16 = 49983;
 /// The port of a sandbox's MCP gateway (`mcp-gateway`, `gateway.rs`): MCP
 /// Streamable HTTP at `/mcp`, health at `/health`.
 pub const MCP_GATEWAY_PORT: u16 = 50005;
+/// The port a sandbox's processes reach the appliance's egress proxy on:
+/// `127.0.0.1:3128` inside the sandbox's own network namespace, carried
+/// to the appliance by the sandbox's egress tap (`egress_tap.rs`); never a
+/// port of the host's.
+pub const EGRESS_PROXY_PORT: u16 = 3128;
 /// Version string our embedded envd reports (the E2B envd it mirrors).
 pub const ENVD_VERSION: &str = "0.5.13";
 /// Largest Connect envelope either side accepts (the SDK's own limit).
