@@ -60,6 +60,12 @@ pub enum Request {
     CertRenew,
     /// A consistent copy of the store in `STATE/backup-…/state.redb`.
     Backup,
+    /// `lease egress LEASE [--only DEST…|--none]`: a live lease's egress
+    /// destinations, narrowed first to `only` when given.
+    LeaseEgress {
+        lease_ref: String,
+        only: Option<Vec<String>>,
+    },
 }
 
 /// One answer line. Every request gets one answer, except `AuditExport`:
@@ -124,6 +130,11 @@ pub enum Response {
     Backup {
         dir: PathBuf,
         manifest: Manifest,
+    },
+    /// `LeaseEgress`: the lease's destinations now.
+    LeaseEgress {
+        lease_ref: String,
+        destinations: Vec<String>,
     },
 }
 
@@ -285,7 +296,8 @@ pub async fn serve(
                         req @ (Request::Status
                         | Request::Reload
                         | Request::CertRenew
-                        | Request::Backup),
+                        | Request::Backup
+                        | Request::LeaseEgress { .. }),
                     ) => ops.handle(req).await,
                     Ok(Request::AuditExport { since }) => {
                         return export(&store, since, &mut w).await;
@@ -449,6 +461,7 @@ async fn answer(
         | Request::Reload
         | Request::CertRenew
         | Request::Backup
+        | Request::LeaseEgress { .. }
         | Request::AuditExport { .. } => {
             return Err(OpError::new(
                 "invalid_request",

@@ -541,6 +541,34 @@ impl Default for Gc {
     }
 }
 
+/// The egress proxy's instruments (the broker's `egress`).
+#[derive(Debug)]
+pub struct Egress {
+    /// Requests and tunnels by profile and result: `ok`, `error`, or the
+    /// code that refused them.
+    pub requests: Family<2, Counter>,
+    /// Bytes moved for sandboxes, by profile and direction (`out`: from the
+    /// sandbox, `in`: to it).
+    pub bytes: Family<2, Counter>,
+}
+
+impl Default for Egress {
+    fn default() -> Self {
+        Self {
+            requests: Family::with_capacity(Counter::default, 256),
+            bytes: Family::with_capacity(Counter::default, 128),
+        }
+    }
+}
+
+impl<const N: usize> Family<N, Counter> {
+    pub fn add(&self, labels: [&str; N], n: u64) {
+        if let Some(c) = self.get(labels) {
+            c.add(n);
+        }
+    }
+}
+
 /// The HTTP listener's instruments: route template, method, status class.
 #[derive(Debug)]
 pub struct Http {

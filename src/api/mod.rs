@@ -857,6 +857,22 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
         )
         .with_family(&gc.actions, ["outcome"], count),
     );
+    // The egress proxy.
+    let eg = &b.egress().metrics;
+    out.push(
+        Metric::counter(
+            "cube_adapter_egress_requests_total",
+            "Requests and tunnels sandboxes made through the egress proxy, by profile and result (ok, error, or the refusal's code)",
+        )
+        .with_family(&eg.requests, ["profile", "result"], count),
+    );
+    out.push(
+        Metric::counter(
+            "cube_adapter_egress_bytes_total",
+            "Bytes the egress proxy carried for sandboxes, by profile and direction (out: from the sandbox)",
+        )
+        .with_family(&eg.bytes, ["profile", "direction"], count),
+    );
     // Readiness, certificates, the process.
     let ready = st.metrics.ready.load(Ordering::Relaxed);
     if ready < 2 {
@@ -888,7 +904,9 @@ async fn scrape(st: &AppState) -> Vec<crate::metrics::Metric> {
         + am.operations.dropped()
         + am.effects.dropped()
         + gc.runs.dropped()
-        + gc.actions.dropped();
+        + gc.actions.dropped()
+        + eg.requests.dropped()
+        + eg.bytes.dropped();
     out.push(
         Metric::counter(
             "cube_adapter_metrics_series_dropped_total",

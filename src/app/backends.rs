@@ -196,6 +196,7 @@ async fn embedded(
     tasks: &mut Tasks,
 ) -> anyhow::Result<Arc<crate::broker::backends::Backend>> {
     let settings = embedded_settings(cfg, state, launcher.to_path_buf());
+    let state_dir = settings.state_dir.clone();
     let backend =
         Backend::open(settings, None).map_err(|e| anyhow::anyhow!("embedded backend: {e}"))?;
     let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
@@ -227,12 +228,14 @@ async fn embedded(
     bc.client_cert_pem = Some(std::fs::read(&ccert)?);
     bc.client_key_pem = Some(Secret::new(ca.read_key(&ckey)?));
     let isolation = cfg.embedded.isolation;
-    Ok(crate::broker::backends::Backend::new(
+    let b = crate::broker::backends::Backend::new(
         name,
         crate::broker::backends::Kind::Embedded(isolation),
         CubeClient::new(bc)?,
         format!("embedded ({isolation:?} isolation) on {addr}"),
-    ))
+    );
+    b.set_embedded_state_dir(state_dir);
+    Ok(b)
 }
 
 #[cfg(test)]

@@ -142,6 +142,7 @@ pub async fn start(
     .await?;
     let upkeep = CancellationToken::new();
     broker.spawn_upkeep(upkeep.clone());
+    broker.spawn_egress_watch(upkeep.clone());
     let accept = CancellationToken::new();
     let limits = crate::server::Limits::from_config(&cfg.connections);
     let server = tokio::spawn(crate::server::serve_with_limits(

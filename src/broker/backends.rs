@@ -55,6 +55,9 @@ pub struct Backend {
     recheck: tokio::sync::Notify,
     /// Health probes failed in a row.
     failed_probes: std::sync::atomic::AtomicU32,
+    /// An embedded backend of this process: its state directory, where
+    /// its sandboxes' egress taps are (`cube_embedded::egress_tap`).
+    state_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 /// Why a `[backends.NAME]` section gives no client.
@@ -80,7 +83,19 @@ impl Backend {
             problem: std::sync::Mutex::new(None),
             recheck: tokio::sync::Notify::new(),
             failed_probes: std::sync::atomic::AtomicU32::new(0),
+            state_dir: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Say where this process's embedded backend keeps its sandboxes.
+    pub fn set_embedded_state_dir(&self, dir: std::path::PathBuf) {
+        let _ = self.state_dir.set(dir);
+    }
+
+    /// Where this process's embedded backend keeps its sandboxes; none for
+    /// any other backend.
+    pub fn embedded_state_dir(&self) -> Option<&std::path::Path> {
+        self.state_dir.get().map(|p| p.as_path())
     }
 
     /// A CubeSandbox backend's client from its section (its key, CA and

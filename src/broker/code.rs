@@ -110,6 +110,13 @@ codes! {
     /// A governed MCP call to a tool its policy does not allow (or on a
     /// lease without a policy).
     McpToolDenied = "mcp_tool_denied", FORBIDDEN, Rejected, None;
+    /// The egress proxy refused a destination the lease's profile does not
+    /// name (or no longer names: narrowed), or whose name resolved to a
+    /// private address.
+    EgressDestinationDenied = "egress_destination_denied", FORBIDDEN, Rejected, None;
+    /// The lease moved as many bytes through the egress proxy as its
+    /// profile allows (`egress.max_bytes`).
+    EgressBudgetExceeded = "egress_budget_exceeded", FORBIDDEN, Rejected, None;
 
     // 404
     /// An unknown route.
@@ -174,6 +181,9 @@ codes! {
     SessionQuotaExceeded = "session_quota_exceeded", TOO_MANY_REQUESTS, Rejected, None;
     PlanQuotaExceeded = "plan_quota_exceeded", TOO_MANY_REQUESTS, Rejected, None;
     SignInThrottled = "sign_in_throttled", TOO_MANY_REQUESTS, Rejected, None;
+    /// The lease started requests through the egress proxy faster than its
+    /// profile allows (`egress.requests_per_second`).
+    EgressRateLimited = "egress_rate_limited", TOO_MANY_REQUESTS, Rejected, None;
 
     // 500
     /// A request handler panicked.
@@ -201,6 +211,12 @@ codes! {
     /// A pre-check of the profile's template preset failed: the sandbox is
     /// killed, no lease.
     PresetCheckFailed = "preset_check_failed", BAD_GATEWAY, Error, None;
+    /// The egress proxy could not resolve or reach an allowed destination,
+    /// or the destination broke off.
+    EgressUpstreamFailed = "egress_upstream_failed", BAD_GATEWAY, Error, None;
+    /// A brokered credential's secret file could not be read: the request
+    /// was not sent.
+    EgressCredentialUnavailable = "egress_credential_unavailable", BAD_GATEWAY, Error, None;
     /// The sandbox's MCP server answered a call with an error (or with
     /// something other than a result).
     McpCallFailed = "mcp_call_failed", BAD_GATEWAY, Error, None;

@@ -7,6 +7,7 @@ pub(crate) mod backends;
 pub(crate) mod checkpoints;
 pub(crate) mod code;
 pub(crate) mod dto;
+pub(crate) mod egress;
 pub(crate) mod error;
 pub(crate) mod gauges;
 pub(crate) mod jobs;
@@ -113,6 +114,8 @@ pub(crate) struct Inner {
     pub plan_listener: std::sync::OnceLock<Arc<dyn PlanListener>>,
     /// GC passes and what they collected, for `/metrics`.
     pub gc: crate::metrics::Gc,
+    /// The egress proxy's per-lease state and its instruments.
+    pub egress: egress::Egress,
 }
 
 /// A plan that needs approval, as a listener is told of it: names and
@@ -234,6 +237,7 @@ impl Broker {
                 clock,
                 plan_listener: std::sync::OnceLock::new(),
                 gc: crate::metrics::Gc::default(),
+                egress: egress::Egress::default(),
             }),
         }
     }

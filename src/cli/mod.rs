@@ -53,6 +53,7 @@ mod common;
 mod config;
 /// `pub`: the console's "Connect an agent" page shares its generator.
 pub(crate) mod connect;
+mod lease;
 mod mcp;
 mod ops;
 mod sandboxes;
@@ -218,6 +219,10 @@ pub enum Command {
     /// those of a stopped service.
     #[command(subcommand)]
     Sandboxes(SandboxesCommand),
+    /// Live leases: what their sandboxes may reach through the egress
+    /// proxy.
+    #[command(subcommand)]
+    Lease(lease::LeaseCommand),
     /// The embedded backend's templates: import a root filesystem, list,
     /// remove.
     #[command(subcommand)]
@@ -318,6 +323,7 @@ fn dispatch(command: Command) -> Exit {
         Command::Sandboxes(SandboxesCommand::List(a)) => sandboxes::list(a),
         Command::Sandboxes(SandboxesCommand::Kill(a)) => sandboxes::kill(a),
         Command::Sandboxes(SandboxesCommand::Prepare(a)) => sandboxes::prepare(a),
+        Command::Lease(lease::LeaseCommand::Egress(a)) => lease::egress(a),
         Command::Template(TemplateCommand::Add(a)) => sandboxes::template_add(a),
         Command::Template(TemplateCommand::List(a)) => sandboxes::template_list(a),
         Command::Template(TemplateCommand::Remove(a)) => sandboxes::template_remove(a),

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub(crate) mod egress;
 pub(crate) mod import;
 pub(crate) mod mcp;
 pub(crate) mod paths;
@@ -16,6 +17,7 @@ pub(crate) mod presets;
 pub use crate::audit::sinks::def as sinks;
 pub(crate) mod tasks;
 
+pub use self::egress::{Credential, Destination, EgressSection, ProfileEgress};
 pub use self::mcp::McpPolicy;
 pub use self::presets::Preset;
 pub use self::tasks::TaskTemplate;
@@ -67,6 +69,8 @@ pub struct Config {
     /// Template presets by name (`[presets.NAME]`): what a profile's
     /// sandboxes get before an agent does (`template_preset`).
     pub presets: BTreeMap<String, Preset>,
+    /// What all profiles' brokered egress shares (`[egress]`).
+    pub egress: EgressSection,
     /// How long GC keeps a plan that never ran (denied or expired) past
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
@@ -870,6 +874,11 @@ pub struct Profile {
     /// unset, as `mcp_policy`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template_preset: Option<String>,
+    /// What its sandboxes reach through the appliance's egress proxy, by
+    /// name, and the credentials the proxy adds (`config::egress`). Not
+    /// written when unset, as `mcp_policy`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<ProfileEgress>,
 }
 
 /// How a profile's sandboxes keep their files (`[profiles.NAME.workspace]`,
@@ -1051,6 +1060,7 @@ impl Default for Profile {
             workspace: Workspace::default(),
             mcp_policy: None,
             template_preset: None,
+            egress: None,
         }
     }
 }
@@ -1155,6 +1165,7 @@ impl Default for Config {
             tasks: BTreeMap::new(),
             mcp_policies: BTreeMap::new(),
             presets: BTreeMap::new(),
+            egress: EgressSection::default(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
@@ -1365,6 +1376,17 @@ impl Config {
                 p.template = t;
             }
         }
+        for (name, p) in &cfg.profiles {
+            let creds = p.egress.iter().flat_map(|e| e.credentials.iter());
+            for (dest, c) in creds {
+                if let Err(e) = std::fs::metadata(&c.secret_file) {
+                    warnings.push(format!(
+                        "profile {name}: egress.credentials.{dest:?}: secret_file {}: {e}: requests to it will fail until it can be read",
+                        c.secret_file.display()
+                    ));
+                }
+            }
+        }
         for (name, pr) in &cfg.presets {
             if let Err(e) = pr.validate(name, true) {
                 warnings.push(format!(
@@ -1552,10 +1574,10 @@ impl Config {
                 }
                 // The gateway's port must not be reachable from outside,
                 // nor the server reach out.
-                if p.network_access() {
+                if p.network_access() || p.egress.is_some() {
                     return Err(ConfigError::Conflict {
                         at: at(),
-                        why: "mcp_policy needs public traffic off (allow_internet_access = false, no network.allow_out)".into(),
+                        why: "mcp_policy needs public traffic off (allow_internet_access = false, no network.allow_out, no egress)".into(),
                     });
                 }
                 // A snapshot would carry the gateway and its token into
@@ -1566,6 +1588,27 @@ impl Config {
                         why: "mcp_policy and checkpoints_enabled do not go together (a checkpoint would reuse the gateway's token)".into(),
                     });
                 }
+            }
+        }
+        self.egress.validate()?;
+        for (name, p) in &self.profiles {
+            let Some(e) = &p.egress else { continue };
+            e.validate(name)?;
+            let embedded = self
+                .profile_backend(p)
+                .and_then(|b| self.backend_defs().remove(b))
+                .is_some_and(|d| d.is_embedded());
+            if !embedded {
+                return Err(ConfigError::Conflict {
+                    at: format!("profile {name}"),
+                    why: "egress is served on the embedded backend only, for now (the sandbox reaches the proxy inside its own network)".into(),
+                });
+            }
+            if self.embedded.isolation != Isolation::Namespaces {
+                return Err(ConfigError::Conflict {
+                    at: format!("profile {name}"),
+                    why: "egress needs [embedded] isolation = \"namespaces\" (the proxy is reached inside the sandbox's own network)".into(),
+                });
             }
         }
         for (name, m) in &self.mcp_policies {

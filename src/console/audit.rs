@@ -475,6 +475,9 @@ pub const CSV_COLUMNS: &[&str] = &[
     "cleanup",
     "tool",
     "result_digest",
+    "destination",
+    "method",
+    "http_status",
     "prev_hash",
     "hash",
 ];

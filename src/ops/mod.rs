@@ -46,6 +46,7 @@ pub const RELOADABLE: &[&str] = &[
     "tasks",
     "mcp_policies",
     "presets",
+    "egress",
     "plan_retention_seconds",
 ];
 
@@ -284,6 +285,7 @@ impl Reloader {
         applied_cfg.tasks = new.tasks.clone();
         applied_cfg.mcp_policies = new.mcp_policies.clone();
         applied_cfg.presets = new.presets.clone();
+        applied_cfg.egress = new.egress.clone();
         applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
         applied_cfg.audit.sinks = new.audit.sinks.clone();
         if let Err(e) = applied_cfg.validate() {
@@ -512,6 +514,17 @@ impl Service {
                 Response::Backup {
                     dir: s.dir,
                     manifest: s.manifest,
+                }
+            }
+            Request::LeaseEgress { lease_ref, only } => {
+                let destinations = self
+                    .broker
+                    .egress_destinations(&lease_ref, only)
+                    .await
+                    .map_err(OpsError::Broker)?;
+                Response::LeaseEgress {
+                    lease_ref,
+                    destinations,
                 }
             }
             _ => return Err(OpsError::NotForService),
@@ -963,6 +976,9 @@ pub enum OpsError {
     /// A blocking task that did not finish.
     #[error(transparent)]
     Join(#[from] tokio::task::JoinError),
+    /// The broker refused or failed (its code and message).
+    #[error("{}: {}", .0.code.as_str(), .0.message)]
+    Broker(#[source] crate::broker::Error),
     /// An admin request `ops::Service` does not answer.
     #[error("not a request about the service")]
     NotForService,

@@ -108,6 +108,17 @@ pub struct Event {
     /// A keyed digest of what a call returned (`mcp_call`'s outcome).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result_digest: Option<String>,
+    /// Where the egress proxy went for a sandbox (`egress_request`):
+    /// `HOST:PORT`, a destination the profile allows. One it refused is
+    /// kept as `destination_digest` only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination: Option<String>,
+    /// The HTTP method of a brokered request (`CONNECT` for a tunnel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The HTTP status a brokered request's destination answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_status: Option<u16>,
     pub prev_hash: String,
     pub hash: String,
 }
@@ -225,6 +236,9 @@ impl Event {
             cleanup,
             tool,
             result_digest,
+            destination,
+            method,
+            http_status: _,
             prev_hash,
             hash,
         } = self;
@@ -272,6 +286,8 @@ impl Event {
             cleanup,
             tool,
             result_digest,
+            destination,
+            method,
         ]
         .into_iter()
         .flatten()
@@ -380,6 +396,8 @@ mod tests {
                 "cleanup",
                 "tool",
                 "result_digest",
+                "destination",
+                "method",
             ] {
                 o.insert(k.into(), serde_json::Value::String(wide.clone()));
             }

@@ -128,6 +128,10 @@ pub struct Lease {
     pub preset: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preset_digest: Option<String>,
+    /// The egress destinations an operator narrowed this lease to (each
+    /// one of its profile's, as written there); none: all of the profile's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_only: Option<Vec<String>>,
 }
 
 /// A lease's workspace volume.

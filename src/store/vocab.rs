@@ -202,6 +202,11 @@ vocabulary! {
         McpTools = "mcp_tools",
         /// One step of a template preset applied at acquire.
         PresetStep = "preset_step",
+        /// A request (or tunnel) the egress proxy made for a lease's
+        /// sandbox, or refused.
+        EgressRequest = "egress_request",
+        /// An operator narrowed a live lease's egress destinations.
+        EgressNarrow = "egress_narrow",
         // Checkpoints.
         CheckpointList = "checkpoint_list",
         CheckpointCreate = "checkpoint_create",

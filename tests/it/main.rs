@@ -20,6 +20,7 @@ mod connections;
 mod console;
 mod crash;
 mod cube_client;
+mod egress;
 mod egress_tap;
 mod embedded;
 mod escape;

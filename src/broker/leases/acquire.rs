@@ -457,6 +457,7 @@ impl Broker {
                 mcp_token,
                 held_by: None,
                 preset_digest: preset.as_ref().map(|(_, d)| d.clone()),
+                egress_only: None,
                 preset: preset.map(|(n, _)| n),
             };
             let l2 = lease.clone();
@@ -489,6 +490,10 @@ impl Broker {
                 // Not recorded: do not leave an untracked sandbox behind.
                 let _ = cube.kill(&created.sandbox_id).await;
                 return Err(e.into());
+            }
+            if prof.egress.is_some() {
+                // Its sandbox's egress tap, now rather than at the next pass.
+                this.egress_watch_pass();
             }
             Ok::<Lease, Error>(lease)
         });

@@ -126,6 +126,55 @@ impl World {
     }
 }
 
+impl World {
+    /// An HTTP/1.1 server at `a` (one of the world's addresses) that answers
+    /// every request with 200 and, as its body, the request's head as it
+    /// arrived (request line and headers).
+    pub fn serve_http_echo(&mut self, a: SocketAddr) {
+        let ns = std::fs::File::open(format!("/run/netns/{}", self.name)).unwrap();
+        let s = self.stop.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let l = TcpListener::bind(a).unwrap();
+            l.set_nonblocking(true).unwrap();
+            tx.send(std::thread::spawn(move || serve_echo(l, &s)))
+                .unwrap();
+        })
+        .join()
+        .unwrap();
+        self.threads.push(rx.recv().unwrap());
+    }
+}
+
+fn serve_echo(l: TcpListener, stop: &AtomicBool) {
+    while !stop.load(Ordering::SeqCst) {
+        match l.accept() {
+            Ok((mut c, _)) => {
+                let _ = c.set_nonblocking(false);
+                let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && head.len() < 64 * 1024 {
+                    match c.read(&mut b) {
+                        Ok(1) => head.push(b[0]),
+                        _ => break,
+                    }
+                }
+                let _ = c.write_all(
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        head.len()
+                    )
+                    .as_bytes(),
+                );
+                let _ = c.write_all(&head);
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
 fn serve_tcp(l: TcpListener, a: SocketAddr, stop: &AtomicBool) {
     while !stop.load(Ordering::SeqCst) {
         match l.accept() {

@@ -1,0 +1,1116 @@
+//! The egress proxy (issue #39): how a lease's sandbox reaches the
+//! destinations its profile names (`config::egress`), by name, with the
+//! credentials the appliance holds added on the way.
+//!
+//! **Where it listens.** On the embedded backend, nowhere on the host: each
+//! sandbox's agent listens on `127.0.0.1:3128` inside the sandbox's own
+//! network namespace and hands every connection to the appliance over the
+//! sandbox's `egress.sock` (`cube_embedded::egress_tap`). The connection
+//! arrives already tied to its lease: the sandbox presents no token.
+//!
+//! **What it speaks.** HTTP/1.1 proxy requests: `CONNECT HOST:PORT` (a
+//! tunnel, or with a credential marked `intercept`, TLS ended here with a
+//! certificate of the egress CA and each request inside forwarded like a
+//! plain one) and absolute-form `http://` requests, forwarded with the
+//! hop-by-hop and `Proxy-*` headers dropped and the credential's header set
+//! (replacing one the sandbox sent). Anything else is refused.
+//!
+//! **What it checks, in order.** The lease is live and its profile has
+//! egress; the lease's request rate (`requests_per_second`, refused with
+//! 429 and counted, never journaled, so a flood cannot fill the journal);
+//! the destination is one the profile names (and the lease was not narrowed
+//! away from); the lease's byte budget; the name resolves (the operator's
+//! `[egress.resolve]` first) to an address that is public, unless the
+//! operator named the address. Each refusal after the rate check is one
+//! `rejected` event with a digest of the destination (its name could carry
+//! data out).
+//!
+//! **What it records.** Each allowed request or tunnel is an
+//! `egress_request` intent (the destination in clear, the method) committed
+//! before the proxy connects, and an outcome with the status, the bytes
+//! both ways and the duration. Never a header, a path, a body or a secret.
+//! `/metrics` counts requests by profile and result, and bytes by
+//! direction.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, header};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{Broker, Code, Error};
+use crate::audit::Intent;
+use crate::audit::event::{Action, Event, Outcome};
+use crate::config::egress::normal_host;
+use crate::config::{Credential, EgressSection, ProfileEgress};
+use crate::store::leases::{Lease, LeaseState};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// How long resolving and connecting to a destination may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a sandbox may take to send a request's head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often the taps of live leases are checked (a restart, a new lease).
+const WATCH_EVERY: Duration = Duration::from_secs(2);
+
+/// The proxy's state in the broker: each lease's rate and bytes, and the
+/// taps this process holds.
+#[derive(Debug, Default)]
+pub struct Egress {
+    traffic: Mutex<HashMap<String, Arc<Traffic>>>,
+    taps: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+    pub metrics: crate::metrics::Egress,
+}
+
+/// One lease's use of the proxy.
+#[derive(Debug)]
+struct Traffic {
+    /// Tokens left and when they were counted.
+    bucket: Mutex<(f64, Instant)>,
+    bytes: AtomicU64,
+}
+
+impl Traffic {
+    fn new() -> Self {
+        Self {
+            bucket: Mutex::new((f64::MAX, Instant::now())),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Take a request's token: a bucket of `rps`, refilled at `rps` a second.
+    fn admit(&self, rps: u32) -> bool {
+        let mut b = self.bucket.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let cap = f64::from(rps);
+        let refill = now.duration_since(b.1).as_secs_f64() * cap;
+        b.0 = (b.0 + refill).min(cap);
+        b.1 = now;
+        if b.0 >= 1.0 {
+            b.0 -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Count `n` bytes; false once the lease is past `max`.
+    fn take(&self, n: u64, max: u64) -> bool {
+        self.bytes.fetch_add(n, Ordering::Relaxed).saturating_add(n) <= max
+    }
+
+    fn spent(&self, max: u64) -> bool {
+        self.bytes.load(Ordering::Relaxed) >= max
+    }
+}
+
+impl Egress {
+    fn traffic(&self, lease_ref: &str) -> Arc<Traffic> {
+        let mut m = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(lease_ref.to_string())
+            .or_insert_with(|| Arc::new(Traffic::new()))
+            .clone()
+    }
+
+    /// The bytes a lease moved through the proxy (this process's count).
+    pub fn bytes_of(&self, lease_ref: &str) -> u64 {
+        let m = self.traffic.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(lease_ref)
+            .map_or(0, |t| t.bytes.load(Ordering::Relaxed))
+    }
+}
+
+/// A refusal or failure, as the sandbox's client gets it.
+struct Refusal {
+    code: Code,
+    message: String,
+}
+
+impl From<Error> for Refusal {
+    fn from(e: Error) -> Self {
+        Self {
+            code: e.code,
+            message: e.message,
+        }
+    }
+}
+
+fn refusal(code: Code, message: impl Into<String>) -> Refusal {
+    Refusal {
+        code,
+        message: message.into(),
+    }
+}
+
+fn full(b: impl Into<Bytes>) -> ProxyBody {
+    Full::new(b.into()).map_err(|e| match e {}).boxed()
+}
+
+fn answer(r: Refusal) -> Response<ProxyBody> {
+    let body = serde_json::json!({"error": {"code": r.code.as_str(), "message": r.message}});
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = r.code.status();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Ok(v) = HeaderValue::from_str(r.code.as_str()) {
+        h.insert("x-cube-egress-error", v);
+    }
+    if let Some(s) = r.code.retry_after() {
+        h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    resp
+}
+
+/// Whether a resolver's answer may be used: not the host's own networks,
+/// private ranges, link-local (cloud metadata) or anything not unicast.
+pub fn public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || o[0] == 0
+                || (o[0] == 100 && (o[1] & 0xc0) == 64)
+                || o[0] >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80)
+        }
+    }
+}
+
+/// Where a destination is: the operator's pin, the literal address, or
+/// the resolver's public answers.
+async fn resolve(sec: &EgressSection, host: &str, port: u16) -> Result<Vec<SocketAddr>, Refusal> {
+    if let Some(ip) = sec.resolve.get(host) {
+        return Ok(vec![SocketAddr::new(*ip, port)]);
+    }
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        // The profile names this address (`matches` compared it whole).
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let found = tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::lookup_host((host, port)))
+        .await
+        .map_err(|_| {
+            refusal(
+                Code::EgressUpstreamFailed,
+                format!("resolving {host} timed out"),
+            )
+        })?
+        .map_err(|e| {
+            refusal(
+                Code::EgressUpstreamFailed,
+                format!("cannot resolve {host}: {e}"),
+            )
+        })?
+        .collect::<Vec<_>>();
+    let ok: Vec<_> = found.iter().copied().filter(|a| public(a.ip())).collect();
+    if ok.is_empty() && !found.is_empty() {
+        return Err(refusal(
+            Code::EgressDestinationDenied,
+            format!(
+                "{host} resolves only to private or local addresses (name it in [egress.resolve] to allow one)"
+            ),
+        ));
+    }
+    if ok.is_empty() {
+        return Err(refusal(
+            Code::EgressUpstreamFailed,
+            format!("{host} has no address"),
+        ));
+    }
+    Ok(ok)
+}
+
+async fn connect(addrs: &[SocketAddr]) -> Result<TcpStream, Refusal> {
+    let mut last = String::from("no address");
+    for a in addrs {
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = "timed out".into(),
+        }
+    }
+    Err(refusal(
+        Code::EgressUpstreamFailed,
+        format!("cannot connect: {last}"),
+    ))
+}
+
+/// The header a credential sets, with its secret read now.
+fn credential_header(c: &Credential) -> Result<(HeaderName, HeaderValue), Refusal> {
+    let unavailable = || {
+        refusal(
+            Code::EgressCredentialUnavailable,
+            "the destination's credential cannot be read on the appliance; the request was not sent",
+        )
+    };
+    let raw = std::fs::read_to_string(&c.secret_file).map_err(|e| {
+        tracing::warn!(file = %c.secret_file.display(), error = %e, "an egress credential's secret file cannot be read");
+        unavailable()
+    })?;
+    let secret = raw.strip_suffix('\n').unwrap_or(&raw);
+    let secret = secret.strip_suffix('\r').unwrap_or(secret);
+    let (name, value) = match &c.basic_user {
+        Some(user) => {
+            use base64::Engine;
+            let b64 = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{secret}"));
+            (header::AUTHORIZATION, format!("Basic {b64}"))
+        }
+        None => (
+            HeaderName::from_bytes(c.header.as_bytes()).map_err(|_| unavailable())?,
+            format!("{}{secret}", c.prefix),
+        ),
+    };
+    let mut v = HeaderValue::from_str(&value).map_err(|_| unavailable())?;
+    v.set_sensitive(true);
+    Ok((name, v))
+}
+
+/// Headers that end at the proxy (RFC 9110 §7.6.1) and the proxy's own.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        h.remove(n);
+    }
+    for n in [
+        "connection",
+        "proxy-connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ] {
+        h.remove(n);
+    }
+}
+
+/// What one request of a sandbox is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `CONNECT HOST:PORT`.
+    Connect,
+    /// An absolute-form `http://` request.
+    Plain,
+}
+
+/// One sandbox connection: its lease.
+#[derive(Clone)]
+struct Conn {
+    b: Broker,
+    lease_ref: String,
+}
+
+impl Broker {
+    pub fn egress(&self) -> &Egress {
+        &self.inner.egress
+    }
+
+    /// Serve one connection a lease's sandbox made to the proxy.
+    pub async fn egress_serve(&self, lease_ref: String, stream: TcpStream) {
+        let _ = stream.set_nodelay(true);
+        let conn = Conn {
+            b: self.clone(),
+            lease_ref,
+        };
+        let svc = hyper::service::service_fn(move |req| {
+            let conn = conn.clone();
+            async move { Ok::<_, Infallible>(conn.handle(req).await) }
+        });
+        let served = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEAD_TIMEOUT)
+            .serve_connection(TokioIo::new(stream), svc)
+            .with_upgrades()
+            .await;
+        if let Err(e) = served {
+            tracing::debug!(error = %e, "an egress connection ended with an error");
+        }
+    }
+
+    /// The audit event of a lease's sandbox's own request.
+    fn egress_event(&self, l: &Lease, method: &Method) -> Event {
+        let j = &self.inner.journal;
+        let mut ev = j.event(Action::EgressRequest);
+        ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
+        ev.runtime = Some(l.runtime.clone());
+        ev.profile = Some(l.profile.clone());
+        ev.backend = Some(l.backend.clone());
+        ev.lease_ref = Some(l.lease_ref.clone());
+        ev.sandbox_ref = Some(l.sandbox_ref.clone());
+        ev.session_digest = Some(l.session_hash.clone());
+        ev.method = Some(method.as_str().chars().take(16).collect());
+        ev
+    }
+
+    /// Attach to the taps of live leases with egress on this process's
+    /// embedded backends, until `stop`: new leases, and those of sandboxes
+    /// that outlived a restart.
+    pub fn spawn_egress_watch(&self, stop: tokio_util::sync::CancellationToken) {
+        let b = self.clone();
+        tokio::spawn(async move {
+            loop {
+                b.egress_watch_pass();
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(WATCH_EVERY) => {}
+                }
+            }
+            let taps = std::mem::take(
+                &mut *b
+                    .inner
+                    .egress
+                    .taps
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+            for (_, t) in taps {
+                t.abort();
+            }
+        });
+    }
+
+    pub(crate) fn egress_watch_pass(&self) {
+        let leases = match self.inner.store.read_now(crate::store::leases::all) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::debug!(error = %e, "egress watch: leases unreadable");
+                return;
+            }
+        };
+        let cfg = self.config();
+        let live: HashMap<String, Lease> = leases
+            .into_iter()
+            .filter(|l| matches!(l.state, LeaseState::Running | LeaseState::Paused))
+            .filter(|l| {
+                cfg.profiles
+                    .get(&l.profile)
+                    .is_some_and(|p| p.egress.is_some())
+            })
+            .map(|l| (l.lease_ref.clone(), l))
+            .collect();
+        {
+            let mut t = self
+                .inner
+                .egress
+                .traffic
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            t.retain(|r, _| live.contains_key(r));
+        }
+        let mut taps = self
+            .inner
+            .egress
+            .taps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        taps.retain(|r, h| {
+            let keep = live.contains_key(r) && !h.is_finished();
+            if !keep {
+                h.abort();
+            }
+            keep
+        });
+        for (r, l) in live {
+            if taps.contains_key(&r) {
+                continue;
+            }
+            let Some(path) = self.egress_socket(&l) else {
+                continue;
+            };
+            if !path.exists() {
+                continue;
+            }
+            let b = self.clone();
+            let h = tokio::spawn(async move {
+                let mut rx = match crate::embedded::egress_tap::attach(&path).await {
+                    Ok(rx) => rx,
+                    Err(e) => {
+                        tracing::debug!(lease = %r, error = %e, "cannot attach to a sandbox's egress tap");
+                        return;
+                    }
+                };
+                while let Some(stream) = rx.recv().await {
+                    let b2 = b.clone();
+                    let r2 = r.clone();
+                    b.inner
+                        .tracker
+                        .spawn(async move { b2.egress_serve(r2, stream).await });
+                }
+            });
+            taps.insert(l.lease_ref.clone(), h.abort_handle());
+        }
+    }
+
+    /// A live lease's egress destinations (`only` none): the profile's,
+    /// less those an operator narrowed away. With `only`, narrow them to
+    /// those entries first (each one the lease has now, as the profile
+    /// writes it; none: no egress at all), recorded as `egress_narrow` in
+    /// the same transaction. Requests already past their check (an open
+    /// tunnel) run to their end.
+    pub async fn egress_destinations(
+        &self,
+        lease_ref: &str,
+        only: Option<Vec<String>>,
+    ) -> Result<Vec<String>, Error> {
+        let missing = || Error::new(Code::LeaseNotFound, format!("no live lease {lease_ref}"));
+        let l = self
+            .get_lease(lease_ref)
+            .await?
+            .filter(|l| matches!(l.state, LeaseState::Running | LeaseState::Paused))
+            .ok_or_else(missing)?;
+        let cfg = self.config();
+        let Some(eg) = cfg.profiles.get(&l.profile).and_then(|p| p.egress.clone()) else {
+            return Err(Error::new(
+                Code::InvalidRequest,
+                format!("lease {lease_ref}: its profile {} has no egress", l.profile),
+            ));
+        };
+        let now: Vec<String> = eg
+            .destinations
+            .iter()
+            .filter(|d| l.egress_only.as_ref().is_none_or(|o| o.contains(d)))
+            .cloned()
+            .collect();
+        let Some(only) = only else {
+            return Ok(now);
+        };
+        if let Some(d) = only.iter().find(|d| !now.contains(d)) {
+            return Err(Error::new(
+                Code::InvalidRequest,
+                format!(
+                    "{d:?} is not one of the lease's destinations (it has: {}); a lease's destinations can only be narrowed",
+                    if now.is_empty() {
+                        "none".to_string()
+                    } else {
+                        now.join(", ")
+                    }
+                ),
+            ));
+        }
+        let kept: Vec<String> = now.iter().filter(|d| only.contains(d)).cloned().collect();
+        let j = &self.inner.journal;
+        let mut ev = j.event(Action::EgressNarrow);
+        ev.phase = crate::audit::event::Phase::Event;
+        ev.outcome = Outcome::Ok;
+        ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
+        ev.profile = Some(l.profile.clone());
+        ev.backend = Some(l.backend.clone());
+        ev.lease_ref = Some(l.lease_ref.clone());
+        ev.sandbox_ref = Some(l.sandbox_ref.clone());
+        ev.parameters_digest = Some(j.digest("egress_destinations", kept.join("\n").as_bytes()));
+        // The entries left, as the profile writes them (the operator's
+        // names; a list too long for a field is kept as its digest).
+        ev.destination = Some(kept.join(" "));
+        let r = lease_ref.to_string();
+        let k2 = kept.clone();
+        j.check()?;
+        self.inner
+            .store
+            .write(move |txn, chain| {
+                let Some(mut l) = crate::store::leases::get(txn, &r)? else {
+                    return Ok(());
+                };
+                // A narrowing that committed meanwhile stays narrowed.
+                let k2 = match &l.egress_only {
+                    Some(o) => k2.into_iter().filter(|d| o.contains(d)).collect(),
+                    None => k2,
+                };
+                l.egress_only = Some(k2);
+                crate::store::leases::put(txn, &l)?;
+                chain.append(txn, ev)?;
+                Ok(())
+            })
+            .await?;
+        Ok(kept)
+    }
+
+    /// The egress socket of a lease's sandbox, on an embedded backend of
+    /// this process.
+    fn egress_socket(&self, l: &Lease) -> Option<PathBuf> {
+        let be = self.inner.backends.get(&l.backend)?;
+        let dir = be.embedded_state_dir()?;
+        Some(crate::embedded::egress_tap::egress_socket(
+            dir,
+            &l.sandbox_id,
+        ))
+    }
+}
+
+impl Conn {
+    async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        match self.route(req).await {
+            Ok(r) => r,
+            Err(r) => answer(r),
+        }
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Result<Response<ProxyBody>, Refusal> {
+        let b = &self.b;
+        let gone = || refusal(Code::EgressDestinationDenied, "the lease is gone");
+        let l = b
+            .get_lease(&self.lease_ref)
+            .await?
+            .filter(|l| matches!(l.state, LeaseState::Running | LeaseState::Paused))
+            .ok_or_else(gone)?;
+        let cfg = b.config();
+        let Some(eg) = cfg.profiles.get(&l.profile).and_then(|p| p.egress.clone()) else {
+            return Err(refusal(
+                Code::EgressDestinationDenied,
+                "the lease's profile has no egress",
+            ));
+        };
+        let kind = if req.method() == Method::CONNECT {
+            Kind::Connect
+        } else {
+            Kind::Plain
+        };
+        let (host, port) = target(&req, kind)?;
+        let traffic = b.inner.egress.traffic(&l.lease_ref);
+        let metrics = &b.inner.egress.metrics;
+        if !traffic.admit(eg.requests_per_second) {
+            metrics
+                .requests
+                .inc([&l.profile, Code::EgressRateLimited.as_str()]);
+            return Err(refusal(
+                Code::EgressRateLimited,
+                format!(
+                    "more than {} requests a second through the egress proxy",
+                    eg.requests_per_second
+                ),
+            ));
+        }
+        let mut ev = b.egress_event(&l, req.method());
+        let dest = format!("{host}:{port}");
+        let Some(entry) = allowed(&eg, l.egress_only.as_deref(), &host, port) else {
+            ev.destination_digest = Some(b.inner.journal.digest("destination", dest.as_bytes()));
+            return Err(self
+                .reject(
+                    &l,
+                    ev,
+                    refusal(
+                        Code::EgressDestinationDenied,
+                        format!("{dest} is not a destination this lease may reach"),
+                    ),
+                )
+                .await);
+        };
+        ev.destination = Some(dest.clone());
+        if traffic.spent(eg.max_bytes) {
+            return Err(self
+                .reject(
+                    &l,
+                    ev,
+                    refusal(
+                        Code::EgressBudgetExceeded,
+                        format!(
+                            "the lease moved its {} bytes through the egress proxy",
+                            eg.max_bytes
+                        ),
+                    ),
+                )
+                .await);
+        }
+        let addrs = match resolve(&cfg.egress, &host, port).await {
+            Ok(a) => a,
+            Err(r) => return Err(self.reject(&l, ev, r).await),
+        };
+        let cred = eg.credentials.get(&entry).cloned();
+        let intent = b.inner.journal.intent(ev).await.map_err(|e| {
+            metrics
+                .requests
+                .inc([&l.profile, Code::AuditUnavailable.as_str()]);
+            Refusal::from(Error::from(e))
+        })?;
+        let job = Job {
+            conn: self.clone(),
+            profile: l.profile.clone(),
+            traffic,
+            max_bytes: eg.max_bytes,
+            intent: Some(intent),
+            moved: Arc::new(AtomicU64::new(0)),
+        };
+        match kind {
+            Kind::Connect => job.tunnel(req, &addrs).await,
+            Kind::Plain => {
+                let header = match cred.as_ref().map(credential_header).transpose() {
+                    Ok(h) => h,
+                    Err(r) => return Err(job.fail(r).await),
+                };
+                job.forward(req, &addrs, &host, port, header).await
+            }
+        }
+    }
+
+    /// Record a refusal (`rejected`) and count it.
+    async fn reject(&self, l: &Lease, mut ev: Event, r: Refusal) -> Refusal {
+        self.b
+            .inner
+            .egress
+            .metrics
+            .requests
+            .inc([&l.profile, r.code.as_str()]);
+        ev.outcome = Outcome::Rejected;
+        ev.error_code = Some(r.code.as_str().to_string());
+        if let Err(e) = self.b.inner.journal.record(ev).await {
+            return Error::from(e).into();
+        }
+        r
+    }
+}
+
+/// The destination of a request: `CONNECT`'s authority, or an
+/// absolute-form `http://` URI's.
+fn target(req: &Request<Incoming>, kind: Kind) -> Result<(String, u16), Refusal> {
+    let bad = |why: &str| refusal(Code::InvalidRequest, why.to_string());
+    let uri = req.uri();
+    let auth = uri.authority().ok_or_else(|| {
+        bad("send requests as to a proxy: CONNECT HOST:PORT, or an absolute http:// URI")
+    })?;
+    let port = match (kind, auth.port_u16()) {
+        (_, Some(p)) => p,
+        (Kind::Connect, None) => return Err(bad("CONNECT needs HOST:PORT")),
+        (Kind::Plain, None) => 80,
+    };
+    if kind == Kind::Plain && uri.scheme_str() != Some("http") {
+        return Err(bad(
+            "only http:// requests are forwarded; use CONNECT for https://",
+        ));
+    }
+    let host = auth.host();
+    if host.starts_with('[') {
+        return Err(refusal(
+            Code::EgressDestinationDenied,
+            "IPv6 destinations are not supported",
+        ));
+    }
+    Ok((normal_host(host), port))
+}
+
+/// The profile's destination entry (as written) that allows `host:port`,
+/// among those the lease was not narrowed away from.
+fn allowed(eg: &ProfileEgress, only: Option<&[String]>, host: &str, port: u16) -> Option<String> {
+    eg.parsed()
+        .into_iter()
+        .filter(|(raw, _)| only.is_none_or(|o| o.contains(raw)))
+        .find(|(_, d)| d.matches(host, port))
+        .map(|(raw, _)| raw)
+}
+
+/// One allowed request under its committed intent.
+struct Job {
+    conn: Conn,
+    profile: String,
+    traffic: Arc<Traffic>,
+    max_bytes: u64,
+    intent: Option<Intent>,
+    /// Bytes of this request, both ways.
+    moved: Arc<AtomicU64>,
+}
+
+impl Job {
+    /// Record the outcome (once).
+    async fn finish(mut self, outcome: Outcome, status: Option<u16>, code: Option<Code>) {
+        let Some(intent) = self.intent.take() else {
+            return;
+        };
+        let moved = self.moved.load(Ordering::Relaxed);
+        let result = code.map_or_else(|| outcome.to_string(), |c| c.as_str().to_string());
+        self.conn
+            .b
+            .inner
+            .egress
+            .metrics
+            .requests
+            .inc([&self.profile, &result]);
+        let r = self
+            .conn
+            .b
+            .inner
+            .journal
+            .outcome(
+                intent,
+                outcome,
+                move |e| {
+                    e.bytes = Some(moved);
+                    e.http_status = status;
+                    e.error_code = code.map(|c| c.as_str().to_string());
+                },
+                |_| Ok(()),
+            )
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "an egress request's outcome could not be recorded");
+        }
+    }
+
+    async fn fail(self, r: Refusal) -> Refusal {
+        let code = r.code;
+        self.finish(code.outcome(), None, Some(code)).await;
+        r
+    }
+
+    /// `CONNECT`: connect, answer 200, then carry bytes both ways.
+    async fn tunnel(
+        self,
+        req: Request<Incoming>,
+        addrs: &[SocketAddr],
+    ) -> Result<Response<ProxyBody>, Refusal> {
+        let upstream = match connect(addrs).await {
+            Ok(s) => s,
+            Err(r) => return Err(self.fail(r).await),
+        };
+        let tracker = self.conn.b.inner.tracker.clone();
+        tracker.spawn(async move {
+            let client = match hyper::upgrade::on(req).await {
+                Ok(u) => TokioIo::new(u),
+                Err(_) => {
+                    self.finish(Outcome::Error, Some(200), Some(Code::EgressUpstreamFailed))
+                        .await;
+                    return;
+                }
+            };
+            let over = self.pump(client, upstream).await;
+            let code = over.then_some(Code::EgressBudgetExceeded);
+            let outcome = if over { Outcome::Rejected } else { Outcome::Ok };
+            self.finish(outcome, Some(200), code).await;
+        });
+        Ok(Response::new(full(Bytes::new())))
+    }
+
+    /// Carry bytes both ways until both ends are done or the lease's
+    /// budget is spent (true then).
+    async fn pump<A, B>(&self, a: A, b: B) -> bool
+    where
+        A: AsyncRead + AsyncWrite + Unpin,
+        B: AsyncRead + AsyncWrite + Unpin,
+    {
+        let (mut ar, mut aw) = tokio::io::split(a);
+        let (mut br, mut bw) = tokio::io::split(b);
+        let out = self.copy(&mut ar, &mut bw, "out");
+        let inn = self.copy(&mut br, &mut aw, "in");
+        let (o, i) = tokio::join!(out, inn);
+        o || i
+    }
+
+    /// Copy one way; true if stopped by the budget.
+    async fn copy<R, W>(&self, r: &mut R, w: &mut W, direction: &str) -> bool
+    where
+        R: AsyncRead + Unpin,
+        W: AsyncWrite + Unpin,
+    {
+        let mut buf = vec![0u8; 16 * 1024];
+        let over = loop {
+            let n = match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break false,
+                Ok(n) => n,
+            };
+            let n64 = n as u64;
+            self.moved.fetch_add(n64, Ordering::Relaxed);
+            self.conn
+                .b
+                .inner
+                .egress
+                .metrics
+                .bytes
+                .add([&self.profile, direction], n64);
+            if !self.traffic.take(n64, self.max_bytes) {
+                break true;
+            }
+            if w.write_all(buf.get(..n).unwrap_or_default()).await.is_err() {
+                break false;
+            }
+        };
+        let _ = w.shutdown().await;
+        over
+    }
+
+    /// A plain request: forward it with the credential's header, stream
+    /// the answer back; the outcome is recorded when the answer's body
+    /// ends.
+    async fn forward(
+        self,
+        req: Request<Incoming>,
+        addrs: &[SocketAddr],
+        host: &str,
+        port: u16,
+        credential: Option<(HeaderName, HeaderValue)>,
+    ) -> Result<Response<ProxyBody>, Refusal> {
+        let upstream = match connect(addrs).await {
+            Ok(s) => s,
+            Err(r) => return Err(self.fail(r).await),
+        };
+        let (mut sender, driver) =
+            match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
+                Ok(x) => x,
+                Err(e) => {
+                    return Err(self
+                        .fail(refusal(Code::EgressUpstreamFailed, e.to_string()))
+                        .await);
+                }
+            };
+        tokio::spawn(async move {
+            let _ = driver.await;
+        });
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let authority = if port == 80 {
+            host.to_string()
+        } else {
+            format!("{host}:{port}")
+        };
+        if let Ok(v) = HeaderValue::from_str(&authority) {
+            parts.headers.insert(header::HOST, v);
+        }
+        if let Some((n, v)) = credential {
+            parts.headers.insert(n, v);
+        }
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_string();
+        parts.uri = match path.parse() {
+            Ok(u) => u,
+            Err(_) => {
+                return Err(self
+                    .fail(refusal(
+                        Code::InvalidRequest,
+                        "the request's path is not valid",
+                    ))
+                    .await);
+            }
+        };
+        parts.version = http::Version::HTTP_11;
+        let counted = Counted::new(body, &self, "out", None);
+        let resp = match sender
+            .send_request(Request::from_parts(parts, counted.boxed()))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                let code = if self.traffic.spent(self.max_bytes) {
+                    Code::EgressBudgetExceeded
+                } else {
+                    Code::EgressUpstreamFailed
+                };
+                return Err(self.fail(refusal(code, e.to_string())).await);
+            }
+        };
+        let status = resp.status().as_u16();
+        let (mut parts, body) = resp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        let traffic = self.traffic.clone();
+        let moved = self.moved.clone();
+        let profile = self.profile.clone();
+        let max = self.max_bytes;
+        let b = self.conn.b.clone();
+        let counted = Counted {
+            inner: body.map_err(|e| Box::new(e) as BoxError).boxed(),
+            traffic,
+            moved,
+            max,
+            b,
+            profile,
+            direction: "in",
+            end: Some((self, status)),
+        };
+        Ok(Response::from_parts(parts, counted.boxed()))
+    }
+}
+
+/// A body whose bytes count toward the lease's budget, and, for an
+/// answer, records its request's outcome when it ends (or is dropped).
+struct Counted {
+    inner: ProxyBody,
+    traffic: Arc<Traffic>,
+    moved: Arc<AtomicU64>,
+    max: u64,
+    b: Broker,
+    profile: String,
+    direction: &'static str,
+    end: Option<(Job, u16)>,
+}
+
+impl Counted {
+    fn new<B>(body: B, job: &Job, direction: &'static str, end: Option<(Job, u16)>) -> Self
+    where
+        B: Body<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        Self {
+            inner: body.map_err(Into::into).boxed(),
+            traffic: job.traffic.clone(),
+            moved: job.moved.clone(),
+            max: job.max_bytes,
+            b: job.conn.b.clone(),
+            profile: job.profile.clone(),
+            direction,
+            end,
+        }
+    }
+
+    fn settle(&mut self, outcome: Outcome, code: Option<Code>) {
+        if let Some((job, status)) = self.end.take() {
+            let tracker = self.b.inner.tracker.clone();
+            tracker.spawn(job.finish(outcome, Some(status), code));
+        }
+    }
+}
+
+impl Body for Counted {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(d) = frame.data_ref() {
+                    let n = d.len() as u64;
+                    this.moved.fetch_add(n, Ordering::Relaxed);
+                    this.b
+                        .inner
+                        .egress
+                        .metrics
+                        .bytes
+                        .add([&this.profile, this.direction], n);
+                    if !this.traffic.take(n, this.max) {
+                        this.settle(Outcome::Rejected, Some(Code::EgressBudgetExceeded));
+                        return Poll::Ready(Some(Err("the lease's egress budget is spent".into())));
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.settle(Outcome::Error, Some(Code::EgressUpstreamFailed));
+                Poll::Ready(Some(Err(e)))
+            }
+            Poll::Ready(None) => {
+                this.settle(Outcome::Ok, None);
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        // A body with nothing to read is whole; any other one dropped here
+        // was cut short (the sandbox went away): what was carried counts.
+        if self.inner.is_end_stream() {
+            self.settle(Outcome::Ok, None);
+        } else {
+            self.settle(Outcome::Error, Some(Code::EgressUpstreamFailed));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_public_addresses_come_from_a_resolver() {
+        for ip in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:10.0.0.1",
+        ] {
+            assert!(!public(ip.parse().unwrap()), "{ip} taken for public");
+        }
+        for ip in ["1.1.1.1", "93.184.216.34", "2606:4700::1111"] {
+            assert!(public(ip.parse().unwrap()), "{ip} taken for private");
+        }
+    }
+
+    #[test]
+    fn a_bucket_admits_its_rate_and_a_budget_stops() {
+        let t = Traffic::new();
+        let admitted = (0..10).filter(|_| t.admit(3)).count();
+        assert_eq!(admitted, 3);
+        assert!(t.take(10, 15));
+        assert!(!t.take(10, 15));
+        assert!(t.spent(15));
+    }
+
+    #[test]
+    fn narrowing_leaves_only_the_named_entries() {
+        let eg: ProfileEgress =
+            toml::from_str(r#"destinations = ["a.test.invalid", "*.b.test.invalid:8080"]"#)
+                .unwrap();
+        assert_eq!(
+            allowed(&eg, None, "x.b.test.invalid", 8080).as_deref(),
+            Some("*.b.test.invalid:8080")
+        );
+        assert_eq!(allowed(&eg, None, "a.test.invalid", 8080), None);
+        let only = vec!["a.test.invalid".to_string()];
+        assert_eq!(allowed(&eg, Some(&only), "x.b.test.invalid", 8080), None);
+        assert!(allowed(&eg, Some(&only), "a.test.invalid", 80).is_some());
+    }
+}

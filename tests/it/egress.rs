@@ -1,0 +1,273 @@
+//! Brokered egress (issue #39): a sandbox reaches the destinations its
+//! profile names through the appliance's egress proxy (inside its own
+//! network, `127.0.0.1:3128`), by name, with the credential added on the
+//! way; the secret is nowhere in the sandbox; other names are refused, and
+//! a direct connection has no way out. The destinations are servers of a
+//! network namespace the test makes (`kit::world`): nothing leaves the host.
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::kit::Server;
+use crate::kit::world::World;
+use cube_adapter::config::{Profile, ProfileEgress};
+
+const ECHO: u16 = 8080;
+
+/// Python for the sandbox: fetch each URL through the proxy, print
+/// `STATUS BODY` or `STATUS CODE` for a refusal.
+const FETCH: &str = r#"
+import sys, urllib.request, urllib.error
+o = urllib.request.build_opener(urllib.request.ProxyHandler({"http": "http://127.0.0.1:3128"}))
+for u in sys.argv[1:]:
+    req = urllib.request.Request(u, headers={"Authorization": "Bearer placeholder"})
+    try:
+        r = o.open(req, timeout=15)
+        print(r.status, r.read().decode().replace("\r\n", "|"))
+    except urllib.error.HTTPError as e:
+        print(e.code, e.headers.get("x-cube-egress-error"))
+"#;
+
+async fn exec(s: &Server, lease: &str, command: &str) -> String {
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": command, "timeout_ms": 60000}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    format!(
+        "{}{}",
+        v["stdout"].as_str().unwrap_or(""),
+        v["stderr"].as_str().unwrap_or("")
+    )
+}
+
+fn fetch(urls: &[&str]) -> String {
+    format!("python3 -c '{FETCH}' {}", urls.join(" "))
+}
+
+/// Where in the sandbox a value is found: every file outside the
+/// read-only image of programs (`/usr`, the host's), and every process's
+/// environment and command line. `pattern` is an extended regular
+/// expression that matches the value without containing it, so the
+/// search's own command line does not match.
+fn search(pattern: &str) -> String {
+    format!(
+        "grep -rlaE '{pattern}' / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev --exclude-dir=usr 2>/dev/null; \
+         for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -qaE '{pattern}' $f 2>/dev/null && echo $f; done; \
+         env | grep -E '{pattern}' | sed 's/^/env: /'; echo searched"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_reaches_an_allowed_name_with_the_credential_it_never_holds() {
+    let echo_at = Ipv4Addr::new(10, 79, 1, 2);
+    let mut world = World::new(&[echo_at], &[], None, &[]);
+    world.serve_http_echo(SocketAddr::from((echo_at, ECHO)));
+
+    let secrets = tempfile::tempdir().unwrap();
+    let secret = format!("sk-brokered-{}", std::process::id());
+    let key = secrets.path().join("api-token");
+    std::fs::write(&key, format!("{secret}\n")).unwrap();
+    let egress: ProfileEgress = toml::from_str(&format!(
+        r#"
+destinations = ["api.test.invalid:{ECHO}", "*.mirror.test.invalid:{ECHO}"]
+[credentials."api.test.invalid:{ECHO}"]
+secret_file = "{}"
+"#,
+        key.display()
+    ))
+    .unwrap();
+    let mut tight = egress.clone();
+    tight.credentials.clear();
+    tight.requests_per_second = 1;
+    let s = Server::start_with(move |c| {
+        for name in [
+            "api.test.invalid",
+            "pkgs.mirror.test.invalid",
+            "other.test.invalid",
+        ] {
+            c.egress.resolve.insert(name.into(), echo_at.into());
+        }
+        c.profiles.insert(
+            "brokered".into(),
+            Profile {
+                egress: Some(egress),
+                ..Profile::default()
+            },
+        );
+        c.profiles.insert(
+            "tight".into(),
+            Profile {
+                egress: Some(tight),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    let lease = s.acquire_in("brokered", "egress").await;
+
+    // Through the proxy: the allowed name gets the credential (in place of
+    // the sandbox's placeholder), a wildcard name none, another name is
+    // refused.
+    let api = format!("http://api.test.invalid:{ECHO}/v1/models?x=1");
+    let mirror = format!("http://pkgs.mirror.test.invalid:{ECHO}/simple/");
+    let other = format!("http://other.test.invalid:{ECHO}/");
+    let out = exec(&s, &lease, &fetch(&[&api, &mirror, &other])).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[0].starts_with("200 GET /v1/models?x=1 HTTP/1.1|"),
+        "{out}"
+    );
+    assert!(
+        lines[0].contains(&format!("|authorization: Bearer {secret}|")),
+        "{out}"
+    );
+    assert!(!lines[0].contains("placeholder"), "{out}");
+    assert!(!lines[0].to_ascii_lowercase().contains("proxy-"), "{out}");
+    assert!(lines[1].starts_with("200 GET /simple/ HTTP/1.1|"), "{out}");
+    assert!(
+        lines[1].contains("|authorization: Bearer placeholder|"),
+        "{out}"
+    );
+    assert_eq!(lines[2], "403 egress_destination_denied", "{out}");
+
+    // A direct connection has no way out of the sandbox.
+    let direct = exec(
+        &s,
+        &lease,
+        &format!(
+            "python3 -c 'import socket; socket.create_connection((\"{echo_at}\", {ECHO}), timeout=5)' 2>&1 | tail -n1"
+        ),
+    )
+    .await;
+    assert!(
+        direct.contains("Network is unreachable") || direct.contains("refused"),
+        "{direct}"
+    );
+
+    // The secret is nowhere in the sandbox. The search finds what is
+    // there: a value put in a file and in a process's environment.
+    let (head, tail) = secret.split_at(4);
+    let pattern = format!("{head}[{}]{}", &tail[..1], &tail[1..]);
+    let canary = format!("canary-{}", std::process::id());
+    let (ch, ct) = canary.split_at(3);
+    let canary_pattern = format!("{ch}[{}]{}", &ct[..1], &ct[1..]);
+    let found = exec(
+        &s,
+        &lease,
+        &format!(
+            "echo {canary} > /workspace/canary; CANARY={canary} sleep 30 & sleep 0.2; {}",
+            search(&canary_pattern)
+        ),
+    )
+    .await;
+    assert!(found.contains("/workspace/canary\n"), "{found}");
+    assert!(found.contains("/environ\n"), "{found}");
+    let found = exec(&s, &lease, &search(&pattern)).await;
+    assert_eq!(found, "searched\n", "the secret is in the sandbox: {found}");
+
+    // The journal: an intent and an outcome per allowed request (the
+    // destination in clear, the status, the bytes), a refusal with a
+    // digest only; never the secret.
+    let journal = s.journal();
+    assert!(!journal.contains(&secret), "the secret is in the journal");
+    let events: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "egress_request")
+        .collect();
+    let ok: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["phase"] == "outcome" && e["outcome"] == "ok")
+        .collect();
+    assert_eq!(ok.len(), 2, "{events:#?}");
+    let api_ok = ok
+        .iter()
+        .find(|e| e["destination"] == format!("api.test.invalid:{ECHO}"))
+        .expect("the api request's outcome");
+    assert_eq!(api_ok["method"], "GET");
+    assert_eq!(api_ok["http_status"], 200);
+    assert!(api_ok["bytes"].as_u64().unwrap_or(0) > 100, "{api_ok}");
+    assert_eq!(api_ok["lease_ref"], lease.as_str());
+    assert!(
+        events
+            .iter()
+            .any(|e| e["phase"] == "intent"
+                && e["destination"] == format!("api.test.invalid:{ECHO}"))
+    );
+    let refused: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["outcome"] == "rejected")
+        .collect();
+    assert_eq!(refused.len(), 1, "{events:#?}");
+    assert_eq!(refused[0]["error_code"], "egress_destination_denied");
+    assert!(refused[0]["destination"].is_null());
+    assert!(refused[0]["destination_digest"].is_string());
+    assert!(!journal.contains("other.test.invalid"));
+
+    // /metrics counts them (open /metrics names no profile).
+    let m = s
+        .http
+        .get(format!("{}/metrics", s.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("cube_adapter_egress_requests_total{result=\"ok\"} 2"),
+        "{m}"
+    );
+    assert!(
+        m.contains("cube_adapter_egress_requests_total{result=\"egress_destination_denied\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("cube_adapter_egress_bytes_total{direction=\"in\"}"));
+
+    // An operator narrows the live lease: the credentialled name goes,
+    // the wildcard stays; it cannot be widened again.
+    let out = s.cli(&["lease", "egress", &lease]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("api.test.invalid:{ECHO}\n*.mirror.test.invalid:{ECHO}\n")
+    );
+    let keep = format!("*.mirror.test.invalid:{ECHO}");
+    let out = s.cli(&["lease", "egress", &lease, "--only", &keep]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("{keep}\n"));
+    let out = exec(&s, &lease, &fetch(&[&api, &mirror])).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "403 egress_destination_denied", "{out}");
+    assert!(lines[1].starts_with("200 GET /simple/ "), "{out}");
+    let wide = format!("api.test.invalid:{ECHO}");
+    let out = s.cli(&["lease", "egress", &lease, "--only", &keep, "--only", &wide]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("can only be narrowed"),
+        "{out:?}"
+    );
+    let narrowed: Vec<Value> = s
+        .journal()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "egress_narrow")
+        .collect();
+    assert_eq!(narrowed.len(), 1, "{narrowed:#?}");
+    assert_eq!(narrowed[0]["destination"], keep.as_str());
+    assert_eq!(narrowed[0]["lease_ref"], lease.as_str());
+
+    // A lease over its rate is refused with 429 (and not journaled).
+    let tight = s.acquire_in("tight", "egress-tight").await;
+    let many: Vec<&str> = std::iter::repeat_n(mirror.as_str(), 6).collect();
+    let out = exec(&s, &tight, &fetch(&many)).await;
+    assert!(out.lines().any(|l| l == "429 egress_rate_limited"), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("200 ")), "{out}");
+}
