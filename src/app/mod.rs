@@ -199,6 +199,14 @@ async fn broker(
         signer,
         cfg.clock.clone(),
     );
+    // The egress CA: made at the first start, so that a template or
+    // preset can trust STATE/egress/ca.pem before a profile intercepts.
+    let egress_ca = crate::tls::LocalCa::load_or_create_clocked(
+        &o.state.join(crate::tls::EGRESS_CA_DIR),
+        Some(o.store.sealer.clone()),
+        cfg.clock.clone(),
+    )?;
+    broker.egress().set_ca(egress_ca);
     if cfg.audit.on_crash == crate::config::OnCrash::Resolve
         && !crate::audit::pending(&o.store)?.is_empty()
     {

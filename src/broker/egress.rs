@@ -68,14 +68,34 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the taps of live leases are checked (a restart, a new lease).
 const WATCH_EVERY: Duration = Duration::from_secs(2);
 
-/// The proxy's state in the broker: each lease's rate and bytes, and the
-/// taps this process holds.
-#[derive(Debug, Default)]
+/// The proxy's state in the broker: each lease's rate and bytes, the
+/// taps this process holds, and the TLS of intercepted destinations.
+#[derive(Default)]
 pub struct Egress {
     traffic: Mutex<HashMap<String, Arc<Traffic>>>,
     taps: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     pub metrics: crate::metrics::Egress,
+    /// The egress CA (`STATE/egress`), set once at start.
+    ca: std::sync::OnceLock<crate::tls::LocalCa>,
+    /// A server configuration per intercepted name, its certificate from
+    /// the egress CA (issued on first use, kept while this process runs).
+    leaves: Mutex<HashMap<String, Arc<rustls::ServerConfig>>>,
+    /// The client configuration for intercepted destinations: the public
+    /// roots and `[egress] upstream_ca_file`'s, for that file.
+    upstream: Mutex<Option<(Option<PathBuf>, Arc<rustls::ClientConfig>)>>,
 }
+
+impl std::fmt::Debug for Egress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Egress")
+            .field("metrics", &self.metrics)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most intercepted names whose certificates are kept (past it, they
+/// are issued again as needed).
+const LEAF_CACHE_MAX: usize = 4096;
 
 /// One lease's use of the proxy.
 #[derive(Debug)]
@@ -125,6 +145,78 @@ impl Egress {
         m.entry(lease_ref.to_string())
             .or_insert_with(|| Arc::new(Traffic::new()))
             .clone()
+    }
+
+    /// Give the proxy its CA (once, at start).
+    pub fn set_ca(&self, ca: crate::tls::LocalCa) {
+        let _ = self.ca.set(ca);
+    }
+
+    /// The egress CA's certificate (PEM), if set.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.ca.get().map(|c| c.cert_pem.as_str())
+    }
+
+    /// The TLS server configuration the proxy presents for `host`.
+    fn leaf(&self, host: &str) -> Result<Arc<rustls::ServerConfig>, Refusal> {
+        let failed = |why: String| {
+            tracing::error!(host, error = %why, "the egress CA cannot issue a certificate");
+            refusal(
+                Code::EgressUpstreamFailed,
+                "the appliance cannot make a certificate for this destination",
+            )
+        };
+        let mut m = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = m.get(host) {
+            return Ok(c.clone());
+        }
+        let ca = self.ca.get().ok_or_else(|| failed("no egress CA".into()))?;
+        let (cert, key) = ca
+            .issue_server(&[host.to_string()])
+            .map_err(|e| failed(e.to_string()))?;
+        let cfg = crate::tls::server_config(cert.as_bytes(), key.as_bytes(), None)
+            .map_err(|e| failed(e.to_string()))?;
+        let cfg = Arc::new(cfg);
+        if m.len() >= LEAF_CACHE_MAX {
+            m.clear();
+        }
+        m.insert(host.to_string(), cfg.clone());
+        Ok(cfg)
+    }
+
+    /// The TLS client configuration for intercepted destinations.
+    fn upstream_tls(&self, sec: &EgressSection) -> Result<Arc<rustls::ClientConfig>, Refusal> {
+        let mut u = self.upstream.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((path, c)) = &*u
+            && *path == sec.upstream_ca_file
+        {
+            return Ok(c.clone());
+        }
+        let mut roots = rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        };
+        if let Some(f) = &sec.upstream_ca_file {
+            let bad = |why: String| {
+                tracing::error!(file = %f.display(), error = %why, "[egress] upstream_ca_file cannot be used");
+                refusal(
+                    Code::EgressUpstreamFailed,
+                    "the appliance's trust for this destination is not usable ([egress] upstream_ca_file)",
+                )
+            };
+            let pem = std::fs::read(f).map_err(|e| bad(e.to_string()))?;
+            for c in crate::tls::parse_certs(&pem).map_err(|e| bad(e.to_string()))? {
+                roots.add(c).map_err(|e| bad(e.to_string()))?;
+            }
+        }
+        let mut cfg = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| refusal(Code::EgressUpstreamFailed, e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let cfg = Arc::new(cfg);
+        *u = Some((sec.upstream_ca_file.clone(), cfg.clone()));
+        Ok(cfg)
     }
 
     /// The bytes a lease moved through the proxy (this process's count).
@@ -337,12 +429,18 @@ enum Kind {
     Plain,
 }
 
-/// One sandbox connection: its lease.
+/// One sandbox connection: its lease, and for one inside an intercepted
+/// `CONNECT`, the destination it named.
 #[derive(Clone)]
 struct Conn {
     b: Broker,
     lease_ref: String,
+    inner: Option<(String, u16)>,
 }
+
+/// What a connection to a destination is, plain or TLS.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
 impl Broker {
     pub fn egress(&self) -> &Egress {
@@ -355,20 +453,9 @@ impl Broker {
         let conn = Conn {
             b: self.clone(),
             lease_ref,
+            inner: None,
         };
-        let svc = hyper::service::service_fn(move |req| {
-            let conn = conn.clone();
-            async move { Ok::<_, Infallible>(conn.handle(req).await) }
-        });
-        let served = hyper::server::conn::http1::Builder::new()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(HEAD_TIMEOUT)
-            .serve_connection(TokioIo::new(stream), svc)
-            .with_upgrades()
-            .await;
-        if let Err(e) = served {
-            tracing::debug!(error = %e, "an egress connection ended with an error");
-        }
+        conn.serve(stream).await;
     }
 
     /// The audit event of a lease's sandbox's own request.
@@ -581,6 +668,57 @@ impl Broker {
 }
 
 impl Conn {
+    /// Serve a connection's requests (with upgrades: `CONNECT`).
+    async fn serve<I: Io + 'static>(self, io: I) {
+        let conn = self;
+        let svc = hyper::service::service_fn(move |req| {
+            let conn = conn.clone();
+            async move { Ok::<_, Infallible>(conn.handle(req).await) }
+        });
+        let served = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(HEAD_TIMEOUT)
+            .serve_connection(TokioIo::new(io), svc)
+            .with_upgrades()
+            .await;
+        if let Err(e) = served {
+            tracing::debug!(error = %e, "an egress connection ended with an error");
+        }
+    }
+
+    /// An intercepted `CONNECT`: answer 200, end the sandbox's TLS with a
+    /// certificate of the egress CA for `host`, and serve the requests
+    /// inside, each checked, recorded and forwarded like a plain one. No
+    /// connection is made for the `CONNECT` itself.
+    fn intercept(
+        &self,
+        req: Request<Incoming>,
+        host: String,
+        port: u16,
+    ) -> Result<Response<ProxyBody>, Refusal> {
+        let tls = self.b.inner.egress.leaf(&host)?;
+        let inner = Conn {
+            b: self.b.clone(),
+            lease_ref: self.lease_ref.clone(),
+            inner: Some((host, port)),
+        };
+        self.b.inner.tracker.spawn(async move {
+            let Ok(up) = hyper::upgrade::on(req).await else {
+                return;
+            };
+            match tokio_rustls::TlsAcceptor::from(tls)
+                .accept(TokioIo::new(up))
+                .await
+            {
+                Ok(s) => inner.serve(s).await,
+                Err(e) => {
+                    tracing::debug!(error = %e, "a sandbox's TLS to the egress proxy failed (does it trust the egress CA?)");
+                }
+            }
+        });
+        Ok(Response::new(full(Bytes::new())))
+    }
+
     async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         match self.route(req).await {
             Ok(r) => r,
@@ -608,7 +746,16 @@ impl Conn {
         } else {
             Kind::Plain
         };
-        let (host, port) = target(&req, kind)?;
+        let (host, port) = match &self.inner {
+            Some((h, p)) if kind == Kind::Plain => (h.clone(), *p),
+            Some(_) => {
+                return Err(refusal(
+                    Code::InvalidRequest,
+                    "CONNECT inside an intercepted connection",
+                ));
+            }
+            None => target(&req, kind)?,
+        };
         let traffic = b.inner.egress.traffic(&l.lease_ref);
         let metrics = &b.inner.egress.metrics;
         if !traffic.admit(eg.requests_per_second) {
@@ -654,11 +801,18 @@ impl Conn {
                 )
                 .await);
         }
+        let cred = eg.credentials.get(&entry).cloned();
+        if kind == Kind::Connect && cred.as_ref().is_some_and(|c| c.intercept) {
+            return self.intercept(req, host, port);
+        }
+        let upstream_tls = match self.inner {
+            Some(_) => Some(b.inner.egress.upstream_tls(&cfg.egress)?),
+            None => None,
+        };
         let addrs = match resolve(&cfg.egress, &host, port).await {
             Ok(a) => a,
             Err(r) => return Err(self.reject(&l, ev, r).await),
         };
-        let cred = eg.credentials.get(&entry).cloned();
         let intent = b.inner.journal.intent(ev).await.map_err(|e| {
             metrics
                 .requests
@@ -680,7 +834,8 @@ impl Conn {
                     Ok(h) => h,
                     Err(r) => return Err(job.fail(r).await),
                 };
-                job.forward(req, &addrs, &host, port, header).await
+                job.forward(req, &addrs, &host, port, header, upstream_tls)
+                    .await
             }
         }
     }
@@ -878,10 +1033,38 @@ impl Job {
         host: &str,
         port: u16,
         credential: Option<(HeaderName, HeaderValue)>,
+        tls: Option<Arc<rustls::ClientConfig>>,
     ) -> Result<Response<ProxyBody>, Refusal> {
-        let upstream = match connect(addrs).await {
+        let tcp = match connect(addrs).await {
             Ok(s) => s,
             Err(r) => return Err(self.fail(r).await),
+        };
+        let upstream: Box<dyn Io> = match &tls {
+            None => Box::new(tcp),
+            Some(cfg) => {
+                let name = match rustls_pki_types::ServerName::try_from(host.to_string()) {
+                    Ok(n) => n,
+                    Err(_) => {
+                        return Err(self
+                            .fail(refusal(Code::EgressUpstreamFailed, "not a TLS server name"))
+                            .await);
+                    }
+                };
+                match tokio_rustls::TlsConnector::from(cfg.clone())
+                    .connect(name, tcp)
+                    .await
+                {
+                    Ok(s) => Box::new(s),
+                    Err(e) => {
+                        return Err(self
+                            .fail(refusal(
+                                Code::EgressUpstreamFailed,
+                                format!("TLS with the destination failed: {e}"),
+                            ))
+                            .await);
+                    }
+                }
+            }
         };
         let (mut sender, driver) =
             match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
@@ -897,7 +1080,8 @@ impl Job {
         });
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
-        let authority = if port == 80 {
+        let default_port = if tls.is_some() { 443 } else { 80 };
+        let authority = if port == default_port {
             host.to_string()
         } else {
             format!("{host}:{port}")

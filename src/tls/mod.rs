@@ -395,6 +395,12 @@ pub fn certified_key(
 /// embedded backend accepts: an identity's certificate never reaches it.
 pub const IDENTITY_CA_DIR: &str = "tls/identities";
 
+/// Under the state directory: the CA whose certificates the egress proxy
+/// presents to sandboxes for the HTTPS destinations it intercepts
+/// (`ca.pem` is what a template or preset installs in the sandbox). A CA of
+/// its own: a sandbox that trusts it trusts nothing else of the appliance.
+pub const EGRESS_CA_DIR: &str = "egress";
+
 /// Which CA vouches for a client certificate (`ClientTrust::classify`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {

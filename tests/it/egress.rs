@@ -271,3 +271,201 @@ secret_file = "{}"
     assert!(out.lines().any(|l| l == "429 egress_rate_limited"), "{out}");
     assert!(out.lines().any(|l| l.starts_with("200 ")), "{out}");
 }
+
+/// The origin (`tests/egress/origin.py`) in the world's namespace, serving
+/// `root` over HTTPS with `cert`; killed when dropped.
+struct Origin(std::process::Child);
+
+impl Origin {
+    fn start(
+        world: &World,
+        at: Ipv4Addr,
+        root: &std::path::Path,
+        tls: &std::path::Path,
+        auth: &str,
+    ) -> Self {
+        use std::io::BufRead;
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/egress/origin.py");
+        let mut child = std::process::Command::new("ip")
+            .args(["netns", "exec", world.netns(), "python3", script])
+            .arg(at.to_string())
+            .arg("443")
+            .arg(root)
+            .arg(tls.join("origin.pem"))
+            .arg(tls.join("origin.key"))
+            .env("ORIGIN_AUTH", auth)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the origin");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line, "ready\n", "the origin did not start");
+        // Its request lines: kept for a failure's message.
+        let log = tls.join("origin.log");
+        std::thread::spawn(move || {
+            for l in out.lines().map_while(Result::ok) {
+                let _ = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .and_then(|mut f| {
+                        std::io::Write::write_all(&mut f, format!("{l}\n").as_bytes())
+                    });
+            }
+        });
+        Self(child)
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// git over HTTPS, pip and npm in a sandbox, through the proxy to an origin
+/// that wants basic authentication: the proxy ends the sandbox's TLS with
+/// the egress CA (which the sandbox trusts), adds the credential and speaks
+/// TLS to the origin (which the appliance trusts through `[egress]
+/// upstream_ca_file`). Each request the tools make is in the journal; the
+/// secret is not, nor in the sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn git_pip_and_npm_work_through_the_proxy_with_an_intercepted_credential() {
+    let origin_at = Ipv4Addr::new(10, 79, 2, 2);
+    let world = World::new(&[origin_at], &[], None, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let out = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/egress/fixtures.py"
+        ))
+        .arg(&root)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // The origin's certificate, from a CA of the test's own.
+    let tls = dir.path().join("tls");
+    let ca = cube_adapter::tls::LocalCa::load_or_create(&tls).unwrap();
+    let names: Vec<String> = ["git", "pypi", "npm"]
+        .iter()
+        .map(|n| format!("{n}.test.invalid"))
+        .collect();
+    let (cert, key) = ca.issue_server(&names).unwrap();
+    std::fs::write(tls.join("origin.pem"), cert).unwrap();
+    std::fs::write(tls.join("origin.key"), key).unwrap();
+    let secret = format!("pw-intercepted-{}", std::process::id());
+    let secret_file = dir.path().join("ci-password");
+    std::fs::write(&secret_file, &secret).unwrap();
+    use base64::Engine;
+    let auth = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("ci:{secret}"))
+    );
+    let _origin = Origin::start(&world, origin_at, &root, &tls, &auth);
+
+    let mut egress: ProfileEgress = toml::from_str(
+        r#"destinations = ["git.test.invalid:443", "pypi.test.invalid:443", "npm.test.invalid:443"]"#,
+    )
+    .unwrap();
+    for d in egress.destinations.clone() {
+        egress.credentials.insert(
+            d,
+            toml::from_str(&format!(
+                "secret_file = \"{}\"\nbasic_user = \"ci\"\nintercept = true",
+                secret_file.display()
+            ))
+            .unwrap(),
+        );
+    }
+    let (names2, ca_file) = (names.clone(), tls.join("ca.pem"));
+    let s = Server::start_with(move |c| {
+        for n in &names2 {
+            c.egress.resolve.insert(n.clone(), origin_at.into());
+        }
+        c.egress.upstream_ca_file = Some(ca_file);
+        c.profiles.insert(
+            "builds".into(),
+            Profile {
+                egress: Some(egress),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    let lease = s.acquire_in("builds", "tools").await;
+    // The sandbox trusts the egress CA (a template or preset would install
+    // it; here the test writes it).
+    let egress_ca = std::fs::read_to_string(s.state.join("egress/ca.pem")).unwrap();
+    assert!(!egress_ca.contains("PRIVATE"));
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/write"),
+            json!({"path": "/workspace/egress-ca.pem", "content": egress_ca}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
+    let script = "set -e; P=http://127.0.0.1:3128; CA=/workspace/egress-ca.pem; cd /workspace; \
+        git -c http.proxy=$P -c http.sslCAInfo=$CA clone -q https://git.test.invalid/repo.git repo; \
+        echo git: $(cat repo/README); \
+        python3 -m pip download -q --no-deps --disable-pip-version-check --no-cache-dir \
+          --index-url https://pypi.test.invalid/simple/ --proxy $P --cert $CA -d pip cubetestpkg; \
+        echo pip: $(ls pip); \
+        mkdir npmproj; cd npmproj; \
+        npm install -q --no-audit --no-fund --no-update-notifier --registry https://npm.test.invalid/ \
+          --proxy $P --https-proxy $P --cafile $CA cubetestpkg >/dev/null 2>&1 || { cat /root/.npm/_logs/*.log | tail -n 30; exit 1; }; \
+        echo npm: $(cat node_modules/cubetestpkg/package.json)";
+    let out = exec(&s, &lease, script).await;
+    let log = std::fs::read_to_string(tls.join("origin.log")).unwrap_or_default();
+    assert!(
+        out.contains("git: cloned through the egress proxy\n"),
+        "{out}\norigin:\n{log}"
+    );
+    assert!(
+        out.contains("pip: cubetestpkg-1.0-py3-none-any.whl\n"),
+        "{out}\norigin:\n{log}"
+    );
+    assert!(
+        out.contains("npm: {\"name\": \"cubetestpkg\""),
+        "{out}\norigin:\n{log}"
+    );
+    // Every request reached the origin with the credential.
+    assert!(!log.contains("auth=no"), "{log}");
+    assert!(log.contains("GET /repo.git/info/refs auth=ok"), "{log}");
+    assert!(
+        log.contains("GET /files/cubetestpkg-1.0-py3-none-any.whl auth=ok"),
+        "{log}"
+    );
+    assert!(
+        log.contains("GET /tarballs/cubetestpkg-1.0.0.tgz auth=ok"),
+        "{log}"
+    );
+
+    // In the journal, each request the tools made, by name; never the
+    // secret. In the sandbox, no secret.
+    let journal = s.journal();
+    assert!(!journal.contains(&secret));
+    assert!(!journal.contains(auth.trim_start_matches("Basic ")));
+    let outcomes: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| e["action"] == "egress_request" && e["phase"] == "outcome")
+        .collect();
+    for n in &names {
+        let d = format!("{n}:443");
+        assert!(
+            outcomes.iter().any(|e| e["destination"] == d.as_str()
+                && e["http_status"] == 200
+                && e["method"] == "GET"),
+            "no GET to {d} in {outcomes:#?}"
+        );
+    }
+    let (head, tail) = secret.split_at(3);
+    let pattern = format!("{head}[{}]{}", &tail[..1], &tail[1..]);
+    let found = exec(&s, &lease, &search(&pattern)).await;
+    assert_eq!(found, "searched\n", "the secret is in the sandbox: {found}");
+}

@@ -127,6 +127,11 @@ impl World {
 }
 
 impl World {
+    /// The network namespace's name (for `ip netns exec`).
+    pub fn netns(&self) -> &str {
+        &self.name
+    }
+
     /// An HTTP/1.1 server at `a` (one of the world's addresses) that answers
     /// every request with 200 and, as its body, the request's head as it
     /// arrived (request line and headers).
