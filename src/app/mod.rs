@@ -143,6 +143,13 @@ pub async fn start(
     let upkeep = CancellationToken::new();
     broker.spawn_upkeep(upkeep.clone());
     broker.spawn_egress_watch(upkeep.clone());
+    if let Some(at) = cfg.egress.listen {
+        let l = tokio::net::TcpListener::bind(at)
+            .await
+            .map_err(|e| anyhow::anyhow!("[egress] listen {at}: {e}"))?;
+        tracing::info!(addr = %at, "the egress proxy listens for sandboxes on the network");
+        broker.spawn_egress_listener(l, upkeep.clone());
+    }
     let accept = CancellationToken::new();
     let limits = crate::server::Limits::from_config(&cfg.connections);
     let server = tokio::spawn(crate::server::serve_with_limits(

@@ -132,6 +132,11 @@ codes! {
     TaskNotFound = "task_not_found", NOT_FOUND, Rejected, None;
     PathNotFound = "path_not_found", NOT_FOUND, Rejected, None;
 
+    // 407
+    /// The egress proxy's network listener got a request without its
+    /// lease's proxy token (`Proxy-Authorization: Basic LEASE:TOKEN`).
+    EgressProxyAuthRequired = "egress_proxy_auth_required", PROXY_AUTHENTICATION_REQUIRED, Rejected, None;
+
     // 409
     ProfileConflict = "profile_conflict", CONFLICT, Rejected, None;
     KeepaliveExhausted = "keepalive_exhausted", CONFLICT, Rejected, None;

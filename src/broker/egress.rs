@@ -65,6 +65,10 @@ type ProxyBody = BoxBody<Bytes, BoxError>;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a sandbox may take to send a request's head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// Where a sandbox finds the proxy's network listener, with its lease's
+/// token (`[egress] listen`): `http_proxy=…` lines, for `set -a; .
+/// FILE` or a tool's own setting.
+pub const ENV_FILE: &str = "/etc/cube-adapter/egress.env";
 /// How often the taps of live leases are checked (a restart, a new lease).
 const WATCH_EVERY: Duration = Duration::from_secs(2);
 
@@ -268,6 +272,12 @@ fn answer(r: Refusal) -> Response<ProxyBody> {
     if let Some(s) = r.code.retry_after() {
         h.insert(header::RETRY_AFTER, HeaderValue::from(s));
     }
+    if r.code == Code::EgressProxyAuthRequired {
+        h.insert(
+            header::PROXY_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"cube-adapter egress\""),
+        );
+    }
     resp
 }
 
@@ -434,7 +444,8 @@ enum Kind {
 #[derive(Clone)]
 struct Conn {
     b: Broker,
-    lease_ref: String,
+    /// None: the network listener's, each request naming its lease.
+    lease_ref: Option<String>,
     inner: Option<(String, u16)>,
 }
 
@@ -452,10 +463,67 @@ impl Broker {
         let _ = stream.set_nodelay(true);
         let conn = Conn {
             b: self.clone(),
-            lease_ref,
+            lease_ref: Some(lease_ref),
             inner: None,
         };
         conn.serve(stream).await;
+    }
+
+    /// Serve the proxy's network listener (`[egress] listen`) until `stop`.
+    pub fn spawn_egress_listener(
+        &self,
+        listener: tokio::net::TcpListener,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        let b = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    r = listener.accept() => match r {
+                        Ok(x) => x,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the egress listener could not accept");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    },
+                };
+                let _ = stream.set_nodelay(true);
+                let conn = Conn {
+                    b: b.clone(),
+                    lease_ref: None,
+                    inner: None,
+                };
+                b.inner.tracker.spawn(conn.serve(stream));
+            }
+        });
+    }
+
+    /// The lease a network listener's request names with its token.
+    fn egress_lease_by_token(&self, headers: &HeaderMap) -> Option<String> {
+        use base64::Engine;
+        let v = headers.get(header::PROXY_AUTHORIZATION)?.to_str().ok()?;
+        let b64 = v
+            .strip_prefix("Basic ")
+            .or_else(|| v.strip_prefix("basic "))?;
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .ok()?;
+        let text = String::from_utf8(raw).ok()?;
+        let (lease_ref, token) = text.split_once(':')?;
+        if !super::leases::valid_ref(lease_ref, "lease") {
+            return None;
+        }
+        let l = self
+            .inner
+            .store
+            .read_now(|txn| crate::store::leases::get(txn, lease_ref))
+            .ok()??;
+        let sealed = l.egress_token.as_ref()?;
+        let want = self.inner.store.sealer.open(sealed).ok()?;
+        use subtle::ConstantTimeEq;
+        bool::from(want.ct_eq(token.as_bytes())).then(|| l.lease_ref.clone())
     }
 
     /// The audit event of a lease's sandbox's own request.
@@ -570,6 +638,40 @@ impl Broker {
             });
             taps.insert(l.lease_ref.clone(), h.abort_handle());
         }
+    }
+
+    /// For the proxy's network listener: a new lease's token, sealed, and
+    /// the sandbox's `ENV_FILE` naming the proxy with it
+    /// (`http://LEASE:TOKEN@HOST:PORT`). The caller kills the sandbox on an
+    /// error.
+    pub(crate) async fn write_egress_env(
+        &self,
+        cube: &crate::cube::CubeClient,
+        sb: &crate::cube::SandboxAddr,
+        lease_ref: &str,
+        at: &str,
+    ) -> Result<String, Error> {
+        let token = crate::ids::random_hex(32);
+        let sealed = self
+            .inner
+            .store
+            .sealer
+            .seal(token.as_bytes())
+            .map_err(|_| Error::new(Code::ExecutionFailed, "the sandbox could not be recorded"))?;
+        let url = format!("http://{lease_ref}:{token}@{at}");
+        let text = format!(
+            "# cube-adapter: the egress proxy of lease {lease_ref}\nhttp_proxy={url}\nhttps_proxy={url}\nHTTP_PROXY={url}\nHTTPS_PROXY={url}\n"
+        );
+        cube.upload(sb, ENV_FILE, text.into_bytes())
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "the egress proxy's address could not be written in a new sandbox");
+                Error::new(
+                    Code::ExecutionFailed,
+                    "the sandbox's egress proxy settings could not be written",
+                )
+            })?;
+        Ok(sealed)
     }
 
     /// A live lease's egress destinations (`only` none): the profile's,
@@ -693,13 +795,14 @@ impl Conn {
     fn intercept(
         &self,
         req: Request<Incoming>,
+        lease_ref: &str,
         host: String,
         port: u16,
     ) -> Result<Response<ProxyBody>, Refusal> {
         let tls = self.b.inner.egress.leaf(&host)?;
         let inner = Conn {
             b: self.b.clone(),
-            lease_ref: self.lease_ref.clone(),
+            lease_ref: Some(lease_ref.to_string()),
             inner: Some((host, port)),
         };
         self.b.inner.tracker.spawn(async move {
@@ -729,8 +832,22 @@ impl Conn {
     async fn route(&self, req: Request<Incoming>) -> Result<Response<ProxyBody>, Refusal> {
         let b = &self.b;
         let gone = || refusal(Code::EgressDestinationDenied, "the lease is gone");
+        let lease_ref = match &self.lease_ref {
+            Some(r) => r.clone(),
+            None => b.egress_lease_by_token(req.headers()).ok_or_else(|| {
+                b.inner
+                    .egress
+                    .metrics
+                    .requests
+                    .inc(["", Code::EgressProxyAuthRequired.as_str()]);
+                refusal(
+                    Code::EgressProxyAuthRequired,
+                    "name the lease and its proxy token: http://LEASE:TOKEN@HOST:PORT (the sandbox's /etc/cube-adapter/egress.env)",
+                )
+            })?,
+        };
         let l = b
-            .get_lease(&self.lease_ref)
+            .get_lease(&lease_ref)
             .await?
             .filter(|l| matches!(l.state, LeaseState::Running | LeaseState::Paused))
             .ok_or_else(gone)?;
@@ -803,7 +920,7 @@ impl Conn {
         }
         let cred = eg.credentials.get(&entry).cloned();
         if kind == Kind::Connect && cred.as_ref().is_some_and(|c| c.intercept) {
-            return self.intercept(req, host, port);
+            return self.intercept(req, &l.lease_ref, host, port);
         }
         let upstream_tls = match self.inner {
             Some(_) => Some(b.inner.egress.upstream_tls(&cfg.egress)?),

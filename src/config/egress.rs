@@ -45,6 +45,17 @@ pub struct EgressSection {
     /// the public roots the appliance ships (`webpki-roots`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream_ca_file: Option<PathBuf>,
+    /// Where the proxy also listens for sandboxes that reach the appliance
+    /// over the network (a CubeSandbox deployment's MicroVMs): plain HTTP,
+    /// each request naming its lease and that lease's proxy token in
+    /// `Proxy-Authorization`. None: only the embedded backend's sandboxes,
+    /// from inside their own network. A change needs a restart.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// `HOST:PORT` sandboxes reach `listen` at, when it differs (a NAT, a
+    /// name); default: `listen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
 }
 
 /// `[profiles.NAME.egress]`.
@@ -282,6 +293,14 @@ impl ProfileEgress {
 }
 
 impl EgressSection {
+    /// The proxy's address as sandboxes that reach it over the network
+    /// name it.
+    pub fn advertised(&self) -> Option<String> {
+        self.advertise
+            .clone()
+            .or_else(|| self.listen.map(|a| a.to_string()))
+    }
+
     pub(super) fn validate(&self) -> Result<(), super::ConfigError> {
         for name in self.resolve.keys() {
             let n = normal_host(name);
@@ -289,6 +308,20 @@ impl EgressSection {
                 return Err(super::ConfigError::Invalid {
                     at: "[egress]".into(),
                     why: format!("resolve: {name:?} is not a host name in lower case"),
+                });
+            }
+        }
+        if let Some(a) = &self.advertise {
+            let ok = self.listen.is_some()
+                && a.rsplit_once(':').is_some_and(|(h, p)| {
+                    !h.is_empty()
+                        && !h.chars().any(|c| c.is_whitespace() || c == '/' || c == '@')
+                        && p.parse::<u16>().is_ok_and(|p| p > 0)
+                });
+            if !ok {
+                return Err(super::ConfigError::Invalid {
+                    at: "[egress]".into(),
+                    why: format!("advertise {a:?} must be HOST:PORT, with listen set"),
                 });
             }
         }

@@ -1598,13 +1598,13 @@ impl Config {
                 .profile_backend(p)
                 .and_then(|b| self.backend_defs().remove(b))
                 .is_some_and(|d| d.is_embedded());
-            if !embedded {
+            if !embedded && self.egress.listen.is_none() {
                 return Err(ConfigError::Conflict {
                     at: format!("profile {name}"),
-                    why: "egress is served on the embedded backend only, for now (the sandbox reaches the proxy inside its own network)".into(),
+                    why: "egress on a CubeSandbox backend needs [egress] listen (an address its sandboxes reach the appliance at)".into(),
                 });
             }
-            if self.embedded.isolation != Isolation::Namespaces {
+            if embedded && self.embedded.isolation != Isolation::Namespaces {
                 return Err(ConfigError::Conflict {
                     at: format!("profile {name}"),
                     why: "egress needs [embedded] isolation = \"namespaces\" (the proxy is reached inside the sandbox's own network)".into(),

@@ -286,6 +286,14 @@ impl Reloader {
         applied_cfg.mcp_policies = new.mcp_policies.clone();
         applied_cfg.presets = new.presets.clone();
         applied_cfg.egress = new.egress.clone();
+        // Its listener is bound at start.
+        if new.egress.listen != running.egress.listen
+            || new.egress.advertise != running.egress.advertise
+        {
+            applied_cfg.egress.listen = running.egress.listen;
+            applied_cfg.egress.advertise = running.egress.advertise.clone();
+            restart_required.push("egress.listen".into());
+        }
         applied_cfg.plan_retention_seconds = new.plan_retention_seconds;
         applied_cfg.audit.sinks = new.audit.sinks.clone();
         if let Err(e) = applied_cfg.validate() {

@@ -132,6 +132,10 @@ pub struct Lease {
     /// one of its profile's, as written there); none: all of the profile's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_only: Option<Vec<String>>,
+    /// The token its sandbox names in `Proxy-Authorization` to the egress
+    /// proxy's network listener (`[egress] listen`), sealed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_token: Option<String>,
 }
 
 /// A lease's workspace volume.

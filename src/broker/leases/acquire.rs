@@ -404,6 +404,19 @@ impl Broker {
                     }
                 }
             };
+            // With the proxy's network listener, the sandbox's way to it.
+            let lease_ref = new_ref("lease");
+            let egress_token = match (&prof.egress, this.config().egress.advertised()) {
+                (Some(_), Some(at)) => match this.write_egress_env(&cube, &addr, &lease_ref, &at).await {
+                    Ok(sealed) => Some(sealed),
+                    Err(err) => {
+                        let _ = cube.kill(&created.sandbox_id).await;
+                        this.fail(intent, &err).await?;
+                        return Err(err);
+                    }
+                },
+                _ => None,
+            };
             // The profile's template preset, before anyone gets the lease.
             let preset = match &prof.template_preset {
                 None => None,
@@ -433,7 +446,7 @@ impl Broker {
                 None => None,
             };
             let lease = Lease {
-                lease_ref: new_ref("lease"),
+                lease_ref,
                 tenant: p_tenant.clone(),
                 runtime: runtime.to_string(),
                 session_hash: hash,
@@ -458,6 +471,7 @@ impl Broker {
                 held_by: None,
                 preset_digest: preset.as_ref().map(|(_, d)| d.clone()),
                 egress_only: None,
+                egress_token,
                 preset: preset.map(|(n, _)| n),
             };
             let l2 = lease.clone();
