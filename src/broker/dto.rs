@@ -108,6 +108,9 @@ pub struct LeaseStatus {
     pub checkpoint_list: Vec<CheckpointSummary>,
     pub checkpoints: usize,
     pub created_at: String,
+    /// Only when the lease's profile has brokered egress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<LeaseEgress>,
     pub executor: Executor,
     pub expires_in_seconds: i64,
     /// The lease's jobs (`jobs` is their count, as in the reference).
@@ -115,6 +118,13 @@ pub struct LeaseStatus {
     pub jobs: usize,
     pub last_used_at: String,
     pub lease_ref: String,
+    /// The template preset applied to its sandbox, `NAME@VERSION` (only
+    /// when one was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<String>,
+    /// SHA-256 (hex) of that preset as it was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset_digest: Option<String>,
     pub profile: String,
     /// Always true.
     pub recoverable: bool,
@@ -124,6 +134,19 @@ pub struct LeaseStatus {
     pub state: LeaseState,
     /// Always false.
     pub volume_attached: bool,
+}
+
+/// A lease's brokered egress, as its status says it: where its sandbox
+/// may reach through the proxy, never a credential or where one is kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseEgress {
+    /// The profile's destinations, as it writes them, less those an
+    /// operator narrowed away.
+    pub destinations: Vec<String>,
+    /// An operator narrowed the lease (`lease egress --only|--none`).
+    pub narrowed: bool,
+    /// The proxy's address inside the sandbox.
+    pub proxy: String,
 }
 
 /// `GET /v1/leases/{ref}/recover`.

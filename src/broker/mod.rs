@@ -155,6 +155,11 @@ pub struct LiveLease {
     pub last_used_unix: i64,
     /// A trusted task's lease (it releases with its task).
     pub task_ref: Option<String>,
+    /// The template preset applied to its sandbox: `NAME@VERSION` and the
+    /// preset's SHA-256 (hex).
+    pub preset: Option<(String, String)>,
+    /// Its brokered egress, when its profile has some.
+    pub egress: Option<dto::LeaseEgress>,
     /// Its newest jobs (stored states), at most `LIVE_PROCS`.
     pub jobs: Vec<jobs::Job>,
     /// How many jobs it has in all.

@@ -2023,6 +2023,92 @@ mod tests {
         assert!(e.contains("made for template 'openclaw'"), "{e}");
     }
 
+    /// `[profiles.NAME.egress]` at load: served on the embedded backend
+    /// only, with namespaces, never with a governed MCP server; a
+    /// credential names one of the destinations; its secret file missing
+    /// is a warning (requests to it fail), not a refusal.
+    #[test]
+    fn egress_is_checked_at_load_and_a_missing_secret_only_warns() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("api-token");
+        std::fs::write(&token, "sk-test\n").unwrap();
+        let f = dir.path().join("c.toml");
+        let load = |text: &str| {
+            std::fs::write(&f, text).unwrap();
+            Config::load(Some(&f), &[], &Flags::default())
+        };
+        let good = format!(
+            "[profiles.build]\n\n\
+             [profiles.build.egress]\n\
+             destinations = [\"api.test.invalid\", \"*.mirror.test.invalid:8080\"]\n\
+             [profiles.build.egress.credentials.\"api.test.invalid\"]\n\
+             secret_file = \"{}\"\n",
+            token.display()
+        );
+        let (c, w) = load(&good).unwrap();
+        assert!(w.is_empty(), "{w:?}");
+        let eg = c.profiles["build"].egress.as_ref().unwrap();
+        assert_eq!(
+            eg.destinations,
+            ["api.test.invalid", "*.mirror.test.invalid:8080"]
+        );
+        assert!(eg.credentials.contains_key("api.test.invalid"));
+
+        // The secret file missing: loaded, with a warning naming it.
+        std::fs::remove_file(&token).unwrap();
+        let (_, w) = load(&good).unwrap();
+        assert!(
+            w.iter().any(|w| w.contains("profile build")
+                && w.contains(&token.display().to_string())
+                && w.contains("requests to it will fail")),
+            "{w:?}"
+        );
+
+        let cube = "[backends.cube]\nkind = \"cubesandbox\"\n\
+                    api_url = \"https://cube.example:3000\"\n\
+                    proxy_url = \"https://cube.app.example\"\ntemplate = \"tpl-cube\"\n\n";
+        let policy = "[mcp_policies.echo]\ncommand = \"echo-mcp --stdio\"\n\
+                      [mcp_policies.echo.tools.echo]\n\
+                      input_schema = { type = \"object\", additionalProperties = false }\n\n";
+        for (bad, want) in [
+            (
+                format!(
+                    "{cube}{}",
+                    good.replace(
+                        "[profiles.build]\n",
+                        "[profiles.build]\nbackend = \"cube\"\n"
+                    )
+                ),
+                "egress is served on the embedded backend only",
+            ),
+            (
+                format!("[embedded]\nisolation = \"none\"\n\n{good}"),
+                "egress needs [embedded] isolation = \"namespaces\"",
+            ),
+            (
+                format!(
+                    "{policy}{}",
+                    good.replace(
+                        "[profiles.build]\n",
+                        "[profiles.build]\nmcp_policy = \"echo\"\n"
+                    )
+                ),
+                "mcp_policy needs public traffic off",
+            ),
+            (
+                good.replace(
+                    "credentials.\"api.test.invalid\"",
+                    "credentials.\"other.test.invalid\"",
+                ),
+                "not one of destinations",
+            ),
+        ] {
+            let e = load(&bad).unwrap_err().to_string();
+            assert!(e.contains(want), "{e:?} lacks {want:?}\n{bad}");
+            assert!(e.contains("profile build"), "{e}");
+        }
+    }
+
     #[test]
     fn oidc_issuers_are_checked_and_the_reference_variables_make_one() {
         let dir = tempfile::tempdir().unwrap();

@@ -33,6 +33,8 @@ pub const MAX_LEASES: usize = 200;
 pub const TAIL_BYTES: usize = 16 * 1024;
 /// How often the list reloads itself (seconds; a meta refresh).
 pub const LIST_REFRESH_SECONDS: u32 = 10;
+/// How much of a preset's digest (hex) a lease shows.
+pub const DIGEST_SHOWN: usize = 12;
 
 /// This page's routes, merged into the console's router.
 pub fn routes() -> Router<ConsoleState> {
@@ -64,6 +66,12 @@ pub struct LeaseRow {
     pub age: String,
     pub idle: String,
     pub task_ref: Option<String>,
+    /// The template preset applied: `NAME@VERSION` and the start of its
+    /// digest.
+    pub preset: Option<(String, String)>,
+    /// Its egress destinations (none: its profile has no egress) and
+    /// whether an operator narrowed them.
+    pub egress: Option<(Vec<String>, bool)>,
     /// Admins may release it (not a trusted task's: that ends with its task).
     pub releasable: bool,
     pub jobs: Vec<ProcRow>,
@@ -228,6 +236,10 @@ pub async fn list(
                     )
                 })
                 .collect(),
+            preset: l
+                .preset
+                .map(|(name, digest)| (name, digest.chars().take(DIGEST_SHOWN).collect())),
+            egress: l.egress.map(|e| (e.destinations, e.narrowed)),
             lease_ref: l.lease_ref,
             tenant: l.tenant,
             runtime: l.runtime,

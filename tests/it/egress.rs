@@ -263,6 +263,12 @@ secret_file = "{}"
     assert_eq!(narrowed.len(), 1, "{narrowed:#?}");
     assert_eq!(narrowed[0]["destination"], keep.as_str());
     assert_eq!(narrowed[0]["lease_ref"], lease.as_str());
+    let (st, v) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["egress"]["destinations"], json!([keep]), "{v}");
+    assert_eq!(v["egress"]["narrowed"], true, "{v}");
+    assert_eq!(v["egress"]["proxy"], "http://127.0.0.1:3128", "{v}");
+    assert!(!v.to_string().contains(&*key.to_string_lossy()), "{v}");
 
     // A lease over its rate is refused with 429 (and not journaled).
     let tight = s.acquire_in("tight", "egress-tight").await;

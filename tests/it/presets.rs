@@ -63,6 +63,16 @@ async fn a_preset_writes_its_secrets_0600_and_a_failed_precheck_keeps_no_sandbox
     .await;
 
     let lease = s.acquire_in("claw", "preset").await;
+    // Its status names the preset as applied (and no egress: none here).
+    let (st, v) = s.get(&s.admin, &format!("/v1/leases/{lease}/status")).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["preset"], "claw@2026-12-07", "{v}");
+    let digest = v["preset_digest"].as_str().unwrap_or_default();
+    assert!(
+        digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{v}"
+    );
+    assert!(v.get("egress").is_none(), "{v}");
     let (st, v) = s
         .post(
             &s.admin,

@@ -31,6 +31,28 @@ fn visible_leases(
     Ok(v)
 }
 
+/// A lease's brokered egress as its status and the console show it (none
+/// when its profile has none): the profile's destinations less those an
+/// operator narrowed away, as `Broker::egress_destinations` counts them.
+/// Never a credential, nor where one is kept.
+pub(crate) fn lease_egress(cfg: &crate::config::Config, l: &Lease) -> Option<dto::LeaseEgress> {
+    let eg = cfg.profiles.get(&l.profile)?.egress.as_ref()?;
+    let destinations = eg
+        .destinations
+        .iter()
+        .filter(|d| l.egress_only.as_ref().is_none_or(|o| o.contains(d)))
+        .cloned()
+        .collect();
+    Some(dto::LeaseEgress {
+        destinations,
+        narrowed: l.egress_only.is_some(),
+        proxy: format!(
+            "http://127.0.0.1:{}",
+            crate::embedded::wire::EGRESS_PROXY_PORT
+        ),
+    })
+}
+
 impl Broker {
     /// `GET /v1/leases`.
     pub async fn list_leases(&self, p: &Principal, ctx: &Ctx) -> Result<dto::LeaseList> {
@@ -80,6 +102,7 @@ impl Broker {
         if with_jobs {
             self.refresh_live_jobs(p, limit).await;
         }
+        let cfg = self.config();
         self.inner
             .store
             .read(move |txn| {
@@ -112,6 +135,8 @@ impl Broker {
                     jobs.truncate(crate::broker::LIVE_PROCS);
                     ptys.truncate(crate::broker::LIVE_PROCS);
                     out.push(crate::broker::LiveLease {
+                        egress: lease_egress(&cfg, &l),
+                        preset: l.preset.zip(l.preset_digest),
                         lease_ref: l.lease_ref,
                         tenant: l.tenant,
                         runtime: l.runtime,
@@ -206,16 +231,20 @@ impl Broker {
             .max(0);
         let checkpoint_list = self.checkpoints_summary(&l)?;
         let job_list = self.jobs_summary(&l.lease_ref)?;
+        let egress = lease_egress(&self.config(), &l);
         Ok(dto::LeaseStatus {
             checkpoints: checkpoint_list.len(),
             checkpoint_list,
             created_at: l.created_at,
+            egress,
             executor: self.executor(&l.backend),
             expires_in_seconds: expires,
             jobs: job_list.len(),
             job_list,
             last_used_at: l.last_used_at,
             lease_ref: l.lease_ref,
+            preset: l.preset,
+            preset_digest: l.preset_digest,
             profile: l.profile,
             recoverable: true,
             request_id: ctx.request_id.clone(),

@@ -759,3 +759,87 @@ async fn a_trusted_tasks_lease_is_the_tasks() {
     assert_eq!(st, StatusCode::OK, "{v}");
     s.stop().await;
 }
+
+/// A lease's card shows the preset applied to its sandbox (`NAME@VERSION`
+/// and the start of its digest) and its egress destinations, "narrowed"
+/// once an operator narrowed them; a lease with neither shows neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leases_card_shows_its_preset_and_egress() {
+    use cube_adapter::config::{Preset, Profile, ProfileEgress};
+    let s = Server::start_with(|c| {
+        let preset: Preset =
+            toml::from_str("version = \"2026-12-07\"\nbootstrap = [\"true\"]\n").unwrap();
+        c.presets.insert("claw".into(), preset);
+        c.profiles.insert(
+            "claw".into(),
+            Profile {
+                template_preset: Some("claw".into()),
+                ..Profile::default()
+            },
+        );
+        let egress: ProfileEgress = toml::from_str(
+            "destinations = [\"api.test.invalid:8080\", \"*.mirror.test.invalid:8080\"]\n",
+        )
+        .unwrap();
+        c.profiles.insert(
+            "brokered".into(),
+            Profile {
+                egress: Some(egress),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    people(&s);
+    let claw = s.acquire_in("claw", "card-preset").await;
+    let brokered = s.acquire_in("brokered", "card-egress").await;
+    let (_, status) = s.get(&s.admin, &format!("/v1/leases/{claw}/status")).await;
+    let digest = status["preset_digest"].as_str().unwrap().to_string();
+    let b = Browser::new(&s);
+    let root = b.sign_in("root").await;
+    let card = |html: &str, lease: &str| -> String {
+        let at = html
+            .find(&format!("id=\"h-{lease}\""))
+            .unwrap_or_else(|| panic!("{lease} not listed: {html}"));
+        let rest = &html[at..];
+        rest[..rest.find("</section>").unwrap()].to_string()
+    };
+
+    let (st, html) = b.page("/console/leases", &root).await;
+    assert_eq!(st, StatusCode::OK, "{html}");
+    let c = card(&html, &claw);
+    assert!(
+        c.contains(&format!(
+            "<dd class=\"lease-preset\">claw@2026-12-07 <code title=\"SHA-256 of the preset as applied\">{}…</code></dd>",
+            &digest[..12]
+        )),
+        "{c}"
+    );
+    assert!(!c.contains(&digest), "the whole digest: {c}");
+    assert!(!c.contains("lease-egress"), "{c}");
+    let c = card(&html, &brokered);
+    assert!(
+        c.contains("<dd class=\"lease-egress\"><code>api.test.invalid:8080</code>, <code>*.mirror.test.invalid:8080</code></dd>"),
+        "{c}"
+    );
+    assert!(!c.contains("lease-preset"), "{c}");
+
+    let out = s.cli(&[
+        "lease",
+        "egress",
+        &brokered,
+        "--only",
+        "*.mirror.test.invalid:8080",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let (_, html) = b.page("/console/leases", &root).await;
+    let c = card(&html, &brokered);
+    assert!(
+        c.contains(
+            "<dd class=\"lease-egress\"><code>*.mirror.test.invalid:8080</code> (narrowed)</dd>"
+        ),
+        "{c}"
+    );
+    assert_clean(&html, &s, Some(&root));
+    s.stop().await;
+}
