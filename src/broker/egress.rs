@@ -68,7 +68,7 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// Where a sandbox finds the proxy's network listener, with its lease's
 /// token (`[egress] listen`): `http_proxy=…` lines, for `set -a; .
 /// FILE` or a tool's own setting.
-pub const ENV_FILE: &str = "/etc/cube-adapter/egress.env";
+pub const ENV_FILE: &str = "/run/cube-adapter/egress.env";
 /// How often the taps of live leases are checked (a restart, a new lease).
 const WATCH_EVERY: Duration = Duration::from_secs(2);
 
@@ -842,7 +842,7 @@ impl Conn {
                     .inc(["", Code::EgressProxyAuthRequired.as_str()]);
                 refusal(
                     Code::EgressProxyAuthRequired,
-                    "name the lease and its proxy token: http://LEASE:TOKEN@HOST:PORT (the sandbox's /etc/cube-adapter/egress.env)",
+                    "name the lease and its proxy token: http://LEASE:TOKEN@HOST:PORT (the sandbox's /run/cube-adapter/egress.env)",
                 )
             })?,
         };

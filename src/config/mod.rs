@@ -2079,7 +2079,7 @@ mod tests {
                         "[profiles.build]\nbackend = \"cube\"\n"
                     )
                 ),
-                "egress is served on the embedded backend only",
+                "egress on a CubeSandbox backend needs [egress] listen",
             ),
             (
                 format!("[embedded]\nisolation = \"none\"\n\n{good}"),

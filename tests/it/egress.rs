@@ -475,3 +475,100 @@ async fn git_pip_and_npm_work_through_the_proxy_with_an_intercepted_credential()
     let found = exec(&s, &lease, &search(&pattern)).await;
     assert_eq!(found, "searched\n", "the secret is in the sandbox: {found}");
 }
+
+/// The proxy's network listener (`[egress] listen`), for sandboxes that
+/// reach the appliance over the network (a CubeSandbox deployment's): a
+/// request names its lease and that lease's token, which the appliance
+/// wrote in the sandbox at acquire; without them, or with another lease's
+/// name, 407. The test process stands in for such a sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_network_listener_wants_the_lease_and_its_token() {
+    let echo_at = Ipv4Addr::new(10, 79, 3, 2);
+    let mut world = World::new(&[echo_at], &[], None, &[]);
+    world.serve_http_echo(SocketAddr::from((echo_at, ECHO)));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let secret = format!("sk-network-{}", std::process::id());
+    let key = dir.path().join("token");
+    std::fs::write(&key, &secret).unwrap();
+    let egress: ProfileEgress = toml::from_str(&format!(
+        "destinations = [\"api.test.invalid:{ECHO}\"]\n[credentials.\"api.test.invalid:{ECHO}\"]\nsecret_file = \"{}\"\n",
+        key.display()
+    ))
+    .unwrap();
+    let s = Server::start_with(move |c| {
+        c.egress.listen = Some(SocketAddr::from(([127, 0, 0, 1], port)));
+        c.egress
+            .resolve
+            .insert("api.test.invalid".into(), echo_at.into());
+        c.profiles.insert(
+            "net".into(),
+            Profile {
+                egress: Some(egress),
+                ..Profile::default()
+            },
+        );
+    })
+    .await;
+    let a = s.acquire_in("net", "a").await;
+    let b = s.acquire_in("net", "b").await;
+    let env = exec(&s, &a, "cat /run/cube-adapter/egress.env").await;
+    let url = env
+        .lines()
+        .find_map(|l| l.strip_prefix("http_proxy="))
+        .expect("an http_proxy line")
+        .to_string();
+    let prefix = format!("http://{a}:");
+    assert!(url.starts_with(&prefix), "{url}");
+    assert!(url.ends_with(&format!("@127.0.0.1:{port}")), "{url}");
+    let token = url[prefix.len()..url.len() - format!("@127.0.0.1:{port}").len()].to_string();
+    assert_eq!(token.len(), 64, "{url}");
+
+    let target = format!("http://api.test.invalid:{ECHO}/net");
+    let via = |proxy: &str| {
+        reqwest::Client::builder()
+            .proxy(reqwest::Proxy::http(proxy).unwrap())
+            .build()
+            .unwrap()
+    };
+    let r = via(&url).get(&target).send().await.unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let body = r.text().await.unwrap();
+    assert!(
+        body.contains(&format!("authorization: Bearer {secret}\r\n")),
+        "{body}"
+    );
+    for proxy in [
+        format!("http://127.0.0.1:{port}"),
+        format!("http://{b}:{token}@127.0.0.1:{port}"),
+        format!("http://{a}:{}@127.0.0.1:{port}", "0".repeat(64)),
+    ] {
+        let r = via(&proxy).get(&target).send().await.unwrap();
+        assert_eq!(
+            r.status(),
+            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            "{proxy}"
+        );
+        assert_eq!(
+            r.headers()["x-cube-egress-error"],
+            "egress_proxy_auth_required"
+        );
+        assert!(r.headers().contains_key("proxy-authenticate"));
+    }
+    let journal = s.journal();
+    assert!(!journal.contains(&secret));
+    assert!(!journal.contains(&token));
+    let ok: Vec<Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &Value| {
+            e["action"] == "egress_request" && e["phase"] == "outcome" && e["outcome"] == "ok"
+        })
+        .collect();
+    assert_eq!(ok.len(), 1, "{ok:#?}");
+    assert_eq!(ok[0]["lease_ref"], a.as_str());
+}

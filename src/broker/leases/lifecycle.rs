@@ -46,10 +46,23 @@ pub(crate) fn lease_egress(cfg: &crate::config::Config, l: &Lease) -> Option<dto
     Some(dto::LeaseEgress {
         destinations,
         narrowed: l.egress_only.is_some(),
-        proxy: format!(
-            "http://127.0.0.1:{}",
-            crate::embedded::wire::EGRESS_PROXY_PORT
-        ),
+        // Inside an embedded sandbox's own network; else the network
+        // listener, which wants the lease's token (the sandbox's
+        // `egress::ENV_FILE`; never shown here).
+        proxy: match cfg.egress.advertised() {
+            Some(at)
+                if !cfg
+                    .backend_defs()
+                    .get(&l.backend)
+                    .is_some_and(|d| d.is_embedded()) =>
+            {
+                format!("http://{at}")
+            }
+            _ => format!(
+                "http://127.0.0.1:{}",
+                crate::embedded::wire::EGRESS_PROXY_PORT
+            ),
+        },
     })
 }
 
