@@ -69,14 +69,30 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// token (`[egress] listen`): `http_proxy=…` lines, for `set -a; .
 /// FILE` or a tool's own setting.
 pub const ENV_FILE: &str = "/run/cube-adapter/egress.env";
+/// How long a tunnel may carry nothing either way before it is closed.
+const TUNNEL_IDLE: Duration = Duration::from_secs(300);
+/// How long a destination may take to answer a forwarded request's head.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a sandbox may take to finish its TLS with the proxy.
+const TLS_ACCEPT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Open proxy connections at most, all leases and the network listener
+/// together; and per lease.
+const MAX_CONNS: usize = 1024;
+const MAX_CONNS_PER_LEASE: usize = 64;
+/// The largest request head (and buffer) the proxy reads.
+const MAX_HEAD: usize = 64 * 1024;
 /// How often the taps of live leases are checked (a restart, a new lease).
 const WATCH_EVERY: Duration = Duration::from_secs(2);
 
 /// The proxy's state in the broker: each lease's rate and bytes, the
 /// taps this process holds, and the TLS of intercepted destinations.
-#[derive(Default)]
 pub struct Egress {
     traffic: Mutex<HashMap<String, Arc<Traffic>>>,
+    /// Open connections, all together.
+    conns: Arc<tokio::sync::Semaphore>,
+    /// Cancelled when the appliance stops: open tunnels and connections
+    /// end, each request recording its outcome, before the drain.
+    stop: std::sync::OnceLock<tokio_util::sync::CancellationToken>,
     taps: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     pub metrics: crate::metrics::Egress,
     /// The egress CA (`STATE/egress`), set once at start.
@@ -87,6 +103,21 @@ pub struct Egress {
     /// The client configuration for intercepted destinations: the public
     /// roots and `[egress] upstream_ca_file`'s, for that file.
     upstream: Mutex<Option<(Option<PathBuf>, Arc<rustls::ClientConfig>)>>,
+}
+
+impl Default for Egress {
+    fn default() -> Self {
+        Self {
+            traffic: Mutex::default(),
+            conns: Arc::new(tokio::sync::Semaphore::new(MAX_CONNS)),
+            stop: std::sync::OnceLock::new(),
+            taps: Mutex::default(),
+            metrics: crate::metrics::Egress::default(),
+            ca: std::sync::OnceLock::new(),
+            leaves: Mutex::default(),
+            upstream: Mutex::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Egress {
@@ -107,6 +138,8 @@ struct Traffic {
     /// Tokens left and when they were counted.
     bucket: Mutex<(f64, Instant)>,
     bytes: AtomicU64,
+    /// Its open connections.
+    conns: Arc<tokio::sync::Semaphore>,
 }
 
 impl Traffic {
@@ -114,6 +147,7 @@ impl Traffic {
         Self {
             bucket: Mutex::new((f64::MAX, Instant::now())),
             bytes: AtomicU64::new(0),
+            conns: Arc::new(tokio::sync::Semaphore::new(MAX_CONNS_PER_LEASE)),
         }
     }
 
@@ -151,6 +185,10 @@ impl Egress {
             .clone()
     }
 
+    fn stopping(&self) -> tokio_util::sync::CancellationToken {
+        self.stop.get().cloned().unwrap_or_default()
+    }
+
     /// Give the proxy its CA (once, at start).
     pub fn set_ca(&self, ca: crate::tls::LocalCa) {
         let _ = self.ca.set(ca);
@@ -170,9 +208,11 @@ impl Egress {
                 "the appliance cannot make a certificate for this destination",
             )
         };
-        let mut m = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = m.get(host) {
-            return Ok(c.clone());
+        {
+            let m = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(c) = m.get(host) {
+                return Ok(c.clone());
+            }
         }
         let ca = self.ca.get().ok_or_else(|| failed("no egress CA".into()))?;
         let (cert, key) = ca
@@ -181,6 +221,7 @@ impl Egress {
         let cfg = crate::tls::server_config(cert.as_bytes(), key.as_bytes(), None)
             .map_err(|e| failed(e.to_string()))?;
         let cfg = Arc::new(cfg);
+        let mut m = self.leaves.lock().unwrap_or_else(|p| p.into_inner());
         if m.len() >= LEAF_CACHE_MAX {
             m.clear();
         }
@@ -296,6 +337,8 @@ pub fn public(ip: IpAddr) -> bool {
                 || v4.is_documentation()
                 || o[0] == 0
                 || (o[0] == 100 && (o[1] & 0xc0) == 64)
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
+                || (o[0] == 198 && (o[1] & 0xfe) == 18)
                 || o[0] >= 240)
         }
         IpAddr::V6(v6) => {
@@ -303,6 +346,23 @@ pub fn public(ip: IpAddr) -> bool {
                 return public(IpAddr::V4(v4));
             }
             let s = v6.segments();
+            let o = v6.octets();
+            let embedded = |at: usize| {
+                let b = |k: usize| o.get(at + k).copied().unwrap_or(0);
+                std::net::Ipv4Addr::new(b(0), b(1), b(2), b(3))
+            };
+            // NAT64 (64:ff9b::/96) and 6to4 (2002::/16) carry an IPv4
+            // address: judge that one. The local NAT64 range, and the
+            // deprecated IPv4-compatible form, are never public.
+            if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+                return public(IpAddr::V4(embedded(12)));
+            }
+            if s[0] == 0x2002 {
+                return public(IpAddr::V4(embedded(2)));
+            }
+            if (s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1) || s[..6] == [0; 6] {
+                return false;
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
@@ -357,8 +417,10 @@ async fn resolve(sec: &EgressSection, host: &str, port: u16) -> Result<Vec<Socke
 
 async fn connect(addrs: &[SocketAddr]) -> Result<TcpStream, Refusal> {
     let mut last = String::from("no address");
+    // One deadline for all the addresses together.
+    let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
     for a in addrs {
-        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(a)).await {
             Ok(Ok(s)) => {
                 let _ = s.set_nodelay(true);
                 return Ok(s);
@@ -461,12 +523,22 @@ impl Broker {
     /// Serve one connection a lease's sandbox made to the proxy.
     pub async fn egress_serve(&self, lease_ref: String, stream: TcpStream) {
         let _ = stream.set_nodelay(true);
+        let eg = &self.inner.egress;
+        let Ok(all) = eg.conns.clone().try_acquire_owned() else {
+            tracing::warn!(lease = %lease_ref, "egress: {MAX_CONNS} connections are open; one more is closed");
+            return;
+        };
+        let Ok(own) = eg.traffic(&lease_ref).conns.clone().try_acquire_owned() else {
+            tracing::debug!(lease = %lease_ref, "egress: the lease has {MAX_CONNS_PER_LEASE} connections open; one more is closed");
+            return;
+        };
         let conn = Conn {
             b: self.clone(),
             lease_ref: Some(lease_ref),
             inner: None,
         };
         conn.serve(stream).await;
+        drop((all, own));
     }
 
     /// Serve the proxy's network listener (`[egress] listen`) until `stop`.
@@ -490,12 +562,19 @@ impl Broker {
                     },
                 };
                 let _ = stream.set_nodelay(true);
+                let Ok(permit) = b.inner.egress.conns.clone().try_acquire_owned() else {
+                    tracing::warn!("egress: {MAX_CONNS} connections are open; one more is closed");
+                    continue;
+                };
                 let conn = Conn {
                     b: b.clone(),
                     lease_ref: None,
                     inner: None,
                 };
-                b.inner.tracker.spawn(conn.serve(stream));
+                b.inner.tracker.spawn(async move {
+                    conn.serve(stream).await;
+                    drop(permit);
+                });
             }
         });
     }
@@ -545,6 +624,7 @@ impl Broker {
     /// embedded backends, until `stop`: new leases, and those of sandboxes
     /// that outlived a restart.
     pub fn spawn_egress_watch(&self, stop: tokio_util::sync::CancellationToken) {
+        let _ = self.inner.egress.stop.set(stop.clone());
         let b = self.clone();
         tokio::spawn(async move {
             loop {
@@ -772,19 +852,28 @@ impl Broker {
 impl Conn {
     /// Serve a connection's requests (with upgrades: `CONNECT`).
     async fn serve<I: Io + 'static>(self, io: I) {
+        let conn_stop = self.b.inner.egress.stopping();
         let conn = self;
         let svc = hyper::service::service_fn(move |req| {
             let conn = conn.clone();
             async move { Ok::<_, Infallible>(conn.handle(req).await) }
         });
+        let stop = conn_stop;
         let served = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(HEAD_TIMEOUT)
+            .max_buf_size(MAX_HEAD)
             .serve_connection(TokioIo::new(io), svc)
-            .with_upgrades()
-            .await;
-        if let Err(e) = served {
-            tracing::debug!(error = %e, "an egress connection ended with an error");
+            .with_upgrades();
+        // At a stop the connection is dropped: a request under way records
+        // its outcome as it goes (`Job`'s and `Counted`'s drop).
+        tokio::select! {
+            r = served => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "an egress connection ended with an error");
+                }
+            }
+            () = stop.cancelled() => {}
         }
     }
 
@@ -809,9 +898,10 @@ impl Conn {
             let Ok(up) = hyper::upgrade::on(req).await else {
                 return;
             };
-            match tokio_rustls::TlsAcceptor::from(tls)
-                .accept(TokioIo::new(up))
+            let accept = tokio_rustls::TlsAcceptor::from(tls).accept(TokioIo::new(up));
+            match tokio::time::timeout(TLS_ACCEPT_TIMEOUT, accept)
                 .await
+                .unwrap_or_else(|_| Err(std::io::Error::other("timed out")))
             {
                 Ok(s) => inner.serve(s).await,
                 Err(e) => {
@@ -858,6 +948,14 @@ impl Conn {
                 "the lease's profile has no egress",
             ));
         };
+        // A destination that echoes the request would hand the credential
+        // back to the sandbox.
+        if matches!(req.method().as_str(), "TRACE" | "TRACK") {
+            return Err(refusal(
+                Code::InvalidRequest,
+                "TRACE and TRACK are not forwarded",
+            ));
+        }
         let kind = if req.method() == Method::CONNECT {
             Kind::Connect
         } else {
@@ -947,6 +1045,9 @@ impl Conn {
         match kind {
             Kind::Connect => job.tunnel(req, &addrs).await,
             Kind::Plain => {
+                // An intercepted credential goes out over TLS only (never in
+                // a plain request to the same name).
+                let cred = cred.filter(|c| !c.intercept || self.inner.is_some());
                 let header = match cred.as_ref().map(credential_header).transpose() {
                     Ok(h) => h,
                     Err(r) => return Err(job.fail(r).await),
@@ -1026,9 +1127,19 @@ struct Job {
 impl Job {
     /// Record the outcome (once).
     async fn finish(mut self, outcome: Outcome, status: Option<u16>, code: Option<Code>) {
-        let Some(intent) = self.intent.take() else {
-            return;
-        };
+        if let Some(f) = self.outcome(outcome, status, code) {
+            f.await;
+        }
+    }
+
+    /// The outcome's write, taking the intent (none if already taken).
+    fn outcome(
+        &mut self,
+        outcome: Outcome,
+        status: Option<u16>,
+        code: Option<Code>,
+    ) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        let intent = self.intent.take()?;
         let moved = self.moved.load(Ordering::Relaxed);
         let result = code.map_or_else(|| outcome.to_string(), |c| c.as_str().to_string());
         self.conn
@@ -1038,25 +1149,26 @@ impl Job {
             .metrics
             .requests
             .inc([&self.profile, &result]);
-        let r = self
-            .conn
-            .b
-            .inner
-            .journal
-            .outcome(
-                intent,
-                outcome,
-                move |e| {
-                    e.bytes = Some(moved);
-                    e.http_status = status;
-                    e.error_code = code.map(|c| c.as_str().to_string());
-                },
-                |_| Ok(()),
-            )
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "an egress request's outcome could not be recorded");
-        }
+        let b = self.conn.b.clone();
+        Some(async move {
+            let r = b
+                .inner
+                .journal
+                .outcome(
+                    intent,
+                    outcome,
+                    move |e| {
+                        e.bytes = Some(moved);
+                        e.http_status = status;
+                        e.error_code = code.map(|c| c.as_str().to_string());
+                    },
+                    |_| Ok(()),
+                )
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "an egress request's outcome could not be recorded");
+            }
+        })
     }
 
     async fn fail(self, r: Refusal) -> Refusal {
@@ -1104,8 +1216,11 @@ impl Job {
         let (mut br, mut bw) = tokio::io::split(b);
         let out = self.copy(&mut ar, &mut bw, "out");
         let inn = self.copy(&mut br, &mut aw, "in");
-        let (o, i) = tokio::join!(out, inn);
-        o || i
+        let stop = self.conn.b.inner.egress.stopping();
+        tokio::select! {
+            (o, i) = async { tokio::join!(out, inn) } => o || i,
+            () = stop.cancelled() => false,
+        }
     }
 
     /// Copy one way; true if stopped by the budget.
@@ -1116,9 +1231,10 @@ impl Job {
     {
         let mut buf = vec![0u8; 16 * 1024];
         let over = loop {
-            let n = match r.read(&mut buf).await {
-                Ok(0) | Err(_) => break false,
-                Ok(n) => n,
+            // A tunnel idle both ways ends: each side's reads time out.
+            let n = match tokio::time::timeout(TUNNEL_IDLE, r.read(&mut buf)).await {
+                Ok(Ok(0) | Err(_)) | Err(_) => break false,
+                Ok(Ok(n)) => n,
             };
             let n64 = n as u64;
             self.moved.fetch_add(n64, Ordering::Relaxed);
@@ -1226,11 +1342,33 @@ impl Job {
             }
         };
         parts.version = http::Version::HTTP_11;
+        // The head counts toward the budget too (as sent, roughly).
+        let head = parts.uri.to_string().len()
+            + parts
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len() + 4)
+                .sum::<usize>()
+            + 16;
+        let head = head as u64;
+        self.moved.fetch_add(head, Ordering::Relaxed);
+        if !self.traffic.take(head, self.max_bytes) {
+            return Err(self
+                .fail(refusal(
+                    Code::EgressBudgetExceeded,
+                    "the lease's egress budget is spent",
+                ))
+                .await);
+        }
         let counted = Counted::new(body, &self, "out", None);
-        let resp = match sender
-            .send_request(Request::from_parts(parts, counted.boxed()))
-            .await
-        {
+        let sent = tokio::time::timeout(
+            ANSWER_TIMEOUT,
+            sender.send_request(Request::from_parts(parts, counted.boxed())),
+        )
+        .await
+        .map_err(|_| format!("no answer within {} s", ANSWER_TIMEOUT.as_secs()))
+        .and_then(|r| r.map_err(|e| e.to_string()));
+        let resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 let code = if self.traffic.spent(self.max_bytes) {
@@ -1238,7 +1376,7 @@ impl Job {
                 } else {
                     Code::EgressUpstreamFailed
                 };
-                return Err(self.fail(refusal(code, e.to_string())).await);
+                return Err(self.fail(refusal(code, e)).await);
             }
         };
         let status = resp.status().as_u16();
@@ -1260,6 +1398,16 @@ impl Job {
             end: Some((self, status)),
         };
         Ok(Response::from_parts(parts, counted.boxed()))
+    }
+}
+
+impl Drop for Job {
+    /// A request dropped under its intent (the sandbox went away while the
+    /// proxy connected, or the appliance stops): it failed, and says so.
+    fn drop(&mut self) {
+        if let Some(f) = self.outcome(Outcome::Error, None, Some(Code::EgressUpstreamFailed)) {
+            self.conn.b.inner.tracker.spawn(f);
+        }
     }
 }
 
@@ -1385,7 +1533,22 @@ mod tests {
         ] {
             assert!(!public(ip.parse().unwrap()), "{ip} taken for public");
         }
-        for ip in ["1.1.1.1", "93.184.216.34", "2606:4700::1111"] {
+        for ip in [
+            "192.0.0.8",
+            "198.18.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b:1::1",
+            "2002:7f00:1::1",
+            "::7f00:1",
+        ] {
+            assert!(!public(ip.parse().unwrap()), "{ip} taken for public");
+        }
+        for ip in [
+            "1.1.1.1",
+            "93.184.216.34",
+            "2606:4700::1111",
+            "64:ff9b::101:101",
+        ] {
             assert!(public(ip.parse().unwrap()), "{ip} taken for private");
         }
     }

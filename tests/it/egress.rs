@@ -28,6 +28,8 @@ for u in sys.argv[1:]:
         print(r.status, r.read().decode().replace("\r\n", "|"))
     except urllib.error.HTTPError as e:
         print(e.code, e.headers.get("x-cube-egress-error"))
+    except Exception as e:
+        print("cut", type(e).__name__)
 "#;
 
 async fn exec(s: &Server, lease: &str, command: &str) -> String {
@@ -85,6 +87,9 @@ secret_file = "{}"
     let mut tight = egress.clone();
     tight.credentials.clear();
     tight.requests_per_second = 1;
+    let mut budget = tight.clone();
+    budget.requests_per_second = 100;
+    budget.max_bytes = 700;
     let s = Server::start_with(move |c| {
         for name in [
             "api.test.invalid",
@@ -104,6 +109,13 @@ secret_file = "{}"
             "tight".into(),
             Profile {
                 egress: Some(tight),
+                ..Profile::default()
+            },
+        );
+        c.profiles.insert(
+            "budget".into(),
+            Profile {
+                egress: Some(budget),
                 ..Profile::default()
             },
         );
@@ -276,6 +288,20 @@ secret_file = "{}"
     let out = exec(&s, &tight, &fetch(&many)).await;
     assert!(out.lines().any(|l| l == "429 egress_rate_limited"), "{out}");
     assert!(out.lines().any(|l| l.starts_with("200 ")), "{out}");
+
+    // A lease past its bytes is refused (an answer under way is cut).
+    let budget = s.acquire_in("budget", "egress-budget").await;
+    let many: Vec<&str> = std::iter::repeat_n(mirror.as_str(), 5).collect();
+    let out = exec(&s, &budget, &fetch(&many)).await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("200 "), "{out}");
+    assert_eq!(lines.last(), Some(&"403 egress_budget_exceeded"), "{out}");
+    let over = s
+        .journal()
+        .lines()
+        .filter(|l| l.contains("\"egress_budget_exceeded\"") && l.contains(&budget))
+        .count();
+    assert!(over >= 1, "no budget refusal in the journal");
 }
 
 /// The origin (`tests/egress/origin.py`) in the world's namespace, serving

@@ -135,8 +135,9 @@ fn shipped_config_checks() {
                     || rest.starts_with("[mcp_policies")
                     || rest.starts_with("[presets")
                     || rest.starts_with("[[presets")
+                    || rest.starts_with("[egress")
                     || (rest.contains(" = ")
-                        && !rest.contains("_file")
+                        && (!rest.contains("_file") || rest.starts_with("secret_file"))
                         && !rest.starts_with("proxy_url")) =>
             {
                 rest.to_string()
@@ -148,6 +149,7 @@ fn shipped_config_checks() {
     assert!(example.contains("\n[profiles.offline-code]\n"));
     assert!(example.contains("\n[mcp_policies.controlled-echo]\n"));
     assert!(example.contains("\n[presets.openclaw-deepseek]\n"));
+    assert!(example.contains("\n[profiles.builds.egress]\n"));
     for (name, body) in [
         ("shipped.toml", text.as_str()),
         ("example.toml", example.as_str()),

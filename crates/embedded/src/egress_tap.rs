@@ -131,7 +131,12 @@ async fn receive(stream: UnixStream, tx: mpsc::Sender<TcpStream>) {
                         return;
                     }
                 }
-                Err(why) => tracing::warn!("egress tap: a sandbox sent {why}; closed it"),
+                Err(why) => {
+                    // Only a sandbox whose agent was replaced sends anything
+                    // else: one warning, and no more from it.
+                    tracing::warn!("egress tap: a sandbox sent {why}; detached from it");
+                    return;
+                }
             }
         }
     }
@@ -154,6 +159,10 @@ fn recv_fds(sock: RawFd) -> std::io::Result<Option<Vec<OwnedFd>>> {
         if let ControlMessageOwned::ScmRights(raw) = c {
             fds.extend(raw.into_iter().map(crate::sys::own_received_fd));
         }
+    }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        // More than the agent ever sends: what came is closed (dropped).
+        return Err(std::io::Error::other("truncated control data"));
     }
     // A stream's descriptors come with at least one byte.
     Ok((msg.bytes > 0 || !fds.is_empty()).then_some(fds))
@@ -397,7 +406,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn egress_tap_attach_keeps_only_connected_tcp_sockets() {
+    async fn egress_tap_attach_passes_connected_tcp_and_detaches_at_anything_else() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("egress.sock");
         let host = std::os::unix::net::UnixListener::bind(&path).unwrap();
@@ -409,11 +418,11 @@ mod tests {
         let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let c = std::net::TcpStream::connect(listening.local_addr().unwrap()).unwrap();
         let fds = [
+            c.as_raw_fd(),
             file.as_raw_fd(),
             a.as_raw_fd(),
             listening.as_raw_fd(),
             udp.as_raw_fd(),
-            c.as_raw_fd(),
         ];
         sendmsg::<()>(
             peer.as_raw_fd(),
@@ -426,7 +435,10 @@ mod tests {
         drop(peer);
         let got = rx.recv().await.unwrap();
         assert_eq!(got.local_addr().unwrap(), c.local_addr().unwrap());
-        assert!(rx.recv().await.is_none(), "only the connected TCP stream");
+        assert!(
+            rx.recv().await.is_none(),
+            "only the connected TCP stream, then detached"
+        );
     }
 
     #[test]
