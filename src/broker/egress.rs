@@ -606,17 +606,12 @@ impl Broker {
     }
 
     /// The audit event of a lease's sandbox's own request.
-    fn egress_event(&self, l: &Lease, method: &Method) -> Event {
+    fn egress_event(&self, action: Action, l: &Lease, method: Option<&Method>) -> Event {
         let j = &self.inner.journal;
-        let mut ev = j.event(Action::EgressRequest);
+        let mut ev = j.event(action);
         ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
-        ev.runtime = Some(l.runtime.clone());
-        ev.profile = Some(l.profile.clone());
-        ev.backend = Some(l.backend.clone());
-        ev.lease_ref = Some(l.lease_ref.clone());
-        ev.sandbox_ref = Some(l.sandbox_ref.clone());
-        ev.session_digest = Some(l.session_hash.clone());
-        ev.method = Some(method.as_str().chars().take(16).collect());
+        let mut ev = super::leases::with_lease(ev, l);
+        ev.method = method.map(|m| m.as_str().chars().take(16).collect());
         ev
     }
 
@@ -802,14 +797,9 @@ impl Broker {
         }
         let kept: Vec<String> = now.iter().filter(|d| only.contains(d)).cloned().collect();
         let j = &self.inner.journal;
-        let mut ev = j.event(Action::EgressNarrow);
+        let mut ev = self.egress_event(Action::EgressNarrow, &l, None);
         ev.phase = crate::audit::event::Phase::Event;
         ev.outcome = Outcome::Ok;
-        ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
-        ev.profile = Some(l.profile.clone());
-        ev.backend = Some(l.backend.clone());
-        ev.lease_ref = Some(l.lease_ref.clone());
-        ev.sandbox_ref = Some(l.sandbox_ref.clone());
         ev.parameters_digest = Some(j.digest("egress_destinations", kept.join("\n").as_bytes()));
         // The entries left, as the profile writes them (the operator's
         // names; a list too long for a field is kept as its digest).
@@ -985,7 +975,7 @@ impl Conn {
                 ),
             ));
         }
-        let mut ev = b.egress_event(&l, req.method());
+        let mut ev = b.egress_event(Action::EgressRequest, &l, Some(req.method()));
         let dest = format!("{host}:{port}");
         let Some(entry) = allowed(&eg, l.egress_only.as_deref(), &host, port) else {
             ev.destination_digest = Some(b.inner.journal.digest("destination", dest.as_bytes()));

@@ -202,13 +202,7 @@ impl Broker {
         let mut ev = j.event(action);
         ev.identity_digest = Some(j.digest("identity", b"system\0cube-adapter"));
         ev.tenant_digest = Some(j.digest("tenant", l.tenant.as_bytes()));
-        ev.runtime = Some(l.runtime.clone());
-        ev.profile = Some(l.profile.clone());
-        ev.backend = Some(l.backend.clone());
-        ev.lease_ref = Some(l.lease_ref.clone());
-        ev.sandbox_ref = Some(l.sandbox_ref.clone());
-        ev.session_digest = Some(l.session_hash.clone());
-        ev
+        super::leases::with_lease(ev, l)
     }
 
     /// How long a lease may stay unused before GC collects it: its

@@ -203,6 +203,17 @@ pub(crate) fn valid_ref(r: &str, prefix: &str) -> bool {
         })
 }
 
+/// `ev` with the lease's fields: runtime, profile, backend, refs, session.
+pub(crate) fn with_lease(mut ev: Event, l: &Lease) -> Event {
+    ev.runtime = Some(l.runtime.clone());
+    ev.profile = Some(l.profile.clone());
+    ev.backend = Some(l.backend.clone());
+    ev.lease_ref = Some(l.lease_ref.clone());
+    ev.sandbox_ref = Some(l.sandbox_ref.clone());
+    ev.session_digest = Some(l.session_hash.clone());
+    ev
+}
+
 impl Broker {
     pub(crate) async fn get_lease(&self, lease_ref: &str) -> Result<Option<Lease>> {
         Ok(self
@@ -291,14 +302,7 @@ impl Broker {
     }
 
     pub(crate) fn lease_event(&self, p: &Principal, action: Action, ctx: &Ctx, l: &Lease) -> Event {
-        let mut ev = self.event(p, action, ctx);
-        ev.runtime = Some(l.runtime.clone());
-        ev.profile = Some(l.profile.clone());
-        ev.backend = Some(l.backend.clone());
-        ev.lease_ref = Some(l.lease_ref.clone());
-        ev.sandbox_ref = Some(l.sandbox_ref.clone());
-        ev.session_digest = Some(l.session_hash.clone());
-        ev
+        with_lease(self.event(p, action, ctx), l)
     }
 
     pub(crate) fn profile_gone(l: &Lease) -> Error {
