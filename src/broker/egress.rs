@@ -715,6 +715,50 @@ impl Broker {
         }
     }
 
+    /// What every command, job and PTY of a lease with egress gets in its
+    /// environment: the proxy (`http_proxy` and its companions, as most
+    /// tools read them), and `no_proxy` for the sandbox's own loopback.
+    /// Inside an embedded sandbox's own network, `127.0.0.1:3128`; else
+    /// the network listener with the lease's token. Empty without egress.
+    pub(crate) fn egress_env(&self, l: &Lease) -> std::collections::BTreeMap<String, String> {
+        let mut env = std::collections::BTreeMap::new();
+        let cfg = self.config();
+        if cfg
+            .profiles
+            .get(&l.profile)
+            .is_none_or(|p| p.egress.is_none())
+        {
+            return env;
+        }
+        let embedded = self
+            .inner
+            .backends
+            .get(&l.backend)
+            .is_some_and(|b| b.embedded_state_dir().is_some());
+        let url = match (&l.egress_token, cfg.egress.advertised()) {
+            (Some(sealed), Some(at)) if !embedded => match self.inner.store.sealer.open(sealed) {
+                Ok(t) => format!(
+                    "http://{}:{}@{at}",
+                    l.lease_ref,
+                    String::from_utf8_lossy(&t)
+                ),
+                Err(_) => return env,
+            },
+            _ if embedded => format!(
+                "http://127.0.0.1:{}",
+                crate::embedded::wire::EGRESS_PROXY_PORT
+            ),
+            _ => return env,
+        };
+        for k in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
+            env.insert(k.to_string(), url.clone());
+        }
+        for k in ["no_proxy", "NO_PROXY"] {
+            env.insert(k.to_string(), "localhost,127.0.0.1,::1".to_string());
+        }
+        env
+    }
+
     /// For the proxy's network listener: a new lease's token, sealed, and
     /// the sandbox's `ENV_FILE` naming the proxy with it
     /// (`http://LEASE:TOKEN@HOST:PORT`). The caller kills the sandbox on an

@@ -548,7 +548,8 @@ impl Broker {
                     .map(|(k, v)| (k.to_string(), v))
                     .collect();
                     let mut o = StartOptions::shell(LAUNCH);
-                    o.envs = envs;
+                    o.envs = b.egress_env(&l);
+                    o.envs.extend(envs);
                     o.timeout = Some(Duration::from_secs(30));
                     let out = addr.cube.run(&addr, &o, 4096).await.map_err(|e| backend(&e))?;
                     let pid: u32 = String::from_utf8_lossy(&out.stdout)

@@ -327,6 +327,7 @@ impl Broker {
                         pty: Some(PtySize { rows, cols }),
                         ..Default::default()
                     };
+                    o.envs = b.egress_env(&l);
                     o.envs.insert("TERM".into(), "xterm-256color".into());
                     let stream = addr.cube.start(&addr, &o).await.map_err(|e| backend(&e))?;
                     let (ts, _) = b.now();

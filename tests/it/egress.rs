@@ -148,6 +148,20 @@ secret_file = "{}"
         "{out}"
     );
     assert_eq!(lines[2], "403 egress_destination_denied", "{out}");
+    // Commands find the proxy in their environment: a tool that reads
+    // http_proxy needs no setting of its own.
+    let out = exec(
+        &s,
+        &lease,
+        &format!(
+            "python3 -c 'import os, urllib.request; print(os.environ[\"http_proxy\"], os.environ[\"no_proxy\"]); r = urllib.request.urlopen(\"http://api.test.invalid:{ECHO}/env\", timeout=15); print(r.status, \"Bearer sk-brokered\" in r.read().decode())'"
+        ),
+    )
+    .await;
+    assert_eq!(
+        out, "http://127.0.0.1:3128 localhost,127.0.0.1,::1\n200 True\n",
+        "{out}"
+    );
 
     // A direct connection has no way out of the sandbox.
     let direct = exec(
@@ -198,7 +212,7 @@ secret_file = "{}"
         .iter()
         .filter(|e| e["phase"] == "outcome" && e["outcome"] == "ok")
         .collect();
-    assert_eq!(ok.len(), 2, "{events:#?}");
+    assert_eq!(ok.len(), 3, "{events:#?}");
     let api_ok = ok
         .iter()
         .find(|e| e["destination"] == format!("api.test.invalid:{ECHO}"))
@@ -234,7 +248,7 @@ secret_file = "{}"
         .await
         .unwrap();
     assert!(
-        m.contains("cube_adapter_egress_requests_total{result=\"ok\"} 2"),
+        m.contains("cube_adapter_egress_requests_total{result=\"ok\"} 3"),
         "{m}"
     );
     assert!(

@@ -42,6 +42,7 @@ impl Broker {
                             * 1000;
                         let ms = timeout_ms.unwrap_or(60_000).min(cap);
                         let mut o = StartOptions::shell(&command);
+                        o.envs = b.egress_env(&l);
                         o.cwd = Some(cwd.clone());
                         o.timeout = Some(Duration::from_millis(ms));
                         let out = addr.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(
