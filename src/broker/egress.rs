@@ -804,6 +804,32 @@ impl Broker {
         lease_ref: &str,
         only: Option<Vec<String>>,
     ) -> Result<Vec<String>, Error> {
+        self.egress_narrow_as(None, lease_ref, only).await
+    }
+
+    /// [`Broker::egress_destinations`] for a person of the console: an
+    /// admin only (`admin_required`), named in the event by a digest.
+    pub async fn egress_narrow(
+        &self,
+        p: &crate::auth::Principal,
+        lease_ref: &str,
+        only: Vec<String>,
+    ) -> Result<Vec<String>, Error> {
+        if !p.is_admin() {
+            return Err(Error::new(
+                Code::AdminRequired,
+                "narrowing a lease's egress is for admins",
+            ));
+        }
+        self.egress_narrow_as(Some(p), lease_ref, Some(only)).await
+    }
+
+    async fn egress_narrow_as(
+        &self,
+        by: Option<&crate::auth::Principal>,
+        lease_ref: &str,
+        only: Option<Vec<String>>,
+    ) -> Result<Vec<String>, Error> {
         let missing = || Error::new(Code::LeaseNotFound, format!("no live lease {lease_ref}"));
         let l = self
             .get_lease(lease_ref)
@@ -842,6 +868,8 @@ impl Broker {
         let kept: Vec<String> = now.iter().filter(|d| only.contains(d)).cloned().collect();
         let j = &self.inner.journal;
         let mut ev = self.egress_event(Action::EgressNarrow, &l, None);
+        // The operator's socket is root's; a person of the console is named.
+        ev.identity_digest = by.map(|p| j.digest("identity", p.identity_key().as_bytes()));
         ev.phase = crate::audit::event::Phase::Event;
         ev.outcome = Outcome::Ok;
         ev.parameters_digest = Some(j.digest("egress_destinations", kept.join("\n").as_bytes()));

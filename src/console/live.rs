@@ -41,6 +41,7 @@ pub fn routes() -> Router<ConsoleState> {
     Router::new()
         .route("/console/leases", get(list))
         .route("/console/leases/{lease_ref}/release", post(release))
+        .route("/console/leases/{lease_ref}/egress", post(narrow_egress))
         .route("/console/jobs/{job_ref}", get(job))
         .route("/console/jobs/{job_ref}/cancel", post(cancel_job))
         .route("/console/ptys/{pty_ref}/kill", post(kill_pty))
@@ -134,6 +135,11 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Some("killed") => return ok("Killed. The lease and its sandbox are gone."),
         Some("job_cancelled") => return ok("Cancelled. The job's processes were ended."),
         Some("pty_killed") => return ok("Killed. The PTY's process was ended."),
+        Some("egress_narrowed") => {
+            return ok(
+                "Narrowed. The lease's sandbox reaches only the destinations kept, from its next request.",
+            );
+        }
         _ => {}
     }
     let code = q.code()?;
@@ -145,6 +151,10 @@ fn notice(q: &Outcome) -> Option<Notice> {
         Code::JobNotFound => "There is no such job (its lease may have been released meanwhile).",
         Code::PtyNotFound => "There is no such PTY (its lease may have been released meanwhile).",
         Code::InvalidAction => "The release must be pause or kill.",
+        Code::AdminRequired => "Narrowing a lease's egress is for admins.",
+        Code::InvalidRequest => {
+            "The destinations changed meanwhile (a lease's egress can only be narrowed); look again."
+        }
         Code::ProfileDenied => {
             "The lease's profile is no longer configured: the lease can only be released."
         }
@@ -350,6 +360,36 @@ pub async fn release(
     {
         Ok(_) if f.action == "kill" => "/console/leases?done=killed".to_string(),
         Ok(_) => "/console/leases?done=paused".to_string(),
+        Err(e) => format!("/console/leases?error={}", e.code.as_str()),
+    };
+    Redirect::to(&to).into_response()
+}
+
+/// Keep only the checked destinations of a lease's egress: each kept one
+/// arrives as a field `keep:DEST`.
+pub async fn narrow_egress(
+    State(st): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(lease_ref): Path<String>,
+    Form(f): Form<std::collections::HashMap<String, String>>,
+) -> Response {
+    let csrf = f.get("csrf").map(String::as_str).unwrap_or("");
+    let who = match checked_form(&st, &headers, csrf, &lease_ref).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let mut keep: Vec<String> = f
+        .keys()
+        .filter_map(|k| k.strip_prefix("keep:"))
+        .map(str::to_string)
+        .collect();
+    keep.sort();
+    let to = match st
+        .broker
+        .egress_narrow(&who.principal, &lease_ref, keep)
+        .await
+    {
+        Ok(_) => "/console/leases?done=egress_narrowed".to_string(),
         Err(e) => format!("/console/leases?error={}", e.code.as_str()),
     };
     Redirect::to(&to).into_response()

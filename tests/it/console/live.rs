@@ -823,23 +823,85 @@ async fn a_leases_card_shows_its_preset_and_egress() {
         "{c}"
     );
     assert!(!c.contains("lease-preset"), "{c}");
+    // An admin's card has the narrowing form, each destination checked.
+    assert!(
+        c.contains(&format!("action=\"/console/leases/{brokered}/egress\"")),
+        "{c}"
+    );
+    assert!(
+        c.contains("name=\"keep:api.test.invalid:8080\" value=\"1\" checked"),
+        "{c}"
+    );
+    assert!(!card(&html, &claw).contains("/egress\""));
+    // An auditor sees the destinations and no form; a forged POST is
+    // refused (admin_required) and changes nothing.
+    let dora = b.sign_in("dora").await;
+    let (_, dhtml) = b.page("/console/leases", &dora).await;
+    if dhtml.contains(&format!("id=\"h-{brokered}\"")) {
+        assert!(!card(&dhtml, &brokered).contains("/egress\""));
+    }
+    let dcsrf = super::csrf_field(&dhtml);
+    let r = b
+        .live_post(
+            Some(&dora),
+            &format!("/console/leases/{brokered}/egress"),
+            &[("csrf", &dcsrf)],
+        )
+        .await;
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+    assert_eq!(
+        r.headers()[LOCATION],
+        "/console/leases?error=admin_required"
+    );
+    // The admin keeps one, then the form can only narrow: one that is no
+    // longer the lease's is refused.
+    let csrf = super::csrf_field(&html);
+    let done = b
+        .live_post_follow(
+            &root,
+            &format!("/console/leases/{brokered}/egress"),
+            &[("csrf", &csrf), ("keep:api.test.invalid:8080", "1")],
+            "/console/leases?done=egress_narrowed",
+        )
+        .await;
+    assert!(done.contains("Narrowed."), "{done}");
+    assert!(
+        card(&done, &brokered).contains(
+            "<dd class=\"lease-egress\"><code>api.test.invalid:8080</code> (narrowed)</dd>"
+        ),
+        "{done}"
+    );
+    let r = b
+        .live_post(
+            Some(&root),
+            &format!("/console/leases/{brokered}/egress"),
+            &[("csrf", &csrf), ("keep:*.mirror.test.invalid:8080", "1")],
+        )
+        .await;
+    assert_eq!(
+        r.headers()[LOCATION],
+        "/console/leases?error=invalid_request"
+    );
+    let narrowed: Vec<serde_json::Value> = s
+        .journal()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|e: &serde_json::Value| e["action"] == "egress_narrow")
+        .collect();
+    assert_eq!(narrowed.len(), 1, "{narrowed:#?}");
+    assert!(narrowed[0]["identity_digest"].is_string());
+    assert_eq!(narrowed[0]["destination"], "api.test.invalid:8080");
+    assert_clean(&done, &s, Some(&root));
 
-    let out = s.cli(&[
-        "lease",
-        "egress",
-        &brokered,
-        "--only",
-        "*.mirror.test.invalid:8080",
-    ]);
+    let out = s.cli(&["lease", "egress", &brokered, "--none"]);
     assert!(out.status.success(), "{out:?}");
     let (_, html) = b.page("/console/leases", &root).await;
     let c = card(&html, &brokered);
     assert!(
-        c.contains(
-            "<dd class=\"lease-egress\"><code>*.mirror.test.invalid:8080</code> (narrowed)</dd>"
-        ),
+        c.contains("<dd class=\"lease-egress\">none (narrowed)</dd>"),
         "{c}"
     );
+    assert!(!c.contains("/egress\""), "nothing left to narrow: {c}");
     assert_clean(&html, &s, Some(&root));
     s.stop().await;
 }
