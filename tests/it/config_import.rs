@@ -35,6 +35,28 @@ struct Run {
     err: String,
 }
 
+/// `config import FLAG ref/AS --out out2`, AS being `ref/FILE` with one
+/// edit.
+fn import_edited(dir: &Path, flag: &str, file: &str, (from, to): (&str, &str), r#as: &str) -> Run {
+    let text = std::fs::read_to_string(dir.join("ref").join(file))
+        .unwrap()
+        .replace(from, to);
+    std::fs::write(dir.join("ref").join(r#as), text).unwrap();
+    let at = format!("ref/{}", r#as);
+    let out = dir.join("out2");
+    run(
+        &[
+            "config",
+            "import",
+            flag,
+            &at,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        dir,
+    )
+}
+
 fn run(args: &[&str], cwd: &Path) -> Run {
     let out = Command::new(BIN)
         .args(args)
@@ -677,20 +699,12 @@ fn mcp_policies_and_a_profiles_mcp_policy_are_imported() {
     );
 
     // An open schema: refused, naming the file and the policy's line.
-    let text = std::fs::read_to_string(dir.path().join("ref/mcp-policies.yaml"))
-        .unwrap()
-        .replace("additionalProperties: false", "additionalProperties: true");
-    std::fs::write(dir.path().join("ref/open.yaml"), text).unwrap();
-    let r = run(
-        &[
-            "config",
-            "import",
-            "--mcp-policies",
-            "ref/open.yaml",
-            "--out",
-            dir.path().join("out2").to_str().unwrap(),
-        ],
+    let r = import_edited(
         dir.path(),
+        "--mcp-policies",
+        "mcp-policies.yaml",
+        ("additionalProperties: false", "additionalProperties: true"),
+        "open.yaml",
     );
     assert_ne!(r.code, 0);
     assert!(
@@ -754,20 +768,12 @@ fn template_presets_and_a_profiles_template_preset_are_imported() {
         Some("openclaw-deepseek")
     );
 
-    let text = std::fs::read_to_string(dir.path().join("ref/template-presets.yaml"))
-        .unwrap()
-        .replace("provider: deepseek", "provider: 'deepseek '");
-    std::fs::write(dir.path().join("ref/spaced.yaml"), text).unwrap();
-    let r = run(
-        &[
-            "config",
-            "import",
-            "--presets",
-            "ref/spaced.yaml",
-            "--out",
-            dir.path().join("out2").to_str().unwrap(),
-        ],
+    let r = import_edited(
         dir.path(),
+        "--presets",
+        "template-presets.yaml",
+        ("provider: deepseek", "provider: 'deepseek '"),
+        "spaced.yaml",
     );
     assert_ne!(r.code, 0);
     assert!(

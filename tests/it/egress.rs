@@ -203,11 +203,7 @@ secret_file = "{}"
     // digest only; never the secret.
     let journal = s.journal();
     assert!(!journal.contains(&secret), "the secret is in the journal");
-    let events: Vec<Value> = journal
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|e: &Value| e["action"] == "egress_request")
-        .collect();
+    let events = s.events("egress_request");
     let ok: Vec<&Value> = events
         .iter()
         .filter(|e| e["phase"] == "outcome" && e["outcome"] == "ok")
@@ -280,12 +276,7 @@ secret_file = "{}"
         String::from_utf8_lossy(&out.stderr).contains("can only be narrowed"),
         "{out:?}"
     );
-    let narrowed: Vec<Value> = s
-        .journal()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|e: &Value| e["action"] == "egress_narrow")
-        .collect();
+    let narrowed = s.events("egress_narrow");
     assert_eq!(narrowed.len(), 1, "{narrowed:#?}");
     assert_eq!(narrowed[0]["destination"], keep.as_str());
     assert_eq!(narrowed[0]["lease_ref"], lease.as_str());
@@ -496,10 +487,10 @@ async fn git_pip_and_npm_work_through_the_proxy_with_an_intercepted_credential()
     let journal = s.journal();
     assert!(!journal.contains(&secret));
     assert!(!journal.contains(auth.trim_start_matches("Basic ")));
-    let outcomes: Vec<Value> = journal
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|e: &Value| e["action"] == "egress_request" && e["phase"] == "outcome")
+    let outcomes: Vec<Value> = s
+        .events("egress_request")
+        .into_iter()
+        .filter(|e| e["phase"] == "outcome")
         .collect();
     for n in &names {
         let d = format!("{n}:443");
@@ -602,12 +593,10 @@ async fn the_network_listener_wants_the_lease_and_its_token() {
     let journal = s.journal();
     assert!(!journal.contains(&secret));
     assert!(!journal.contains(&token));
-    let ok: Vec<Value> = journal
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|e: &Value| {
-            e["action"] == "egress_request" && e["phase"] == "outcome" && e["outcome"] == "ok"
-        })
+    let ok: Vec<Value> = s
+        .events("egress_request")
+        .into_iter()
+        .filter(|e| e["phase"] == "outcome" && e["outcome"] == "ok")
         .collect();
     assert_eq!(ok.len(), 1, "{ok:#?}");
     assert_eq!(ok[0]["lease_ref"], a.as_str());

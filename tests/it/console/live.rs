@@ -882,12 +882,7 @@ async fn a_leases_card_shows_its_preset_and_egress() {
         r.headers()[LOCATION],
         "/console/leases?error=invalid_request"
     );
-    let narrowed: Vec<serde_json::Value> = s
-        .journal()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|e: &serde_json::Value| e["action"] == "egress_narrow")
-        .collect();
+    let narrowed = s.events("egress_narrow");
     assert_eq!(narrowed.len(), 1, "{narrowed:#?}");
     assert!(narrowed[0]["identity_digest"].is_string());
     assert_eq!(narrowed[0]["destination"], "api.test.invalid:8080");

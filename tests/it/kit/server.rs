@@ -242,6 +242,15 @@ impl Server {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// The journal's events of one action, oldest first.
+    pub fn events(&self, action: &str) -> Vec<Value> {
+        self.journal()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|e| e["action"] == action)
+            .collect()
+    }
+
     /// SIGKILL every sandbox's init, as the kernel's OOM killer or a crash
     /// would, and wait until they are dead: the sandboxes die under their
     /// leases.
