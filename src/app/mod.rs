@@ -143,6 +143,7 @@ pub async fn start(
     let upkeep = CancellationToken::new();
     broker.spawn_upkeep(upkeep.clone());
     broker.spawn_egress_watch(upkeep.clone());
+    broker.spawn_resume();
     if let Some(at) = cfg.egress.listen {
         let l = tokio::net::TcpListener::bind(at)
             .await
@@ -214,6 +215,9 @@ async fn broker(
         cfg.clock.clone(),
     )?;
     broker.egress().set_ca(egress_ca);
+    broker
+        .recordings()
+        .set_dir(o.state.join(crate::broker::recordings::DIR));
     if cfg.audit.on_crash == crate::config::OnCrash::Resolve
         && !crate::audit::pending(&o.store)?.is_empty()
     {

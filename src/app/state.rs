@@ -22,7 +22,7 @@ pub(super) struct Opened {
 
 /// Create the state directory (0700), open the store on it (redb, or the
 /// PostgreSQL of `[store]`), open the journal (it reports intents a crash
-/// left without an outcome) and mark the previous run's PTYs lost.
+/// left without an outcome).
 pub(super) async fn open(cfg: &Config) -> anyhow::Result<Opened> {
     let clock = &cfg.clock;
     std::fs::create_dir_all(&cfg.state_dir)
@@ -40,13 +40,6 @@ pub(super) async fn open(cfg: &Config) -> anyhow::Result<Opened> {
     let key = random_key(&state.join("hmac.key"))?;
     let journal =
         Journal::open(store.clone(), cfg.audit.mode, key.clone())?.with_clock(clock.clone());
-    let lost = crate::broker::ptys::mark_lost(&store, clock).await?;
-    if lost > 0 {
-        tracing::warn!(
-            count = lost,
-            "PTYs of the previous run are lost (their terminals ended with it)"
-        );
-    }
     Ok(Opened {
         state,
         store,

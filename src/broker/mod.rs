@@ -17,6 +17,7 @@ pub(crate) mod paths;
 pub(crate) mod presets;
 pub(crate) mod ptys;
 pub mod receipts;
+pub mod recordings;
 pub(crate) mod recovery;
 pub mod tasks;
 pub(crate) mod upkeep;
@@ -116,6 +117,8 @@ pub(crate) struct Inner {
     pub gc: crate::metrics::Gc,
     /// The egress proxy's per-lease state and its instruments.
     pub egress: egress::Egress,
+    /// The session recordings this process writes.
+    pub recordings: recordings::Recordings,
 }
 
 /// A plan that needs approval, as a listener is told of it: names and
@@ -243,8 +246,14 @@ impl Broker {
                 plan_listener: std::sync::OnceLock::new(),
                 gc: crate::metrics::Gc::default(),
                 egress: egress::Egress::default(),
+                recordings: recordings::Recordings::default(),
             }),
         }
+    }
+
+    /// The session recordings this process writes.
+    pub fn recordings(&self) -> &recordings::Recordings {
+        &self.inner.recordings
     }
 
     /// GC's instruments (passes, and what they collected).

@@ -4,14 +4,18 @@
 //! `RETAIN` bytes in memory with absolute offsets, so any number of viewers
 //! can watch one PTY and a viewer that reconnects resumes from its cursor
 //! without loss (within what is retained; an older cursor is told exactly
-//! which bytes it missed). The terminal belongs to this process: after an
-//! appliance restart a PTY that was running is `lost` (nothing re-runs).
+//! which bytes it missed). The shell lives in the sandbox: after an
+//! appliance restart the appliance re-attaches to a PTY that was running
+//! (its viewers start again from offset 0, and its recording goes on, with
+//! a marker for the time it was down); one it cannot re-attach to is
+//! `lost` (nothing re-runs). Every PTY is recorded (`recordings`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use super::dto::{self, PtyAnswer};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
+use super::recordings::{Recorder, Stream};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::{Action, Outcome};
 use crate::auth::Principal;
@@ -63,21 +67,17 @@ pub(crate) fn delete_lease_ptys(
     store::ptys::remove_lease(txn, lease_ref)
 }
 
-/// Mark every PTY recorded as running `lost` (at start: their terminals
-/// belonged to the previous process). With replicas on a shared database,
-/// only this replica's and those of replicas that are not running. Returns
-/// how many.
-pub async fn mark_lost(
-    store: &crate::store::Store,
-    clock: &crate::clock::Clock,
-) -> std::result::Result<usize, StoreError> {
-    let mut running: Vec<Pty> = store.read_now(|txn| {
+/// The PTYs recorded as running that this process answers for: with redb,
+/// all; with replicas on a shared database, its own and those of replicas
+/// that are not running.
+fn ours_running(store: &crate::store::Store) -> std::result::Result<Vec<Pty>, StoreError> {
+    let running: Vec<Pty> = store.read_now(|txn| {
         let mut all = crate::store::ptys::all(txn)?;
         all.retain(Pty::is_running);
         Ok(all)
     })?;
     let mut keep = Vec::with_capacity(running.len());
-    for p in running.drain(..) {
+    for p in running {
         let ours = match &p.replica {
             Some(r) => !store.replica_running(r)? || store.replica() == Some(r.as_str()),
             None => true,
@@ -86,23 +86,37 @@ pub async fn mark_lost(
             keep.push(p);
         }
     }
-    let running = keep;
-    let n = running.len();
-    if n > 0 {
-        let ts = clock.text();
-        store
-            .write(move |txn, _| {
-                for mut p in running {
+    Ok(keep)
+}
+
+/// Record PTYs `lost` (their terminal could not be re-attached).
+async fn mark_lost(
+    store: &crate::store::Store,
+    clock: &crate::clock::Clock,
+    lost: Vec<Pty>,
+) -> std::result::Result<(), StoreError> {
+    if lost.is_empty() {
+        return Ok(());
+    }
+    let ts = clock.text();
+    store
+        .write(move |txn, _| {
+            for mut p in lost {
+                // Only one still recorded as running (a kill may have won).
+                if store::ptys::get(txn, &p.pty_ref)?.is_some_and(|c| c.is_running()) {
                     p.state = PtyState::Lost;
                     p.updated_at = ts.clone();
                     put_pty(txn, &p)?;
                 }
-                Ok(())
-            })
-            .await?;
-    }
-    Ok(n)
+            }
+            Ok(())
+        })
+        .await
 }
+
+/// How long a start keeps trying to re-attach a PTY (its backend may still
+/// be coming up).
+const REATTACH_FOR: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// The output of one PTY, shared by its reader task and its viewers.
 pub struct Hub {
@@ -267,6 +281,90 @@ impl Broker {
         Ok(ptys.iter().filter(|p| p.is_running()).count() as u32)
     }
 
+    /// At start: re-attach to the PTYs an earlier run of the appliance
+    /// left running (their shells live in the sandbox), so that their
+    /// viewers and recordings go on; output they made while the appliance
+    /// was down is not seen (their recording says so). A PTY whose sandbox
+    /// or process is gone, or that cannot be re-attached within
+    /// `REATTACH_FOR`, is `lost`. Returns (re-attached, lost).
+    pub async fn resume_ptys(&self) -> std::result::Result<(usize, usize), StoreError> {
+        let running = ours_running(&self.inner.store)?;
+        let mut lost = vec![];
+        let mut back = 0;
+        for pty in running {
+            match self.reattach(&pty).await {
+                Ok(()) => back += 1,
+                Err(e) => {
+                    tracing::warn!(pty = %pty.pty_ref, error = %e.message, "a PTY of the previous run cannot be re-attached: lost");
+                    lost.push(pty);
+                }
+            }
+        }
+        let n = lost.len();
+        mark_lost(&self.inner.store, &self.inner.clock, lost).await?;
+        Ok((back, n))
+    }
+
+    async fn reattach(&self, pty: &Pty) -> Result<()> {
+        let l = self
+            .get_lease(&pty.lease_ref)
+            .await?
+            .ok_or_else(|| Error::new(Code::LeaseNotFound, "its lease is gone"))?;
+        let until = std::time::Instant::now() + REATTACH_FOR;
+        let stream = loop {
+            let tried = match self.addr(&l) {
+                Ok(addr) => addr
+                    .cube
+                    .connect_process(&addr, pty.pid)
+                    .await
+                    .map_err(|e| backend(&e)),
+                Err(e) => Err(e),
+            };
+            match tried {
+                Ok(s) => break s,
+                Err(e) if std::time::Instant::now() >= until => return Err(e),
+                Err(_) => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+            }
+        };
+        let rec = match self.recording_of(&pty.lease_ref, &pty.pty_ref) {
+            Some(r) if r.state == super::recordings::RecordingState::Open => {
+                match self.reopen_recording(r, Some(&l)).await {
+                    Ok(rec) => rec,
+                    Err(e) => {
+                        return Err(Error::new(
+                            Code::AuditUnavailable,
+                            format!("its recording cannot be reopened: {e}"),
+                        ));
+                    }
+                }
+            }
+            // Started before recordings, or sealed: a new one.
+            _ => {
+                let (rec, record) = self
+                    .begin_recording(
+                        super::recordings::RecordingKind::Pty,
+                        &l,
+                        &pty.pty_ref,
+                        (pty.cols, pty.rows),
+                    )
+                    .map_err(|e| Error::new(Code::AuditUnavailable, e.to_string()))?;
+                self.inner
+                    .store
+                    .write(move |txn, _| crate::store::recordings::put(txn, &record))
+                    .await?;
+                rec
+            }
+        };
+        rec.marker(
+            "the appliance restarted; output from while it was down is not in this recording",
+        )
+        .await;
+        let hub = Hub::new();
+        self.inner.ptys.insert(&pty.pty_ref, hub.clone());
+        self.pump(pty.pty_ref.clone(), stream, hub, rec);
+        Ok(())
+    }
+
     /// `POST /v1/leases/{ref}/ptys` (201).
     pub async fn create_pty(
         &self,
@@ -344,11 +442,30 @@ impl Broker {
                         updated_at: ts,
                         replica: b.inner.store.replica().map(str::to_string),
                     };
+                    let (rec, record) = match b.begin_recording(
+                        super::recordings::RecordingKind::Pty,
+                        &l,
+                        &pty.pty_ref,
+                        (cols, rows),
+                    ) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            // No recording, no terminal.
+                            let _ = addr.cube.signal(&addr, pty.pid, true).await;
+                            return Err(Error::new(
+                                Code::AuditUnavailable,
+                                format!("the PTY's recording cannot be written: {e}"),
+                            ));
+                        }
+                    };
                     let hub = Hub::new();
                     b.inner.ptys.insert(&pty.pty_ref, hub.clone());
-                    b.pump(pty.pty_ref.clone(), stream, hub);
+                    b.pump(pty.pty_ref.clone(), stream, hub, rec);
                     let p2 = pty.clone();
-                    Ok(Done::new(pty).persist(move |txn| put_pty(txn, &p2)))
+                    Ok(Done::new(pty).persist(move |txn| {
+                        put_pty(txn, &p2)?;
+                        crate::store::recordings::put(txn, &record)
+                    }))
                 },
             )
             .await?;
@@ -363,7 +480,13 @@ impl Broker {
     /// Read a PTY's output into its hub until it ends; then record the end.
     /// (Not a tracked effect: a shell may run for days, and shutdown must
     /// not wait for it.)
-    fn pump(&self, pty_ref: String, mut stream: crate::cube::ProcessStream, hub: Arc<Hub>) {
+    fn pump(
+        &self,
+        pty_ref: String,
+        mut stream: crate::cube::ProcessStream,
+        hub: Arc<Hub>,
+        rec: Recorder,
+    ) {
         let b = self.clone();
         tokio::spawn(async move {
             let mut exit = None;
@@ -374,6 +497,7 @@ impl Broker {
                         for part in [d.pty, d.stdout, d.stderr].into_iter().flatten() {
                             if let Ok(bytes) = decode_data(&part) {
                                 hub.push(&bytes);
+                                rec.data(Stream::Output, &bytes).await;
                             }
                         }
                     }
@@ -390,6 +514,11 @@ impl Broker {
                 }
             }
             hub.end();
+            if broken {
+                rec.marker("the PTY's stream broke; nothing more was recorded")
+                    .await;
+            }
+            rec.finish().await;
             // Late viewers can still read the end for a minute.
             let hubs = b.clone();
             let r2 = pty_ref.clone();
@@ -510,14 +639,21 @@ impl Broker {
                 pty_ref,
                 (Action::PtyInput, "pty:input"),
                 Some((n, digest)),
-                move |_b, pty, addr| async move {
+                move |b, pty, addr| async move {
                     if !pty.is_running() {
                         return Err(Error::new(Code::PtyNotRunning, "the PTY is not running"));
                     }
-                    addr.cube
-                        .send_pty_input(&addr, pty.pid, &data)
-                        .await
-                        .map_err(|e| backend(&e))?;
+                    // Recorded as it is sent, so that its echo follows it.
+                    let rec = b.inner.recordings.get(&pty.pty_ref);
+                    if let Some(r) = &rec {
+                        r.data(Stream::Input, &data).await;
+                    }
+                    if let Err(e) = addr.cube.send_pty_input(&addr, pty.pid, &data).await {
+                        if let Some(r) = &rec {
+                            r.marker("the input above was not delivered").await;
+                        }
+                        return Err(backend(&e));
+                    }
                     Ok(pty)
                 },
             )
@@ -555,6 +691,9 @@ impl Broker {
                         .resize_pty(&addr, pty.pid, PtySize { rows, cols })
                         .await
                         .map_err(|e| backend(&e))?;
+                    if let Some(r) = b.inner.recordings.get(&pty.pty_ref) {
+                        r.resize(cols, rows).await;
+                    }
                     pty.rows = rows;
                     pty.cols = cols;
                     pty.updated_at = b.now().0;

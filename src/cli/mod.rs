@@ -56,6 +56,7 @@ pub(crate) mod connect;
 mod lease;
 mod mcp;
 mod ops;
+mod recording;
 mod sandboxes;
 mod serve;
 mod store;
@@ -156,6 +157,9 @@ pub enum Command {
     /// Signed receipts of trusted tasks.
     #[command(subcommand)]
     Receipt(ReceiptCommand),
+    /// Session recordings of PTYs and jobs.
+    #[command(subcommand)]
+    Recording(recording::RecordingCommand),
     /// People (approvers, auditors) who sign in with a password: HTTP Basic
     /// on /v1 and /mcp (`curl -u NAME`), and the console.
     ///
@@ -308,6 +312,7 @@ fn dispatch(command: Command) -> Exit {
         Command::Audit(AuditCommand::Export(a)) => audit::export(a),
         Command::Audit(AuditCommand::Reconcile(a)) => audit::reconcile(a),
         Command::Receipt(ReceiptCommand::Verify(a)) => audit::receipt_verify(a),
+        Command::Recording(recording::RecordingCommand::Verify(a)) => recording::verify(a),
         Command::User(UserCommand::Add(a)) => users::add(a),
         Command::User(UserCommand::List(a)) => users::list(a),
         Command::User(UserCommand::Passwd(a)) => users::passwd(a),

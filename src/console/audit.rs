@@ -478,6 +478,10 @@ pub const CSV_COLUMNS: &[&str] = &[
     "destination",
     "method",
     "http_status",
+    "recording_ref",
+    "pty_ref",
+    "chunk",
+    "offset",
     "prev_hash",
     "hash",
 ];

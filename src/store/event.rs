@@ -119,6 +119,19 @@ pub struct Event {
     /// The HTTP status a brokered request's destination answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub http_status: Option<u16>,
+    /// A session recording (`recording_*` events; `docs/recordings.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recording_ref: Option<String>,
+    /// The PTY an event is about (a PTY's recording).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty_ref: Option<String>,
+    /// A recording's chunk: its index (from 0); in `recording_sealed`, how
+    /// many chunks it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<u64>,
+    /// Where a recording's chunk starts in its file (bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
     pub prev_hash: String,
     pub hash: String,
 }
@@ -239,6 +252,10 @@ impl Event {
             destination,
             method,
             http_status: _,
+            recording_ref,
+            pty_ref,
+            chunk: _,
+            offset: _,
             prev_hash,
             hash,
         } = self;
@@ -288,6 +305,8 @@ impl Event {
             result_digest,
             destination,
             method,
+            recording_ref,
+            pty_ref,
         ]
         .into_iter()
         .flatten()

@@ -19,6 +19,7 @@ pub(crate) mod leases;
 pub mod pg;
 pub(crate) mod plans;
 pub(crate) mod ptys;
+pub(crate) mod recordings;
 pub mod tables;
 pub(crate) mod tasks;
 pub mod typed;
@@ -667,7 +668,7 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             // one as they are used (see `auth`). 5 adds console sessions.
             // 6 adds the audit search indexes, built here for the events
             // written before them (in this same transaction). 7 adds the audit
-            // sinks' cursors.
+            // sinks' cursors. 8 adds session recordings.
             tracing::info!(
                 from = v,
                 to = tables::SCHEMA_VERSION,
@@ -702,10 +703,12 @@ fn migrate(db: &Database, sealer: &Sealer) -> Result<Chain, StoreError> {
             meta.insert(TOKEN_KEY, codec::encode(&sealed)?.as_slice())?;
         }
     }
-    // Versions 1 to 3, 5 and 7 only create tables: opening them is the whole
+    // Versions 1 to 3, 5, 7 and 8 only create tables: opening them is the whole
     // step.
     txn.open_table(tables::CONSOLE_SESSIONS)?;
     txn.open_table(tables::SINK_CURSORS)?;
+    txn.open_table(tables::RECORDINGS)?;
+    txn.open_table(tables::LEASE_RECORDINGS)?;
     txn.open_table(tables::AUDIT_BY)?;
     txn.open_table(tables::AUDIT_MINUTES)?;
     txn.open_table(tables::PLANS)?;

@@ -4,7 +4,7 @@
 use redb::TableDefinition;
 
 /// Schema version this binary writes (see `migrations/`).
-pub const SCHEMA_VERSION: u64 = 7;
+pub const SCHEMA_VERSION: u64 = 8;
 
 /// `schema_version`, `instance_id`, audit chain head, the sealed token key
 /// (schema 4).
@@ -53,3 +53,8 @@ pub const AUDIT_MINUTES: TableDefinition<u64, (u64, u64)> =
 /// audit sink name → the `seq` of the last event it acknowledged (schema 7;
 /// `audit::sinks`).
 pub const SINK_CURSORS: TableDefinition<&str, u64> = TableDefinition::new("sink_cursors_v1");
+/// recording_ref → session recording (its file, its sealed chunks)
+/// (schema 8; `recordings`).
+pub const RECORDINGS: TableDefinition<&str, &[u8]> = TableDefinition::new("recordings_v1");
+/// `lease_ref \0 recording_ref` → () : a lease's recordings (schema 8).
+pub const LEASE_RECORDINGS: TableDefinition<&str, ()> = TableDefinition::new("lease_recordings_v1");

@@ -228,6 +228,14 @@ vocabulary! {
         PtyKill = "pty_kill",
         PtyEvents = "pty_events",
         PtyOutput = "pty_output",
+        // Session recordings.
+        /// A chunk of a recording sealed: its digest in the chain.
+        RecordingChunk = "recording_chunk",
+        /// A recording closed: the digest of its whole file.
+        RecordingSealed = "recording_sealed",
+        /// A recording's file found changed under its sealed chunks (at a
+        /// restart, before the appliance went on with it).
+        RecordingDamaged = "recording_damaged",
         // Trusted tasks.
         TaskTemplates = "task_templates",
         TaskPlan = "task_plan",

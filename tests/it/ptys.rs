@@ -1,5 +1,6 @@
 //! PTYs: create, input, resize, several viewers, reconnect by offset, kill,
-//! the shared quota with jobs, and `lost` after an appliance restart.
+//! the shared quota with jobs, and a restart the PTY outlives (one
+//! recording across it).
 
 use std::time::Duration;
 
@@ -268,31 +269,197 @@ async fn pty_viewers_resize_reconnect_and_kill() {
     s.stop().await;
 }
 
-/// A PTY's terminal belongs to the appliance process: after a SIGKILL and
-/// restart it is `lost`, and its lease and sandbox are still there.
+/// Reads a PTY's output from `offset` until `want` appears: the text read
+/// and the next offset; `None` while the appliance has no stream of it (a
+/// restart that has not re-attached yet) or when it ends first.
+async fn read_until(
+    rig: &crate::kit::ProcRig,
+    url: &str,
+    pty: &str,
+    mut offset: u64,
+    want: &str,
+) -> Option<(String, u64)> {
+    let mut text = String::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let (st, v) = rig
+            .call(
+                format!("{url}/v1/ptys/{pty}/output"),
+                Some(json!({"offset": offset, "wait_ms": 1000})),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let b = B64.decode(v["content_base64"].as_str().unwrap()).unwrap();
+        text.push_str(&String::from_utf8_lossy(&b));
+        offset = v["next_offset"].as_u64().unwrap();
+        if text.contains(want) {
+            return Some((text, offset));
+        }
+        if v["eof"] == true {
+            return None;
+        }
+    }
+    None
+}
+
+/// The recording files under a state directory.
+pub(crate) fn recordings(state: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(state.join("recordings"))
+        .map(|d| d.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A PTY's shell lives in its sandbox: after an appliance SIGKILL and
+/// restart the appliance re-attaches to it, and the session before and
+/// after is one recording (input, output, a resize, a marker for the
+/// restart) that `recording verify` passes and that one changed byte
+/// fails, naming its chunk.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pty_is_lost_after_a_restart() {
+async fn a_pty_survives_a_sigkill_in_one_sealed_recording() {
     let (rig, p) = crate::kit::ProcRig::start();
-    let call = |url: String, body: Option<Value>| rig.call(url, body);
-    let (_, v) = call(
-        format!("{}/v1/leases/acquire", p.url),
-        Some(json!({"runtime": "mcp", "session_key": "pty-restart"})),
-    )
-    .await;
-    let lease = v["lease_ref"].as_str().unwrap().to_string();
-    let (st, v) = call(format!("{}/v1/leases/{lease}/ptys", p.url), Some(json!({}))).await;
+    let lease = rig.acquire(&p.url, "pty-restart").await;
+    let (st, v) = rig
+        .call(format!("{}/v1/leases/{lease}/ptys", p.url), Some(json!({})))
+        .await;
     assert_eq!(st, StatusCode::CREATED, "{v}");
     let pty = v["pty_ref"].as_str().unwrap().to_string();
+    let input = |url: String, data: &'static str| {
+        let rig = &rig;
+        let pty = pty.clone();
+        async move {
+            let (st, v) = rig
+                .call(
+                    format!("{url}/v1/ptys/{pty}/input"),
+                    Some(json!({"data": data})),
+                )
+                .await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+        }
+    };
+    input(p.url.clone(), "echo before-$((6*7))\n").await;
+    read_until(&rig, &p.url, &pty, 0, "before-42")
+        .await
+        .expect("output before the restart");
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/ptys/{pty}/resize", p.url),
+            Some(json!({"rows": 30, "cols": 100})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+
     let p = rig.kill_and_restart(p);
-    let (st, v) = call(format!("{}/v1/ptys/{pty}/status", p.url), None).await;
-    assert_eq!(st, StatusCode::OK, "{v}");
-    assert_eq!(v["state"], "lost", "{v}");
-    let (st, v) = call(
-        format!("{}/v1/leases/{lease}/exec", p.url),
-        Some(json!({"command": "echo still-here"})),
-    )
-    .await;
-    assert_eq!(st, StatusCode::OK, "{v}");
-    assert_eq!(v["stdout"], "still-here\n");
+    // Re-attached: the PTY is still running and its output flows again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (st, v) = rig
+            .call(
+                format!("{}/v1/ptys/{pty}/output", p.url),
+                Some(json!({"offset": 0})),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["state"], "running", "{v}");
+        if v["eof"] == false {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never re-attached");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    input(p.url.clone(), "echo after-$((7*8))\n").await;
+    let (_, at) = read_until(&rig, &p.url, &pty, 0, "after-56")
+        .await
+        .expect("output after the restart");
+    input(p.url.clone(), "exit 0\n").await;
+    let _ = read_until(&rig, &p.url, &pty, at, "\u{0}").await;
+    // The recording is sealed once the shell has ended.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !rig
+        .journal()
+        .iter()
+        .any(|e| e["action"] == "recording_sealed" && e["pty_ref"] == pty.as_str())
+    {
+        assert!(std::time::Instant::now() < deadline, "never sealed");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let files = recordings(&rig.state);
+    assert_eq!(files.len(), 1, "one recording: {files:?}");
+    let cast = std::fs::read_to_string(&files[0]).unwrap();
+    let mut lines = cast.lines();
+    let head: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!(head["version"], 2);
+    assert_eq!(head["cube_adapter"]["subject"], pty.as_str());
+    let events: Vec<Value> = lines.map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text = |code: &str| -> String {
+        events
+            .iter()
+            .filter(|e| e[1] == code)
+            .map(|e| e[2].as_str().unwrap())
+            .collect()
+    };
+    assert!(text("o").contains("before-42") && text("o").contains("after-56"));
+    assert!(
+        text("i").contains("echo before-$((6*7))\n"),
+        "{}",
+        text("i")
+    );
+    assert!(text("i").contains("exit 0\n"));
+    assert_eq!(text("r"), "100x30");
+    assert!(text("m").contains("restarted"), "{}", text("m"));
+    let times: Vec<f64> = events.iter().map(|e| e[0].as_f64().unwrap()).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+
+    // Verified against the journal (through the service, and offline
+    // against an export).
+    let out = rig.cli(&["recording", "verify", files[0].to_str().unwrap()]);
+    let verdict: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(out.status.code(), Some(0), "{verdict}");
+    assert_eq!(verdict["ok"], true);
+    assert_eq!(verdict["sealed"], true);
+    let chunks = verdict["chunks"].as_u64().unwrap();
+    assert!(chunks >= 2, "a chunk before the kill, one after: {verdict}");
+    let export = rig.state.parent().unwrap().join("journal.jsonl");
+    let j = rig.cli(&["audit", "export"]);
+    std::fs::write(&export, &j.stdout).unwrap();
+    let out = rig.cli(&[
+        "recording",
+        "verify",
+        files[0].to_str().unwrap(),
+        "--journal",
+        export.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // One byte changed: its chunk is named.
+    let chunk_events: Vec<Value> = rig
+        .journal()
+        .into_iter()
+        .filter(|e| e["action"] == "recording_chunk" && e["pty_ref"] == pty.as_str())
+        .collect();
+    let last = chunk_events.last().unwrap();
+    let (off, len) = (
+        last["offset"].as_u64().unwrap(),
+        last["bytes"].as_u64().unwrap(),
+    );
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    let at = (off + len / 2) as usize;
+    bytes[at] = if bytes[at] == b'x' { b'y' } else { b'x' };
+    let bad = rig.state.parent().unwrap().join("changed.cast");
+    std::fs::write(&bad, &bytes).unwrap();
+    let out = rig.cli(&["recording", "verify", bad.to_str().unwrap()]);
+    let verdict: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{verdict}");
+    assert_eq!(verdict["ok"], false);
+    let problems = verdict["problems"].to_string();
+    let name = format!("chunk {} (bytes {off}..{})", last["chunk"], off + len);
+    assert!(problems.contains(&name), "{problems} names {name}");
     p.stop();
 }

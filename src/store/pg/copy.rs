@@ -29,12 +29,14 @@ const RECORDS: &[Records] = &[
     tables::TASKS,
     tables::USERS,
     tables::CONSOLE_SESSIONS,
+    tables::RECORDINGS,
 ];
 const LINKS: &[Links] = &[tables::SESSIONS];
 const INDEXES: &[Index] = &[
     tables::LEASE_JOBS,
     tables::LEASE_CHECKPOINTS,
     tables::LEASE_PTYS,
+    tables::LEASE_RECORDINGS,
 ];
 
 /// Whether the database holds a store already (its chain or any record).
