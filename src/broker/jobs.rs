@@ -19,9 +19,12 @@ use serde_json::Value;
 
 use super::dto::{self, JobAnswer, OutputEncoding};
 use super::leases::{Done, Lease, Visible, new_ref, valid_ref};
+use super::recordings::{Recorder, RecordingKind, Stream};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Action;
 use crate::auth::Principal;
+use crate::cube::envd::decode_data;
+use crate::cube::wire::ProcessEvent;
 use crate::cube::{ErrorKind, StartOptions};
 use crate::store::{self, StoreError};
 
@@ -153,6 +156,18 @@ i=0
 while kill -0 -- "-$c" 2>/dev/null && [ "$i" -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
 kill -KILL -- "-$c" 2>/dev/null
 exit 0
+"#;
+
+/// Follows a job's output as it is written, for its recording: standard
+/// output on stdout and standard error on stderr, each from its offset
+/// (`OO`, `EO`), until the runner (`R`) has ended and both are read
+/// (GNU `tail`; where it is missing the recording catches up at the end).
+const FOLLOW: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
+tail -c +"$((OO + 1))" -s 0.2 --pid="$R" -F stdout 2>/dev/null &
+a=$!
+tail -c +"$((EO + 1))" -s 0.2 --pid="$R" -F stderr >&2 2>/dev/null &
+b=$!
+wait "$a" "$b"
 "#;
 
 pub use crate::store::jobs::{Job, JobState};
@@ -582,12 +597,22 @@ impl Broker {
                         updated_at: ts,
                         max_seconds: prof.max_command_seconds,
                     };
+                    let (rec, record) = b
+                        .begin_recording(RecordingKind::Job, &l, &job.job_ref, (80, 24))
+                        .map_err(|e| {
+                            Error::new(
+                                Code::AuditUnavailable,
+                                format!("the job's recording cannot be written: {e}"),
+                            )
+                        })?;
+                    b.follow_job(l.clone(), job.clone(), rec, (0, 0));
                     let j2 = job.clone();
                     Ok(Done::new(job).persist(move |txn| {
                         for old in &finished {
                             delete_job(txn, old)?;
                         }
-                        put_job(txn, &j2)
+                        put_job(txn, &j2)?;
+                        crate::store::recordings::put(txn, &record)
                     }))
                 },
             )
@@ -972,6 +997,137 @@ impl Broker {
         let en = c.stderr_offset + pr.stderr.len() as u64;
         let drained = on >= pr.out_size && en >= pr.err_size;
         Ok((job, lease.sandbox_ref, pr.stdout, pr.stderr, drained))
+    }
+
+    /// At start: go on with the recordings of jobs the previous run was
+    /// recording (a job still running is followed again; one that ended
+    /// is caught up with and sealed). Output written while the appliance
+    /// was down is recorded when it is read, each stream in order.
+    pub(crate) async fn resume_job_recordings(&self) {
+        for rec in self.open_recordings() {
+            if rec.kind != RecordingKind::Job {
+                continue;
+            }
+            let lease = self.get_lease(&rec.lease_ref).await.ok().flatten();
+            let job = self.get_job(&rec.subject).await.ok().flatten();
+            let path = self.inner.recordings.path(&rec);
+            let id = rec.recording_ref.clone();
+            let r = match self.reopen_recording(rec, lease.as_ref()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(recording = %id, error = %e, "cannot reopen a job's recording");
+                    continue;
+                }
+            };
+            let n = path
+                .and_then(|p| std::fs::read(p).ok())
+                .map(|f| super::recordings::stream_bytes(&f))
+                .unwrap_or_default();
+            r.marker("the appliance restarted; what the job wrote while it was down follows, each stream in order")
+                .await;
+            match (lease, job) {
+                (Some(l), Some(j)) => self.follow_job(l, j, r, (n[0], n[1])),
+                _ => {
+                    r.finish().await;
+                }
+            }
+        }
+    }
+
+    /// Record a job's output as it is written (`FOLLOW`), from `from`
+    /// (bytes of stdout and stderr already recorded); once the job has
+    /// ended, catch up with what the follower did not deliver and seal the
+    /// recording. A stream that breaks while the job runs is followed
+    /// again; at a shutdown the recording stays open (the next start goes
+    /// on with it).
+    pub(crate) fn follow_job(&self, l: Lease, job: Job, rec: Recorder, from: (u64, u64)) {
+        let b = self.clone();
+        tokio::spawn(async move {
+            let (mut out, mut err) = from;
+            let mut tries = 0u32;
+            loop {
+                if b.inner.tracker.is_closed() {
+                    return;
+                }
+                let Ok(addr) = b.addr(&l) else {
+                    break;
+                };
+                let envs: BTreeMap<String, String> = [
+                    ("J", job.job_ref.clone()),
+                    ("R", job.runner_pid.to_string()),
+                    ("OO", out.to_string()),
+                    ("EO", err.to_string()),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+                let o = StartOptions {
+                    cmd: "/bin/sh".into(),
+                    args: vec!["-c".into(), FOLLOW.into()],
+                    envs,
+                    ..Default::default()
+                };
+                let mut ended = false;
+                if let Ok(mut s) = addr.cube.start(&addr, &o).await {
+                    loop {
+                        match s.next().await {
+                            Ok(Some(ProcessEvent::Data(d))) => {
+                                if let Some(x) =
+                                    d.stdout.as_deref().and_then(|x| decode_data(x).ok())
+                                {
+                                    out += x.len() as u64;
+                                    rec.data(Stream::Output, &x).await;
+                                }
+                                if let Some(x) =
+                                    d.stderr.as_deref().and_then(|x| decode_data(x).ok())
+                                {
+                                    err += x.len() as u64;
+                                    rec.data(Stream::Error, &x).await;
+                                }
+                            }
+                            Ok(Some(ProcessEvent::End(_))) | Ok(None) => {
+                                ended = true;
+                                break;
+                            }
+                            Ok(Some(_)) => {}
+                            Err(_) => break,
+                        }
+                    }
+                }
+                if b.inner.tracker.is_closed() {
+                    return;
+                }
+                // Still running: the stream broke; follow again.
+                let running = probe(&b, &addr, &job, (out, 0), (err, 0))
+                    .await
+                    .is_ok_and(|p| p.kind == "running");
+                if !running {
+                    break;
+                }
+                tries += 1;
+                if !ended || tries > 3 {
+                    tokio::time::sleep(Duration::from_secs(u64::from(tries.min(30)))).await;
+                }
+            }
+            // Catch up: what the follower did not deliver (no `tail`, or
+            // written while nobody followed), each stream in order.
+            if let Ok(addr) = b.addr(&l) {
+                loop {
+                    let Ok(p) = probe(&b, &addr, &job, (out, MAX_CHUNK), (err, MAX_CHUNK)).await
+                    else {
+                        break;
+                    };
+                    if p.stdout.is_empty() && p.stderr.is_empty() {
+                        break;
+                    }
+                    out += p.stdout.len() as u64;
+                    err += p.stderr.len() as u64;
+                    rec.data(Stream::Output, &p.stdout).await;
+                    rec.data(Stream::Error, &p.stderr).await;
+                }
+            }
+            rec.finish().await;
+        });
     }
 
     /// Open a job's event stream: authorize and audit once.

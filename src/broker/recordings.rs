@@ -172,6 +172,11 @@ impl Recordings {
         self.dir.get().map(PathBuf::as_path)
     }
 
+    /// Where a recording's file is.
+    pub fn path(&self, rec: &Recording) -> Option<PathBuf> {
+        self.dir().map(|d| d.join(rec.file_name()))
+    }
+
     pub fn get(&self, subject: &str) -> Option<Recorder> {
         self.live
             .lock()
@@ -316,6 +321,23 @@ fn encode(t: f64, (code, bcode): (&str, &str), carry: &mut Vec<u8>, bytes: &[u8]
     let mut buf = std::mem::take(carry);
     buf.extend_from_slice(bytes);
     let mut out = vec![];
+    // Mostly not text (a binary's bytes): one base64 event for all of it,
+    // not an event per stray byte.
+    let mut bad = 0;
+    let mut at: &[u8] = &buf;
+    while let Err(e) = std::str::from_utf8(at) {
+        match e.error_len() {
+            Some(n) => {
+                bad += 1;
+                at = at.get(e.valid_up_to() + n..).unwrap_or_default();
+            }
+            None => break,
+        }
+        if bad > 4 {
+            out.extend(line(t, bcode, &B64.encode(&buf)));
+            return out;
+        }
+    }
     let mut rest: &[u8] = &buf;
     while !rest.is_empty() {
         match std::str::from_utf8(rest) {
@@ -381,6 +403,30 @@ pub fn read_header(first_line: &str) -> Option<(String, f64)> {
         c.get("recording_ref")?.as_str()?.to_string(),
         c.get("start")?.as_f64()?,
     ))
+}
+
+/// The bytes of each stream a recording holds: (output, error, input).
+pub fn stream_bytes(file: &[u8]) -> [u64; 3] {
+    let mut n = [0u64; 3];
+    for l in file.split(|c| *c == b'\n').skip(1) {
+        let Ok((_, code, data)) = serde_json::from_slice::<(f64, String, String)>(l) else {
+            continue;
+        };
+        let len = match code.as_str() {
+            "o" | "e" | "i" => data.len() as u64,
+            "ob" | "eb" | "ib" => B64.decode(data.as_bytes()).map_or(0, |b| b.len() as u64),
+            _ => continue,
+        };
+        let i = match code.as_bytes().first() {
+            Some(b'o') => 0,
+            Some(b'e') => 1,
+            _ => 2,
+        };
+        if let Some(x) = n.get_mut(i) {
+            *x += len;
+        }
+    }
+    n
 }
 
 /// What a recording's writer holds.
@@ -894,6 +940,7 @@ impl Broker {
                 ),
                 Err(e) => tracing::error!(error = %e, "cannot resume the previous run's PTYs"),
             }
+            b.resume_job_recordings().await;
             b.seal_left_recordings().await;
         });
     }
@@ -976,6 +1023,23 @@ mod tests {
         assert_eq!(out, b"xx[REDACTED***]yy".as_slice());
         assert_eq!(mask(8), b"[******]");
         assert_eq!(mask(11), b"[REDACTED*]");
+    }
+
+    #[test]
+    fn binary_bytes_are_one_event() {
+        let mut carry = vec![];
+        let bytes: Vec<u8> = (0..=255u8).collect();
+        let out = encode(0.0, ("o", "ob"), &mut carry, &bytes);
+        let s = String::from_utf8(out).unwrap();
+        assert_eq!(s.lines().count(), 1, "{s}");
+        assert_eq!(stream_bytes(format!("{{}}\n{s}").as_bytes()), [256, 0, 0]);
+        assert!(carry.is_empty());
+    }
+
+    #[test]
+    fn a_files_streams_are_counted_as_bytes() {
+        let f = b"{}\n[0.1, \"o\", \"caf\\u00e9\"]\n[0.2, \"ob\", \"/w==\"]\n[0.3, \"e\", \"x\"]\n[0.4, \"m\", \"note\"]\n[0.5, \"i\", \"ls\\n\"]\n";
+        assert_eq!(stream_bytes(f), [6, 1, 3]);
     }
 
     #[test]

@@ -535,6 +535,34 @@ async fn job_output_survives_sigkill_restart_and_disconnect() {
         [e1, e2].concat() == want_err,
         "SSE stderr differs from paging"
     );
+
+    // The job's recording, across the SIGKILL: both streams byte for byte
+    // (random bytes: base64 events), and sealed.
+    let file = crate::recordings::sealed(&rig.state, &job, || rig.journal()).await;
+    let (_, evs) = crate::recordings::read(&file);
+    let (ro, re) = (
+        crate::recordings::stream(&evs, "o"),
+        crate::recordings::stream(&evs, "e"),
+    );
+    assert!(
+        ro == want_out,
+        "recorded stdout differs ({} vs {} bytes)",
+        ro.len(),
+        want_out.len()
+    );
+    assert!(
+        re == want_err,
+        "recorded stderr differs ({} vs {} bytes)",
+        re.len(),
+        want_err.len()
+    );
+    let out = rig.cli(&["recording", "verify", file.to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     p.stop();
 }
 

@@ -41,6 +41,7 @@ mod pg_conn;
 mod presets;
 mod production;
 mod ptys;
+mod recordings;
 mod replicas;
 mod rollback_race;
 mod sdk;
