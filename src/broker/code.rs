@@ -107,6 +107,9 @@ codes! {
     TaskTemplateDenied = "task_template_denied", FORBIDDEN, Rejected, None;
     ApproverRequired = "approver_required", FORBIDDEN, Rejected, None;
     SelfApprovalDenied = "self_approval_denied", FORBIDDEN, Rejected, None;
+    /// Reading evidence (a session recording) needs the auditor or admin
+    /// role.
+    AuditorRequired = "auditor_required", FORBIDDEN, Rejected, None;
     /// A governed MCP call to a tool its policy does not allow (or on a
     /// lease without a policy).
     McpToolDenied = "mcp_tool_denied", FORBIDDEN, Rejected, None;
@@ -123,6 +126,8 @@ codes! {
     NotFound = "not_found", NOT_FOUND, Rejected, None;
     LeaseNotFound = "lease_not_found", NOT_FOUND, Rejected, None;
     JobNotFound = "job_not_found", NOT_FOUND, Rejected, None;
+    /// No such recording, or not one of the caller's tenant.
+    RecordingNotFound = "recording_not_found", NOT_FOUND, Rejected, None;
     PtyNotFound = "pty_not_found", NOT_FOUND, Rejected, None;
     /// `error`, not `rejected`: a snapshot found gone by the effect (a
     /// rollback, a fork) has always been recorded so.

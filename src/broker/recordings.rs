@@ -1090,6 +1090,78 @@ mod tests {
     }
 }
 
+impl Broker {
+    /// A recording an auditor of its tenant or an admin reads (`action`:
+    /// `recording_view` or `recording_download`, recorded either way): the
+    /// record and its file's path. Anyone else is refused
+    /// (`auditor_required`); another tenant's is `recording_not_found`, as a
+    /// missing one is.
+    pub async fn recording_for(
+        &self,
+        p: &crate::auth::Principal,
+        ctx: &super::Ctx,
+        action: Action,
+        recording_ref: &str,
+    ) -> super::Result<(Recording, PathBuf)> {
+        use super::{Code, Error};
+        let ev = self.event(p, action, ctx);
+        if !p.may_audit() {
+            return Err(self
+                .reject(
+                    ev,
+                    Error::new(
+                        Code::AuditorRequired,
+                        "recordings are for auditors and admins",
+                    ),
+                )
+                .await);
+        }
+        let missing = || Error::new(Code::RecordingNotFound, "no such recording");
+        let rec = if super::leases::valid_ref(recording_ref, "rec") {
+            self.inner
+                .store
+                .read_now(|txn| crate::store::recordings::get(txn, recording_ref))?
+        } else {
+            None
+        };
+        let Some(rec) = rec.filter(|r| p.is_admin() || r.tenant == p.tenant) else {
+            return Err(self.reject(ev, missing()).await);
+        };
+        let Some(path) = self.inner.recordings.path(&rec).filter(|f| f.exists()) else {
+            return Err(self.reject(ev, missing()).await);
+        };
+        let mut ev = ev;
+        ev.recording_ref = Some(rec.recording_ref.clone());
+        ev.lease_ref = Some(rec.lease_ref.clone());
+        ev.sandbox_ref = Some(rec.sandbox_ref.clone());
+        ev.outcome = Outcome::Ok;
+        self.inner.journal.record(ev).await?;
+        Ok((rec, path))
+    }
+
+    /// The recordings a principal may replay (auditors: their tenant's;
+    /// admins: all), newest first, at most `limit`; of one lease with
+    /// `lease`.
+    pub fn recordings_for(
+        &self,
+        p: &crate::auth::Principal,
+        lease: Option<&str>,
+        limit: usize,
+    ) -> super::Result<Vec<Recording>> {
+        if !p.may_audit() {
+            return Ok(vec![]);
+        }
+        let mut all = self.inner.store.read_now(|txn| match lease {
+            Some(l) => crate::store::recordings::of_lease(txn, l),
+            None => crate::store::recordings::all(txn),
+        })?;
+        all.retain(|r| p.is_admin() || r.tenant == p.tenant);
+        all.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+        all.truncate(limit);
+        Ok(all)
+    }
+}
+
 /// What `recording verify` found.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Verdict {

@@ -304,6 +304,10 @@ pub struct Row {
     pub error_code: String,
     pub identity: String,
     pub tenant: String,
+    /// The recording the event is about, or of the job or PTY it is about
+    /// (a link to the player, or to that subject's recordings).
+    pub recording_ref: String,
+    pub subject: String,
 }
 
 fn short(d: &Option<String>) -> String {
@@ -327,6 +331,8 @@ impl From<Event> for Row {
             plan_ref: e.plan_ref.unwrap_or_default(),
             task_ref: e.task_ref.unwrap_or_default(),
             error_code: e.error_code.unwrap_or_default(),
+            recording_ref: e.recording_ref.unwrap_or_default(),
+            subject: e.job_ref.or(e.pty_ref).unwrap_or_default(),
         }
     }
 }

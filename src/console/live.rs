@@ -95,6 +95,7 @@ struct ListPage {
     max: usize,
     max_procs: usize,
     admin: bool,
+    auditor: bool,
     csrf: String,
 }
 
@@ -122,6 +123,7 @@ struct JobPage {
     stdout_cut: bool,
     stderr_cut: bool,
     admin: bool,
+    auditor: bool,
     csrf: String,
 }
 
@@ -269,6 +271,7 @@ pub async fn list(
         max: MAX_LEASES,
         max_procs: crate::broker::LIVE_PROCS,
         admin,
+        auditor: who.principal.may_audit(),
         csrf: who.csrf.clone(),
     };
     html(StatusCode::OK, &page)
@@ -311,6 +314,7 @@ pub async fn job(
         stdout_cut: t.stdout_from > 0,
         stderr_cut: t.stderr_from > 0,
         admin: who.principal.is_admin(),
+        auditor: who.principal.may_audit(),
         csrf: who.csrf.clone(),
         tenant: t.tenant,
         job_ref: j.job_ref,

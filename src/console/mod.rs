@@ -21,6 +21,7 @@ mod live;
 pub mod notify;
 mod oidc;
 mod pages;
+mod recordings;
 pub mod session;
 mod tasks;
 
@@ -71,6 +72,7 @@ pub fn router(st: ConsoleState) -> Router {
         .merge(tasks::routes())
         .merge(audit::routes())
         .merge(live::routes())
+        .merge(recordings::routes())
         .merge(identities::routes())
         .merge(connect::routes())
         .route("/console/static/{*path}", get(assets::serve))

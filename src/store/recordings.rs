@@ -91,6 +91,10 @@ impl Recording {
     }
 }
 
+pub fn get(txn: &impl ReadOps, recording_ref: &str) -> Result<Option<Recording>, StoreError> {
+    txn.record(tables::RECORDINGS, recording_ref)
+}
+
 /// Every recording, by ref.
 pub fn all(txn: &impl ReadOps) -> Result<Vec<Recording>, StoreError> {
     txn.records(tables::RECORDINGS)

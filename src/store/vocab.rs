@@ -236,6 +236,10 @@ vocabulary! {
         /// A recording's file found changed under its sealed chunks (at a
         /// restart, before the appliance went on with it).
         RecordingDamaged = "recording_damaged",
+        /// A recording replayed in the console.
+        RecordingView = "recording_view",
+        /// A recording's file downloaded.
+        RecordingDownload = "recording_download",
         // Trusted tasks.
         TaskTemplates = "task_templates",
         TaskPlan = "task_plan",

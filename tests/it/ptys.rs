@@ -461,5 +461,72 @@ async fn a_pty_survives_a_sigkill_in_one_sealed_recording() {
     let problems = verdict["problems"].to_string();
     let name = format!("chunk {} (bytes {off}..{})", last["chunk"], off + len);
     assert!(problems.contains(&name), "{problems} names {name}");
+
+    // It replays in Chromium for an auditor of its tenant, and the file it
+    // downloads is the recording.
+    let rec = files[0].file_stem().unwrap().to_str().unwrap().to_string();
+    let dir = crate::console::browser::preflight();
+    let pw = rig.state.parent().unwrap().join("pw");
+    std::fs::write(&pw, "correct horse battery staple\n").unwrap();
+    let out = rig.cli(&[
+        "user",
+        "add",
+        "dora",
+        "--tenant",
+        "admin",
+        "--role",
+        "auditor",
+        "--password-file",
+        pw.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out_dir = rig.state.parent().unwrap().join("browser");
+    let spki = crate::console::browser::spki_sha256(
+        &std::fs::read(rig.state.join("tls/server.pem")).unwrap(),
+    );
+    let run = tokio::process::Command::new("node")
+        .arg(dir.join("recording.mjs"))
+        .current_dir(&dir)
+        .env("CUBE_URL", &p.url)
+        .env("CUBE_SPKI", &spki)
+        .env("CUBE_USER", "dora")
+        .env("CUBE_PASSWORD", "correct horse battery staple")
+        .env("CUBE_RECORDING", &rec)
+        .env("CUBE_BEFORE", "before-42")
+        .env("CUBE_AFTER", "after-56")
+        .env("CUBE_OUT", &out_dir)
+        .kill_on_drop(true)
+        .output();
+    let run = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the player test ends")
+        .expect("node runs");
+    let report: Value = serde_json::from_slice(
+        &std::fs::read(out_dir.join("report.json")).unwrap_or_else(|e| {
+            panic!("no report ({e}): {}", String::from_utf8_lossy(&run.stderr))
+        }),
+    )
+    .unwrap();
+    assert!(
+        run.status.success() && report["ok"] == true,
+        "the player failed: {report}\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let downloaded = std::fs::read(report["download"].as_str().unwrap()).unwrap();
+    assert_eq!(downloaded, std::fs::read(&files[0]).unwrap());
+    // Each view and download is in the journal.
+    let j = rig.journal();
+    for a in ["recording_view", "recording_download"] {
+        assert!(
+            j.iter().any(|e| e["action"] == a
+                && e["recording_ref"] == rec.as_str()
+                && e["outcome"] == "ok"),
+            "{a} recorded"
+        );
+    }
     p.stop();
 }

@@ -157,9 +157,12 @@ async fn leases_jobs_ptys_tail_and_admin_actions() {
     let watcher = b.sign_in("dora").await;
     let state_of = |html: &str, job: &str| -> String {
         let at = html
-            .find(&format!(">{job}</a></td>"))
+            .find(&format!(">{job}</a>"))
             .unwrap_or_else(|| panic!("{job} not listed: {html}"));
+        // The job's cell ends (after its recording's link); the state's
+        // cell is next.
         let rest = &html[at..];
+        let rest = &rest[rest.find("</td>").unwrap()..];
         let td = rest.find("<td>").unwrap() + 4;
         rest[td..td + rest[td..].find("</td>").unwrap()].to_string()
     };
