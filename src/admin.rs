@@ -66,6 +66,16 @@ pub enum Request {
         lease_ref: String,
         only: Option<Vec<String>>,
     },
+    /// `recording list [--lease LEASE]`: the recordings, oldest first.
+    RecordingList {
+        lease_ref: Option<String>,
+    },
+    /// `recording hold|unhold REF --note NOTE`: set or lift a legal hold.
+    RecordingHold {
+        recording_ref: String,
+        hold: bool,
+        note: String,
+    },
 }
 
 /// One answer line. Every request gets one answer, except `AuditExport`:
@@ -135,6 +145,10 @@ pub enum Response {
     LeaseEgress {
         lease_ref: String,
         destinations: Vec<String>,
+    },
+    /// `RecordingList` and `RecordingHold`: recordings as stored.
+    Recordings {
+        recordings: Vec<crate::store::recordings::Recording>,
     },
 }
 
@@ -297,7 +311,9 @@ pub async fn serve(
                         | Request::Reload
                         | Request::CertRenew
                         | Request::Backup
-                        | Request::LeaseEgress { .. }),
+                        | Request::LeaseEgress { .. }
+                        | Request::RecordingList { .. }
+                        | Request::RecordingHold { .. }),
                     ) => ops.handle(req).await,
                     Ok(Request::AuditExport { since }) => {
                         return export(&store, since, &mut w).await;
@@ -462,6 +478,8 @@ async fn answer(
         | Request::CertRenew
         | Request::Backup
         | Request::LeaseEgress { .. }
+        | Request::RecordingList { .. }
+        | Request::RecordingHold { .. }
         | Request::AuditExport { .. } => {
             return Err(OpError::new(
                 "invalid_request",

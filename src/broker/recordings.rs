@@ -40,7 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::Broker;
 use super::leases::Lease;
 use crate::audit::event::{Action, Event, Outcome};
-pub use crate::store::recordings::{Chunk, Recording, RecordingKind, RecordingState};
+pub use crate::store::recordings::{Chunk, Hold, Recording, RecordingKind, RecordingState};
 
 /// The recordings' directory under the state directory.
 pub const DIR: &str = "recordings";
@@ -517,6 +517,7 @@ impl Writer {
             RecordingKind::Exec => {}
         }
         ev.outcome = Outcome::Ok;
+        ev.phase = crate::audit::event::Phase::Event;
         ev
     }
 
@@ -769,6 +770,7 @@ impl Broker {
             bytes: 0,
             damaged: vec![],
             replica: self.inner.store.replica().map(str::to_string),
+            hold: None,
         };
         let path = dir.join(rec.file_name());
         let file = open_append(&path, true)?;
@@ -1025,6 +1027,81 @@ mod tests {
         assert_eq!(mask(11), b"[REDACTED*]");
     }
 
+    fn rec(id: &str, lease: &str, created: &str, bytes: u64, sealed: bool) -> Recording {
+        Recording {
+            recording_ref: id.into(),
+            tenant: "t".into(),
+            lease_ref: lease.into(),
+            sandbox_ref: "abcd1234".into(),
+            profile: "p".into(),
+            kind: RecordingKind::Pty,
+            subject: format!("pty_{id}"),
+            state: if sealed {
+                RecordingState::Sealed
+            } else {
+                RecordingState::Open
+            },
+            created_at: created.into(),
+            updated_at: created.into(),
+            chunks: vec![Chunk {
+                offset: 0,
+                len: bytes,
+                sha256: String::new(),
+            }],
+            digest: None,
+            bytes: if sealed { bytes } else { 0 },
+            damaged: vec![],
+            replica: None,
+            hold: None,
+        }
+    }
+
+    #[test]
+    fn retention_by_age_lease_and_total_never_a_hold_or_an_open_one() {
+        let mut cfg = crate::config::Config::default();
+        cfg.profiles.insert(
+            "p".into(),
+            crate::config::Profile {
+                recordings: Some(crate::config::ProfileRecordings {
+                    retain_days: 10,
+                    max_lease_bytes: 250,
+                }),
+                ..Default::default()
+            },
+        );
+        cfg.recordings.max_total_bytes = 1000;
+        let now = crate::clock::parse_unix("2026-02-01T00:00:00Z").unwrap();
+        let mut held = rec("a", "l1", "2026-01-01T00:00:00Z", 100, true);
+        held.hold = Some(Hold {
+            at: String::new(),
+            note_digest: String::new(),
+        });
+        let all = vec![
+            held,
+            rec("b", "l1", "2026-01-02T00:00:00Z", 100, true),
+            rec("c", "l2", "2026-01-30T00:00:00Z", 100, true),
+            rec("d", "l2", "2026-01-30T01:00:00Z", 100, true),
+            rec("e", "l2", "2026-01-30T02:00:00Z", 100, true),
+            rec("f", "l3", "2026-01-31T00:00:00Z", 600, false),
+            rec("g", "l4", "2026-01-31T01:00:00Z", 200, true),
+        ];
+        let gone: Vec<(String, &str)> = expired(&all, &cfg, now)
+            .into_iter()
+            .map(|(r, why)| (r.recording_ref, why.as_str()))
+            .collect();
+        // b by age (a is held); c over l2's cap (300 > 250); then over the
+        // total (a 100 + d 100 + e 100 + f 600 + g 200 = 1100 > 1000): d,
+        // the oldest removable left. f is still being written.
+        assert_eq!(
+            gone,
+            vec![
+                ("b".to_string(), "age"),
+                ("c".to_string(), "lease_cap"),
+                ("d".to_string(), "total_cap"),
+            ]
+        );
+    }
+
     #[test]
     fn binary_bytes_are_one_event() {
         let mut carry = vec![];
@@ -1078,6 +1155,7 @@ mod tests {
             bytes: 0,
             damaged: vec![],
             replica: None,
+            hold: None,
         };
         let h = header(&r, 80, 24, 1_700_000_000.25);
         let s = String::from_utf8(h).unwrap();
@@ -1159,6 +1237,206 @@ impl Broker {
         all.sort_by(|a, b| b.created_at.cmp(&a.created_at));
         all.truncate(limit);
         Ok(all)
+    }
+}
+
+/// Why retention removes a recording (`recording_deleted`'s `cleanup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    /// Older than its profile's `retain_days`.
+    Age,
+    /// Its lease's recordings hold more than `max_lease_bytes`.
+    LeaseCap,
+    /// All recordings hold more than `[recordings] max_total_bytes`.
+    TotalCap,
+}
+
+impl Expiry {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Age => "age",
+            Self::LeaseCap => "lease_cap",
+            Self::TotalCap => "total_cap",
+        }
+    }
+}
+
+/// A recording's size as retention counts it.
+fn size(r: &Recording) -> u64 {
+    match r.state {
+        RecordingState::Sealed => r.bytes,
+        RecordingState::Open => r.sealed_bytes(),
+    }
+}
+
+/// What retention removes from `all` (every recording this process keeps
+/// files of), and why, oldest first: sealed recordings past their
+/// profile's age, then the oldest of a lease over its cap, then the oldest
+/// of all while all are over the total. One under a hold, or still being
+/// written, is never removed, but counts toward the caps.
+pub fn expired(
+    all: &[Recording],
+    cfg: &crate::config::Config,
+    now: i64,
+) -> Vec<(Recording, Expiry)> {
+    let policy = |r: &Recording| {
+        cfg.profiles
+            .get(&r.profile)
+            .and_then(|p| p.recordings.clone())
+            .unwrap_or_default()
+    };
+    let removable = |r: &Recording| r.state == RecordingState::Sealed && r.hold.is_none();
+    let mut by_age: Vec<&Recording> = all.iter().collect();
+    by_age.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+    let mut gone: Vec<(Recording, Expiry)> = vec![];
+    let is_gone = |g: &[(Recording, Expiry)], r: &Recording| {
+        g.iter().any(|(x, _)| x.recording_ref == r.recording_ref)
+    };
+    for r in &by_age {
+        let days = i64::try_from(policy(r).retain_days).unwrap_or(i64::MAX);
+        let sealed_at = crate::clock::parse_unix(&r.updated_at).unwrap_or(now);
+        if removable(r) && now.saturating_sub(sealed_at) > days.saturating_mul(86_400) {
+            gone.push(((*r).clone(), Expiry::Age));
+        }
+    }
+    let mut leases: Vec<&str> = all.iter().map(|r| r.lease_ref.as_str()).collect();
+    leases.sort_unstable();
+    leases.dedup();
+    for lease in leases {
+        let mine: Vec<&&Recording> = by_age.iter().filter(|r| r.lease_ref == lease).collect();
+        let cap = mine.first().map_or(u64::MAX, |r| policy(r).max_lease_bytes);
+        let mut total: u64 = mine
+            .iter()
+            .filter(|r| !is_gone(&gone, r))
+            .map(|r| size(r))
+            .sum();
+        for r in &mine {
+            if total <= cap {
+                break;
+            }
+            if removable(r) && !is_gone(&gone, r) {
+                total = total.saturating_sub(size(r));
+                gone.push(((**r).clone(), Expiry::LeaseCap));
+            }
+        }
+    }
+    let mut total: u64 = all.iter().filter(|r| !is_gone(&gone, r)).map(size).sum();
+    for r in &by_age {
+        if total <= cfg.recordings.max_total_bytes {
+            break;
+        }
+        if removable(r) && !is_gone(&gone, r) {
+            total = total.saturating_sub(size(r));
+            gone.push(((*r).clone(), Expiry::TotalCap));
+        }
+    }
+    gone
+}
+
+impl Broker {
+    /// Retention (each upkeep pass, on every replica for the files on its
+    /// disk): remove what [`expired`] names, each with a
+    /// `recording_deleted` event committed with the record's removal,
+    /// before its file goes. Returns how many.
+    pub async fn recordings_gc(&self) -> super::Result<u64> {
+        let store = &self.inner.store;
+        let ours = store.replica().map(str::to_string);
+        let all: Vec<Recording> = store
+            .read(crate::store::recordings::all)
+            .await?
+            .into_iter()
+            .filter(|r| r.replica == ours || r.replica.is_none())
+            .collect();
+        let cfg = self.config();
+        let mut n = 0;
+        for (r, why) in expired(&all, &cfg, self.now().1) {
+            let j = self.journal();
+            let mut ev = j.event(Action::RecordingDeleted);
+            ev.tenant_digest = Some(j.digest("tenant", r.tenant.as_bytes()));
+            ev.lease_ref = Some(r.lease_ref.clone());
+            ev.sandbox_ref = Some(r.sandbox_ref.clone());
+            ev.profile = Some(r.profile.clone());
+            ev.recording_ref = Some(r.recording_ref.clone());
+            ev.bytes = Some(size(&r));
+            ev.content_sha256 = r.digest.clone();
+            ev.cleanup = Some(why.as_str().into());
+            ev.outcome = Outcome::Ok;
+            ev.phase = crate::audit::event::Phase::Event;
+            let r2 = r.clone();
+            store
+                .write(move |txn, chain| {
+                    // Still as it was read: a hold set since keeps it.
+                    if crate::store::recordings::get(txn, &r2.recording_ref)?
+                        .is_none_or(|c| c.hold.is_some())
+                    {
+                        return Ok(false);
+                    }
+                    chain.append(txn, ev)?;
+                    crate::store::recordings::remove(txn, &r2)?;
+                    Ok(true)
+                })
+                .await
+                .map(|done| {
+                    if done {
+                        n += 1;
+                    }
+                })?;
+            if let Some(p) = self.inner.recordings.path(&r)
+                && let Err(e) = std::fs::remove_file(&p)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::error!(recording = %r.recording_ref, error = %e, "cannot remove a recording's file");
+            }
+            self.inner.gc.actions.inc(["recording_deleted"]);
+        }
+        Ok(n)
+    }
+
+    /// Set or lift a legal hold (`recording hold|unhold`): recorded as
+    /// `recording_hold` with a keyed digest of the operator's note.
+    pub async fn recording_hold(
+        &self,
+        recording_ref: &str,
+        hold: bool,
+        note: &str,
+    ) -> super::Result<Recording> {
+        use super::{Code, Error};
+        let j = self.journal();
+        let note_digest = j.digest("note", note.as_bytes());
+        let mut ev = j.event(Action::RecordingHold);
+        ev.recording_ref = Some(recording_ref.to_string());
+        ev.note_digest = Some(note_digest.clone());
+        ev.decision = Some(if hold { "hold" } else { "unhold" }.into());
+        ev.outcome = Outcome::Ok;
+        ev.phase = crate::audit::event::Phase::Event;
+        let at = self.now().0;
+        let id = recording_ref.to_string();
+        let r = self
+            .inner
+            .store
+            .write(move |txn, chain| {
+                let Some(mut r) = crate::store::recordings::get(txn, &id)? else {
+                    return Ok(None);
+                };
+                r.hold = hold.then(|| Hold { at, note_digest });
+                ev.lease_ref = Some(r.lease_ref.clone());
+                ev.sandbox_ref = Some(r.sandbox_ref.clone());
+                chain.append(txn, ev)?;
+                crate::store::recordings::put(txn, &r)?;
+                Ok(Some(r))
+            })
+            .await?;
+        r.ok_or_else(|| Error::new(Code::RecordingNotFound, "no such recording"))
+    }
+
+    /// Every recording (the operator's `recording list`), oldest first.
+    pub async fn all_recordings(&self, lease: Option<&str>) -> super::Result<Vec<Recording>> {
+        let mut v = self.inner.store.read(crate::store::recordings::all).await?;
+        if let Some(l) = lease {
+            v.retain(|r| r.lease_ref == l);
+        }
+        v.sort_by(|a, b| a.created_at.cmp(&b.created_at));
+        Ok(v)
     }
 }
 

@@ -426,6 +426,8 @@ impl Broker {
         }
         self.authorize(p, "admin:gc", &ev).await?;
         let (collected, failed) = self.gc().await?;
+        // And the recordings' retention (in the journal, not the answer).
+        self.recordings_gc().await?;
         Ok(dto::GcResponse {
             collected,
             failed,
@@ -566,10 +568,23 @@ impl Broker {
         tokio::spawn(async move {
             let mut last = HashMap::new();
             let mut last_gc = Instant::now();
+            let mut last_rec_gc = Instant::now();
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                // Recordings' retention: every replica, for the files on
+                // its own disk.
+                if !gc_every.is_zero() && last_rec_gc.elapsed() >= gc_every {
+                    last_rec_gc = Instant::now();
+                    match b.recordings_gc().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(removed = n, "gc: recordings past their retention"),
+                        Err(e) => {
+                            tracing::warn!(code = e.code.as_str(), error = %e.message, "gc: recordings' retention failed");
+                        }
+                    }
                 }
                 if !*turn.borrow() {
                     continue;

@@ -71,6 +71,8 @@ pub struct Config {
     pub presets: BTreeMap<String, Preset>,
     /// What all profiles' brokered egress shares (`[egress]`).
     pub egress: EgressSection,
+    /// Session recordings, all profiles together (`[recordings]`).
+    pub recordings: RecordingsSection,
     /// How long GC keeps a plan that never ran (denied or expired) past
     /// its expiry. Plans that ran, and tasks with their receipts, are kept.
     pub plan_retention_seconds: u64,
@@ -879,6 +881,49 @@ pub struct Profile {
     /// written when unset, as `mcp_policy`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<ProfileEgress>,
+    /// How long its sessions' recordings are kept
+    /// (`[profiles.NAME.recordings]`). Not written when unset (the
+    /// defaults), as `mcp_policy`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recordings: Option<ProfileRecordings>,
+}
+
+/// `[profiles.NAME.recordings]`: the retention of a profile's session
+/// recordings (`docs/recordings.md`). GC removes a sealed recording older
+/// than `retain_days`, and a lease's oldest sealed recordings while its
+/// recordings hold more than `max_lease_bytes`; never one under a legal
+/// hold, never one still being written.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProfileRecordings {
+    pub retain_days: u64,
+    pub max_lease_bytes: u64,
+}
+
+impl Default for ProfileRecordings {
+    fn default() -> Self {
+        Self {
+            retain_days: 90,
+            max_lease_bytes: 1024 * 1024 * 1024,
+        }
+    }
+}
+
+/// `[recordings]`: what all recordings share. GC removes the oldest
+/// sealed recordings (not held) while all of them hold more than
+/// `max_total_bytes`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecordingsSection {
+    pub max_total_bytes: u64,
+}
+
+impl Default for RecordingsSection {
+    fn default() -> Self {
+        Self {
+            max_total_bytes: 20 * 1024 * 1024 * 1024,
+        }
+    }
 }
 
 /// How a profile's sandboxes keep their files (`[profiles.NAME.workspace]`,
@@ -1061,6 +1106,7 @@ impl Default for Profile {
             mcp_policy: None,
             template_preset: None,
             egress: None,
+            recordings: None,
         }
     }
 }
@@ -1166,6 +1212,7 @@ impl Default for Config {
             mcp_policies: BTreeMap::new(),
             presets: BTreeMap::new(),
             egress: EgressSection::default(),
+            recordings: RecordingsSection::default(),
             plan_retention_seconds: 24 * 3600,
             receipts: ReceiptsSection::default(),
             connections: ConnectionsSection::default(),
@@ -1588,6 +1635,21 @@ impl Config {
                         why: "mcp_policy and checkpoints_enabled do not go together (a checkpoint would reuse the gateway's token)".into(),
                     });
                 }
+            }
+        }
+        if self.recordings.max_total_bytes == 0 {
+            return Err(ConfigError::Invalid {
+                at: "recordings.max_total_bytes".into(),
+                why: "must be at least 1 (bytes)".into(),
+            });
+        }
+        for (name, p) in &self.profiles {
+            let Some(r) = &p.recordings else { continue };
+            if r.retain_days == 0 || r.max_lease_bytes == 0 {
+                return Err(ConfigError::Invalid {
+                    at: format!("profiles.{name}.recordings"),
+                    why: "retain_days and max_lease_bytes must be at least 1".into(),
+                });
             }
         }
         self.egress.validate()?;

@@ -47,6 +47,7 @@ pub const RELOADABLE: &[&str] = &[
     "mcp_policies",
     "presets",
     "egress",
+    "recordings",
     "plan_retention_seconds",
 ];
 
@@ -535,6 +536,25 @@ impl Service {
                     destinations,
                 }
             }
+            Request::RecordingList { lease_ref } => Response::Recordings {
+                recordings: self
+                    .broker
+                    .all_recordings(lease_ref.as_deref())
+                    .await
+                    .map_err(OpsError::Broker)?,
+            },
+            Request::RecordingHold {
+                recording_ref,
+                hold,
+                note,
+            } => Response::Recordings {
+                recordings: vec![
+                    self.broker
+                        .recording_hold(&recording_ref, hold, &note)
+                        .await
+                        .map_err(OpsError::Broker)?,
+                ],
+            },
             _ => return Err(OpsError::NotForService),
         })
     }

@@ -77,6 +77,16 @@ pub struct Recording {
     /// The replica whose disk holds the file (a shared database).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica: Option<String>,
+    /// An operator's legal hold: retention never removes it while set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold: Option<Hold>,
+}
+
+/// A legal hold: when, and a keyed digest of the operator's note.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hold {
+    pub at: String,
+    pub note_digest: String,
 }
 
 impl Recording {
@@ -110,6 +120,16 @@ pub fn put(txn: &impl WriteOps, r: &Recording) -> Result<(), StoreError> {
     )
 }
 
+/// Remove a recording's record (its file is the caller's).
+pub fn remove(txn: &impl WriteOps, r: &Recording) -> Result<(), StoreError> {
+    typed::remove(txn, tables::RECORDINGS, &r.recording_ref)?;
+    typed::remove_index(
+        txn,
+        tables::LEASE_RECORDINGS,
+        &index_key(&r.lease_ref, &r.recording_ref),
+    )
+}
+
 /// A lease's recordings, by ref.
 pub fn of_lease(txn: &impl ReadOps, lease_ref: &str) -> Result<Vec<Recording>, StoreError> {
     owned_items(txn, tables::LEASE_RECORDINGS, tables::RECORDINGS, lease_ref)
@@ -137,6 +157,7 @@ mod tests {
             bytes: 0,
             damaged: vec![],
             replica: None,
+            hold: None,
         };
         assert_eq!(r.sealed_bytes(), 0);
         r.chunks.push(Chunk {

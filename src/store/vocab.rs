@@ -240,6 +240,12 @@ vocabulary! {
         RecordingView = "recording_view",
         /// A recording's file downloaded.
         RecordingDownload = "recording_download",
+        /// Retention removed a recording (`cleanup`: `age`, `lease_cap`,
+        /// `total_cap`).
+        RecordingDeleted = "recording_deleted",
+        /// An operator set (`decision` `hold`) or lifted (`unhold`) a
+        /// legal hold on a recording.
+        RecordingHold = "recording_hold",
         // Trusted tasks.
         TaskTemplates = "task_templates",
         TaskPlan = "task_plan",

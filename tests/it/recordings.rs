@@ -144,3 +144,121 @@ async fn a_jobs_recording_is_its_output_interleaved_as_written() {
     );
     s.stop().await;
 }
+
+/// Start a job printing `n` bytes and wait for its recording's seal: the
+/// recording's ref.
+async fn recorded_job(s: &Server, lease: &str, n: usize) -> String {
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/jobs"),
+            json!({"command": format!("head -c {n} /dev/zero | tr '\\0' x")}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    let job = v["job_ref"].as_str().unwrap().to_string();
+    let file = sealed(&s.state, &job, || {
+        s.journal()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    })
+    .await;
+    file.file_stem().unwrap().to_str().unwrap().to_string()
+}
+
+/// Retention removes recordings past their profile's age and beyond a
+/// lease's cap, oldest first, never one under a legal hold; each removal
+/// is a `recording_deleted` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_by_age_and_size_never_under_a_hold() {
+    let clock = cube_adapter::clock::ManualClock::starting_now();
+    let c2 = clock.clone();
+    let s = Server::start_with(move |c| {
+        c.clock = c2.into();
+        c.gc_interval_seconds = 0;
+        c.profiles.get_mut("offline-code").unwrap().recordings =
+            Some(cube_adapter::config::ProfileRecordings {
+                retain_days: 7,
+                max_lease_bytes: 9000,
+            });
+    })
+    .await;
+    let lease = s.acquire(&s.admin, "rec-retention").await;
+    let mut recs = vec![];
+    for _ in 0..4 {
+        recs.push(recorded_job(&s, &lease, 3000).await);
+        clock.advance(time::Duration::minutes(1));
+    }
+    let cli = |args: &[&str]| crate::kit::cli_at(&s.state, &s.empty_config(), args);
+    // The oldest under a hold.
+    let out = cli(&["recording", "hold", &recs[0], "--note", "case 42"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&["recording", "list", "--json"]);
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 4, "{listed}");
+    assert!(listed[0]["hold"].is_object(), "{listed}");
+
+    // Four of ~3.4 KB each over a 9000-byte cap: the oldest that may go
+    // (the second; the first is held) goes, and the next, until under.
+    let (st, v) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let gone = |s: &Server| -> Vec<(String, String)> {
+        s.events("recording_deleted")
+            .iter()
+            .map(|e| {
+                (
+                    e["recording_ref"].as_str().unwrap().to_string(),
+                    e["cleanup"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let first = gone(&s);
+    assert_eq!(
+        first,
+        vec![
+            (recs[1].clone(), "lease_cap".to_string()),
+            (recs[2].clone(), "lease_cap".to_string())
+        ]
+    );
+    for r in &recs[1..3] {
+        assert!(!s.state.join(format!("recordings/{r}.cast")).exists());
+    }
+    // Past the profile's 7 days: all but the held one.
+    clock.advance(time::Duration::days(8));
+    let (st, _) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK);
+    let all = gone(&s);
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert_eq!(all[2], (recs[3].clone(), "age".to_string()));
+    assert!(
+        s.state
+            .join(format!("recordings/{}.cast", recs[0]))
+            .exists()
+    );
+    // The hold lifted: the next pass removes it.
+    let out = cli(&["recording", "unhold", &recs[0], "--note", "case closed"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (st, _) = s.post(&s.admin, "/v1/admin/gc", json!({})).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(gone(&s).len(), 4);
+    assert!(
+        !s.state
+            .join(format!("recordings/{}.cast", recs[0]))
+            .exists()
+    );
+    let holds = s.events("recording_hold");
+    assert_eq!(holds.len(), 2);
+    assert_eq!(holds[0]["decision"], "hold");
+    assert!(holds[0]["note_digest"].is_string() && holds[0].get("note").is_none());
+    s.stop().await;
+}
