@@ -1418,7 +1418,7 @@ impl Broker {
                 let Some(mut r) = crate::store::recordings::get(txn, &id)? else {
                     return Ok(None);
                 };
-                r.hold = hold.then(|| Hold { at, note_digest });
+                r.hold = hold.then_some(Hold { at, note_digest });
                 ev.lease_ref = Some(r.lease_ref.clone());
                 ev.sandbox_ref = Some(r.sandbox_ref.clone());
                 chain.append(txn, ev)?;
