@@ -36,6 +36,16 @@ impl Rig {
         launcher: &Path,
         sinks: Vec<crate::config::sinks::SinkDef>,
     ) -> anyhow::Result<Self> {
+        Self::start_tweaked(dir, launcher, sinks, |_| {}).await
+    }
+
+    /// As `start_with`, the configuration changed by `tweak` last.
+    pub async fn start_tweaked(
+        dir: &Path,
+        launcher: &Path,
+        sinks: Vec<crate::config::sinks::SinkDef>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let lb = super::loopback_backend(dir, launcher).await?;
         let (direct, burl, btx) = (lb.client, lb.url, lb.stop);
@@ -65,6 +75,7 @@ impl Rig {
         };
         let mut cfg = cfg;
         cfg.audit.sinks = sinks;
+        tweak(&mut cfg);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let (atx, arx) = tokio::sync::oneshot::channel::<()>();
         let (stx, srx) = tokio::sync::oneshot::channel();
@@ -832,4 +843,216 @@ pub async fn job_output(launcher: &Path, mib: usize, rounds: usize) -> anyhow::R
 /// A JSON field, or null.
 fn field<'a>(v: &'a Value, k: &str) -> &'a Value {
     v.get(k).unwrap_or(&Value::Null)
+}
+
+/// A rig whose `bench` profile records (or not) and runs up to 64 jobs or
+/// PTYs a lease.
+async fn recording_rig(dir: &Path, launcher: &Path, on: bool) -> anyhow::Result<Rig> {
+    Rig::start_tweaked(dir, launcher, vec![], |c| {
+        if let Some(p) = c.profiles.get_mut("bench") {
+            p.max_jobs_per_lease = 64;
+            p.recordings = Some(crate::config::ProfileRecordings {
+                enabled: on,
+                ..Default::default()
+            });
+        }
+    })
+    .await
+}
+
+/// `n` PTYs each printing `mib` MiB (base64 of random bytes) and exiting:
+/// (seconds until every PTY ended and its recording was sealed, this
+/// process's RSS before and its highest RSS sampled meanwhile, in KiB).
+async fn pty_flood(rig: &Rig, n: usize, mib: usize) -> anyhow::Result<(f64, u64, u64)> {
+    let lease = rig.acquire("recordings").await?;
+    let raw = mib * 1024 * 1024 * 3 / 4;
+    let me = std::process::id();
+    let before = super::rss_kib(me);
+    let t0 = Instant::now();
+    let mut ptys = vec![];
+    for _ in 0..n {
+        let v = rig
+            .post(
+                &format!("/v1/leases/{lease}/ptys"),
+                json!({"rows": 24, "cols": 100}),
+            )
+            .await?;
+        ptys.push(
+            field(&v, "pty_ref")
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        );
+    }
+    for p in &ptys {
+        rig.post(
+            &format!("/v1/ptys/{p}/input"),
+            json!({"data": format!("head -c {raw} /dev/urandom | base64 -w 100; exit\n")}),
+        )
+        .await?;
+    }
+    let mut peak = before;
+    loop {
+        peak = peak.max(super::rss_kib(me));
+        let mut running = 0;
+        for p in &ptys {
+            let v = rig
+                .http
+                .get(format!("{}/v1/ptys/{p}/status", rig.url))
+                .bearer_auth(&rig.admin)
+                .send()
+                .await?
+                .json::<Value>()
+                .await?;
+            if field(&v, "state") == "running" {
+                running += 1;
+            }
+        }
+        let recs = rig.store.read_now(crate::store::recordings::all)?;
+        let open = recs
+            .iter()
+            .filter(|r| r.state == crate::store::recordings::RecordingState::Open)
+            .count();
+        if running == 0 && open == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(900),
+            "the PTYs did not end"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok((t0.elapsed().as_secs_f64(), before, peak))
+}
+
+/// A job writing `mib` MiB of random bytes to each stream, then every byte
+/// read back by cursors: seconds to the job's end, and to the last byte
+/// read.
+async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f64)> {
+    let n = mib * 1024 * 1024;
+    let cmd = format!("head -c {n} /dev/urandom; head -c {n} /dev/urandom >&2");
+    let t0 = Instant::now();
+    let v = rig
+        .post(&format!("/v1/leases/{lease}/jobs"), json!({"command": cmd}))
+        .await?;
+    let job = field(&v, "job_ref")
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    loop {
+        let v = rig
+            .post(&format!("/v1/jobs/{job}/status"), json!({}))
+            .await?;
+        if field(&v, "state") != "running" {
+            anyhow::ensure!(field(&v, "state") == "succeeded", "the job failed: {v}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ended = t0.elapsed().as_secs_f64();
+    let (mut o, mut e) = (0u64, 0u64);
+    loop {
+        let v = rig
+            .post(
+                &format!("/v1/jobs/{job}/output"),
+                json!({"stdout_offset": o, "stderr_offset": e, "max_bytes": 1048576}),
+            )
+            .await?;
+        o = field(&v, "stdout_next_offset").as_u64().unwrap_or(o);
+        e = field(&v, "stderr_next_offset").as_u64().unwrap_or(e);
+        if field(&v, "eof") == true {
+            break;
+        }
+    }
+    anyhow::ensure!(o + e == 2 * n as u64, "read {} of {} bytes", o + e, 2 * n);
+    Ok((ended, t0.elapsed().as_secs_f64()))
+}
+
+/// `bench recordings`: memory while `ptys` PTYs each stream `mib` MiB with
+/// recording on and off, and what recording costs a job's output
+/// throughput (`job_mib` MiB a stream, `rounds` rounds, the two appliances
+/// alternately).
+pub async fn recordings(
+    launcher: &Path,
+    ptys: usize,
+    mib: usize,
+    job_mib: usize,
+    rounds: usize,
+) -> anyhow::Result<Report> {
+    let dir = tmpdir("recordings");
+    let mut report = Report::new("session recordings");
+    for (name, on) in [("off", false), ("on", true)] {
+        let rig = recording_rig(&dir.join(format!("ptys-{name}")), launcher, on).await?;
+        let (secs, before, peak) = pty_flood(&rig, ptys, mib).await?;
+        let recorded: u64 = rig
+            .store
+            .read_now(crate::store::recordings::all)?
+            .iter()
+            .map(|r| r.bytes)
+            .sum();
+        report.figures.insert(
+            format!("{ptys} PTYs x {mib} MiB, recording {name}: seconds to the end"),
+            secs,
+        );
+        report.figures.insert(
+            format!("{ptys} PTYs x {mib} MiB, recording {name}: RSS before (KiB)"),
+            before as f64,
+        );
+        report.figures.insert(
+            format!("{ptys} PTYs x {mib} MiB, recording {name}: highest RSS (KiB)"),
+            peak as f64,
+        );
+        report.figures.insert(
+            format!("{ptys} PTYs x {mib} MiB, recording {name}: MB recorded"),
+            recorded as f64 / 1e6,
+        );
+        rig.stop().await;
+    }
+    let off = recording_rig(&dir.join("jobs-off"), launcher, false).await?;
+    let on = recording_rig(&dir.join("jobs-on"), launcher, true).await?;
+    let (lo, ln) = (off.acquire("jobs").await?, on.acquire("jobs").await?);
+    let (mut off_end, mut on_end, mut off_read, mut on_read) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let (e, r) = job_round(&off, &lo, job_mib).await?;
+        off_end.push(e);
+        off_read.push(r);
+        let (e, r) = job_round(&on, &ln, job_mib).await?;
+        on_end.push(e);
+        on_read.push(r);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let total = (2 * job_mib * 1024 * 1024) as f64 / 1e6;
+    let (oe, ne, or, nr) = (
+        med(&mut off_end),
+        med(&mut on_end),
+        med(&mut off_read),
+        med(&mut on_read),
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording off: MB/s to its end"),
+        total / oe,
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording on: MB/s to its end"),
+        total / ne,
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording off: MB/s to the last byte read"),
+        total / or,
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording on: MB/s to the last byte read"),
+        total / nr,
+    );
+    report.figures.insert(
+        "job throughput with recording / without (to the last byte read)".into(),
+        or / nr,
+    );
+    off.stop().await;
+    on.stop().await;
+    super::remove_tmp(&dir);
+    Ok(report)
 }

@@ -597,22 +597,30 @@ impl Broker {
                         updated_at: ts,
                         max_seconds: prof.max_command_seconds,
                     };
-                    let (rec, record) = b
-                        .begin_recording(RecordingKind::Job, &l, &job.job_ref, (80, 24))
-                        .map_err(|e| {
-                            Error::new(
-                                Code::AuditUnavailable,
-                                format!("the job's recording cannot be written: {e}"),
-                            )
-                        })?;
-                    b.follow_job(l.clone(), job.clone(), rec, (0, 0));
+                    let record = if b.records(&l.profile) {
+                        let (rec, record) = b
+                            .begin_recording(RecordingKind::Job, &l, &job.job_ref, (80, 24))
+                            .map_err(|e| {
+                                Error::new(
+                                    Code::AuditUnavailable,
+                                    format!("the job's recording cannot be written: {e}"),
+                                )
+                            })?;
+                        b.follow_job(l.clone(), job.clone(), rec, (0, 0));
+                        Some(record)
+                    } else {
+                        None
+                    };
                     let j2 = job.clone();
                     Ok(Done::new(job).persist(move |txn| {
                         for old in &finished {
                             delete_job(txn, old)?;
                         }
                         put_job(txn, &j2)?;
-                        crate::store::recordings::put(txn, &record)
+                        match &record {
+                            Some(r) => crate::store::recordings::put(txn, r),
+                            None => Ok(()),
+                        }
                     }))
                 },
             )

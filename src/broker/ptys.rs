@@ -326,9 +326,22 @@ impl Broker {
                 Err(_) => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
             }
         };
+        let rec = if self.records(&l.profile) {
+            Some(self.reattach_recording(pty, &l).await?)
+        } else {
+            None
+        };
+        let hub = Hub::new();
+        self.inner.ptys.insert(&pty.pty_ref, hub.clone());
+        self.pump(pty.pty_ref.clone(), stream, hub, rec);
+        Ok(())
+    }
+
+    /// The recording a re-attached PTY goes on with.
+    async fn reattach_recording(&self, pty: &Pty, l: &Lease) -> Result<Recorder> {
         let rec = match self.recording_of(&pty.lease_ref, &pty.pty_ref) {
             Some(r) if r.state == super::recordings::RecordingState::Open => {
-                match self.reopen_recording(r, Some(&l)).await {
+                match self.reopen_recording(r, Some(l)).await {
                     Ok(rec) => rec,
                     Err(e) => {
                         return Err(Error::new(
@@ -343,7 +356,7 @@ impl Broker {
                 let (rec, record) = self
                     .begin_recording(
                         super::recordings::RecordingKind::Pty,
-                        &l,
+                        l,
                         &pty.pty_ref,
                         (pty.cols, pty.rows),
                     )
@@ -359,10 +372,7 @@ impl Broker {
             "the appliance restarted; output from while it was down is not in this recording",
         )
         .await;
-        let hub = Hub::new();
-        self.inner.ptys.insert(&pty.pty_ref, hub.clone());
-        self.pump(pty.pty_ref.clone(), stream, hub, rec);
-        Ok(())
+        Ok(rec)
     }
 
     /// `POST /v1/leases/{ref}/ptys` (201).
@@ -442,29 +452,37 @@ impl Broker {
                         updated_at: ts,
                         replica: b.inner.store.replica().map(str::to_string),
                     };
-                    let (rec, record) = match b.begin_recording(
-                        super::recordings::RecordingKind::Pty,
-                        &l,
-                        &pty.pty_ref,
-                        (cols, rows),
-                    ) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            // No recording, no terminal.
-                            let _ = addr.cube.signal(&addr, pty.pid, true).await;
-                            return Err(Error::new(
-                                Code::AuditUnavailable,
-                                format!("the PTY's recording cannot be written: {e}"),
-                            ));
+                    let recorded = if b.records(&l.profile) {
+                        match b.begin_recording(
+                            super::recordings::RecordingKind::Pty,
+                            &l,
+                            &pty.pty_ref,
+                            (cols, rows),
+                        ) {
+                            Ok(r) => Some(r),
+                            Err(e) => {
+                                // No recording, no terminal.
+                                let _ = addr.cube.signal(&addr, pty.pid, true).await;
+                                return Err(Error::new(
+                                    Code::AuditUnavailable,
+                                    format!("the PTY's recording cannot be written: {e}"),
+                                ));
+                            }
                         }
+                    } else {
+                        None
                     };
+                    let (rec, record) = recorded.unzip();
                     let hub = Hub::new();
                     b.inner.ptys.insert(&pty.pty_ref, hub.clone());
                     b.pump(pty.pty_ref.clone(), stream, hub, rec);
                     let p2 = pty.clone();
                     Ok(Done::new(pty).persist(move |txn| {
                         put_pty(txn, &p2)?;
-                        crate::store::recordings::put(txn, &record)
+                        match &record {
+                            Some(r) => crate::store::recordings::put(txn, r),
+                            None => Ok(()),
+                        }
                     }))
                 },
             )
@@ -485,7 +503,7 @@ impl Broker {
         pty_ref: String,
         mut stream: crate::cube::ProcessStream,
         hub: Arc<Hub>,
-        rec: Recorder,
+        rec: Option<Recorder>,
     ) {
         let b = self.clone();
         tokio::spawn(async move {
@@ -497,7 +515,9 @@ impl Broker {
                         for part in [d.pty, d.stdout, d.stderr].into_iter().flatten() {
                             if let Ok(bytes) = decode_data(&part) {
                                 hub.push(&bytes);
-                                rec.data(Stream::Output, &bytes).await;
+                                if let Some(r) = &rec {
+                                    r.data(Stream::Output, &bytes).await;
+                                }
                             }
                         }
                     }
@@ -514,11 +534,13 @@ impl Broker {
                 }
             }
             hub.end();
-            if broken {
-                rec.marker("the PTY's stream broke; nothing more was recorded")
-                    .await;
+            if let Some(rec) = rec {
+                if broken {
+                    rec.marker("the PTY's stream broke; nothing more was recorded")
+                        .await;
+                }
+                rec.finish().await;
             }
-            rec.finish().await;
             // Late viewers can still read the end for a minute.
             let hubs = b.clone();
             let r2 = pty_ref.clone();

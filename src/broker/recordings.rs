@@ -123,6 +123,7 @@ fn unix_now() -> f64 {
 pub struct Recorder {
     tx: mpsc::Sender<Msg>,
     pub recording_ref: Arc<str>,
+    pub lease_ref: Arc<str>,
 }
 
 impl Recorder {
@@ -183,6 +184,17 @@ impl Recordings {
             .unwrap_or_else(|p| p.into_inner())
             .get(subject)
             .cloned()
+    }
+
+    /// The live recordings of a lease.
+    pub fn of_lease(&self, lease_ref: &str) -> Vec<Recorder> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|r| &*r.lease_ref == lease_ref)
+            .cloned()
+            .collect()
     }
 
     fn insert(&self, subject: &str, r: Recorder) {
@@ -733,6 +745,15 @@ impl Broker {
         Arc::new(out)
     }
 
+    /// Whether a profile's PTYs and jobs are recorded (the default).
+    pub(crate) fn records(&self, profile: &str) -> bool {
+        self.config()
+            .profiles
+            .get(profile)
+            .and_then(|p| p.recordings.as_ref())
+            .is_none_or(|r| r.enabled)
+    }
+
     /// Start recording `subject` (a PTY's or job's ref) of a lease: its
     /// file is made with its header; the record to store with what it
     /// records comes back with the handle, whose writer runs from now.
@@ -802,6 +823,7 @@ impl Broker {
         let r = Recorder {
             tx,
             recording_ref: w.rec.recording_ref.as_str().into(),
+            lease_ref: w.rec.lease_ref.as_str().into(),
         };
         self.inner.recordings.insert(&w.rec.subject, r.clone());
         tokio::spawn(w.run(rx));
@@ -968,6 +990,28 @@ impl Broker {
         }
     }
 
+    /// A lease whose sandbox is gone: seal its live recordings (nothing
+    /// more will come; each gets up to 10 s) and name its sealed ones,
+    /// `(ref, SHA-256, bytes)` in ref order.
+    pub(crate) async fn seal_lease_recordings(
+        &self,
+        lease_ref: &str,
+    ) -> Vec<(String, String, u64)> {
+        for r in self.inner.recordings.of_lease(lease_ref) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), r.finish()).await;
+        }
+        let mut v: Vec<(String, String, u64)> = self
+            .inner
+            .store
+            .read_now(|txn| crate::store::recordings::of_lease(txn, lease_ref))
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|r| Some((r.recording_ref, r.digest?, r.bytes)))
+            .collect();
+        v.sort();
+        v
+    }
+
     /// The recording of a lease's PTY or job, if it has one.
     pub(crate) fn recording_of(&self, lease_ref: &str, subject: &str) -> Option<Recording> {
         self.inner
@@ -1063,6 +1107,7 @@ mod tests {
             "p".into(),
             crate::config::Profile {
                 recordings: Some(crate::config::ProfileRecordings {
+                    enabled: true,
                     retain_days: 10,
                     max_lease_bytes: 250,
                 }),
@@ -1438,6 +1483,19 @@ impl Broker {
         v.sort_by(|a, b| a.created_at.cmp(&b.created_at));
         Ok(v)
     }
+}
+
+/// `recordings_digest` of a killed lease's sealed recordings: SHA-256 over
+/// `RECORDING_REF SHA256\n` lines, in ref order (none: no recording).
+pub fn recordings_digest(sealed: &[(String, String, u64)]) -> Option<String> {
+    if sealed.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    for (r, d, _) in sealed {
+        h.update(format!("{r} {d}\n").as_bytes());
+    }
+    Some(hex::encode(h.finalize()))
 }
 
 /// What `recording verify` found.

@@ -72,6 +72,24 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Session recordings: this process's RSS while PTYs stream output
+    /// with recording on and off, and a job's output throughput with and
+    /// without recording.
+    Recordings {
+        /// PTYs streaming at once.
+        #[arg(long, default_value_t = 16)]
+        ptys: usize,
+        /// MiB each PTY prints.
+        #[arg(long, default_value_t = 10)]
+        mib: usize,
+        /// MiB the job writes to each stream.
+        #[arg(long, default_value_t = 32)]
+        job_mib: usize,
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// RSS idle and with many live leases, and start-to-ready time, of a
     /// real `serve` process.
     Memory {
@@ -210,6 +228,16 @@ pub fn run(b: BenchCommand) -> Exit {
             json,
         } => (
             rt.block_on(appliance::audit(&writers, events_per_writer)),
+            json,
+        ),
+        BenchCommand::Recordings {
+            ptys,
+            mib,
+            job_mib,
+            rounds,
+            json,
+        } => (
+            rt.block_on(appliance::recordings(&launcher, ptys, mib, job_mib, rounds)),
             json,
         ),
         BenchCommand::Jobs { mib, rounds, json } => (

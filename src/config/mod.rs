@@ -896,6 +896,9 @@ pub struct Profile {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProfileRecordings {
+    /// Off: its PTYs and jobs are not recorded (the journal still has
+    /// what it always has: digests, sizes, outcomes).
+    pub enabled: bool,
     pub retain_days: u64,
     pub max_lease_bytes: u64,
 }
@@ -903,6 +906,7 @@ pub struct ProfileRecordings {
 impl Default for ProfileRecordings {
     fn default() -> Self {
         Self {
+            enabled: true,
             retain_days: 90,
             max_lease_bytes: 1024 * 1024 * 1024,
         }

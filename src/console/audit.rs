@@ -488,6 +488,7 @@ pub const CSV_COLUMNS: &[&str] = &[
     "pty_ref",
     "chunk",
     "offset",
+    "recordings_digest",
     "prev_hash",
     "hash",
 ];

@@ -132,6 +132,11 @@ pub struct Event {
     /// Where a recording's chunk starts in its file (bytes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
+    /// A killed lease's recordings, sealed (`release`, `task_finalize`):
+    /// SHA-256 over the lines `RECORDING_REF SHA256\n`, in ref order, of
+    /// its recordings' `recording_sealed` digests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recordings_digest: Option<String>,
     pub prev_hash: String,
     pub hash: String,
 }
@@ -256,6 +261,7 @@ impl Event {
             pty_ref,
             chunk: _,
             offset: _,
+            recordings_digest,
             prev_hash,
             hash,
         } = self;
@@ -307,6 +313,7 @@ impl Event {
             method,
             recording_ref,
             pty_ref,
+            recordings_digest,
         ]
         .into_iter()
         .flatten()

@@ -142,6 +142,34 @@ async fn a_jobs_recording_is_its_output_interleaved_as_written() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    // Killed, the lease's release names its recordings' digests.
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/release"),
+            json!({"action": "kill"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let seal = s
+        .events("recording_sealed")
+        .into_iter()
+        .find(|e| e["job_ref"] == job.as_str())
+        .unwrap();
+    let rec = seal["recording_ref"].as_str().unwrap();
+    let sha = seal["content_sha256"].as_str().unwrap();
+    use sha2::Digest;
+    assert_eq!(
+        sha,
+        hex::encode(sha2::Sha256::digest(std::fs::read(&file).unwrap()))
+    );
+    let want = hex::encode(sha2::Sha256::digest(format!("{rec} {sha}\n").as_bytes()));
+    let release = s
+        .events("release")
+        .into_iter()
+        .find(|e| e["lease_ref"] == lease.as_str() && e["phase"] == "outcome")
+        .unwrap();
+    assert_eq!(release["recordings_digest"], want.as_str(), "{release}");
     s.stop().await;
 }
 
@@ -179,6 +207,7 @@ async fn retention_by_age_and_size_never_under_a_hold() {
         c.gc_interval_seconds = 0;
         c.profiles.get_mut("offline-code").unwrap().recordings =
             Some(cube_adapter::config::ProfileRecordings {
+                enabled: true,
                 retain_days: 7,
                 max_lease_bytes: 9000,
             });

@@ -544,6 +544,19 @@ async fn trusted_task_from_plan_to_verified_receipt() {
     assert_eq!(p["state"], "succeeded");
     assert_eq!(p["template_sha256"], wc["template_sha256"]);
     assert!(p["approver_hash"].is_string() && p["approver_hash"] != p["requester_hash"]);
+    // The task's job was recorded; the receipt names its sealed recording.
+    let recs = p["recordings"]
+        .as_array()
+        .expect("the receipt names recordings");
+    assert_eq!(recs.len(), 1, "{p}");
+    let sealed = s.events("recording_sealed");
+    assert!(
+        sealed
+            .iter()
+            .any(|e| e["recording_ref"] == recs[0]["recording_ref"]
+                && e["content_sha256"] == recs[0]["sha256"]),
+        "{recs:?}"
+    );
     assert_eq!(receipt["signature"]["alg"], "HS256");
     let text = receipt.to_string();
     assert!(

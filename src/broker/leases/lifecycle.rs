@@ -371,13 +371,20 @@ impl Broker {
             self.fail(intent, &e).await?;
             return Err(e);
         }
+        // Killed: its recordings end here, and the outcome names them.
+        let sealed = if kill {
+            self.seal_lease_recordings(&l.lease_ref).await
+        } else {
+            vec![]
+        };
+        let digest = crate::broker::recordings::recordings_digest(&sealed);
         let mut l2 = l.clone();
         self.inner
             .journal
             .outcome(
                 intent,
                 Outcome::Ok,
-                |_| {},
+                |ev| ev.recordings_digest = digest,
                 move |txn| {
                     if kill {
                         crate::broker::upkeep::remove_lease_state(txn, &l2)?;

@@ -229,7 +229,14 @@ impl Broker {
         task.state = final_state;
         task.completed_at = Some(ts);
         let evidence = result.get("output_evidence").cloned().unwrap_or(json!([]));
-        let payload = json!({
+        // Its sandbox is gone: its recordings (its job's) are sealed, and
+        // the receipt names them.
+        let sealed = match &task.lease_ref {
+            Some(l) => self.seal_lease_recordings(l).await,
+            None => vec![],
+        };
+        ev.recordings_digest = crate::broker::recordings::recordings_digest(&sealed);
+        let mut payload = json!({
             "version": "1",
             "issuer": "cubesandbox-agent-adapter",
             "appliance": concat!("cube-adapter/", env!("CARGO_PKG_VERSION")),
@@ -261,6 +268,19 @@ impl Broker {
             "created_at": task.created_at,
             "completed_at": task.completed_at,
         });
+        if !sealed.is_empty()
+            && let Some(m) = payload.as_object_mut()
+        {
+            m.insert(
+                "recordings".into(),
+                json!(
+                    sealed
+                        .iter()
+                        .map(|(r, d, n)| json!({"recording_ref": r, "sha256": d, "bytes": n}))
+                        .collect::<Vec<_>>()
+                ),
+            );
+        }
         ev.outcome = Outcome::Ok;
         // Signed in the transaction that records the finalize event: the
         // receipt names the journal's head just before it.
