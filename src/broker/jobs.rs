@@ -163,9 +163,11 @@ exit 0
 /// (`OO`, `EO`), until the runner (`R`) has ended and both are read
 /// (GNU `tail`; where it is missing the recording catches up at the end).
 const FOLLOW: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
-tail -c +"$((OO + 1))" -s 0.2 --pid="$R" -F stdout 2>/dev/null &
+# The job's own processes come first.
+n=; command -v nice >/dev/null 2>&1 && n="nice -n 19"
+$n tail -c +"$((OO + 1))" -s 0.2 --pid="$R" -F stdout 2>/dev/null &
 a=$!
-tail -c +"$((EO + 1))" -s 0.2 --pid="$R" -F stderr >&2 2>/dev/null &
+$n tail -c +"$((EO + 1))" -s 0.2 --pid="$R" -F stderr >&2 2>/dev/null &
 b=$!
 wait "$a" "$b"
 "#;

@@ -45,7 +45,7 @@ pub use crate::store::recordings::{Chunk, Hold, Recording, RecordingKind, Record
 /// The recordings' directory under the state directory.
 pub const DIR: &str = "recordings";
 /// A chunk closes when it holds this many bytes.
-pub const CHUNK_BYTES: u64 = 256 * 1024;
+pub const CHUNK_BYTES: u64 = 1024 * 1024;
 /// … or this long after its first byte.
 pub const SEAL_EVERY: Duration = Duration::from_secs(5);
 /// Events a recording's queue holds before its producer waits.
@@ -541,7 +541,14 @@ impl Writer {
             self.chunk_since = None;
             return true;
         }
-        if let Err(e) = self.file.sync_data() {
+        // The sync waits on the disk: off the runtime's threads.
+        let synced = match self.file.try_clone() {
+            Ok(f) => tokio::task::spawn_blocking(move || f.sync_data())
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e))),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = synced {
             tracing::error!(recording = %self.rec.recording_ref, error = %e, "cannot sync a recording");
             return false;
         }

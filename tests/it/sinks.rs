@@ -99,9 +99,14 @@ struct Collector {
     /// The first `seq` of each accepted batch.
     firsts: Arc<Mutex<Vec<u64>>>,
     bad: Arc<Mutex<Vec<String>>>,
+    /// Recordings posted to `/audit/recordings/REF`, with their bodies.
+    recordings: Posted,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
+
+/// Recordings a collector took: (ref, body).
+type Posted = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
 #[derive(Clone)]
 struct Shared {
@@ -110,6 +115,48 @@ struct Shared {
     events: Arc<Mutex<Vec<(u64, String)>>>,
     firsts: Arc<Mutex<Vec<u64>>>,
     bad: Arc<Mutex<Vec<String>>>,
+    recordings: Posted,
+}
+
+/// A recording posted by the HTTP sink: its headers checked (the token,
+/// the body's HMAC, its SHA-256, its ref) and its body kept.
+async fn collect_recording(
+    axum::extract::State(sh): axum::extract::State<Shared>,
+    axum::extract::Path(rec): axum::extract::Path<String>,
+    headers: axum::http::HeaderMap,
+    body: axum::body::Bytes,
+) -> axum::http::StatusCode {
+    use sha2::Digest;
+    let h = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let mut bad = vec![];
+    if h("authorization") != format!("Bearer {TOKEN}") {
+        bad.push("recording: authorization".to_string());
+    }
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(KEY.as_bytes()).unwrap();
+    mac.update(&body);
+    if h("x-cube-adapter-signature")
+        != format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+    {
+        bad.push("recording: signature".into());
+    }
+    if h("x-cube-adapter-recording-sha256") != hex::encode(sha2::Sha256::digest(&body)) {
+        bad.push("recording: sha256".into());
+    }
+    if h("x-cube-adapter-recording") != rec || h("content-type") != "application/x-asciicast" {
+        bad.push(format!("recording: headers for {rec}"));
+    }
+    if !bad.is_empty() {
+        sh.bad.lock().unwrap().extend(bad);
+        return axum::http::StatusCode::BAD_REQUEST;
+    }
+    sh.recordings.lock().unwrap().push((rec, body.to_vec()));
+    axum::http::StatusCode::OK
 }
 
 async fn collect(
@@ -185,6 +232,7 @@ impl Collector {
             events: Arc::default(),
             firsts: Arc::default(),
             bad: Arc::default(),
+            recordings: Arc::default(),
         };
         let mut c = Self {
             port,
@@ -193,6 +241,7 @@ impl Collector {
             events: sh.events.clone(),
             firsts: sh.firsts.clone(),
             bad: sh.bad.clone(),
+            recordings: sh.recordings.clone(),
             stop: None,
             task: None,
         };
@@ -207,6 +256,10 @@ impl Collector {
         self.port = listener.local_addr().unwrap().port();
         let app = axum::Router::new()
             .route("/audit", axum::routing::post(collect))
+            .route(
+                "/audit/recordings/{rec}",
+                axum::routing::post(collect_recording),
+            )
             .with_state(sh);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         self.stop = Some(tx);
@@ -226,6 +279,7 @@ impl Collector {
             events: self.events.clone(),
             firsts: self.firsts.clone(),
             bad: self.bad.clone(),
+            recordings: self.recordings.clone(),
         }
     }
 
@@ -1034,4 +1088,53 @@ async fn the_shutdown_stops_the_sinks_before_it_closes_the_store() {
     let journal = ids(&s.journal());
     assert_eq!(written.last(), journal.last(), "the last event delivered");
     assert_eq!(v["cursor"].as_u64(), journal.last().map(|(seq, _)| *seq));
+}
+
+/// The file and HTTP sinks carry sealed recordings too: the file sink
+/// beside its JSON lines (`recordings/REF.cast`), the HTTP sink to
+/// `URL/recordings/REF` (signed, with its SHA-256); both byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sinks_deliver_sealed_recordings() {
+    let c = Collector::start(0).await;
+    let secrets = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let path = out.path().join("audit.jsonl");
+    let toml_text = format!(
+        "{}[[audit.sinks]]\nkind = \"file\"\nname = \"local\"\npath = \"{}\"\n",
+        http_sink_toml(secrets.path(), &c.url()),
+        path.display()
+    );
+    let sinks = sinks_of(&toml_text);
+    let s = Server::start_with(move |cfg| cfg.audit.sinks = sinks).await;
+    let lease = s.acquire(&s.admin, "sink-recordings").await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/jobs"),
+            json!({"command": "seq 1 2000"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{v}");
+    let job = v["job_ref"].as_str().unwrap().to_string();
+    let file = crate::recordings::sealed(&s.state, &job, || {
+        s.journal()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    })
+    .await;
+    let rec = file.file_stem().unwrap().to_str().unwrap().to_string();
+    let want = std::fs::read(&file).unwrap();
+    let copy = out.path().join("recordings").join(format!("{rec}.cast"));
+    until(20, "the file sink's copy", || async { copy.exists() }).await;
+    assert_eq!(std::fs::read(&copy).unwrap(), want);
+    until(20, "the collector's copy", || async {
+        c.recordings.lock().unwrap().iter().any(|(r, _)| *r == rec)
+    })
+    .await;
+    let got = c.recordings.lock().unwrap().clone();
+    let (_, body) = got.iter().find(|(r, _)| *r == rec).unwrap();
+    assert_eq!(body, &want);
+    c.assert_clean();
+    s.stop().await;
 }

@@ -355,6 +355,45 @@ struct Run {
     stop: CancellationToken,
 }
 
+/// Deliver a batch, then the recordings its `recording_sealed` events
+/// seal (the sinks that carry files): the cursor moves past the batch
+/// only once both are delivered, so a recording is delivered at least
+/// once and resumes after a restart. A recording whose file is not on
+/// this disk (retention removed it, or another replica holds it) is
+/// skipped, and said so.
+async fn deliver(
+    out: &mut Output,
+    store: &Store,
+    name: &str,
+    batch: &[Event],
+) -> Result<(), Failure> {
+    out.deliver(batch).await?;
+    let dir = store
+        .path()
+        .parent()
+        .map(|d| d.join(crate::broker::recordings::DIR));
+    for ev in batch {
+        if ev.action != crate::audit::event::Action::RecordingSealed {
+            continue;
+        }
+        let (Some(r), Some(dir)) = (ev.recording_ref.as_deref(), dir.as_ref()) else {
+            continue;
+        };
+        let path = dir.join(format!("{r}.cast"));
+        if !path.exists() {
+            tracing::warn!(
+                sink = name,
+                recording = r,
+                "audit sink: a sealed recording's file is not on this disk; not delivered"
+            );
+            continue;
+        }
+        let sha = ev.content_sha256.as_deref().unwrap_or_default();
+        out.deliver_recording(r, &path, sha).await?;
+    }
+    Ok(())
+}
+
 impl Run {
     async fn run(mut self) {
         let name = self.def.name().to_string();
@@ -470,7 +509,7 @@ impl Run {
             };
             let delivered = tokio::select! {
                 () = self.stop.cancelled() => break,
-                r = self.out.deliver(&batch) => r,
+                r = deliver(&mut self.out, &self.store, &name, &batch) => r,
             };
             match delivered {
                 Ok(()) => {

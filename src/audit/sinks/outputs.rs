@@ -203,6 +203,73 @@ impl Output {
     }
 }
 
+impl Output {
+    /// Deliver a sealed recording's file (`path`, whose SHA-256 is
+    /// `sha256`): the file sink copies it beside its JSON lines
+    /// (`DIR/recordings/REF.cast`, written whole, synced, then renamed into
+    /// place), the HTTP sink posts it (`URL/recordings/REF`). The stdout
+    /// and syslog sinks cannot carry files: nothing to do.
+    pub async fn deliver_recording(
+        &mut self,
+        recording_ref: &str,
+        path: &Path,
+        sha256: &str,
+    ) -> Result<(), Failure> {
+        let r = match self {
+            Self::File(f) => {
+                let dir = {
+                    let g = f.lock().unwrap_or_else(|p| p.into_inner());
+                    g.path
+                        .parent()
+                        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+                        .join("recordings")
+                };
+                let (from, name) = (path.to_path_buf(), format!("{recording_ref}.cast"));
+                tokio::task::spawn_blocking(move || copy_whole(&from, &dir, &name))
+                    .await
+                    .map_err(OutputError::from)
+                    .and_then(|r| r)
+            }
+            Self::Http(h) => h.post_recording(recording_ref, path, sha256).await,
+            Self::Stdout | Self::Syslog(_) => Ok(()),
+        };
+        r.map_err(|e| {
+            if e.refused() {
+                Failure::Refused(e)
+            } else {
+                Failure::Retry(e)
+            }
+        })
+    }
+}
+
+/// Copy `from` to `dir/name` whole: into a temporary file, synced, renamed
+/// into place, the directory synced. A copy already there of the same
+/// length is kept (a delivery again after a crash).
+fn copy_whole(from: &Path, dir: &Path, name: &str) -> Result<(), OutputError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    let to = dir.join(name);
+    let len = std::fs::metadata(from).map_err(io("stat", from))?.len();
+    if std::fs::metadata(&to).is_ok_and(|m| m.len() == len) {
+        return Ok(());
+    }
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut src = std::fs::File::open(from).map_err(io("open", from))?;
+    let mut dst = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io("create", &tmp))?;
+    std::io::copy(&mut src, &mut dst).map_err(io("write", &tmp))?;
+    dst.sync_all().map_err(io("write", &tmp))?;
+    std::fs::rename(&tmp, &to).map_err(io("rename", &to))?;
+    sync_dir(&to);
+    Ok(())
+}
+
 /// Why a delivery failed.
 #[derive(Debug)]
 pub enum Failure {
@@ -460,6 +527,82 @@ impl HttpOut {
         }
         let host = self.url.host_str().unwrap_or_default().to_string();
         let r = req
+            .body(body)
+            .send()
+            .await
+            .map_err(|source| OutputError::Post {
+                host: host.clone(),
+                source,
+            })?;
+        let status = r.status();
+        if status.is_success() {
+            Ok(())
+        } else if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
+            Err(OutputError::TooLarge { host })
+        } else {
+            Err(OutputError::Status {
+                host,
+                status: status.as_u16(),
+            })
+        }
+    }
+}
+
+impl HttpOut {
+    /// POST a recording to `URL/recordings/REF` (`application/x-asciicast`,
+    /// the file streamed; its SHA-256 in `X-Cube-Adapter-Recording-Sha256`,
+    /// the body's HMAC in the signature header when the sink has a key).
+    async fn post_recording(
+        &self,
+        recording_ref: &str,
+        path: &Path,
+        sha256: &str,
+    ) -> Result<(), OutputError> {
+        let mut url = self.url.clone();
+        if let Ok(mut segs) = url.path_segments_mut() {
+            segs.pop_if_empty().push("recordings").push(recording_ref);
+        }
+        let mut req = self
+            .http
+            .post(url)
+            .header(reqwest::header::CONTENT_TYPE, "application/x-asciicast")
+            .header("X-Cube-Adapter-Sink", &self.name)
+            .header("X-Cube-Adapter-Recording", recording_ref)
+            .header("X-Cube-Adapter-Recording-Sha256", sha256);
+        if let Some(k) = &self.hmac_key {
+            // The file is read once for its HMAC, then again as the body.
+            let (key, p) = (k.0.clone(), path.to_path_buf());
+            let sig = tokio::task::spawn_blocking(move || -> Result<String, OutputError> {
+                use hmac::Mac;
+                use std::io::Read;
+                let mut m = <hmac::Hmac<sha2::Sha256> as Mac>::new_from_slice(&key)
+                    .map_err(|_| OutputError::TokenNotUtf8)?;
+                let mut f = std::fs::File::open(&p).map_err(io("open", &p))?;
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = f.read(&mut buf).map_err(io("read", &p))?;
+                    if n == 0 {
+                        break;
+                    }
+                    m.update(buf.get(..n).unwrap_or_default());
+                }
+                Ok(format!("sha256={}", hex::encode(m.finalize().into_bytes())))
+            })
+            .await??;
+            req = req.header(SIGNATURE_HEADER, sig);
+        }
+        if let Some(t) = &self.token {
+            let t = std::str::from_utf8(&t.0).map_err(|_| OutputError::TokenNotUtf8)?;
+            req = req.bearer_auth(t);
+        }
+        let f = tokio::fs::File::open(path)
+            .await
+            .map_err(io("open", path))?;
+        let len = f.metadata().await.map_err(io("stat", path))?.len();
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(f));
+        let host = self.url.host_str().unwrap_or_default().to_string();
+        let r = req
+            .header(reqwest::header::CONTENT_LENGTH, len)
             .body(body)
             .send()
             .await
