@@ -526,6 +526,7 @@ impl Writer {
         match self.rec.kind {
             RecordingKind::Pty => ev.pty_ref = Some(self.rec.subject.clone()),
             RecordingKind::Job => ev.job_ref = Some(self.rec.subject.clone()),
+            // An exec's recording is named by its own ref.
             RecordingKind::Exec => {}
         }
         ev.outcome = Outcome::Ok;
@@ -750,6 +751,15 @@ impl Broker {
         out.sort();
         out.dedup();
         Arc::new(out)
+    }
+
+    /// Whether a profile's synchronous execs are recorded (`execs`).
+    pub(crate) fn records_execs(&self, profile: &str) -> bool {
+        self.config()
+            .profiles
+            .get(profile)
+            .and_then(|p| p.recordings.as_ref())
+            .is_some_and(|r| r.enabled && r.execs)
     }
 
     /// Whether a profile's PTYs and jobs are recorded (the default).
@@ -1115,6 +1125,7 @@ mod tests {
             crate::config::Profile {
                 recordings: Some(crate::config::ProfileRecordings {
                     enabled: true,
+                    execs: false,
                     retain_days: 10,
                     max_lease_bytes: 250,
                 }),

@@ -899,6 +899,9 @@ pub struct ProfileRecordings {
     /// Off: its PTYs and jobs are not recorded (the journal still has
     /// what it always has: digests, sizes, outcomes).
     pub enabled: bool,
+    /// Also record every synchronous exec (`POST /v1/leases/{ref}/exec`):
+    /// its output, each stream, as it came (off by default).
+    pub execs: bool,
     pub retain_days: u64,
     pub max_lease_bytes: u64,
 }
@@ -907,6 +910,7 @@ impl Default for ProfileRecordings {
     fn default() -> Self {
         Self {
             enabled: true,
+            execs: false,
             retain_days: 90,
             max_lease_bytes: 1024 * 1024 * 1024,
         }

@@ -120,7 +120,9 @@ pub async fn list(
         .lease
         .filter(|l| crate::broker::leases::valid_ref(l, "lease"));
     let subject = q.subject.filter(|s| {
-        crate::broker::leases::valid_ref(s, "job") || crate::broker::leases::valid_ref(s, "pty")
+        ["job", "pty", "exec"]
+            .iter()
+            .any(|k| crate::broker::leases::valid_ref(s, k))
     });
     let mut rows = match st.broker.recordings_for(p, lease.as_deref(), usize::MAX) {
         Ok(r) => r,

@@ -36,6 +36,21 @@ pub struct StartOptions {
     pub tag: Option<String>,
     /// Give the process a stdin pipe (for `send_stdin`).
     pub stdin: bool,
+    /// `run` sends each piece of output here as it comes, `(stderr?,
+    /// bytes)`, waiting when the receiver is behind (a recording).
+    pub tap: Option<tokio::sync::mpsc::Sender<(bool, Vec<u8>)>>,
+}
+
+/// Send a `data` event's bytes to a tap.
+async fn tap(to: Option<&tokio::sync::mpsc::Sender<(bool, Vec<u8>)>>, ev: &ProcessEvent) {
+    let (Some(to), ProcessEvent::Data(d)) = (to, ev) else {
+        return;
+    };
+    for (err, part) in [(false, &d.stdout), (false, &d.pty), (true, &d.stderr)] {
+        if let Some(b) = part.as_deref().and_then(|x| decode_data(x).ok()) {
+            let _ = to.send((err, b)).await;
+        }
+    }
 }
 
 impl StartOptions {
@@ -531,7 +546,21 @@ impl CubeClient {
         limit: usize,
     ) -> Result<CommandOutput> {
         let Some(limit_time) = o.timeout else {
-            return self.start(sb, o).await?.collect(limit).await;
+            let mut s = self.start(sb, o).await?;
+            if o.tap.is_none() {
+                return s.collect(limit).await;
+            }
+            let mut out = CommandOutput {
+                pid: s.pid,
+                ..Default::default()
+            };
+            let mut end: Option<EndEvent> = None;
+            while let Some(ev) = s.next().await? {
+                tap(o.tap.as_ref(), &ev).await;
+                out.feed(ev, limit, &mut end)?;
+            }
+            out.finish(end)?;
+            return Ok(out);
         };
         let mut backstop = o.clone();
         backstop.timeout = Some(limit_time.saturating_add(ENVD_DEADLINE_GRACE));
@@ -548,7 +577,10 @@ impl CubeClient {
         loop {
             tokio::select! {
                 ev = s.next() => match ev {
-                    Ok(Some(ev)) => out.feed(ev, limit, &mut end)?,
+                    Ok(Some(ev)) => {
+                        tap(o.tap.as_ref(), &ev).await;
+                        out.feed(ev, limit, &mut end)?;
+                    }
                     Ok(None) => break,
                     // envd's own deadline (or the stream cut) after ours.
                     Err(e) if out.timed_out => {

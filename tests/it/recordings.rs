@@ -208,6 +208,7 @@ async fn retention_by_age_and_size_never_under_a_hold() {
         c.profiles.get_mut("offline-code").unwrap().recordings =
             Some(cube_adapter::config::ProfileRecordings {
                 enabled: true,
+                execs: false,
                 retain_days: 7,
                 max_lease_bytes: 9000,
             });
@@ -289,5 +290,50 @@ async fn retention_by_age_and_size_never_under_a_hold() {
     assert_eq!(holds.len(), 2);
     assert_eq!(holds[0]["decision"], "hold");
     assert!(holds[0]["note_digest"].is_string() && holds[0].get("note").is_none());
+    s.stop().await;
+}
+
+/// A profile with `execs = true` records each synchronous exec too: both
+/// streams, whole, in one sealed recording; without it, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn execs_are_recorded_when_the_profile_says_so() {
+    let s = Server::start_with(|c| {
+        c.profiles.get_mut("offline-code").unwrap().recordings =
+            Some(cube_adapter::config::ProfileRecordings {
+                execs: true,
+                ..Default::default()
+            });
+    })
+    .await;
+    let lease = s.acquire(&s.admin, "rec-exec").await;
+    let (st, v) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo exec-out; sleep 0.2; echo exec-err >&2"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let seals = s.events("recording_sealed");
+    assert_eq!(seals.len(), 1, "{seals:?}");
+    let r = seals[0]["recording_ref"].as_str().unwrap();
+    let (head, evs) = read(&s.state.join(format!("recordings/{r}.cast")));
+    assert_eq!(head["cube_adapter"]["kind"], "exec");
+    assert_eq!(stream(&evs, "o"), b"exec-out\n");
+    assert_eq!(stream(&evs, "e"), b"exec-err\n");
+    s.stop().await;
+
+    // The shipped profile records no exec.
+    let s = Server::start().await;
+    let lease = s.acquire(&s.admin, "rec-exec").await;
+    let (st, _) = s
+        .post(
+            &s.admin,
+            &format!("/v1/leases/{lease}/exec"),
+            json!({"command": "echo not-recorded"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(s.events("recording_sealed").is_empty());
     s.stop().await;
 }

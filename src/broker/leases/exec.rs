@@ -45,19 +45,74 @@ impl Broker {
                         o.envs = b.egress_env(&l);
                         o.cwd = Some(cwd.clone());
                         o.timeout = Some(Duration::from_millis(ms));
-                        let out = addr.cube.run(&addr, &o, MAX_OUTPUT).await.map_err(
-                            |e| match e.kind {
-                                ErrorKind::InvalidArgument => Error::new(
-                                    Code::InvalidPath,
-                                    "the working directory does not exist",
-                                ),
-                                ErrorKind::Denied => Error::new(
-                                    Code::PathDenied,
-                                    "permission denied in the sandbox for the working directory",
-                                ),
-                                _ => backend(&e),
-                            },
-                        )?;
+                        // Recorded when its profile says so: every piece of
+                        // output as it comes, through the tap.
+                        let recording = if b.records_execs(&l.profile) {
+                            let (rec, record) = b
+                                .begin_recording(
+                                    crate::broker::recordings::RecordingKind::Exec,
+                                    &l,
+                                    &new_ref("exec"),
+                                    (80, 24),
+                                )
+                                .map_err(|e| {
+                                    Error::new(
+                                        Code::AuditUnavailable,
+                                        format!("the exec's recording cannot be written: {e}"),
+                                    )
+                                })?;
+                            let (tx, mut rx) = tokio::sync::mpsc::channel::<(bool, Vec<u8>)>(64);
+                            o.tap = Some(tx);
+                            let r2 = rec.clone();
+                            let fwd = tokio::spawn(async move {
+                                use crate::broker::recordings::Stream;
+                                while let Some((err, b)) = rx.recv().await {
+                                    let s = if err { Stream::Error } else { Stream::Output };
+                                    r2.data(s, &b).await;
+                                }
+                            });
+                            Some((rec, record, fwd))
+                        } else {
+                            None
+                        };
+                        let ran = addr.cube.run(&addr, &o, MAX_OUTPUT).await;
+                        drop(o);
+                        let record = match recording {
+                            Some((rec, record, fwd)) => {
+                                let _ = fwd.await;
+                                if ran.as_ref().is_ok_and(|r| r.timed_out) {
+                                    rec.marker("the command was killed at its deadline").await;
+                                }
+                                rec.finish().await;
+                                Some(record)
+                            }
+                            None => None,
+                        };
+                        // The record, once the recording is sealed (or
+                        // not recorded): whatever the outcome.
+                        if let Some(r) = record {
+                            let _ = b
+                                .inner
+                                .store
+                                .write(move |txn, _| {
+                                    match crate::store::recordings::get(txn, &r.recording_ref)? {
+                                        Some(_) => Ok(()),
+                                        None => crate::store::recordings::put(txn, &r),
+                                    }
+                                })
+                                .await;
+                        }
+                        let out = ran.map_err(|e| match e.kind {
+                            ErrorKind::InvalidArgument => Error::new(
+                                Code::InvalidPath,
+                                "the working directory does not exist",
+                            ),
+                            ErrorKind::Denied => Error::new(
+                                Code::PathDenied,
+                                "permission denied in the sandbox for the working directory",
+                            ),
+                            _ => backend(&e),
+                        })?;
                         // Killed at its deadline (with all it started): the
                         // reference's 504 `timeout`.
                         if out.timed_out {
