@@ -318,25 +318,53 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// One event line: `[t, code, data]` and a newline.
 fn line(t: f64, code: &str, data: &str) -> Vec<u8> {
-    let mut s = format!("[{:.6}, ", t.max(0.0));
-    s.push_str(&serde_json::Value::from(code).to_string());
-    s.push_str(", ");
-    s.push_str(&serde_json::Value::from(data).to_string());
-    s.push_str("]\n");
-    s.into_bytes()
+    let mut s = Vec::with_capacity(data.len() + 40);
+    line_into(&mut s, t, code, data);
+    s
+}
+
+/// [`line`], appended to `out` (one pass over `data`, its JSON escapes
+/// written as it goes).
+fn line_into(out: &mut Vec<u8>, t: f64, code: &str, data: &str) {
+    use std::io::Write;
+    let _ = write!(out, "[{:.6}, ", t.max(0.0));
+    let _ = serde_json::to_writer(&mut *out, code);
+    out.extend_from_slice(b", ");
+    let _ = serde_json::to_writer(&mut *out, data);
+    out.extend_from_slice(b"]\n");
+}
+
+/// A `*b` line: `bytes` in base64, which needs no JSON escape.
+fn bytes_line_into(out: &mut Vec<u8>, t: f64, code: &str, bytes: &[u8]) {
+    use std::io::Write;
+    let _ = write!(out, "[{:.6}, \"{code}\", \"", t.max(0.0));
+    let at = out.len();
+    out.resize(at + bytes.len().div_ceil(3) * 4, 0);
+    let n = B64
+        .encode_slice(bytes, out.get_mut(at..).unwrap_or_default())
+        .unwrap_or(0);
+    out.truncate(at + n);
+    out.extend_from_slice(b"\"]\n");
 }
 
 /// `bytes` (after `carry`, the end of the last piece that was an
 /// incomplete character) as event lines: text as `code`, bytes that are
 /// not UTF-8 in base64 as `bcode`; the new carry.
 fn encode(t: f64, (code, bcode): (&str, &str), carry: &mut Vec<u8>, bytes: &[u8]) -> Vec<u8> {
-    let mut buf = std::mem::take(carry);
-    buf.extend_from_slice(bytes);
-    let mut out = vec![];
+    let joined;
+    let buf: &[u8] = if carry.is_empty() {
+        bytes
+    } else {
+        let mut b = std::mem::take(carry);
+        b.extend_from_slice(bytes);
+        joined = b;
+        &joined
+    };
+    let mut out = Vec::with_capacity(buf.len() + buf.len() / 3 + 64);
     // Mostly not text (a binary's bytes): one base64 event for all of it,
     // not an event per stray byte.
     let mut bad = 0;
-    let mut at: &[u8] = &buf;
+    let mut at: &[u8] = buf;
     while let Err(e) = std::str::from_utf8(at) {
         match e.error_len() {
             Some(n) => {
@@ -346,21 +374,21 @@ fn encode(t: f64, (code, bcode): (&str, &str), carry: &mut Vec<u8>, bytes: &[u8]
             None => break,
         }
         if bad > 4 {
-            out.extend(line(t, bcode, &B64.encode(&buf)));
+            bytes_line_into(&mut out, t, bcode, buf);
             return out;
         }
     }
-    let mut rest: &[u8] = &buf;
+    let mut rest: &[u8] = buf;
     while !rest.is_empty() {
         match std::str::from_utf8(rest) {
             Ok(s) => {
-                out.extend(line(t, code, s));
+                line_into(&mut out, t, code, s);
                 break;
             }
             Err(e) => {
                 let (ok, bad) = rest.split_at(e.valid_up_to());
                 if !ok.is_empty() {
-                    out.extend(line(t, code, &String::from_utf8_lossy(ok)));
+                    line_into(&mut out, t, code, &String::from_utf8_lossy(ok));
                 }
                 match e.error_len() {
                     // An incomplete character at the end: the next piece
@@ -371,7 +399,7 @@ fn encode(t: f64, (code, bcode): (&str, &str), carry: &mut Vec<u8>, bytes: &[u8]
                     }
                     Some(n) => {
                         let (b, after) = bad.split_at(n.min(bad.len()));
-                        out.extend(line(t, bcode, &B64.encode(b)));
+                        bytes_line_into(&mut out, t, bcode, b);
                         rest = after;
                     }
                 }
@@ -478,8 +506,10 @@ impl Writer {
 
     fn data(&mut self, s: Stream, bytes: &[u8], at: f64) -> std::io::Result<()> {
         let i = s.index();
+        // No secret to look for: the bytes as they are, not a copy.
         let clean = match self.redactors.get_mut(i) {
-            Some(r) => r.push(bytes),
+            Some(r) if r.secrets.is_empty() => std::borrow::Cow::Borrowed(bytes),
+            Some(r) => std::borrow::Cow::Owned(r.push(bytes)),
             None => return Ok(()),
         };
         let t = self.t(at);

@@ -259,12 +259,14 @@ impl Broker {
             self.fail(intent, &e).await?;
             return Err(e);
         }
+        let sealed = self.seal_lease_recordings(&l.lease_ref).await;
+        let digest = crate::broker::recordings::recordings_digest(&sealed);
         self.inner
             .journal
             .outcome(
                 intent,
                 Outcome::Ok,
-                |_| {},
+                |ev| ev.recordings_digest = digest,
                 move |txn| remove_lease_state(txn, &l),
             )
             .await?;
