@@ -486,6 +486,32 @@ struct Writer {
 }
 
 impl Writer {
+    /// A writer at the start of `file` (nothing written yet).
+    fn new(
+        broker: Broker,
+        rec: Recording,
+        file: std::fs::File,
+        start: f64,
+        secrets: Arc<Vec<Vec<u8>>>,
+    ) -> Self {
+        Self {
+            broker,
+            rec,
+            file,
+            len: 0,
+            chunk_hash: Sha256::new(),
+            file_hash: Sha256::new(),
+            chunk_since: None,
+            start,
+            redactors: [
+                Redactor::new(secrets.clone()),
+                Redactor::new(secrets.clone()),
+                Redactor::new(secrets),
+            ],
+            carries: Default::default(),
+        }
+    }
+
     fn write(&mut self, b: &[u8]) -> std::io::Result<()> {
         if b.is_empty() {
             return Ok(());
@@ -596,20 +622,8 @@ impl Writer {
         ev.content_sha256 = Some(sha);
         let mut rec = self.rec.clone();
         rec.chunks.push(c);
-        rec.updated_at = self.broker.now().0;
-        let r2 = rec.clone();
-        let r = self
-            .broker
-            .inner
-            .store
-            .write(move |txn, chain| {
-                chain.append(txn, ev)?;
-                crate::store::recordings::put(txn, &r2)
-            })
-            .await;
-        match r {
+        match self.commit(ev, rec).await {
             Ok(()) => {
-                self.rec = rec;
                 self.chunk_hash = Sha256::new();
                 self.chunk_since = None;
                 true
@@ -621,6 +635,27 @@ impl Writer {
                 false
             }
         }
+    }
+
+    /// Commit `ev` with the record as it becomes (`rec`, stamped now),
+    /// which the writer then holds.
+    async fn commit(
+        &mut self,
+        ev: Event,
+        mut rec: Recording,
+    ) -> Result<(), crate::store::StoreError> {
+        rec.updated_at = self.broker.now().0;
+        let r2 = rec.clone();
+        self.broker
+            .inner
+            .store
+            .write(move |txn, chain| {
+                chain.append(txn, ev)?;
+                crate::store::recordings::put(txn, &r2)
+            })
+            .await?;
+        self.rec = rec;
+        Ok(())
     }
 
     /// Seal the last chunk and the whole file.
@@ -644,22 +679,8 @@ impl Writer {
         rec.state = RecordingState::Sealed;
         rec.digest = Some(digest.clone());
         rec.bytes = self.len;
-        rec.updated_at = self.broker.now().0;
-        let r2 = rec.clone();
-        let r = self
-            .broker
-            .inner
-            .store
-            .write(move |txn, chain| {
-                chain.append(txn, ev)?;
-                crate::store::recordings::put(txn, &r2)
-            })
-            .await;
-        match r {
-            Ok(()) => {
-                self.rec = rec;
-                Some(digest)
-            }
+        match self.commit(ev, rec).await {
+            Ok(()) => Some(digest),
             Err(e) => {
                 tracing::error!(recording = %self.rec.recording_ref, error = %e, "cannot seal a recording");
                 None
@@ -844,22 +865,7 @@ impl Broker {
         let file = open_append(&path, true)?;
         let start = unix_now();
         let secrets = self.recording_secrets(l);
-        let mut w = Writer {
-            broker: self.clone(),
-            rec: rec.clone(),
-            file,
-            len: 0,
-            chunk_hash: Sha256::new(),
-            file_hash: Sha256::new(),
-            chunk_since: None,
-            start,
-            redactors: [
-                Redactor::new(secrets.clone()),
-                Redactor::new(secrets.clone()),
-                Redactor::new(secrets),
-            ],
-            carries: Default::default(),
-        };
+        let mut w = Writer::new(self.clone(), rec.clone(), file, start, secrets);
         w.write(&header(&rec, cols, rows, start))
             .map_err(|source| RecordingError::Io { path, source })?;
         Ok((self.spawn_writer(w), rec))
@@ -941,38 +947,22 @@ impl Broker {
             Some(l) => self.recording_secrets(l),
             None => Arc::default(),
         };
-        let mut w = Writer {
-            broker: self.clone(),
-            rec,
-            file,
-            len: all.len() as u64,
-            chunk_hash,
-            file_hash,
-            chunk_since: (all.len() > sealed).then(Instant::now),
-            start,
-            redactors: [
-                Redactor::new(secrets.clone()),
-                Redactor::new(secrets.clone()),
-                Redactor::new(secrets),
-            ],
-            carries: Default::default(),
-        };
+        let mut w = Writer::new(self.clone(), rec, file, start, secrets);
+        w.len = all.len() as u64;
+        w.chunk_hash = chunk_hash;
+        w.file_hash = file_hash;
+        w.chunk_since = (all.len() > sealed).then(Instant::now);
         if !damaged.is_empty() {
             tracing::error!(recording = %w.rec.recording_ref, chunks = ?damaged, "a recording's sealed chunks changed while the appliance was down");
             let mut ev = w.event(Action::RecordingDamaged);
             ev.outcome = Outcome::Error;
             ev.chunk = damaged.first().copied();
             ev.error_code = Some("recording_damaged".into());
-            w.rec.damaged = damaged;
-            let r2 = w.rec.clone();
-            let _ = self
-                .inner
-                .store
-                .write(move |txn, chain| {
-                    chain.append(txn, ev)?;
-                    crate::store::recordings::put(txn, &r2)
-                })
-                .await;
+            let mut rec = w.rec.clone();
+            rec.damaged = damaged;
+            if let Err(e) = w.commit(ev, rec).await {
+                tracing::error!(recording = %w.rec.recording_ref, error = %e, "cannot record a damaged recording");
+            }
         }
         // What the crash left unsealed is sealed now, as its own chunk.
         w.seal().await;

@@ -337,3 +337,73 @@ async fn execs_are_recorded_when_the_profile_says_so() {
     assert!(s.events("recording_sealed").is_empty());
     s.stop().await;
 }
+
+/// A sealed chunk changed on disk while the appliance was down: the next
+/// start finds it (`recording_damaged`, naming the chunk), goes on with the
+/// recording, and `recording verify` fails on that chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_changed_while_down_is_found_at_the_restart() {
+    use crate::kit::ProcRig;
+    let (rig, p) = ProcRig::start();
+    let lease = rig.acquire(&p.url, "rec-damaged").await;
+    let (st, v) = rig
+        .call(format!("{}/v1/leases/{lease}/ptys", p.url), Some(json!({})))
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let pty = v["pty_ref"].as_str().unwrap().to_string();
+    let (st, v) = rig
+        .call(
+            format!("{}/v1/ptys/{pty}/input", p.url),
+            Some(json!({"data": "echo damaged-test\n"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    // The first chunk seals within 5 s of its first byte.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let chunk = loop {
+        let j = rig.journal();
+        if let Some(e) = j
+            .iter()
+            .find(|e| e["action"] == "recording_chunk" && e["pty_ref"] == pty.as_str())
+        {
+            break e.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no chunk sealed");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let rec = chunk["recording_ref"].as_str().unwrap().to_string();
+    let file = rig.state.join(format!("recordings/{rec}.cast"));
+    ProcRig::kill(p);
+    // One byte of the sealed chunk's header changed (its title).
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.windows(5).position(|w| w == b"title").unwrap();
+    bytes[at] = b'T';
+    std::fs::write(&file, &bytes).unwrap();
+    let p = rig.start_again();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let damaged = loop {
+        let j = rig.journal();
+        if let Some(e) = j.iter().find(|e| e["action"] == "recording_damaged") {
+            break e.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the damage was not found"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(damaged["recording_ref"], rec.as_str());
+    assert_eq!(damaged["chunk"], 0);
+    assert_eq!(damaged["outcome"], "error");
+    let out = rig.cli(&["recording", "verify", file.to_str().unwrap()]);
+    let verdict: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{verdict}");
+    let problems = verdict["problems"].to_string();
+    assert!(problems.contains("chunk 0 (bytes 0.."), "{problems}");
+    assert!(problems.contains("changed at a restart"), "{problems}");
+    // The console says so.
+    let list = rig.cli(&["recording", "list", "--json"]);
+    let v: Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(v[0]["damaged"], json!([0]), "{v}");
+    p.stop();
+}

@@ -525,15 +525,17 @@ impl HttpOut {
             let t = std::str::from_utf8(&t.0).map_err(|_| OutputError::TokenNotUtf8)?;
             req = req.bearer_auth(t);
         }
+        self.send(req.body(body)).await
+    }
+
+    /// Send a request: a 2xx answer is delivered, 413 refused, anything
+    /// else (or no answer) to be retried.
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<(), OutputError> {
         let host = self.url.host_str().unwrap_or_default().to_string();
-        let r = req
-            .body(body)
-            .send()
-            .await
-            .map_err(|source| OutputError::Post {
-                host: host.clone(),
-                source,
-            })?;
+        let r = req.send().await.map_err(|source| OutputError::Post {
+            host: host.clone(),
+            source,
+        })?;
         let status = r.status();
         if status.is_success() {
             Ok(())
@@ -600,27 +602,8 @@ impl HttpOut {
             .map_err(io("open", path))?;
         let len = f.metadata().await.map_err(io("stat", path))?.len();
         let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(f));
-        let host = self.url.host_str().unwrap_or_default().to_string();
-        let r = req
-            .header(reqwest::header::CONTENT_LENGTH, len)
-            .body(body)
-            .send()
+        self.send(req.header(reqwest::header::CONTENT_LENGTH, len).body(body))
             .await
-            .map_err(|source| OutputError::Post {
-                host: host.clone(),
-                source,
-            })?;
-        let status = r.status();
-        if status.is_success() {
-            Ok(())
-        } else if status == reqwest::StatusCode::PAYLOAD_TOO_LARGE {
-            Err(OutputError::TooLarge { host })
-        } else {
-            Err(OutputError::Status {
-                host,
-                status: status.as_u16(),
-            })
-        }
     }
 }
 

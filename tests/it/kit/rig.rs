@@ -74,13 +74,23 @@ impl ProcRig {
     }
 
     /// SIGKILL a process and start another on the same state.
-    pub fn kill_and_restart(&self, mut p: Proc) -> Proc {
+    pub fn kill_and_restart(&self, p: Proc) -> Proc {
+        Self::kill(p);
+        self.start_again()
+    }
+
+    /// SIGKILL a process (and reap it).
+    pub fn kill(mut p: Proc) {
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(p.child.id() as i32),
             nix::sys::signal::Signal::SIGKILL,
         )
         .unwrap();
         p.child.wait().unwrap();
+    }
+
+    /// Another process on the same state.
+    pub fn start_again(&self) -> Proc {
         Proc::start(&self.state, &self.config, &[]).unwrap()
     }
 
