@@ -42,8 +42,7 @@ use super::leases::Lease;
 use crate::audit::event::{Action, Event, Outcome};
 pub use crate::store::recordings::{Chunk, Hold, Recording, RecordingKind, RecordingState};
 
-/// The recordings' directory under the state directory.
-pub const DIR: &str = "recordings";
+pub use crate::store::recordings::DIR;
 /// A chunk closes when it holds this many bytes.
 pub const CHUNK_BYTES: u64 = 1024 * 1024;
 /// … or this long after its first byte.

@@ -6,6 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The recordings' directory under the state directory.
+pub const DIR: &str = "recordings";
+
 use super::typed::{self, ReadOps, WriteOps};
 use super::{StoreError, index_key, owned_items, tables};
 

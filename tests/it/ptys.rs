@@ -530,3 +530,42 @@ async fn a_pty_survives_a_sigkill_in_one_sealed_recording() {
     }
     p.stop();
 }
+
+/// A PTY whose sandbox ended while the appliance was down cannot be
+/// re-attached: after the restart it is `lost`, and its recording is
+/// sealed with a marker saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pty_whose_sandbox_ended_while_down_is_lost_and_its_recording_sealed() {
+    let (rig, p) = crate::kit::ProcRig::start();
+    let lease = rig.acquire(&p.url, "pty-lost").await;
+    let (st, v) = rig
+        .call(format!("{}/v1/leases/{lease}/ptys", p.url), Some(json!({})))
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let pty = v["pty_ref"].as_str().unwrap().to_string();
+    crate::kit::ProcRig::kill(p);
+    let out = rig.cli(&["sandboxes", "kill", "--all"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let p = rig.start_again();
+    let file = crate::recordings::sealed(&rig.state, &pty, || rig.journal()).await;
+    let (_, evs) = crate::recordings::read(&file);
+    let markers = String::from_utf8(crate::recordings::stream(&evs, "m")).unwrap();
+    assert!(markers.contains("has ended"), "{markers}");
+    let (st, v) = rig
+        .call(format!("{}/v1/ptys/{pty}/status", p.url), None)
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["state"], "lost", "{v}");
+    let out = rig.cli(&["recording", "verify", file.to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    p.stop();
+}

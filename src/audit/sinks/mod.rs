@@ -371,7 +371,7 @@ async fn deliver(
     let dir = store
         .path()
         .parent()
-        .map(|d| d.join(crate::broker::recordings::DIR));
+        .map(|d| d.join(crate::store::recordings::DIR));
     for ev in batch {
         if ev.action != crate::audit::event::Action::RecordingSealed {
             continue;
