@@ -212,30 +212,56 @@ pub fn plain_text(file: &[u8], max: usize) -> (String, bool, Vec<(String, String
     (out, false, markers)
 }
 
+/// The signed-in person and a recording they may read (`action` is
+/// recorded), or the page that says why not.
+async fn open(
+    st: &ConsoleState,
+    headers: &HeaderMap,
+    action: Action,
+    rec: &str,
+) -> Result<(super::session::SignedIn, Recording, std::path::PathBuf), Response> {
+    let who = signed_in(st, headers).await?;
+    match st
+        .broker
+        .recording_for(&who.principal, &ctx(), action, rec)
+        .await
+    {
+        Ok((r, path)) => Ok((who, r, path)),
+        Err(e) => Err(refused(&who, &e)),
+    }
+}
+
+/// How much of a file the text view reads: enough for [`PLAIN_MAX`] bytes
+/// of text after escapes and JSON are taken away, never the whole of a
+/// large recording.
+const PLAIN_READ: u64 = 4 * PLAIN_MAX as u64;
+
 pub async fn show(
     State(st): State<ConsoleState>,
     headers: HeaderMap,
     Path(rec): Path<String>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let (r, path) = match st
-        .broker
-        .recording_for(&who.principal, &ctx(), Action::RecordingView, &rec)
-        .await
-    {
+    let (who, r, path) = match open(&st, &headers, Action::RecordingView, &rec).await {
         Ok(x) => x,
-        Err(e) => return refused(&who, &e),
+        Err(resp) => return resp,
     };
-    let file = std::fs::read(&path).unwrap_or_default();
+    // Off the runtime's threads, and only the start of the file.
+    let file = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut b = vec![];
+        std::fs::File::open(&path)
+            .and_then(|f| f.take(PLAIN_READ).read_to_end(&mut b))
+            .map(|_| b)
+            .unwrap_or_default()
+    })
+    .await
+    .unwrap_or_default();
     let (plain, plain_cut, markers) = plain_text(&file, PLAIN_MAX);
     let page = ShowPage {
         page: Page::new(Some(&who), "recordings"),
         r: Row::from(&r),
         plain,
-        plain_cut,
+        plain_cut: plain_cut || file.len() as u64 >= PLAIN_READ,
         markers,
         js_version: super::assets::version("player.js"),
     };
@@ -247,17 +273,9 @@ pub async fn download(
     headers: HeaderMap,
     Path(rec): Path<String>,
 ) -> Response {
-    let who = match signed_in(&st, &headers).await {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    let (r, path) = match st
-        .broker
-        .recording_for(&who.principal, &ctx(), Action::RecordingDownload, &rec)
-        .await
-    {
+    let (_, r, path) = match open(&st, &headers, Action::RecordingDownload, &rec).await {
         Ok(x) => x,
-        Err(e) => return refused(&who, &e),
+        Err(resp) => return resp,
     };
     let file = match tokio::fs::File::open(&path).await {
         Ok(f) => f,
