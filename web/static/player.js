@@ -7,8 +7,11 @@
 // are dropped. The page shows the output as text without this script.
 "use strict";
 (function () {
-  function Term(cols) {
+  // `crlf`: output not from a terminal (a job, an exec), whose newline
+  // also returns to the line's start, as a terminal's output does.
+  function Term(cols, crlf) {
     this.cols = cols || 80;
+    this.crlf = !!crlf;
     this.reset();
   }
   Term.prototype.reset = function () {
@@ -65,7 +68,7 @@
       if (this.state === 4) { this.state = 0; continue; }
       if (code === 27) { this.state = 1; continue; }
       if (c === "\r") { this.col = 0; continue; }
-      if (c === "\n") { this.row += 1; this.line(); continue; }
+      if (c === "\n") { this.row += 1; if (this.crlf) { this.col = 0; } this.line(); continue; }
       if (c === "\b") { this.col = Math.max(0, this.col - 1); continue; }
       if (c === "\t") { this.col = (Math.floor(this.col / 8) + 1) * 8; continue; }
       if (code < 32 || code === 127) { continue; }
@@ -102,7 +105,8 @@
       } catch (err) { /* a line cut short: skipped */ }
     }
     var duration = events.length ? events[events.length - 1].t : 0;
-    var term = new Term(head.width);
+    var kind = head.cube_adapter && head.cube_adapter.kind;
+    var term = new Term(head.width, kind && kind !== "pty");
     var screen = document.getElementById("play-screen");
     var seek = document.getElementById("play-seek");
     var time = document.getElementById("play-time");
