@@ -928,7 +928,9 @@ async fn pty_flood(rig: &Rig, n: usize, mib: usize) -> anyhow::Result<(f64, u64,
 /// A job writing `mib` MiB of random bytes to each stream, then every byte
 /// read back by cursors: seconds to the job's end, and to the last byte
 /// read.
-async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f64)> {
+/// One job of `mib` MiB a stream: seconds to its end, to the last byte a
+/// client read, and until its recording (if any) was sealed.
+async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f64, f64)> {
     let n = mib * 1024 * 1024;
     let cmd = format!("head -c {n} /dev/urandom; head -c {n} /dev/urandom >&2");
     let t0 = Instant::now();
@@ -965,7 +967,42 @@ async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f
         }
     }
     anyhow::ensure!(o + e == 2 * n as u64, "read {} of {} bytes", o + e, 2 * n);
-    Ok((ended, t0.elapsed().as_secs_f64()))
+    let read = t0.elapsed().as_secs_f64();
+    // Until the job's recording (if any) is sealed: its whole cost.
+    let until = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < until {
+        let open = rig
+            .store
+            .read_now(crate::store::recordings::all)?
+            .iter()
+            .any(|r| {
+                r.subject == job && r.state != crate::store::recordings::RecordingState::Sealed
+            });
+        if !open {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok((ended, read, t0.elapsed().as_secs_f64()))
+}
+
+/// The machine's busy CPU time so far, in seconds (`/proc/stat`: every
+/// process, the kernel's work for them included).
+fn busy_cpu_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: u64 = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .enumerate()
+        // user nice system idle iowait irq softirq steal: all but idle and iowait.
+        .filter(|(i, _)| matches!(i, 0 | 1 | 2 | 5 | 6 | 7))
+        .filter_map(|(_, v)| v.parse::<u64>().ok())
+        .sum();
+    // USER_HZ is 100 on every Linux this runs on.
+    ticks as f64 / 100.0
 }
 
 /// `bench recordings`: memory while `ptys` PTYs each stream `mib` MiB with
@@ -1012,13 +1049,19 @@ pub async fn recordings(
     let on = recording_rig(&dir.join("jobs-on"), launcher, true).await?;
     let (lo, ln) = (off.acquire("jobs").await?, on.acquire("jobs").await?);
     let (mut off_end, mut on_end, mut off_read, mut on_read) = (vec![], vec![], vec![], vec![]);
+    let (mut off_cpu, mut on_cpu, mut sealed) = (vec![], vec![], vec![]);
     for _ in 0..rounds {
-        let (e, r) = job_round(&off, &lo, job_mib).await?;
+        let c = busy_cpu_secs();
+        let (e, r, _) = job_round(&off, &lo, job_mib).await?;
+        off_cpu.push(busy_cpu_secs() - c);
         off_end.push(e);
         off_read.push(r);
-        let (e, r) = job_round(&on, &ln, job_mib).await?;
+        let c = busy_cpu_secs();
+        let (e, r, s) = job_round(&on, &ln, job_mib).await?;
+        on_cpu.push(busy_cpu_secs() - c);
         on_end.push(e);
         on_read.push(r);
+        sealed.push(s);
     }
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -1050,6 +1093,27 @@ pub async fn recordings(
     report.figures.insert(
         "job throughput with recording / without (to the last byte read)".into(),
         or / nr,
+    );
+    report.figures.insert(
+        "job throughput with recording / without (to its end)".into(),
+        oe / ne,
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording on: seconds until sealed"),
+        med(&mut sealed),
+    );
+    let (oc, nc) = (med(&mut off_cpu), med(&mut on_cpu));
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording off: CPU seconds (machine)"),
+        oc,
+    );
+    report.figures.insert(
+        format!("job {job_mib}+{job_mib} MiB, recording on: CPU seconds (machine)"),
+        nc,
+    );
+    report.figures.insert(
+        "recording's CPU milliseconds per MB recorded (machine)".into(),
+        (nc - oc) * 1000.0 / total,
     );
     off.stop().await;
     on.stop().await;

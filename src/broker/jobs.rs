@@ -23,7 +23,6 @@ use super::recordings::{Recorder, RecordingKind, Stream};
 use super::{Broker, Code, Ctx, Error, Result, error::backend};
 use crate::audit::event::Action;
 use crate::auth::Principal;
-use crate::cube::envd::decode_data;
 use crate::cube::wire::ProcessEvent;
 use crate::cube::{ErrorKind, StartOptions};
 use crate::store::{self, StoreError};
@@ -158,18 +157,27 @@ kill -KILL -- "-$c" 2>/dev/null
 exit 0
 "#;
 
-/// Follows a job's output as it is written, for its recording: standard
-/// output on stdout and standard error on stderr, each from its offset
-/// (`OO`, `EO`), until the runner (`R`) has ended and both are read
-/// (GNU `tail`; where it is missing the recording catches up at the end).
-const FOLLOW: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
+/// Wakes a job's recording when there is output to read: ends (0) at the
+/// first byte written to stdout or stderr past the offsets already
+/// recorded (`OO`, `EO`), or (10) when the runner (`R`) has ended without
+/// one. The bytes themselves are read as files (`GET /files` with a
+/// `Range`), not through this process. Without GNU `tail`'s `--pid`, or
+/// `mkfifo`, it ends (4) at once and the recording polls.
+const WAKE: &str = r#"cd "/tmp/cube-adapter-jobs/$J" 2>/dev/null || exit 3
+tail --pid="$R" -c 0 /dev/null >/dev/null 2>&1 || exit 4
+f=".wake.$$"
+rm -f "$f"
+mkfifo -m 600 "$f" 2>/dev/null || exit 4
 # The job's own processes come first.
 n=; command -v nice >/dev/null 2>&1 && n="nice -n 19"
-$n tail -c +"$((OO + 1))" -s 0.2 --pid="$R" -F stdout 2>/dev/null &
+$n tail -c +"$((OO + 1))" -s 0.2 --pid="$R" -F stdout >"$f" 2>/dev/null &
 a=$!
-$n tail -c +"$((EO + 1))" -s 0.2 --pid="$R" -F stderr >&2 2>/dev/null &
+$n tail -c +"$((EO + 1))" -s 0.2 --pid="$R" -F stderr >"$f" 2>/dev/null &
 b=$!
-wait "$a" "$b"
+w=$(head -c 1 <"$f" | wc -c)
+kill "$a" "$b" 2>/dev/null
+rm -f "$f"
+[ "$w" -gt 0 ] || exit 10
 "#;
 
 pub use crate::store::jobs::{Job, JobState};
@@ -265,6 +273,71 @@ impl Probe {
 
 /// One read of a job: state, sizes and the asked ranges
 /// (`(offset, max)` per stream; max 0 reads nothing).
+/// How long a job's recording polls its files before it waits for the waker.
+const FOLLOW_QUIET: Duration = Duration::from_millis(500);
+/// The recording's poll while a job's output flows or has just paused.
+const FOLLOW_POLL: Duration = Duration::from_millis(50);
+/// The poll where there is no waker (no GNU `tail`).
+const FOLLOW_SLOW_POLL: Duration = Duration::from_secs(1);
+/// What one read of a job's file for its recording takes at most.
+const FOLLOW_READ: usize = 1024 * 1024;
+
+/// Record what a job wrote past `at` (bytes of stdout and stderr already
+/// recorded), up to `FOLLOW_READ` of each: whether there was any.
+async fn read_new(
+    addr: &super::leases::Addr,
+    job: &Job,
+    at: &mut (u64, u64),
+    rec: &Recorder,
+) -> crate::cube::Result<bool> {
+    let dir = format!("{JOBS_DIR}/{}", job.job_ref);
+    let out = addr
+        .cube
+        .download_range(addr, &format!("{dir}/stdout"), at.0, FOLLOW_READ)
+        .await?;
+    if let Some(x) = &out {
+        at.0 += x.len() as u64;
+        rec.data(Stream::Output, x).await;
+    }
+    let err = addr
+        .cube
+        .download_range(addr, &format!("{dir}/stderr"), at.1, FOLLOW_READ)
+        .await?;
+    if let Some(x) = &err {
+        at.1 += x.len() as u64;
+        rec.data(Stream::Error, x).await;
+    }
+    Ok(out.is_some() || err.is_some())
+}
+
+/// Wait in the sandbox (`WAKE`) until the job writes past `at` or its
+/// runner ends: the waker's exit code, `None` when it could not be asked.
+async fn wake(addr: &super::leases::Addr, job: &Job, at: (u64, u64)) -> Option<i32> {
+    let envs: BTreeMap<String, String> = [
+        ("J", job.job_ref.clone()),
+        ("R", job.runner_pid.to_string()),
+        ("OO", at.0.to_string()),
+        ("EO", at.1.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let o = StartOptions {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), WAKE.into()],
+        envs,
+        ..Default::default()
+    };
+    let mut s = addr.cube.start(addr, &o).await.ok()?;
+    loop {
+        match s.next().await {
+            Ok(Some(ProcessEvent::End(e))) => return e.exit_code,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => return None,
+        }
+    }
+}
+
 async fn probe(
     b: &Broker,
     addr: &super::leases::Addr,
@@ -1044,97 +1117,93 @@ impl Broker {
         }
     }
 
-    /// Record a job's output as it is written (`FOLLOW`), from `from`
-    /// (bytes of stdout and stderr already recorded); once the job has
-    /// ended, catch up with what the follower did not deliver and seal the
-    /// recording. A stream that breaks while the job runs is followed
-    /// again; at a shutdown the recording stays open (the next start goes
-    /// on with it).
+    /// Record a job's output as it is written, from `from` (bytes of
+    /// stdout and stderr already recorded): its two files are read past
+    /// what is recorded (`GET /files` with a `Range`: raw bytes, no process
+    /// in the sandbox) every `FOLLOW_POLL` while output flows; after
+    /// `FOLLOW_QUIET` without any, a waker in the sandbox (`WAKE`) waits
+    /// for the next write or the runner's end. Once the runner has ended,
+    /// what is left is read and the recording sealed. At a shutdown the
+    /// recording stays open (the next start goes on with it).
     pub(crate) fn follow_job(&self, l: Lease, job: Job, rec: Recorder, from: (u64, u64)) {
         let b = self.clone();
         tokio::spawn(async move {
-            let (mut out, mut err) = from;
-            let mut tries = 0u32;
-            loop {
+            let mut at = from;
+            let (mut wake_fails, mut read_fails) = (0u32, 0u32);
+            'follow: loop {
                 if b.inner.tracker.is_closed() {
                     return;
                 }
                 let Ok(addr) = b.addr(&l) else {
                     break;
                 };
-                let envs: BTreeMap<String, String> = [
-                    ("J", job.job_ref.clone()),
-                    ("R", job.runner_pid.to_string()),
-                    ("OO", out.to_string()),
-                    ("EO", err.to_string()),
-                ]
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
-                let o = StartOptions {
-                    cmd: "/bin/sh".into(),
-                    args: vec!["-c".into(), FOLLOW.into()],
-                    envs,
-                    ..Default::default()
-                };
-                let mut ended = false;
-                if let Ok(mut s) = addr.cube.start(&addr, &o).await {
-                    loop {
-                        match s.next().await {
-                            Ok(Some(ProcessEvent::Data(d))) => {
-                                if let Some(x) =
-                                    d.stdout.as_deref().and_then(|x| decode_data(x).ok())
-                                {
-                                    out += x.len() as u64;
-                                    rec.data(Stream::Output, &x).await;
-                                }
-                                if let Some(x) =
-                                    d.stderr.as_deref().and_then(|x| decode_data(x).ok())
-                                {
-                                    err += x.len() as u64;
-                                    rec.data(Stream::Error, &x).await;
-                                }
+                // Read while there is output; a short quiet spell is waited
+                // out by polling, a longer one by the waker (if there is one).
+                let no_waker = wake_fails >= 3;
+                let mut quiet = Duration::ZERO;
+                loop {
+                    match read_new(&addr, &job, &mut at, &rec).await {
+                        Ok(true) => quiet = Duration::ZERO,
+                        Ok(false) if no_waker || quiet >= FOLLOW_QUIET => break,
+                        Ok(false) => {
+                            tokio::time::sleep(FOLLOW_POLL).await;
+                            quiet += FOLLOW_POLL;
+                        }
+                        Err(e) => {
+                            // The sandbox gone, or its files unreadable:
+                            // while the job runs, try again for a while.
+                            tokio::time::sleep(FOLLOW_SLOW_POLL).await;
+                            let running = probe(&b, &addr, &job, (at.0, 0), (at.1, 0))
+                                .await
+                                .is_ok_and(|p| p.kind == "running");
+                            if !running {
+                                break 'follow;
                             }
-                            Ok(Some(ProcessEvent::End(_))) | Ok(None) => {
-                                ended = true;
-                                break;
+                            read_fails += 1;
+                            if read_fails > 30 {
+                                tracing::warn!(job = %job.job_ref, error = %e, "a job's recording cannot read its output");
+                                rec.marker(&format!(
+                                    "the job's output could not be read from here on: {e}"
+                                ))
+                                .await;
+                                rec.finish().await;
+                                return;
                             }
-                            Ok(Some(_)) => {}
-                            Err(_) => break,
+                            break;
                         }
                     }
+                    read_fails = 0;
+                    if b.inner.tracker.is_closed() {
+                        return;
+                    }
                 }
-                if b.inner.tracker.is_closed() {
-                    return;
-                }
-                // Still running: the stream broke; follow again.
-                let running = probe(&b, &addr, &job, (out, 0), (err, 0))
-                    .await
-                    .is_ok_and(|p| p.kind == "running");
-                if !running {
-                    break;
-                }
-                tries += 1;
-                if !ended || tries > 3 {
-                    tokio::time::sleep(Duration::from_secs(u64::from(tries.min(30)))).await;
-                }
-            }
-            // Catch up: what the follower did not deliver (no `tail`, or
-            // written while nobody followed), each stream in order.
-            if let Ok(addr) = b.addr(&l) {
-                loop {
-                    let Ok(p) = probe(&b, &addr, &job, (out, MAX_CHUNK), (err, MAX_CHUNK)).await
-                    else {
-                        break;
-                    };
-                    if p.stdout.is_empty() && p.stderr.is_empty() {
+                if no_waker {
+                    // No waker here (busybox): poll, and ask whether the
+                    // job still runs at each quiet spell.
+                    let running = probe(&b, &addr, &job, (at.0, 0), (at.1, 0))
+                        .await
+                        .is_ok_and(|p| p.kind == "running");
+                    if !running {
                         break;
                     }
-                    out += p.stdout.len() as u64;
-                    err += p.stderr.len() as u64;
-                    rec.data(Stream::Output, &p.stdout).await;
-                    rec.data(Stream::Error, &p.stderr).await;
+                    tokio::time::sleep(FOLLOW_SLOW_POLL).await;
+                    continue;
                 }
+                match wake(&addr, &job, at).await {
+                    Some(0) => wake_fails = 0,
+                    Some(3 | 10) => break,
+                    _ => {
+                        wake_fails += 1;
+                        if b.inner.tracker.is_closed() {
+                            return;
+                        }
+                        tokio::time::sleep(FOLLOW_POLL).await;
+                    }
+                }
+            }
+            // The runner has ended: read what is left, each stream in order.
+            if let Ok(addr) = b.addr(&l) {
+                while let Ok(true) = read_new(&addr, &job, &mut at, &rec).await {}
             }
             rec.finish().await;
         });

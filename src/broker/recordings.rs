@@ -44,7 +44,7 @@ pub use crate::store::recordings::{Chunk, Hold, Recording, RecordingKind, Record
 
 pub use crate::store::recordings::DIR;
 /// A chunk closes when it holds this many bytes.
-pub const CHUNK_BYTES: u64 = 1024 * 1024;
+pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 /// … or this long after its first byte.
 pub const SEAL_EVERY: Duration = Duration::from_secs(5);
 /// Events a recording's queue holds before its producer waits.
@@ -312,7 +312,7 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     if needle.is_empty() || hay.len() < needle.len() {
         return None;
     }
-    hay.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(hay, needle)
 }
 
 /// One event line: `[t, code, data]` and a newline.

@@ -912,6 +912,58 @@ impl CubeClient {
         Ok(resp)
     }
 
+    /// `GET /files` with `Range: bytes=FROM-(FROM+MAX-1)`: at most `max`
+    /// bytes of a file from `from`, raw (no base64, no JSON, no process in
+    /// the sandbox). `None` when the file has nothing at `from` (416). An
+    /// envd that ignores the range (200) is read past `from` here.
+    pub async fn download_range(
+        &self,
+        sb: &SandboxAddr,
+        path: &str,
+        from: u64,
+        max: usize,
+    ) -> Result<Option<Vec<u8>>> {
+        let url = Self::files_path(path, "root");
+        let last = from.saturating_add(max.max(1) as u64 - 1);
+        let range = format!("bytes={from}-{last}");
+        let resp = self
+            .send_data(sb, "download", Replay::Safe, || {
+                Ok(self
+                    .data_request_on(sb, Method::GET, &url, true)?
+                    .header(reqwest::header::ACCEPT_ENCODING, "identity")
+                    .header(reqwest::header::RANGE, &range))
+            })
+            .await?;
+        let status = resp.status();
+        let mut skip = match status {
+            reqwest::StatusCode::PARTIAL_CONTENT => 0,
+            reqwest::StatusCode::OK => from,
+            reqwest::StatusCode::RANGE_NOT_SATISFIABLE => return Ok(None),
+            _ => {
+                let bytes = resp.bytes().await.unwrap_or_default();
+                return Err(api_error("download", status, &bytes));
+            }
+        };
+        let mut out =
+            Vec::with_capacity(resp.content_length().map_or(0, |n| n.min(max as u64)) as usize);
+        let mut s = resp.bytes_stream();
+        while let Some(chunk) = s.next().await {
+            let chunk = chunk.map_err(|e| CubeError::from_reqwest("download", e))?;
+            let mut piece = &chunk[..];
+            if skip > 0 {
+                let n = (skip as usize).min(piece.len());
+                skip -= n as u64;
+                piece = piece.get(n..).unwrap_or_default();
+            }
+            let room = max - out.len();
+            out.extend_from_slice(piece.get(..room.min(piece.len())).unwrap_or_default());
+            if out.len() == max {
+                break;
+            }
+        }
+        Ok((!out.is_empty()).then_some(out))
+    }
+
     /// `GET /files`, whole, refusing files larger than `limit` bytes.
     pub async fn download(&self, sb: &SandboxAddr, path: &str, limit: usize) -> Result<Vec<u8>> {
         let resp = self.download_stream(sb, path).await?;

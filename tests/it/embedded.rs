@@ -294,6 +294,35 @@ async fn files_binary_paths_and_errors() {
     assert_eq!(st.kind, "FILE_TYPE_FILE");
     assert_eq!(st.owner, "root");
 
+    // A part of a file (`Range`, as a job's recording reads its output).
+    let f = "/workspace/dir/sub/blob.bin";
+    let part = t
+        .client
+        .download_range(&sb, f, 1_000_000, 1000)
+        .await
+        .unwrap();
+    assert!(
+        part.as_deref() == data.get(1_000_000..1_001_000),
+        "a middle part differs"
+    );
+    let end = t
+        .client
+        .download_range(&sb, f, data.len() as u64 - 10, MB)
+        .await
+        .unwrap();
+    assert!(
+        end.as_deref() == data.get(data.len() - 10..),
+        "the end differs"
+    );
+    assert_eq!(
+        t.client
+            .download_range(&sb, f, data.len() as u64, MB)
+            .await
+            .unwrap(),
+        None,
+        "nothing past the end"
+    );
+
     // Directory operations.
     t.client.make_dir(&sb, "/workspace/a/b").await.unwrap();
     let e = t.client.make_dir(&sb, "/workspace/a/b").await.unwrap_err();
@@ -889,6 +918,36 @@ async fn malformed_requests_get_protocol_errors() {
         .await
         .unwrap();
     assert_eq!(r.status(), 204);
+    // `Range` on `GET /files` is answered as Go's `http.ServeContent` does.
+    t.client
+        .upload(&sb, "/workspace/ten", b"0123456789".to_vec())
+        .await
+        .unwrap();
+    let files = url("/files?path=/workspace/ten&username=root");
+    for (range, status, content_range, body) in [
+        ("bytes=2-4", 206, "bytes 2-4/10", &b"234"[..]),
+        ("bytes=7-", 206, "bytes 7-9/10", b"789"),
+        ("bytes=-2", 206, "bytes 8-9/10", b"89"),
+        ("bytes=10-", 416, "bytes */10", b""),
+    ] {
+        let r = http
+            .get(&files)
+            .header("host", &host)
+            .header("range", range)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), status, "{range}");
+        assert_eq!(r.headers()["content-range"], content_range, "{range}");
+        if status == 206 {
+            assert_eq!(&r.bytes().await.unwrap()[..], body, "{range}");
+        }
+    }
+    let r = http.get(&files).header("host", &host).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["accept-ranges"], "bytes");
+    assert_eq!(&r.bytes().await.unwrap()[..], b"0123456789");
+
     // The backend still works after all that.
     assert_eq!(
         t.client

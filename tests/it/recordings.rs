@@ -73,9 +73,12 @@ pub async fn sealed(state: &Path, subject: &str, journal: impl Fn() -> Vec<Value
 async fn a_jobs_recording_is_its_output_interleaved_as_written() {
     let s = Server::start().await;
     let lease = s.acquire(&s.admin, "rec-job").await;
-    // Each write a moment after the last; a character split over two
-    // writes; bytes that are not UTF-8; an end without a newline.
-    let cmd = "for i in 1 2 3; do echo out$i; sleep 0.3; echo err$i >&2; sleep 0.3; done; \
+    // Each write a moment after the last (and, before out3, after a quiet
+    // spell long enough for the recording to wait for the waker); a
+    // character split over two writes; bytes that are not UTF-8; an end
+    // without a newline.
+    let cmd = "for i in 1 2 3; do echo out$i; sleep 0.3; echo err$i >&2; sleep 0.3; \
+               if [ $i = 2 ]; then sleep 1.5; fi; done; \
                printf 'caf\\303'; sleep 0.3; printf '\\251\\n'; printf '\\377\\376' >&2; \
                printf 'end'";
     let (st, v) = s
@@ -127,6 +130,16 @@ async fn a_jobs_recording_is_its_output_interleaved_as_written() {
         at += i + w.len();
     }
     assert!(evs.windows(2).all(|w| w[0].t <= w[1].t));
+    // Recorded as they were written, the quiet spell too (not all at the
+    // end): out3 well after err2, and err3 after out3.
+    let t = |w: &str| {
+        evs.iter()
+            .find(|e| String::from_utf8_lossy(&e.bytes).contains(w))
+            .map(|e| e.t)
+            .unwrap()
+    };
+    assert!(t("out3") - t("err2") > 1.0, "{order}");
+    assert!(t("err3") - t("out3") > 0.15, "{order}");
     // And the journal agrees with the file.
     let none = s.state.join("empty.toml");
     std::fs::write(&none, "").unwrap();

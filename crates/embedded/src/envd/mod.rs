@@ -466,26 +466,66 @@ async fn download(
         }
         Err(e) => return io_http_error(&e, &shown),
     }
-    let file = match tokio::fs::File::open(&r.real).await {
+    let mut file = match tokio::fs::File::open(&r.real).await {
         Ok(f) => f,
         Err(e) => return io_http_error(&e, &shown),
     };
-    let len = file.metadata().await.map(|m| m.len()).ok();
+    let len = match file.metadata().await {
+        Ok(m) => m.len(),
+        Err(e) => return io_http_error(&e, &shown),
+    };
     let name = r
         .shown
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    // A `Range` is answered as Go's `http.ServeContent` answers it (the
+    // real envd's): 206 with the part, or 416 when it starts past the end.
+    let range = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .map_or(ByteRange::Whole, |v| ByteRange::parse(v, len));
+    let (status, start, count) = match range {
+        ByteRange::Whole => (StatusCode::OK, 0, len),
+        ByteRange::Part(first, last) => (StatusCode::PARTIAL_CONTENT, first, last - first + 1),
+        ByteRange::Unsatisfiable => {
+            let mut resp = (
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "invalid range: failed to overlap\n",
+            )
+                .into_response();
+            if let Ok(v) = header::HeaderValue::from_str(&format!("bytes */{len}")) {
+                resp.headers_mut().insert(header::CONTENT_RANGE, v);
+            }
+            return resp;
+        }
+    };
+    if start > 0 {
+        use tokio::io::AsyncSeekExt;
+        if let Err(e) = file.seek(std::io::SeekFrom::Start(start)).await {
+            return io_http_error(&e, &shown);
+        }
+    }
+    use tokio::io::AsyncReadExt;
     let mut resp = Response::new(Body::from_stream(
-        tokio_util::io::ReaderStream::with_capacity(file, 64 * 1024),
+        tokio_util::io::ReaderStream::with_capacity(file.take(count), 64 * 1024),
     ));
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/octet-stream"),
     );
-    if let Some(len) = len {
-        h.insert(header::CONTENT_LENGTH, header::HeaderValue::from(len));
+    h.insert(header::CONTENT_LENGTH, header::HeaderValue::from(count));
+    h.insert(
+        header::ACCEPT_RANGES,
+        header::HeaderValue::from_static("bytes"),
+    );
+    if status == StatusCode::PARTIAL_CONTENT {
+        let v = format!("bytes {start}-{}/{len}", start + count - 1);
+        if let Ok(v) = header::HeaderValue::from_str(&v) {
+            h.insert(header::CONTENT_RANGE, v);
+        }
     }
     if let Ok(v) =
         header::HeaderValue::from_str(&format!("inline; filename=\"{}\"", name.replace('"', "")))
@@ -493,6 +533,54 @@ async fn download(
         h.insert(header::CONTENT_DISPOSITION, v);
     }
     resp
+}
+
+/// What a `Range` header asks of a file of a given size, as Go's
+/// `http.ServeContent` reads it (a range it cannot parse is a 416 there too).
+#[derive(Debug, PartialEq, Eq)]
+enum ByteRange {
+    /// The whole file: we answer several ranges with it (Go sends them as
+    /// `multipart/byteranges`; a server may ignore a `Range`).
+    Whole,
+    /// Bytes `first..=last`.
+    Part(u64, u64),
+    /// Not a range, or one that starts past the end (416).
+    Unsatisfiable,
+}
+
+impl ByteRange {
+    fn parse(v: &str, size: u64) -> Self {
+        let Some(spec) = v.trim().strip_prefix("bytes=") else {
+            return Self::Unsatisfiable;
+        };
+        if spec.contains(',') {
+            return Self::Whole;
+        }
+        let Some((a, b)) = spec.trim().split_once('-') else {
+            return Self::Unsatisfiable;
+        };
+        let (a, b) = (a.trim(), b.trim());
+        if a.is_empty() {
+            // `bytes=-N`: the last N bytes.
+            return match b.parse::<u64>() {
+                Ok(n) if n > 0 && size > 0 => Self::Part(size.saturating_sub(n), size - 1),
+                _ => Self::Unsatisfiable,
+            };
+        }
+        let Ok(first) = a.parse::<u64>() else {
+            return Self::Unsatisfiable;
+        };
+        if first >= size {
+            return Self::Unsatisfiable;
+        }
+        if b.is_empty() {
+            return Self::Part(first, size - 1);
+        }
+        match b.parse::<u64>() {
+            Ok(last) if last >= first => Self::Part(first, last.min(size - 1)),
+            _ => Self::Unsatisfiable,
+        }
+    }
 }
 
 async fn upload(
@@ -669,4 +757,26 @@ fn io_http_error(e: &std::io::Error, shown: &str) -> Response {
 /// Serve the agent on an already-bound unix listener until it fails.
 pub async fn serve(listener: tokio::net::UnixListener, procs: Processes) -> std::io::Result<()> {
     axum::serve(listener, router(procs)).await
+}
+
+#[cfg(test)]
+mod range_tests {
+    use super::ByteRange::{self, *};
+
+    #[test]
+    fn ranges_read_as_go_reads_them() {
+        let p = |v| ByteRange::parse(v, 10);
+        assert_eq!(p("bytes=0-"), Part(0, 9));
+        assert_eq!(p("bytes=4-"), Part(4, 9));
+        assert_eq!(p("bytes=4-6"), Part(4, 6));
+        assert_eq!(p("bytes=4-60"), Part(4, 9));
+        assert_eq!(p("bytes=-3"), Part(7, 9));
+        assert_eq!(p("bytes=-30"), Part(0, 9));
+        assert_eq!(p("bytes=10-"), Unsatisfiable);
+        assert_eq!(p("bytes=6-4"), Unsatisfiable);
+        assert_eq!(p("bytes=x-"), Unsatisfiable);
+        assert_eq!(p("lines=1-"), Unsatisfiable);
+        assert_eq!(p("bytes=0-1,4-5"), Whole);
+        assert_eq!(ByteRange::parse("bytes=0-", 0), Unsatisfiable);
+    }
 }
