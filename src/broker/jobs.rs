@@ -283,31 +283,36 @@ const FOLLOW_SLOW_POLL: Duration = Duration::from_secs(1);
 const FOLLOW_READ: usize = 1024 * 1024;
 
 /// Record what a job wrote past `at` (bytes of stdout and stderr already
-/// recorded), up to `FOLLOW_READ` of each: whether there was any.
+/// recorded), up to `FOLLOW_READ` of each, piece by piece as it comes (the
+/// recording's queue bounds what is held): whether there was any.
 async fn read_new(
     addr: &super::leases::Addr,
     job: &Job,
     at: &mut (u64, u64),
     rec: &Recorder,
 ) -> crate::cube::Result<bool> {
-    let dir = format!("{JOBS_DIR}/{}", job.job_ref);
-    let out = addr
-        .cube
-        .download_range(addr, &format!("{dir}/stdout"), at.0, FOLLOW_READ)
-        .await?;
-    if let Some(x) = &out {
-        at.0 += x.len() as u64;
-        rec.data(Stream::Output, x).await;
+    let mut any = false;
+    for (name, stream) in [("stdout", Stream::Output), ("stderr", Stream::Error)] {
+        let path = format!("{JOBS_DIR}/{}/{name}", job.job_ref);
+        let offset = if name == "stdout" {
+            &mut at.0
+        } else {
+            &mut at.1
+        };
+        let Some(mut body) = addr
+            .cube
+            .download_range(addr, &path, *offset, FOLLOW_READ)
+            .await?
+        else {
+            continue;
+        };
+        while let Some(piece) = body.next().await? {
+            *offset += piece.len() as u64;
+            any = true;
+            rec.data(stream, &piece).await;
+        }
     }
-    let err = addr
-        .cube
-        .download_range(addr, &format!("{dir}/stderr"), at.1, FOLLOW_READ)
-        .await?;
-    if let Some(x) = &err {
-        at.1 += x.len() as u64;
-        rec.data(Stream::Error, x).await;
-    }
-    Ok(out.is_some() || err.is_some())
+    Ok(any)
 }
 
 /// Wait in the sandbox (`WAKE`) until the job writes past `at` or its

@@ -129,6 +129,36 @@ const ENVD_DEADLINE_GRACE: Duration = Duration::from_secs(10);
 const KILL_TREE: &str = r#"k() { local p=$1 f s c; kill -STOP "$p" 2>/dev/null; for f in /proc/[0-9]*/stat; do s=$(<"$f") 2>/dev/null || continue; c=${f#/proc/}; c=${c%/stat}; s=${s##*) }; set -- $s; [ "$2" = "$p" ] && k "$c"; done; kill -KILL "$p" 2>/dev/null; }; k "$0"; exit 0"#;
 
 /// The event stream of a started or re-attached process.
+/// The bytes `download_range` asked for, piece by piece.
+pub struct RangeBody {
+    body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    skip: u64,
+    left: usize,
+}
+
+impl RangeBody {
+    /// The next piece; `None` at the end of the range.
+    pub async fn next(&mut self) -> Result<Option<Bytes>> {
+        while self.left > 0 {
+            let Some(chunk) = self.body.next().await else {
+                return Ok(None);
+            };
+            let mut chunk = chunk.map_err(|e| CubeError::from_reqwest("download", e))?;
+            if self.skip > 0 {
+                let n = (self.skip as usize).min(chunk.len());
+                self.skip -= n as u64;
+                let _ = chunk.split_to(n);
+            }
+            chunk.truncate(self.left);
+            if !chunk.is_empty() {
+                self.left -= chunk.len();
+                return Ok(Some(chunk));
+            }
+        }
+        Ok(None)
+    }
+}
+
 pub struct ProcessStream {
     body: std::pin::Pin<Box<dyn futures_util::Stream<Item = reqwest::Result<Bytes>> + Send>>,
     decoder: EnvelopeDecoder,
@@ -914,15 +944,16 @@ impl CubeClient {
 
     /// `GET /files` with `Range: bytes=FROM-(FROM+MAX-1)`: at most `max`
     /// bytes of a file from `from`, raw (no base64, no JSON, no process in
-    /// the sandbox). `None` when the file has nothing at `from` (416). An
-    /// envd that ignores the range (200) is read past `from` here.
+    /// the sandbox), as the body's pieces come. `None` when the file has
+    /// nothing at `from` (416). An envd that ignores the range (200) is
+    /// read past `from` here.
     pub async fn download_range(
         &self,
         sb: &SandboxAddr,
         path: &str,
         from: u64,
         max: usize,
-    ) -> Result<Option<Vec<u8>>> {
+    ) -> Result<Option<RangeBody>> {
         let url = Self::files_path(path, "root");
         let last = from.saturating_add(max.max(1) as u64 - 1);
         let range = format!("bytes={from}-{last}");
@@ -935,7 +966,7 @@ impl CubeClient {
             })
             .await?;
         let status = resp.status();
-        let mut skip = match status {
+        let skip = match status {
             reqwest::StatusCode::PARTIAL_CONTENT => 0,
             reqwest::StatusCode::OK => from,
             reqwest::StatusCode::RANGE_NOT_SATISFIABLE => return Ok(None),
@@ -944,24 +975,11 @@ impl CubeClient {
                 return Err(api_error("download", status, &bytes));
             }
         };
-        let mut out =
-            Vec::with_capacity(resp.content_length().map_or(0, |n| n.min(max as u64)) as usize);
-        let mut s = resp.bytes_stream();
-        while let Some(chunk) = s.next().await {
-            let chunk = chunk.map_err(|e| CubeError::from_reqwest("download", e))?;
-            let mut piece = &chunk[..];
-            if skip > 0 {
-                let n = (skip as usize).min(piece.len());
-                skip -= n as u64;
-                piece = piece.get(n..).unwrap_or_default();
-            }
-            let room = max - out.len();
-            out.extend_from_slice(piece.get(..room.min(piece.len())).unwrap_or_default());
-            if out.len() == max {
-                break;
-            }
-        }
-        Ok((!out.is_empty()).then_some(out))
+        Ok(Some(RangeBody {
+            body: Box::pin(resp.bytes_stream()),
+            skip,
+            left: max,
+        }))
     }
 
     /// `GET /files`, whole, refusing files larger than `limit` bytes.
