@@ -986,6 +986,58 @@ async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f
     Ok((ended, read, t0.elapsed().as_secs_f64()))
 }
 
+/// Pin every process of the sandboxes `ids` (found by their cgroup, whose
+/// last component is the sandbox's id) to the last CPU, and this process's
+/// threads to the others: how many sandbox processes were pinned.
+fn pin_apart(ids: &[String]) -> anyhow::Result<usize> {
+    use nix::sched::{CpuSet, sched_setaffinity};
+    use nix::unistd::Pid;
+    let cpus = std::thread::available_parallelism()?.get();
+    anyhow::ensure!(cpus >= 2, "--pin needs two CPUs or more");
+    let (mut sandbox, mut rest) = (CpuSet::new(), CpuSet::new());
+    sandbox.set(cpus - 1)?;
+    for c in 0..cpus - 1 {
+        rest.set(c)?;
+    }
+    let threads = |pid: &str| -> Vec<i32> {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for t in threads("self") {
+        sched_setaffinity(Pid::from_raw(t), &rest)?;
+    }
+    let mut n = 0;
+    for e in std::fs::read_dir("/proc")?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let cg = std::fs::read_to_string(format!("/proc/{name}/cgroup")).unwrap_or_default();
+        let ours = cg.lines().any(|l| {
+            l.rsplit('/')
+                .next()
+                .is_some_and(|leaf| ids.iter().any(|id| id == leaf))
+        });
+        if ours {
+            for t in threads(&name) {
+                if sched_setaffinity(Pid::from_raw(t), &sandbox).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+    }
+    anyhow::ensure!(
+        n > 0,
+        "no process of the sandboxes {ids:?} was found to pin"
+    );
+    Ok(n)
+}
+
 /// The machine's busy CPU time so far, in seconds (`/proc/stat`: every
 /// process, the kernel's work for them included).
 fn busy_cpu_secs() -> f64 {
@@ -1015,6 +1067,7 @@ pub async fn recordings(
     mib: usize,
     job_mib: usize,
     rounds: usize,
+    pin: bool,
 ) -> anyhow::Result<Report> {
     let dir = tmpdir("recordings");
     let mut report = Report::new("session recordings");
@@ -1048,6 +1101,24 @@ pub async fn recordings(
     let off = recording_rig(&dir.join("jobs-off"), launcher, false).await?;
     let on = recording_rig(&dir.join("jobs-on"), launcher, true).await?;
     let (lo, ln) = (off.acquire("jobs").await?, on.acquire("jobs").await?);
+    if pin {
+        // As with a CubeSandbox, whose sandboxes run on their own vCPUs: the
+        // two sandboxes (and all they start) on the last CPU, this process
+        // (the appliance, the backend's proxy, the client) on the others.
+        let mut ids = vec![];
+        for (rig, lease) in [(&off, &lo), (&on, &ln)] {
+            let l = rig
+                .store
+                .read_now(|t| crate::store::leases::get(t, lease))?
+                .ok_or_else(|| anyhow::anyhow!("lease {lease} is gone"))?;
+            ids.push(l.sandbox_id);
+        }
+        let n = pin_apart(&ids)?;
+        report.figures.insert(
+            "sandbox processes pinned to a CPU of their own".into(),
+            n as f64,
+        );
+    }
     let (mut off_end, mut on_end, mut off_read, mut on_read) = (vec![], vec![], vec![], vec![]);
     let (mut off_cpu, mut on_cpu, mut sealed) = (vec![], vec![], vec![]);
     for _ in 0..rounds {

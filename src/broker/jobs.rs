@@ -315,24 +315,29 @@ async fn read_new(
     Ok(any)
 }
 
+/// One of the job scripts above, run by `/bin/sh` with its inputs in the
+/// environment (nothing is quoted into the script).
+fn job_script<const N: usize>(script: &str, envs: [(&str, String); N]) -> StartOptions {
+    StartOptions {
+        cmd: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        envs: envs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        ..Default::default()
+    }
+}
+
 /// Wait in the sandbox (`WAKE`) until the job writes past `at` or its
 /// runner ends: the waker's exit code, `None` when it could not be asked.
 async fn wake(addr: &super::leases::Addr, job: &Job, at: (u64, u64)) -> Option<i32> {
-    let envs: BTreeMap<String, String> = [
-        ("J", job.job_ref.clone()),
-        ("R", job.runner_pid.to_string()),
-        ("OO", at.0.to_string()),
-        ("EO", at.1.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
-    let o = StartOptions {
-        cmd: "/bin/sh".into(),
-        args: vec!["-c".into(), WAKE.into()],
-        envs,
-        ..Default::default()
-    };
+    let o = job_script(
+        WAKE,
+        [
+            ("J", job.job_ref.clone()),
+            ("R", job.runner_pid.to_string()),
+            ("OO", at.0.to_string()),
+            ("EO", at.1.to_string()),
+        ],
+    );
     let mut s = addr.cube.start(addr, &o).await.ok()?;
     loop {
         match s.next().await {
@@ -372,24 +377,20 @@ async fn read_job(
     err: (u64, usize),
     tail: Option<usize>,
 ) -> Result<Probe> {
-    let envs: BTreeMap<String, String> = [
-        ("J", job.job_ref.clone()),
-        ("TAIL", tail.map(|n| n.to_string()).unwrap_or_default()),
-        ("R", job.runner_pid.to_string()),
-        ("OO", out.0.to_string()),
-        ("OM", out.1.to_string()),
-        ("EO", err.0.to_string()),
-        ("EM", err.1.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
     let o = StartOptions {
-        cmd: "/bin/sh".into(),
-        args: vec!["-c".into(), READER.into()],
-        envs,
         timeout: Some(Duration::from_secs(30)),
-        ..Default::default()
+        ..job_script(
+            READER,
+            [
+                ("J", job.job_ref.clone()),
+                ("TAIL", tail.map(|n| n.to_string()).unwrap_or_default()),
+                ("R", job.runner_pid.to_string()),
+                ("OO", out.0.to_string()),
+                ("OM", out.1.to_string()),
+                ("EO", err.0.to_string()),
+                ("EM", err.1.to_string()),
+            ],
+        )
     };
     let limit = out.1.max(err.1) + 256;
     let gone = || Probe {

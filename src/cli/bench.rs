@@ -87,6 +87,11 @@ pub enum BenchCommand {
         job_mib: usize,
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Run the jobs' sandboxes on a CPU of their own, and the appliance
+        /// on the others (as a CubeSandbox's sandboxes run on their own
+        /// vCPUs, on another host).
+        #[arg(long)]
+        pin: bool,
         #[arg(long)]
         json: Option<PathBuf>,
     },
@@ -235,9 +240,12 @@ pub fn run(b: BenchCommand) -> Exit {
             mib,
             job_mib,
             rounds,
+            pin,
             json,
         } => (
-            rt.block_on(appliance::recordings(&launcher, ptys, mib, job_mib, rounds)),
+            rt.block_on(appliance::recordings(
+                &launcher, ptys, mib, job_mib, rounds, pin,
+            )),
             json,
         ),
         BenchCommand::Jobs { mib, rounds, json } => (
