@@ -928,11 +928,17 @@ async fn pty_flood(rig: &Rig, n: usize, mib: usize) -> anyhow::Result<(f64, u64,
 /// A job writing `mib` MiB of random bytes to each stream, then every byte
 /// read back by cursors: seconds to the job's end, and to the last byte
 /// read.
-/// One job of `mib` MiB a stream: seconds to its end, to the last byte a
-/// client read, and until its recording (if any) was sealed.
+/// One job of `mib` MiB a stream: seconds of its own writing (timed in the
+/// sandbox), to the last byte a client read, and until its recording (if
+/// any) was sealed.
 async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f64, f64)> {
     let n = mib * 1024 * 1024;
-    let cmd = format!("head -c {n} /dev/urandom; head -c {n} /dev/urandom >&2");
+    // The job times itself (its own writing, not when a status call saw
+    // it end: that includes the appliance's answer).
+    let cmd = format!(
+        "t0=$(date +%s%N); head -c {n} /dev/urandom; head -c {n} /dev/urandom >&2; \
+         t1=$(date +%s%N); echo $((t1 - t0)) > /tmp/bench-job-ns"
+    );
     let t0 = Instant::now();
     let v = rig
         .post(&format!("/v1/leases/{lease}/jobs"), json!({"command": cmd}))
@@ -951,7 +957,6 @@ async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let ended = t0.elapsed().as_secs_f64();
     let (mut o, mut e) = (0u64, 0u64);
     loop {
         let v = rig
@@ -968,6 +973,12 @@ async fn job_round(rig: &Rig, lease: &str, mib: usize) -> anyhow::Result<(f64, f
     }
     anyhow::ensure!(o + e == 2 * n as u64, "read {} of {} bytes", o + e, 2 * n);
     let read = t0.elapsed().as_secs_f64();
+    let v = rig.exec(lease, "cat /tmp/bench-job-ns").await?;
+    let ended = field(&v, "stdout")
+        .as_str()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("the job's own time is missing: {v}"))?
+        / 1e9;
     // Until the job's recording (if any) is sealed: its whole cost.
     let until = Instant::now() + Duration::from_secs(120);
     while Instant::now() < until {
