@@ -556,13 +556,7 @@ async fn job_output_survives_sigkill_restart_and_disconnect() {
         re.len(),
         want_err.len()
     );
-    let out = rig.cli(&["recording", "verify", file.to_str().unwrap()]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    rig.assert_recording_verifies(&file);
     p.stop();
 }
 

@@ -560,12 +560,6 @@ async fn a_pty_whose_sandbox_ended_while_down_is_lost_and_its_recording_sealed()
         .await;
     assert_eq!(st, StatusCode::OK, "{v}");
     assert_eq!(v["state"], "lost", "{v}");
-    let out = rig.cli(&["recording", "verify", file.to_str().unwrap()]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    rig.assert_recording_verifies(&file);
     p.stop();
 }

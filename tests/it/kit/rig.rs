@@ -111,6 +111,17 @@ impl ProcRig {
         super::cli_at(&self.state, &self.config, args)
     }
 
+    /// `recording verify FILE` passes.
+    pub fn assert_recording_verifies(&self, file: &std::path::Path) {
+        let out = self.cli(&["recording", "verify", file.to_str().unwrap()]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+
     /// `status --json`.
     pub fn status(&self) -> Value {
         let out = self.cli(&["status", "--json"]);
